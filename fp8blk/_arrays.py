@@ -1,0 +1,109 @@
+"""Array-family dispatch: NumPy (host), CuPy (device) and torch (either), exchanged through
+DLPack without copies.
+
+Internally fp8blk works on NumPy arrays (host) and CuPy arrays (device). bfloat16 is
+``ml_dtypes.bfloat16`` on the host; torch bf16 tensors cross DLPack as int16 views (NumPy's
+DLPack import has no bf16). FP8 data is always uint8, so no float8 dtype ever crosses a boundary.
+This module is the only place that converts between families.
+"""
+from __future__ import annotations
+
+import sys
+
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+HIGH_PRECISION = (np.dtype(np.float32), BF16, np.dtype(np.float16))
+
+NUMPY, CUPY, TORCH = "numpy", "cupy", "torch"
+
+
+def _torch():
+    return sys.modules.get("torch")
+
+
+def _cupy():
+    return sys.modules.get("cupy")
+
+
+def family_of(x) -> str:
+    """Which array library `x` belongs to; TypeError for anything else."""
+    if isinstance(x, np.ndarray):
+        return NUMPY
+    torch = _torch()
+    if torch is not None and isinstance(x, torch.Tensor):
+        return TORCH
+    cupy = _cupy()
+    if cupy is not None and isinstance(x, cupy.ndarray):
+        return CUPY
+    raise TypeError(f"expected a numpy.ndarray, cupy.ndarray or torch.Tensor, got "
+                    f"{type(x).__module__}.{type(x).__name__}")
+
+
+def is_contiguous(x) -> bool:
+    family = family_of(x)
+    if family == TORCH:
+        return x.is_contiguous()
+    return bool(x.flags.c_contiguous)
+
+
+def _torch_bf16_dtype_map():
+    torch = _torch()
+    return {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: BF16,
+            torch.uint8: np.uint8, torch.int16: np.int16, torch.int32: np.int32,
+            torch.int64: np.int64, torch.float64: np.float64}
+
+
+def numpy_dtype(dtype) -> np.dtype:
+    """NumPy dtype for a NumPy/ml_dtypes dtype, a type, a string or a torch dtype."""
+    torch = _torch()
+    if torch is not None and isinstance(dtype, torch.dtype):
+        mapping = _torch_bf16_dtype_map()
+        if dtype not in mapping:
+            raise TypeError(f"unsupported torch dtype {dtype}")
+        return np.dtype(mapping[dtype])
+    if isinstance(dtype, str) and dtype in ("bfloat16", "bf16"):
+        return BF16
+    return np.dtype(dtype)
+
+
+def to_backend(x):
+    """Return (array, family, dtype): a NumPy array for host data or a CuPy array for device
+    data, the caller's family, and the logical NumPy dtype (``BF16`` for bf16, whose device
+    buffers are uint16 bit patterns). No copy is made; torch tensors go through DLPack.
+    """
+    family = family_of(x)
+    if family != TORCH:
+        return x, family, x.dtype
+    torch = _torch()
+    bf16 = x.dtype == torch.bfloat16
+    src = x.view(torch.int16) if bf16 else x
+    if x.is_cuda:
+        import cupy
+
+        arr = cupy.from_dlpack(src.detach())
+        return (arr.view(np.uint16) if bf16 else arr), family, (BF16 if bf16 else arr.dtype)
+    arr = np.from_dlpack(src.detach())
+    return (arr.view(BF16) if bf16 else arr), family, arr.dtype if not bf16 else BF16
+
+
+def from_backend(arr, family, dtype=None):
+    """Hand an internal (NumPy/CuPy) array back in the caller's family, without copying.
+
+    ``dtype`` is the logical dtype when it differs from ``arr.dtype`` (device bf16 is held as
+    uint16 bit patterns).
+    """
+    if arr is None or family != TORCH:
+        return arr
+    torch = _torch()
+    bf16 = arr.dtype == BF16 or (dtype is not None and np.dtype(dtype) == BF16)
+    if bf16:
+        return torch.from_dlpack(arr.view(np.int16)).view(torch.bfloat16)
+    return torch.from_dlpack(arr)
+
+
+def is_device(arr) -> bool:
+    """True for CuPy arrays (internal device buffers)."""
+    cupy = _cupy()
+    return cupy is not None and isinstance(arr, cupy.ndarray)

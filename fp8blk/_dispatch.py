@@ -1,0 +1,18 @@
+"""Chooses the backend for an internal array: the NumPy reference for host arrays, the Numba
+CUDA kernels for CuPy arrays.
+
+A backend module provides the functions the reference does, with the same signatures:
+``quantize(x2d, recipe, rowwise, columnwise)``, ``dequantize(recipe, shape2d, ..., dtype)`` and
+``block2d_columnwise_from_rowwise(rowwise_data, rowwise_scale_inv)``.
+"""
+from __future__ import annotations
+
+from . import _arrays, reference
+
+
+def backend_for(arr):
+    if _arrays.is_device(arr):
+        from . import kernels
+
+        return kernels
+    return reference

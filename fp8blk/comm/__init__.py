@@ -1,0 +1,1 @@
+"""Collectives for fp8blk (MPI, NCCL, torch process groups). See DESIGN §5."""

@@ -1,0 +1,121 @@
+"""FP8 formats and block-scaling recipes.
+
+A *format* says how one FP8 byte encodes a number; a *recipe* says how a tensor is cut into
+blocks and how each block's scale is chosen. Both are plain values: hashable, immutable, and
+validated when built, so a kernel cache can key on them.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Format(enum.Enum):
+    """FP8 storage format. ``.max`` is the largest finite value."""
+
+    E4M3 = "e4m3"
+    E5M2 = "e5m2"
+
+    @property
+    def max(self) -> float:
+        return 448.0 if self is Format.E4M3 else 57344.0
+
+    @property
+    def mantissa_bits(self) -> int:
+        return 3 if self is Format.E4M3 else 2
+
+    @property
+    def exponent_bias(self) -> int:
+        return 7 if self is Format.E4M3 else 15
+
+    @property
+    def min_normal_exponent(self) -> int:
+        """log2 of the smallest normal value: -6 for E4M3, -14 for E5M2."""
+        return 1 - self.exponent_bias
+
+    @property
+    def nan_code(self) -> int:
+        """The byte written for NaN inputs (positive canonical NaN, as the CUDA cvt writes)."""
+        return 0x7F
+
+    def __repr__(self) -> str:
+        return f"fp8blk.{self.name}"
+
+
+E4M3 = Format.E4M3
+E5M2 = Format.E5M2
+
+
+def _check_format(fmt) -> None:
+    if not isinstance(fmt, Format):
+        raise TypeError(f"fmt must be fp8blk.E4M3 or fp8blk.E5M2, got {fmt!r}")
+
+
+def _check_fp32_scale_fields(pow2_scales, amax_epsilon) -> None:
+    if not isinstance(pow2_scales, bool):
+        raise TypeError(f"pow2_scales must be a bool, got {pow2_scales!r}")
+    if isinstance(amax_epsilon, bool) or not isinstance(amax_epsilon, (int, float)):
+        raise TypeError(f"amax_epsilon must be a float, got {amax_epsilon!r}")
+    if not (amax_epsilon >= 0.0) or amax_epsilon == float("inf"):
+        raise ValueError(f"amax_epsilon must be finite and >= 0, got {amax_epsilon!r}")
+
+
+@dataclass(frozen=True)
+class Block1D:
+    """1x128 blocks along K for rowwise data, 128x1 blocks along M for columnwise data.
+
+    Scales are fp32; with ``pow2_scales`` they are rounded down to a power of two.
+    """
+
+    fmt: Format = Format.E4M3
+    pow2_scales: bool = True
+    amax_epsilon: float = 0.0
+
+    block_rows = 1
+    block_cols = 128
+
+    def __post_init__(self):
+        _check_format(self.fmt)
+        _check_fp32_scale_fields(self.pow2_scales, self.amax_epsilon)
+        object.__setattr__(self, "amax_epsilon", float(self.amax_epsilon))
+
+
+@dataclass(frozen=True)
+class Block2D:
+    """128x128 tiles; columnwise data is the exact FP8 transpose of rowwise data."""
+
+    fmt: Format = Format.E4M3
+    pow2_scales: bool = True
+    amax_epsilon: float = 0.0
+
+    block_rows = 128
+    block_cols = 128
+
+    def __post_init__(self):
+        _check_format(self.fmt)
+        _check_fp32_scale_fields(self.pow2_scales, self.amax_epsilon)
+        object.__setattr__(self, "amax_epsilon", float(self.amax_epsilon))
+
+
+@dataclass(frozen=True)
+class MXFP8:
+    """OCP MX: 1x32 rowwise and 32x1 columnwise blocks, E8M0 (power-of-two) scales."""
+
+    fmt: Format = Format.E4M3
+
+    block_rows = 1
+    block_cols = 32
+
+    def __post_init__(self):
+        _check_format(self.fmt)
+
+
+Recipe = (Block1D, Block2D, MXFP8)
+
+
+def check_recipe(recipe) -> None:
+    if not isinstance(recipe, Recipe):
+        raise TypeError(
+            f"recipe must be fp8blk.Block1D(...), fp8blk.Block2D(...) or fp8blk.MXFP8(...), "
+            f"got {recipe!r}"
+        )

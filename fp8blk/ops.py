@@ -1,0 +1,61 @@
+"""Public operations: ``quantize`` and ``dequantize``. Each validates its input once and hands
+internal arrays to the backend (reference on the host, kernels on the GPU)."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _arrays
+from ._dispatch import backend_for
+from .formats import MXFP8, check_recipe
+from .tensor import BlockTensor
+
+
+def _validate(arr, dtype, family, recipe, rowwise, columnwise):
+    check_recipe(recipe)
+    if not (rowwise or columnwise):
+        raise ValueError("quantize needs rowwise=True or columnwise=True (or both)")
+    if dtype not in _arrays.HIGH_PRECISION:
+        raise TypeError(f"quantize takes float32, bfloat16 or float16 input, got {dtype}: "
+                        f"convert it first, e.g. x.astype(numpy.float32) or x.float()")
+    if arr.ndim == 0:
+        raise ValueError("quantize needs an array with at least one dimension (..., K)")
+    if not arr.flags.c_contiguous:
+        fix = "x.contiguous()" if family == _arrays.TORCH else "numpy.ascontiguousarray(x)"
+        raise ValueError(f"quantize needs a C-contiguous input (a view of (M, K) without copies); "
+                         f"pass {fix}")
+
+
+def shape2d(shape):
+    """(M, K) view of a shape (..., K)."""
+    k = shape[-1]
+    m = 1
+    for d in shape[:-1]:
+        m *= d
+    return m, k
+
+
+def quantize(x, recipe, rowwise: bool = True, columnwise: bool = False) -> BlockTensor:
+    """Quantize ``x`` (..., K), float32/bfloat16/float16, NumPy, CuPy or torch, C-contiguous.
+
+    The input is viewed as (M, K) with M the product of the leading dims. Returns a
+    :class:`BlockTensor` whose buffers are in x's array family and on x's device. MXFP8 needs
+    M and K to be multiples of 32. NaN inputs give NaN bytes, +-inf saturate to +-max; empty
+    inputs give correctly shaped empty buffers.
+    """
+    arr, family, dtype = _arrays.to_backend(x)
+    _validate(arr, dtype, family, recipe, rowwise, columnwise)
+    rows, cols = shape2d(arr.shape)
+    if isinstance(recipe, MXFP8) and (rows % 32 or cols % 32):
+        raise ValueError(f"MXFP8 needs M and K to be multiples of 32 (its blocks are 1x32 and "
+                         f"32x1); got (M, K) = ({rows}, {cols}) from shape {tuple(arr.shape)}: "
+                         f"pad the tensor or use Block1D")
+    x2d = arr.reshape(rows, cols)
+    buffers = backend_for(arr).quantize(x2d, recipe, rowwise, columnwise)
+    return BlockTensor(arr.shape, recipe, *buffers, dtype=dtype, family=family)
+
+
+def dequantize(q: BlockTensor, dtype=np.float32):
+    """``q.dequantize(dtype)``: the high-precision array of q's logical shape."""
+    if not isinstance(q, BlockTensor):
+        raise TypeError(f"dequantize takes a fp8blk.BlockTensor, got {type(q).__name__}")
+    return q.dequantize(dtype)

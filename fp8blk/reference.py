@@ -1,0 +1,361 @@
+"""NumPy oracle for every kernel, and the CPU execution path.
+
+Everything here is exact to the byte (DESIGN §3, §4) and vectorized: no Python loop runs over
+elements or blocks. Arrays are NumPy; high-precision inputs are float32, float16 or
+ml_dtypes.bfloat16 and are widened to float32 exactly before any arithmetic. FP8 bytes are uint8.
+
+Conventions used throughout:
+  * a 2-D input is (M, K); larger inputs are viewed as (M, K) by the caller;
+  * ``cdiv`` is ceiling division, ``round4`` / ``round128`` round up to a multiple;
+  * a block amax ignores NaN (as ``fmaxf`` does) and is NaN only when every element it covers
+    is NaN (or, in partial amaxes, when the shard touches none of the block).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from . import scaling
+from .formats import Block1D, Block2D, Format, MXFP8
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def round_up(a: int, b: int) -> int:
+    return cdiv(a, b) * b
+
+
+# --------------------------------------------------------------------------------------------
+# FP8 encoding and decoding
+
+
+def encode_fp8(values, fmt: Format) -> np.ndarray:
+    """Round fp32 values to the nearest FP8 code, ties to even, saturating to +-max.
+
+    +-inf become +-max, NaN becomes the canonical NaN byte 0x7F, the sign of zero is kept.
+    Returns uint8 of the same shape.
+    """
+    v = np.ascontiguousarray(values, dtype=np.float32)
+    mbits = fmt.mantissa_bits
+    shift = 23 - mbits
+    magnitude = np.abs(v)
+    np.minimum(magnitude, np.float32(fmt.max), out=magnitude)  # NaN stays NaN
+    mbits_u = magnitude.view(np.uint32)
+    # Normal results: round the fp32 significand to `mbits` bits in place (RNE on the bit
+    # pattern; a carry into the exponent is the correct result), then rebias.
+    code = mbits_u + np.uint32((1 << (shift - 1)) - 1)
+    code += (mbits_u >> np.uint32(shift)) & np.uint32(1)
+    code >>= np.uint32(shift)
+    code -= np.uint32((127 - fmt.exponent_bias) << mbits)
+    # Subnormal results: the value in units of the subnormal step, rounded to even. The
+    # product is an exact power-of-two rescaling, and the count 2**mbits is the min normal.
+    small = magnitude < np.float32(2.0 ** fmt.min_normal_exponent)
+    if small.any():
+        steps = magnitude[small] * np.float32(2.0 ** (mbits - fmt.min_normal_exponent))
+        code[small] = np.rint(steps).astype(np.uint32)
+    code |= (v.view(np.uint32) >> np.uint32(24)) & np.uint32(0x80)
+    code[np.isnan(v)] = fmt.nan_code
+    return code.astype(np.uint8)
+
+
+@lru_cache(maxsize=None)
+def fp8_decode_table(fmt: Format) -> np.ndarray:
+    """float32 value of each of the 256 codes (NaN codes decode to NaN, E5M2 has +-inf)."""
+    codes = np.arange(256, dtype=np.int64)
+    mbits, bias = fmt.mantissa_bits, fmt.exponent_bias
+    sign = np.where(codes & 0x80, -1.0, 1.0)
+    exponent = (codes >> mbits) & ((1 << (7 - mbits)) - 1)
+    mantissa = codes & ((1 << mbits) - 1)
+    subnormal = mantissa * 2.0 ** (1 - bias - mbits)
+    normal = (1.0 + mantissa / 2.0 ** mbits) * 2.0 ** (exponent.astype(np.float64) - bias)
+    value = sign * np.where(exponent == 0, subnormal, normal)
+    top = exponent == (1 << (7 - mbits)) - 1
+    if fmt is Format.E4M3:
+        value[top & (mantissa == 7)] = np.nan
+    else:
+        value[top & (mantissa == 0)] = sign[top & (mantissa == 0)] * np.inf
+        value[top & (mantissa != 0)] = np.nan
+    table = value.astype(np.float32)
+    table.setflags(write=False)
+    return table
+
+
+def decode_fp8(codes, fmt: Format) -> np.ndarray:
+    """float32 values of uint8 FP8 codes."""
+    return fp8_decode_table(fmt)[np.asarray(codes, dtype=np.uint8)]
+
+
+# --------------------------------------------------------------------------------------------
+# Block helpers
+
+
+def _as_blocks(x2d: np.ndarray, block_rows: int, block_cols: int, fill) -> np.ndarray:
+    """(R, C) -> (cdiv(R,br), br, cdiv(C,bc), bc), padding edge blocks with `fill`."""
+    rows, cols = x2d.shape
+    padded_rows, padded_cols = round_up(rows, block_rows), round_up(cols, block_cols)
+    if (padded_rows, padded_cols) != (rows, cols):
+        padded = np.full((padded_rows, padded_cols), fill, dtype=x2d.dtype)
+        padded[:rows, :cols] = x2d
+        x2d = padded
+    return x2d.reshape(padded_rows // block_rows, block_rows, padded_cols // block_cols,
+                       block_cols)
+
+
+def block_amax(x2d, block_rows: int, block_cols: int) -> np.ndarray:
+    """NaN-ignoring max |x| of each (block_rows x block_cols) block of a 2-D array.
+
+    Returns fp32 (cdiv(R, br), cdiv(C, bc)); a block whose elements are all NaN gives NaN.
+    """
+    x = np.asarray(x2d).astype(np.float32, copy=False)
+    blocks = _as_blocks(x, block_rows, block_cols, np.float32(np.nan))
+    if blocks.size == 0:
+        return np.zeros(blocks.shape[::2], dtype=np.float32)
+    return np.fmax.reduce(np.abs(blocks), axis=(1, 3))
+
+
+def _cast_blocks(x2d, block_rows: int, block_cols: int, multiplier, fmt: Format) -> np.ndarray:
+    """FP8 bytes of ``fl32(x * multiplier[block])`` for a 2-D array, shape of x2d."""
+    rows, cols = x2d.shape
+    x = np.asarray(x2d).astype(np.float32, copy=False)
+    blocks = _as_blocks(x, block_rows, block_cols, np.float32(0))
+    with np.errstate(invalid="ignore", over="ignore"):
+        scaled = blocks * multiplier[:, None, :, None]
+    codes = encode_fp8(scaled, fmt).reshape(blocks.shape[0] * block_rows,
+                                           blocks.shape[2] * block_cols)
+    return np.ascontiguousarray(codes[:rows, :cols])
+
+
+def _pad2d(a: np.ndarray, rows: int, cols: int, fill) -> np.ndarray:
+    out = np.full((rows, cols), fill, dtype=a.dtype)
+    out[: a.shape[0], : a.shape[1]] = a
+    return out
+
+
+def _fp32_scale(amax, recipe, value_for_inf):
+    return scaling.fp32_scale_from_amax(amax, recipe.fmt, recipe.pow2_scales,
+                                        recipe.amax_epsilon, value_for_inf)
+
+
+# --------------------------------------------------------------------------------------------
+# Quantize
+
+
+def _block1d_along_last(x2d, recipe: Block1D, value_for_inf):
+    """1x128 blocks along the last dim of (R, C): data (R, C), scale_inv (cdiv(C,128), round4(R))."""
+    rows, cols = x2d.shape
+    scale = _fp32_scale(block_amax(x2d, 1, 128), recipe, value_for_inf)  # (R, cdiv(C,128))
+    data = _cast_blocks(x2d, 1, 128, scale, recipe.fmt)
+    scale_inv = _pad2d(scaling.scale_inv_from_scale(scale).T, cdiv(cols, 128), round_up(rows, 4),
+                       np.float32(1))
+    return data, scale_inv
+
+
+def quantize(x2d, recipe, rowwise: bool = True, columnwise: bool = False):
+    """Quantize a 2-D (M, K) float32/float16/bfloat16 array.
+
+    Returns ``(rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv)``, with
+    None for a direction not asked for, in the layouts of DESIGN §4:
+
+    ========  =========================================  ==========================================
+    recipe    rowwise data / scale_inv                   columnwise data / scale_inv
+    ========  =========================================  ==========================================
+    Block1D   (M,K) u8 / f32 (cdiv(K,128), round4(M))    (K,M) u8 / f32 (cdiv(M,128), round4(K))
+    Block2D   (M,K) u8 / f32 (cdiv(M,128),               (K,M) u8 = rowwise.T / f32 (cdiv(K,128),
+              round4(cdiv(K,128)))                       round4(cdiv(M,128)))
+    MXFP8     (M,K) u8 / u8 (round128(M), round4(K/32))  (M,K) u8 / u8 (round4(M/32), round128(K))
+    ========  =========================================  ==========================================
+
+    Scale padding is 1.0 (fp32) or 0 (E8M0).
+    """
+    x2d = np.asarray(x2d)
+    value_for_inf = scaling.dtype_max(x2d.dtype)
+    rows, cols = x2d.shape
+    row_data = row_sinv = col_data = col_sinv = None
+    if isinstance(recipe, Block1D):
+        if rowwise:
+            row_data, row_sinv = _block1d_along_last(x2d, recipe, value_for_inf)
+        if columnwise:
+            col_data, col_sinv = _block1d_along_last(np.ascontiguousarray(x2d.T), recipe,
+                                                     value_for_inf)
+    elif isinstance(recipe, Block2D):
+        scale = _fp32_scale(block_amax(x2d, 128, 128), recipe, value_for_inf)
+        tile_scale_inv = scaling.scale_inv_from_scale(scale)
+        data = _cast_blocks(x2d, 128, 128, scale, recipe.fmt)
+        if rowwise:
+            row_data = data
+            row_sinv = _pad2d(tile_scale_inv, cdiv(rows, 128), round_up(cdiv(cols, 128), 4),
+                              np.float32(1))
+        if columnwise:
+            col_data, col_sinv = block2d_columnwise_from_rowwise(data, tile_scale_inv)
+    elif isinstance(recipe, MXFP8):
+        if rowwise:
+            codes = scaling.e8m0_from_amax(block_amax(x2d, 1, 32), recipe.fmt)
+            row_data = _cast_blocks(x2d, 1, 32, scaling.e8m0_cast_multiplier(codes), recipe.fmt)
+            row_sinv = _pad2d(codes, round_up(rows, 128), round_up(cols // 32, 4), np.uint8(0))
+        if columnwise:
+            codes = scaling.e8m0_from_amax(block_amax(x2d, 32, 1), recipe.fmt)
+            col_data = _cast_blocks(x2d, 32, 1, scaling.e8m0_cast_multiplier(codes), recipe.fmt)
+            col_sinv = _pad2d(codes, round_up(rows // 32, 4), round_up(cols, 128), np.uint8(0))
+    else:  # pragma: no cover - callers validate
+        raise TypeError(f"unknown recipe {recipe!r}")
+    return row_data, row_sinv, col_data, col_sinv
+
+
+def block2d_columnwise_from_rowwise(rowwise_data, rowwise_scale_inv, out=(None, None)):
+    """Block2D columnwise buffers from rowwise ones: FP8 transpose of the data, transpose of the
+    tile scales. ``rowwise_scale_inv`` may be padded (its padding columns are dropped).
+
+    Returns (columnwise_data (K, M) uint8, columnwise_scale_inv fp32 (cdiv(K,128),
+    round4(cdiv(M,128))) padded with 1.0). Buffers given in ``out`` are written in place.
+    """
+    rows, cols = rowwise_data.shape
+    m_tiles, k_tiles = cdiv(rows, 128), cdiv(cols, 128)
+    tile_scale_inv = np.asarray(rowwise_scale_inv)[:m_tiles, :k_tiles]
+    col_data = np.ascontiguousarray(np.asarray(rowwise_data).T)
+    col_sinv = _pad2d(np.ascontiguousarray(tile_scale_inv.T), k_tiles, round_up(m_tiles, 4),
+                      np.float32(1))
+    out_data, out_sinv = out
+    if out_data is not None:
+        out_data[...] = col_data
+        col_data = out_data
+    if out_sinv is not None:
+        out_sinv[...] = col_sinv
+        col_sinv = out_sinv
+    return col_data, col_sinv
+
+
+# --------------------------------------------------------------------------------------------
+# Dequantize
+
+
+def _expand_blocks(values, block_rows, block_cols, rows, cols):
+    """Per-block values (nr, nc) -> per-element (rows, cols), cropping edge blocks."""
+    return np.repeat(np.repeat(values, block_rows, axis=0), block_cols, axis=1)[:rows, :cols]
+
+
+def dequantize(recipe, shape2d, rowwise_data=None, rowwise_scale_inv=None,
+               columnwise_data=None, columnwise_scale_inv=None, dtype=np.float32):
+    """(M, K) array of `dtype` from rowwise buffers if given, else from columnwise buffers.
+
+    Each element is ``fl32(decode(byte) * scale_inv)`` rounded once to `dtype`.
+    """
+    rows, cols = shape2d
+    fmt = recipe.fmt
+    if rowwise_data is not None:
+        values = decode_fp8(rowwise_data, fmt)
+        if isinstance(recipe, Block1D):
+            factor = _expand_blocks(np.asarray(rowwise_scale_inv)[:, :rows].T, 1, 128, rows, cols)
+        elif isinstance(recipe, Block2D):
+            factor = _expand_blocks(np.asarray(rowwise_scale_inv)[: cdiv(rows, 128),
+                                                                 : cdiv(cols, 128)],
+                                    128, 128, rows, cols)
+        else:
+            factor = _expand_blocks(scaling.e8m0_decode(
+                np.asarray(rowwise_scale_inv)[:rows, : cols // 32]), 1, 32, rows, cols)
+    elif columnwise_data is not None:
+        if isinstance(recipe, MXFP8):
+            values = decode_fp8(columnwise_data, fmt)
+            factor = _expand_blocks(scaling.e8m0_decode(
+                np.asarray(columnwise_scale_inv)[: rows // 32, :cols]), 32, 1, rows, cols)
+        else:
+            values = decode_fp8(np.asarray(columnwise_data).T, fmt)  # back to (M, K)
+            if isinstance(recipe, Block1D):
+                factor = _expand_blocks(np.asarray(columnwise_scale_inv)[:, :cols], 128, 1,
+                                        rows, cols)
+            else:
+                factor = _expand_blocks(np.asarray(columnwise_scale_inv)[: cdiv(cols, 128),
+                                                                        : cdiv(rows, 128)].T,
+                                        128, 128, rows, cols)
+    else:
+        raise ValueError("nothing to dequantize: the tensor holds neither rowwise nor "
+                         "columnwise data")
+    with np.errstate(invalid="ignore", over="ignore"):
+        out = (values * factor).astype(np.float32)
+    return out.astype(dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Partial amax / partial cast over a flat shard of an (h, w) weight (master-weight path)
+
+
+def _shard_rows(shape, start, n, block_rows):
+    """Row range [r0, r1) of whole block-rows that covers flat elements [start, start+n)."""
+    h, w = shape
+    first, last = start // w, (start + n - 1) // w
+    r0 = (first // block_rows) * block_rows
+    r1 = min(round_up(last + 1, block_rows), h)
+    return r0, r1
+
+
+def _check_shard(shard, shape, start):
+    h, w = shape
+    n = int(np.asarray(shard).size)
+    if start < 0 or start + n > h * w:
+        raise ValueError(f"shard [{start}, {start + n}) is outside the {h}x{w} weight")
+    return n
+
+
+def _partial_block_amax(shard, shape, start, block_rows, block_cols):
+    h, w = shape
+    n = _check_shard(shard, shape, start)
+    out = np.full((cdiv(h, block_rows), cdiv(w, block_cols)), np.nan, dtype=np.float32)
+    if n == 0:
+        return out
+    r0, r1 = _shard_rows(shape, start, n, block_rows)
+    window = np.full((r1 - r0) * w, np.nan, dtype=np.float32)
+    offset = start - r0 * w
+    window[offset: offset + n] = np.asarray(shard).reshape(-1).astype(np.float32)
+    out[r0 // block_rows: cdiv(r1, block_rows)] = block_amax(window.reshape(r1 - r0, w),
+                                                             block_rows, block_cols)
+    return out
+
+
+def partial_amax(shard, shape, start, recipe, columnwise: bool = True):
+    """Block amaxes of the elements a flat shard of a row-major (h, w) weight holds.
+
+    ``shard`` is 1-D (fp32/bf16/fp16) and covers flat indices [start, start + len(shard)).
+    Returns ``(rowwise_amax, columnwise_amax)``, fp32:
+      Block2D: (cdiv(h,128), cdiv(w,128)) and None;
+      MXFP8:   (h, w/32) for 1x32 blocks and, if `columnwise`, (h/32, w) for 32x1 blocks.
+    Blocks the shard does not touch (or whose touched elements are all NaN) hold NaN, so
+    ``np.fmax`` over all shards' results equals the amax of the whole weight.
+    """
+    if isinstance(recipe, Block2D):
+        return _partial_block_amax(shard, shape, start, 128, 128), None
+    if isinstance(recipe, MXFP8):
+        row = _partial_block_amax(shard, shape, start, 1, 32)
+        col = _partial_block_amax(shard, shape, start, 32, 1) if columnwise else None
+        return row, col
+    raise TypeError(f"partial amax supports Block2D and MXFP8, got {recipe!r}")
+
+
+def partial_cast(shard, shape, start, recipe, rowwise_scale, columnwise_scale=None):
+    """FP8 bytes for the elements of a flat shard of a row-major (h, w) weight.
+
+    ``rowwise_scale`` is the fp32 tile scale (cdiv(h,128), cdiv(w,128)) for Block2D, or the
+    E8M0 codes (h, w/32) for MXFP8; ``columnwise_scale`` the E8M0 codes (h/32, w) (MXFP8 only).
+    Returns ``(rowwise_bytes, columnwise_bytes or None)``, each uint8 (n,), the bytes at flat
+    positions [start, start+n) of the (h, w) rowwise (and MXFP8 columnwise) data.
+    """
+    h, w = shape
+    n = _check_shard(shard, shape, start)
+    flat = np.arange(start, start + n, dtype=np.int64)
+    rows, cols = flat // w, flat % w
+    x = np.asarray(shard).reshape(-1).astype(np.float32)
+    if isinstance(recipe, Block2D):
+        multiplier = np.asarray(rowwise_scale, dtype=np.float32)[rows // 128, cols // 128]
+        with np.errstate(invalid="ignore", over="ignore"):
+            return encode_fp8(x * multiplier, recipe.fmt), None
+    if not isinstance(recipe, MXFP8):
+        raise TypeError(f"partial cast supports Block2D and MXFP8, got {recipe!r}")
+    with np.errstate(invalid="ignore", over="ignore"):
+        row_mult = scaling.e8m0_cast_multiplier(np.asarray(rowwise_scale)[rows, cols // 32])
+        row_bytes = encode_fp8(x * row_mult, recipe.fmt)
+        col_bytes = None
+        if columnwise_scale is not None:
+            col_mult = scaling.e8m0_cast_multiplier(np.asarray(columnwise_scale)[rows // 32, cols])
+            col_bytes = encode_fp8(x * col_mult, recipe.fmt)
+    return row_bytes, col_bytes

@@ -1,0 +1,128 @@
+"""BlockTensor: FP8 bytes plus block scales, in rowwise and/or columnwise layouts."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _arrays
+from ._dispatch import backend_for
+from .formats import Block2D
+
+
+class BlockTensor:
+    """A block-scaled FP8 tensor of logical shape ``shape`` (..., K), viewed as (M, K).
+
+    Buffers (any may be None when that direction is not held; layouts in DESIGN §4):
+      ``rowwise_data``          uint8 (M, K)
+      ``rowwise_scale_inv``     fp32 (Block1D, Block2D) or uint8 E8M0 (MXFP8)
+      ``columnwise_data``       uint8 (K, M) for Block1D/Block2D, (M, K) for MXFP8
+      ``columnwise_scale_inv``  fp32 or uint8, as above
+
+    Buffers are returned in the array family of the tensor that was quantized (NumPy, CuPy or
+    torch), on its device.
+    """
+
+    __slots__ = ("shape", "recipe", "dtype", "_family", "_buffers")
+
+    def __init__(self, shape, recipe, rowwise_data=None, rowwise_scale_inv=None,
+                 columnwise_data=None, columnwise_scale_inv=None, dtype=np.float32,
+                 family=_arrays.NUMPY):
+        self.shape = tuple(int(d) for d in shape)
+        self.recipe = recipe
+        self.dtype = np.dtype(dtype)  # the high-precision dtype that was quantized
+        self._family = family
+        self._buffers = [rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv]
+
+    # -- buffers in the caller's family ------------------------------------------------------
+    def _out(self, i):
+        return _arrays.from_backend(self._buffers[i], self._family)
+
+    @property
+    def rowwise_data(self):
+        return self._out(0)
+
+    @property
+    def rowwise_scale_inv(self):
+        return self._out(1)
+
+    @property
+    def columnwise_data(self):
+        return self._out(2)
+
+    @property
+    def columnwise_scale_inv(self):
+        return self._out(3)
+
+    @property
+    def shape2d(self):
+        """(M, K): the product of the leading dims, and the last dim."""
+        if len(self.shape) == 0:
+            return (1, 1)
+        k = self.shape[-1]
+        m = int(np.prod(self.shape[:-1], dtype=np.int64))
+        return (m, k)
+
+    @property
+    def has_rowwise(self) -> bool:
+        return self._buffers[0] is not None
+
+    @property
+    def has_columnwise(self) -> bool:
+        return self._buffers[2] is not None
+
+    def __repr__(self):
+        held = [d for d, h in (("rowwise", self.has_rowwise),
+                               ("columnwise", self.has_columnwise)) if h]
+        return (f"BlockTensor(shape={self.shape}, recipe={self.recipe!r}, "
+                f"usage={'+'.join(held) or 'none'}, family={self._family})")
+
+    # -- operations --------------------------------------------------------------------------
+    def dequantize(self, dtype=np.float32):
+        """High-precision array of logical ``shape`` and `dtype` (float32, float16 or bfloat16;
+        NumPy or torch dtypes), from rowwise data if held, else from columnwise data."""
+        out_dtype = _arrays.numpy_dtype(dtype)
+        if out_dtype not in _arrays.HIGH_PRECISION:
+            raise TypeError(f"dequantize dtype must be float32, bfloat16 or float16, got {dtype}")
+        some = self._buffers[0] if self._buffers[0] is not None else self._buffers[2]
+        if some is None:
+            raise ValueError("nothing to dequantize: the tensor holds neither rowwise nor "
+                             "columnwise data (see update_usage)")
+        out = backend_for(some).dequantize(self.recipe, self.shape2d, *self._buffers,
+                                           dtype=out_dtype)
+        return _arrays.from_backend(out.reshape(self.shape), self._family, out_dtype)
+
+    def create_columnwise(self):
+        """Block2D only: fill the columnwise buffers by FP8 transpose of the rowwise ones
+        (existing columnwise buffers are overwritten in place). Returns self."""
+        if not isinstance(self.recipe, Block2D):
+            raise ValueError(
+                f"create_columnwise needs Block2D data (its columnwise blocks are the transpose "
+                f"of its rowwise blocks); {type(self.recipe).__name__} columnwise data uses "
+                f"other blocks: quantize with columnwise=True instead")
+        if not self.has_rowwise:
+            raise ValueError("create_columnwise needs rowwise data, and this tensor holds none")
+        backend = backend_for(self._buffers[0])
+        col_data, col_sinv = backend.block2d_columnwise_from_rowwise(
+            self._buffers[0], self._buffers[1], out=(self._buffers[2], self._buffers[3]))
+        self._buffers[2], self._buffers[3] = col_data, col_sinv
+        return self
+
+    def update_usage(self, rowwise=None, columnwise=None):
+        """Keep or drop each direction. ``False`` frees that direction's buffers; ``True`` makes
+        sure they exist (Block2D can derive either from the other by FP8 transpose; other
+        recipes raise, since their directions use different blocks). None leaves it as is."""
+        if columnwise and not self.has_columnwise:
+            self.create_columnwise()
+        if rowwise and not self.has_rowwise:
+            if not isinstance(self.recipe, Block2D) or not self.has_columnwise:
+                raise ValueError(
+                    f"cannot make rowwise data for this {type(self.recipe).__name__} tensor from "
+                    f"what it holds: quantize again with rowwise=True")
+            backend = backend_for(self._buffers[2])
+            # Block2D rowwise is the transpose of columnwise, the same operation backwards.
+            self._buffers[0], self._buffers[1] = backend.block2d_columnwise_from_rowwise(
+                self._buffers[2], self._buffers[3], out=(None, None))
+        if rowwise is False:
+            self._buffers[0] = self._buffers[1] = None
+        if columnwise is False:
+            self._buffers[2] = self._buffers[3] = None
+        return self

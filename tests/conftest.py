@@ -1,0 +1,41 @@
+"""Shared test configuration.
+
+GPU tests are marked ``gpu`` and skipped where no CUDA device and CuPy are present; the
+simulator tests set NUMBA_ENABLE_CUDASIM themselves in a subprocess or before numba loads.
+"""
+import os
+
+import numpy as np
+import pytest
+
+
+def _have_gpu() -> bool:
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        return False
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+HAVE_GPU = _have_gpu()
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAVE_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU with CuPy (run on the H200 with -m gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def rng(request):
+    """A fresh, reported seed per test: failures print the seed, reruns draw new data."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    request.node.user_properties.append(("seed", seed))
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)

@@ -40,24 +40,29 @@ def encode_fp8(values, fmt: Format) -> np.ndarray:
     """
     v = np.ascontiguousarray(values, dtype=np.float32)
     mbits = fmt.mantissa_bits
-    shift = 23 - mbits
+    shift = np.uint32(23 - mbits)
     magnitude = np.abs(v)
     np.minimum(magnitude, np.float32(fmt.max), out=magnitude)  # NaN stays NaN
-    mbits_u = magnitude.view(np.uint32)
-    # Normal results: round the fp32 significand to `mbits` bits in place (RNE on the bit
-    # pattern; a carry into the exponent is the correct result), then rebias.
-    code = mbits_u + np.uint32((1 << (shift - 1)) - 1)
-    code += (mbits_u >> np.uint32(shift)) & np.uint32(1)
-    code >>= np.uint32(shift)
+    mag_bits = magnitude.view(np.uint32)
+    # Normal results: round the fp32 significand to `mbits` bits on the bit pattern (RNE: add
+    # half an ulp minus one, plus the lowest kept bit); a carry into the exponent is the right
+    # result. Then rebias the exponent from fp32's 127 to the format's bias.
+    code = mag_bits >> shift
+    code &= np.uint32(1)
+    code += np.uint32((1 << (23 - mbits - 1)) - 1)
+    code += mag_bits
+    code >>= shift
     code -= np.uint32((127 - fmt.exponent_bias) << mbits)
-    # Subnormal results: the value in units of the subnormal step, rounded to even. The
-    # product is an exact power-of-two rescaling, and the count 2**mbits is the min normal.
-    small = magnitude < np.float32(2.0 ** fmt.min_normal_exponent)
-    if small.any():
-        steps = magnitude[small] * np.float32(2.0 ** (mbits - fmt.min_normal_exponent))
-        code[small] = np.rint(steps).astype(np.uint32)
+    # Subnormal results: adding 2**(emin - mbits + 23) makes fp32's ulp equal the subnormal
+    # step, so the hardware addition rounds to even for us; the bits above that constant's bits
+    # are the code (2**mbits steps is the min normal, also correct).
+    magic = np.float32(2.0 ** (fmt.min_normal_exponent - mbits + 23))
+    subnormal = magnitude + magic
+    subnormal_bits = subnormal.view(np.uint32)
+    subnormal_bits -= magic.view(np.uint32)
+    np.copyto(code, subnormal_bits, where=magnitude < np.float32(2.0 ** fmt.min_normal_exponent))
     code |= (v.view(np.uint32) >> np.uint32(24)) & np.uint32(0x80)
-    code[np.isnan(v)] = fmt.nan_code
+    np.copyto(code, np.uint32(fmt.nan_code), where=np.isnan(v))
     return code.astype(np.uint8)
 
 
@@ -143,14 +148,23 @@ def _fp32_scale(amax, recipe, value_for_inf):
 # Quantize
 
 
-def _block1d_along_last(x2d, recipe: Block1D, value_for_inf):
-    """1x128 blocks along the last dim of (R, C): data (R, C), scale_inv (cdiv(C,128), round4(R))."""
+def _block1d(x2d, recipe: Block1D, value_for_inf, columnwise: bool):
+    """Block1D buffers for one direction of an (M, K) array.
+
+    rowwise: 1x128 blocks, data (M, K), scale_inv (cdiv(K,128), round4(M)) holding [kb, m];
+    columnwise: 128x1 blocks, data (K, M), scale_inv (cdiv(M,128), round4(K)) holding [mb, k].
+    The columnwise data is cast in (M, K) order and transposed as bytes, a quarter of the
+    traffic of transposing the fp32 input.
+    """
     rows, cols = x2d.shape
-    scale = _fp32_scale(block_amax(x2d, 1, 128), recipe, value_for_inf)  # (R, cdiv(C,128))
-    data = _cast_blocks(x2d, 1, 128, scale, recipe.fmt)
-    scale_inv = _pad2d(scaling.scale_inv_from_scale(scale).T, cdiv(cols, 128), round_up(rows, 4),
-                       np.float32(1))
-    return data, scale_inv
+    block = (128, 1) if columnwise else (1, 128)
+    scale = _fp32_scale(block_amax(x2d, *block), recipe, value_for_inf)
+    data = _cast_blocks(x2d, *block, scale, recipe.fmt)
+    scale_inv = scaling.scale_inv_from_scale(scale)
+    if columnwise:
+        return (np.ascontiguousarray(data.T),
+                _pad2d(scale_inv, cdiv(rows, 128), round_up(cols, 4), np.float32(1)))
+    return data, _pad2d(scale_inv.T, cdiv(cols, 128), round_up(rows, 4), np.float32(1))
 
 
 def quantize(x2d, recipe, rowwise: bool = True, columnwise: bool = False):
@@ -176,10 +190,9 @@ def quantize(x2d, recipe, rowwise: bool = True, columnwise: bool = False):
     row_data = row_sinv = col_data = col_sinv = None
     if isinstance(recipe, Block1D):
         if rowwise:
-            row_data, row_sinv = _block1d_along_last(x2d, recipe, value_for_inf)
+            row_data, row_sinv = _block1d(x2d, recipe, value_for_inf, columnwise=False)
         if columnwise:
-            col_data, col_sinv = _block1d_along_last(np.ascontiguousarray(x2d.T), recipe,
-                                                     value_for_inf)
+            col_data, col_sinv = _block1d(x2d, recipe, value_for_inf, columnwise=True)
     elif isinstance(recipe, Block2D):
         scale = _fp32_scale(block_amax(x2d, 128, 128), recipe, value_for_inf)
         tile_scale_inv = scaling.scale_inv_from_scale(scale)

@@ -1,0 +1,460 @@
+"""Distributed master-weight casts: ``cast_master_weights`` (DESIGN §5).
+
+A ZeRO/FSDP-style optimizer keeps an fp32 *master* copy of every weight, sharded flat across
+ranks: rank r holds elements [o_r, o_r + n_r) of the row-major (h, w) weight. After each step the
+FP8 model weights must be refreshed so that, once the ranks' bytes are gathered, every weight is
+exactly ``quantize(model_dtype(full master weight))``. Block scales depend on whole blocks, which
+shards cut arbitrarily, so the steps are:
+
+1. round each shard to the model dtype (bf16 by default), as the unsharded model would hold it;
+2. partial amax of every block the shard touches, packed for ALL weights of a recipe bucket into
+   one buffer (blocks of all weights, whether this rank touches them or not);
+3. ONE ``comm.all_reduce(buffer, op="max")`` per bucket;
+4. scales from the reduced amaxes, written into every weight's scale_inv storage (all ranks
+   write the same, complete scales, padding as DESIGN §4);
+5. cast of the owned elements into the weight's data storage, or into caller-given fragments.
+
+Buckets (at most two collectives per call, in this order):
+
+* Block2D (any fmt / pow2 / epsilon): fp32 tile amaxes. A tile this rank does not touch, or
+  whose touched elements are all NaN, contributes -1.0 (every real amax is >= 0), and -1.0 is
+  mapped back to NaN after the reduce. MPI's MAX does not ignore NaN the way ``fmaxf`` does,
+  so the NaN marker must never reach the collective; with -1.0 the reduce is exact, including
+  tiles that are all NaN (split across ranks or not).
+* MXFP8 (any fmt): each rank turns its partial amaxes into 1-byte E8M0 codes *before* the
+  reduce; codes are monotone in amax, so the MAX of codes is the code of the MAX, and the
+  payload is half that of bf16 amaxes. Untouched blocks contribute 0. The one edge where this
+  differs from ``quantize``: a 1x32 / 32x1 block whose elements are ALL NaN and which is split
+  across ranks gets scale code 0, where quantize writes 255 (a rank that sees only NaN in a
+  block cannot tell whether another rank holds real values, and 255 would override them). Its
+  data bytes are NaN (0x7F) either way. An all-NaN block held whole by one rank gets 255.
+
+Overflow scale (DESIGN §3 step 4): when ``F / amax`` overflows fp32 (amax below ~F/FLT_MAX,
+only reachable with bf16 or fp32 model weights), ``quantize`` uses the input dtype's largest
+value. This module uses the *model dtype's* largest value -- FLT_MAX for fp32, 3.3895e38 for
+bf16 -- so that the result equals ``quantize(model_dtype(full weight))`` byte for byte for every
+recipe. The two choices coincide whenever ``pow2_scales=True`` (both truncate to 2**127),
+``model_dtype`` is fp32 or fp16, or no tile amax is below ~1.3e-36 (E4M3) / ~1.7e-34 (E5M2).
+TE's master path uses FLT_MAX unconditionally, so with bf16 model weights, pow2_scales=False
+and such a tiny tile it differs from TE's master cast (and agrees with TE's quantize).
+
+Storage written per weight (``weight._buffers`` = [row_data, row_sinv, col_data, col_sinv]):
+
+* Block2D: rowwise data at flat [o, o+n); if the weight holds columnwise (transposed) data, the
+  owned elements' bytes at their transposed positions too; every scale_inv buffer held.
+* MXFP8: rowwise data at flat [o, o+n) and, if held, columnwise data at flat [o, o+n) (both are
+  (h, w)); every scale_inv buffer held. Row-only weights pack and write rowwise only.
+* With ``fragments``, data bytes go to the fragments instead and the weight's data buffers are
+  not touched (scales are still written into the weight). For Block2D a fragment is one uint8
+  array of n bytes (the rowwise bytes [o, o+n)); for MXFP8 a ``(row, col)`` pair, each n bytes or
+  None for a direction the weight does not hold.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _arrays, reference, scaling
+from .formats import Block1D, Block2D, MXFP8
+from .reference import cdiv, round_up
+from .tensor import BlockTensor
+
+_MODEL_DTYPES = (np.dtype(np.float32), _arrays.BF16, np.dtype(np.float16))
+_MASTER_DTYPES = (np.dtype(np.float32), _arrays.BF16)
+UNTOUCHED_AMAX = -1.0  # Block2D marker for "no real amax here" (all real amaxes are >= 0)
+
+
+@dataclass
+class Item:
+    """One weight of a batch, validated. ``master`` is the internal 1-D array (NumPy or CuPy)
+    or None; ``count`` is its length (0 for None)."""
+
+    index: int
+    weight: BlockTensor
+    h: int
+    w: int
+    recipe: object
+    master: object
+    start: int
+    count: int
+    rowwise: bool  # the weight holds this direction (data or fragment is written)
+    columnwise: bool
+    frag_row: object = None  # internal uint8 (n,) arrays when fragments are given
+    frag_col: object = None
+
+    @property
+    def row_blocks(self) -> int:
+        """Entries this weight contributes to its bucket's rowwise part of the buffer."""
+        if isinstance(self.recipe, Block2D):
+            return cdiv(self.h, 128) * cdiv(self.w, 128)
+        return self.h * (self.w // 32) if self.rowwise else 0
+
+    @property
+    def col_blocks(self) -> int:
+        if isinstance(self.recipe, Block2D):
+            return 0
+        return (self.h // 32) * self.w if self.columnwise else 0
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+
+
+def _as_list(value, name):
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    raise TypeError(f"{name} must be a list or tuple (one entry per weight), got "
+                    f"{type(value).__name__}")
+
+
+def _model_dtype(model_dtype):
+    try:
+        dtype = _arrays.numpy_dtype(model_dtype)
+    except TypeError:
+        dtype = None
+    if dtype not in _MODEL_DTYPES:
+        raise TypeError(f"model_dtype must be bfloat16, float16 or float32 (NumPy/ml_dtypes, "
+                        f"torch or 'bf16'), got {model_dtype!r}")
+    return dtype
+
+
+def _check_buffer(arr, shape, dtype, what, index, on_device):
+    if arr is None:
+        return
+    if tuple(arr.shape) != tuple(shape) or arr.dtype != np.dtype(dtype):
+        raise ValueError(f"weights[{index}] {what} is {arr.dtype}{tuple(arr.shape)}, expected "
+                         f"{np.dtype(dtype)}{tuple(shape)} for its shape and recipe (DESIGN §4)")
+    if _arrays.is_device(arr) != on_device:
+        raise TypeError(f"weights[{index}] mixes host and device buffers ({what})")
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"weights[{index}] {what} is not C-contiguous; it must be written in "
+                         f"place")
+    if not on_device and not arr.flags.writeable:
+        raise ValueError(f"weights[{index}] {what} is read-only; it must be written in place")
+
+
+def _check_weight(weight, index, on_device):
+    if not isinstance(weight, BlockTensor):
+        raise TypeError(f"weights[{index}] must be a fp8blk.BlockTensor, got "
+                        f"{type(weight).__name__}")
+    recipe = weight.recipe
+    if isinstance(recipe, Block1D) or not isinstance(recipe, (Block2D, MXFP8)):
+        raise TypeError(f"weights[{index}] has recipe {recipe!r}; cast_master_weights supports "
+                        f"Block2D and MXFP8 weights (Block1D's columnwise blocks cross shards "
+                        f"and rows; quantize the gathered weight instead)")
+    h, w = weight.shape2d
+    row_data, row_sinv, col_data, col_sinv = weight._buffers
+    if (row_data is None) != (row_sinv is None) or (col_data is None) != (col_sinv is None):
+        raise ValueError(f"weights[{index}] holds data without scales (or scales without data) "
+                         f"in one direction")
+    if row_data is None and col_data is None:
+        raise ValueError(f"weights[{index}] holds no storage (see BlockTensor.update_usage)")
+    if isinstance(recipe, Block2D):
+        mt, kt = cdiv(h, 128), cdiv(w, 128)
+        _check_buffer(row_data, (h, w), np.uint8, "rowwise_data", index, on_device)
+        _check_buffer(row_sinv, (mt, round_up(kt, 4)), np.float32, "rowwise_scale_inv", index,
+                      on_device)
+        _check_buffer(col_data, (w, h), np.uint8, "columnwise_data", index, on_device)
+        _check_buffer(col_sinv, (kt, round_up(mt, 4)), np.float32, "columnwise_scale_inv",
+                      index, on_device)
+    else:
+        if h % 32 or w % 32:
+            raise ValueError(f"weights[{index}] is MXFP8 of shape {weight.shape}; MXFP8 needs "
+                             f"both dims to be multiples of 32")
+        _check_buffer(row_data, (h, w), np.uint8, "rowwise_data", index, on_device)
+        _check_buffer(row_sinv, (round_up(h, 128), round_up(w // 32, 4)), np.uint8,
+                      "rowwise_scale_inv", index, on_device)
+        _check_buffer(col_data, (h, w), np.uint8, "columnwise_data", index, on_device)
+        _check_buffer(col_sinv, (round_up(h // 32, 4), round_up(w, 128)), np.uint8,
+                      "columnwise_scale_inv", index, on_device)
+    return h, w
+
+
+def _internal(x, what, on_device):
+    """(internal array, logical dtype) of a caller array; checks the host/device side."""
+    arr, _, dtype = _arrays.to_backend(x)
+    if _arrays.is_device(arr) != on_device:
+        side = "device (CuPy / CUDA torch)" if on_device else "host (NumPy / CPU torch)"
+        raise TypeError(f"{what} must be on the same side as the weights' buffers: {side}")
+    return arr, np.dtype(dtype)
+
+
+def _check_master(master, index, h, w, start, on_device):
+    if master is None:
+        count = 0
+        arr = None
+    else:
+        arr, dtype = _internal(master, f"masters[{index}]", on_device)
+        if arr.ndim != 1:
+            raise ValueError(f"masters[{index}] must be a flat (1-D) shard of the row-major "
+                             f"weight, got shape {tuple(arr.shape)}: pass master.reshape(-1)")
+        if dtype not in _MASTER_DTYPES:
+            raise TypeError(f"masters[{index}] must be float32 or bfloat16, got {dtype}")
+        if not arr.flags.c_contiguous:
+            raise ValueError(f"masters[{index}] must be contiguous")
+        count = int(arr.shape[0])
+    if isinstance(start, (bool, np.bool_)) or not isinstance(start, (int, np.integer)):
+        raise TypeError(f"start_offsets[{index}] must be an int, got {start!r}")
+    start = int(start)
+    if start < 0 or start + count > h * w:
+        raise ValueError(f"masters[{index}] covers flat [{start}, {start + count}), outside the "
+                         f"{h}x{w} weight (0..{h * w})")
+    return arr, start, count
+
+
+def _check_fragment(frag, index, what, count, on_device):
+    arr, dtype = _internal(frag, f"fragments[{index}]{what}", on_device)
+    if dtype != np.uint8 or arr.ndim != 1 or arr.shape[0] != count:
+        raise ValueError(f"fragments[{index}]{what} must be a uint8 array of shape ({count},) "
+                         f"(the bytes [o, o+n) of the weight), got {dtype}{tuple(arr.shape)}")
+    if not arr.flags.c_contiguous or (not on_device and not arr.flags.writeable):
+        raise ValueError(f"fragments[{index}]{what} must be contiguous and writable")
+    return arr
+
+
+def _fragments_for(item, frag, on_device):
+    i = item.index
+    if isinstance(item.recipe, Block2D):
+        if isinstance(frag, (tuple, list)):
+            raise TypeError(f"fragments[{i}] is for a Block2D weight: pass one uint8 array of "
+                            f"the rowwise bytes [o, o+n), not a pair")
+        if frag is None:
+            if item.count:
+                raise ValueError(f"fragments[{i}] is None but masters[{i}] holds {item.count} "
+                                 f"elements")
+            return
+        if not item.rowwise:
+            raise ValueError(f"fragments[{i}] covers rowwise bytes, but weights[{i}] holds no "
+                             f"rowwise storage")
+        item.frag_row = _check_fragment(frag, i, "", item.count, on_device)
+        return
+    if frag is None:
+        if item.count:
+            raise ValueError(f"fragments[{i}] is None but masters[{i}] holds {item.count} "
+                             f"elements")
+        return
+    if not isinstance(frag, (tuple, list)) or len(frag) != 2:
+        raise TypeError(f"fragments[{i}] is for an MXFP8 weight: pass a (rowwise, columnwise) "
+                        f"pair of uint8 arrays (None for a direction the weight does not hold)")
+    for held, part, what, attr in ((item.rowwise, frag[0], "[0] (rowwise)", "frag_row"),
+                                   (item.columnwise, frag[1], "[1] (columnwise)", "frag_col")):
+        if part is None:
+            if held and item.count:
+                raise ValueError(f"fragments[{i}]{what} is None but weights[{i}] holds that "
+                                 f"direction")
+            continue
+        if not held:
+            raise ValueError(f"fragments[{i}]{what} is given but weights[{i}] does not hold "
+                             f"that direction")
+        setattr(item, attr, _check_fragment(part, i, what, item.count, on_device))
+
+
+def validate(weights, masters, start_offsets, fragments):
+    """Items of a batch, or TypeError/ValueError naming the fix; returns (items, on_device)."""
+    weights = _as_list(weights, "weights")
+    masters = _as_list(masters, "masters")
+    start_offsets = _as_list(start_offsets, "start_offsets")
+    if fragments is not None:
+        fragments = _as_list(fragments, "fragments")
+    lengths = {"weights": len(weights), "masters": len(masters),
+               "start_offsets": len(start_offsets)}
+    if fragments is not None:
+        lengths["fragments"] = len(fragments)
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"one entry per weight is needed in every list; got lengths {lengths}")
+    on_device = False
+    for i, weight in enumerate(weights):
+        if isinstance(weight, BlockTensor):
+            some = next((b for b in weight._buffers if b is not None), None)
+            on_device = _arrays.is_device(some)
+            break
+    items = []
+    for i, weight in enumerate(weights):
+        h, w = _check_weight(weight, i, on_device)
+        arr, start, count = _check_master(masters[i], i, h, w, start_offsets[i], on_device)
+        item = Item(i, weight, h, w, weight.recipe, arr, start, count,
+                    rowwise=weight._buffers[0] is not None,
+                    columnwise=weight._buffers[2] is not None)
+        if fragments is not None:
+            _fragments_for(item, fragments[i], on_device)
+        items.append(item)
+    return items, on_device
+
+
+# --------------------------------------------------------------------------------------------
+# Host path (NumPy reference)
+
+
+def _host_shard(item, model_dtype):
+    """The master shard rounded once to the model dtype (fp32 -> bf16/fp16 is RNE)."""
+    return item.master.astype(np.float32).astype(model_dtype)
+
+
+def _full_blocks_mask(item, block_rows, block_cols):
+    """Bool (h/br, w/bc): blocks whose every element lies in the shard [o, o+n)."""
+    o, end, w = item.start, item.start + item.count, item.w
+    rows = np.arange(item.h // block_rows, dtype=np.int64)[:, None] * block_rows
+    cols = np.arange(w // block_cols, dtype=np.int64)[None, :] * block_cols
+    first = rows * w + cols
+    last = (rows + block_rows - 1) * w + cols + block_cols - 1
+    return (first >= o) & (last < end)
+
+
+def _mxfp8_codes(amax, full_mask, fmt):
+    """E8M0 codes of partial amaxes for the reduce: NaN (untouched, or all touched elements NaN)
+    gives 0 unless the whole block is in this shard, where it is the true NaN code 255."""
+    codes = scaling.e8m0_from_amax(amax, fmt)
+    codes[np.isnan(amax) & ~full_mask] = 0
+    return codes.reshape(-1)
+
+
+def _host_pack(bucket, shards, block2d):
+    total = sum(it.row_blocks + it.col_blocks for it in bucket)
+    if block2d:
+        buf = np.full(total, UNTOUCHED_AMAX, dtype=np.float32)
+    else:
+        buf = np.zeros(total, dtype=np.uint8)
+    offset = 0
+    for it, shard in zip(bucket, shards):
+        nrow, ncol = it.row_blocks, it.col_blocks
+        if it.count:
+            row, col = reference.partial_amax(shard, (it.h, it.w), it.start, it.recipe,
+                                              columnwise=(not block2d) and it.columnwise)
+            if block2d:
+                buf[offset: offset + nrow] = np.where(np.isnan(row), UNTOUCHED_AMAX,
+                                                      row).reshape(-1)
+            else:
+                if it.rowwise:
+                    buf[offset: offset + nrow] = _mxfp8_codes(row, _full_blocks_mask(it, 1, 32),
+                                                              it.recipe.fmt)
+                if it.columnwise:
+                    buf[offset + nrow: offset + nrow + ncol] = _mxfp8_codes(
+                        col, _full_blocks_mask(it, 32, 1), it.recipe.fmt)
+        offset += nrow + ncol
+    return buf
+
+
+def _write_owned(item, data, frag, values, transposed=False):
+    """Owned bytes `values` (n,) into the fragment, or into `data` at flat [o, o+n) (or, for
+    Block2D columnwise data (w, h), at the transposed positions)."""
+    if frag is not None:
+        frag[...] = values
+    elif not transposed:
+        data.reshape(-1)[item.start: item.start + item.count] = values
+    else:
+        flat = np.arange(item.start, item.start + item.count, dtype=np.int64)
+        data.reshape(-1)[(flat % item.w) * item.h + flat // item.w] = values
+
+
+def _host_finish_block2d(bucket, shards, buf, value_for_inf, have_fragments):
+    offset = 0
+    for it, shard in zip(bucket, shards):
+        mt, kt = cdiv(it.h, 128), cdiv(it.w, 128)
+        amax = buf[offset: offset + mt * kt].reshape(mt, kt)
+        offset += mt * kt
+        amax = np.where(amax < 0, np.float32(np.nan), amax)
+        r = it.recipe
+        scale = scaling.fp32_scale_from_amax(amax, r.fmt, r.pow2_scales, r.amax_epsilon,
+                                             value_for_inf)
+        scale_inv = scaling.scale_inv_from_scale(scale)
+        row_data, row_sinv, col_data, col_sinv = it.weight._buffers
+        if row_sinv is not None:
+            row_sinv.fill(1.0)
+            row_sinv[:, :kt] = scale_inv
+        if col_sinv is not None:
+            col_sinv.fill(1.0)
+            col_sinv[:, :mt] = scale_inv.T
+        if not it.count:
+            continue
+        data_bytes, _ = reference.partial_cast(shard, (it.h, it.w), it.start, r, scale)
+        if it.rowwise:
+            _write_owned(it, row_data, it.frag_row, data_bytes)
+        if it.columnwise and not have_fragments:
+            _write_owned(it, col_data, None, data_bytes, transposed=True)
+
+
+def _host_finish_mxfp8(bucket, shards, buf):
+    offset = 0
+    for it, shard in zip(bucket, shards):
+        nrow, ncol = it.row_blocks, it.col_blocks
+        row_codes = col_codes = None
+        row_data, row_sinv, col_data, col_sinv = it.weight._buffers
+        if it.rowwise:
+            row_codes = buf[offset: offset + nrow].reshape(it.h, it.w // 32)
+            row_sinv.fill(0)
+            row_sinv[: it.h, : it.w // 32] = row_codes
+        if it.columnwise:
+            col_codes = buf[offset + nrow: offset + nrow + ncol].reshape(it.h // 32, it.w)
+            col_sinv.fill(0)
+            col_sinv[: it.h // 32, : it.w] = col_codes
+        offset += nrow + ncol
+        if not it.count:
+            continue
+        # partial_cast always casts rowwise; a column-only weight passes dummy row codes.
+        dummy = np.zeros((it.h, it.w // 32), np.uint8) if row_codes is None else row_codes
+        row_bytes, col_bytes = reference.partial_cast(shard, (it.h, it.w), it.start, it.recipe,
+                                                      dummy, col_codes)
+        if it.rowwise:
+            _write_owned(it, row_data, it.frag_row, row_bytes)
+        if it.columnwise:
+            _write_owned(it, col_data, it.frag_col, col_bytes)
+
+
+# --------------------------------------------------------------------------------------------
+# Public entry point
+
+
+def cast_master_weights(weights, masters, start_offsets, comm, fragments=None,
+                        model_dtype=_arrays.BF16):
+    """Refresh FP8 weights from flat-sharded master weights, with one all-reduce per bucket.
+
+    Args:
+      weights: list of :class:`BlockTensor`, each Block2D or MXFP8 of logical shape (h, w)
+        (viewed as (M, K) = shape2d), the same list on every rank. Its buffers are written in
+        place: host (NumPy) buffers use the reference path, CuPy buffers the CUDA kernels.
+      masters: per weight, this rank's 1-D float32/bfloat16 shard (NumPy, CuPy or torch, on the
+        weights' side), or None when the rank owns no element of that weight (it still joins
+        the collective).
+      start_offsets: per weight, the flat index o of the shard's first element in the row-major
+        weight; the shard covers [o, o + len(shard)).
+      comm: a communicator with ``all_reduce(buf, op="max")`` in place (fp8blk.comm.*). Every
+        rank must call with the same weights list; exactly one all-reduce is made per bucket
+        present (Block2D: fp32, 4 bytes per 128x128 tile of every weight; MXFP8: uint8,
+        1 byte per 1x32 / 32x1 block of every held direction).
+      fragments: None, or per weight the flat uint8 destination of the owned bytes (Block2D: one
+        array of n bytes; MXFP8: a (rowwise, columnwise) pair, None for a direction not held).
+        Data bytes are written there instead of into the weight; scales still go to the weight.
+      model_dtype: the dtype the model computes in (bf16 default; fp16 or fp32 allowed); every
+        master element is rounded to it once before anything else.
+
+    After every rank's call, the bytes each rank wrote at its [o, o+n) positions, put together,
+    equal ``quantize(model_dtype(full weight), recipe, ...)`` byte for byte and the scales equal
+    quantize's on every rank, for any world size and any shard boundaries -- with the one MXFP8
+    edge and the overflow-scale rule described in the module docstring. Returns None.
+    """
+    model_dtype = _model_dtype(model_dtype)
+    if not hasattr(comm, "all_reduce"):
+        raise TypeError(f"comm must be a fp8blk communicator with all_reduce(buf, op=...), got "
+                        f"{type(comm).__name__}")
+    items, on_device = validate(weights, masters, start_offsets, fragments)
+    block2d = [it for it in items if isinstance(it.recipe, Block2D)]
+    mxfp8 = [it for it in items if isinstance(it.recipe, MXFP8)]
+    value_for_inf = scaling.dtype_max(model_dtype)
+    if on_device:
+        from .kernels import partial_cast as _device
+
+        _device.cast_master_batch(block2d, mxfp8, comm, model_dtype, value_for_inf,
+                                  have_fragments=fragments is not None)
+        return None
+    if block2d:
+        shards = [_host_shard(it, model_dtype) if it.count else None for it in block2d]
+        buf = _host_pack(block2d, shards, block2d=True)
+        comm.all_reduce(buf, op="max")
+        _host_finish_block2d(block2d, shards, buf, value_for_inf, fragments is not None)
+    if mxfp8:
+        shards = [_host_shard(it, model_dtype) if it.count else None for it in mxfp8]
+        buf = _host_pack(mxfp8, shards, block2d=False)
+        comm.all_reduce(buf, op="max")
+        _host_finish_mxfp8(mxfp8, shards, buf)
+    return None

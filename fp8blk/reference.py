@@ -7,8 +7,9 @@ ml_dtypes.bfloat16 and are widened to float32 exactly before any arithmetic. FP8
 Conventions used throughout:
   * a 2-D input is (M, K); larger inputs are viewed as (M, K) by the caller;
   * ``cdiv`` is ceiling division, ``round4`` / ``round128`` round up to a multiple;
-  * a block amax ignores NaN (as ``fmaxf`` does) and is NaN only when every element it covers
-    is NaN (or, in partial amaxes, when the shard touches none of the block).
+  * a block amax is TE's ``fmaxf`` reduction started at 0: NaN is ignored, so a block whose
+    elements are all NaN has amax 0 (scale 1, E8M0 code 0), and amaxes are never NaN. Partial
+    amaxes give 0 for blocks a shard does not touch, so a plain max over shards is exact.
 """
 from __future__ import annotations
 
@@ -110,15 +111,13 @@ def _as_blocks(x2d: np.ndarray, block_rows: int, block_cols: int, fill) -> np.nd
 
 
 def block_amax(x2d, block_rows: int, block_cols: int) -> np.ndarray:
-    """NaN-ignoring max |x| of each (block_rows x block_cols) block of a 2-D array.
+    """max |x| of each (block_rows x block_cols) block of a 2-D array, as ``fmaxf`` from 0.
 
-    Returns fp32 (cdiv(R, br), cdiv(C, bc)); a block whose elements are all NaN gives NaN.
+    Returns fp32 (cdiv(R, br), cdiv(C, bc)), never NaN (an all-NaN block gives 0).
     """
     x = np.asarray(x2d).astype(np.float32, copy=False)
-    blocks = _as_blocks(x, block_rows, block_cols, np.float32(np.nan))
-    if blocks.size == 0:
-        return np.zeros(blocks.shape[::2], dtype=np.float32)
-    return np.fmax.reduce(np.abs(blocks), axis=(1, 3))
+    blocks = _as_blocks(x, block_rows, block_cols, np.float32(0))
+    return np.fmax.reduce(np.abs(blocks), axis=(1, 3), initial=np.float32(0))
 
 
 def _cast_blocks(x2d, block_rows: int, block_cols: int, multiplier, fmt: Format) -> np.ndarray:
@@ -314,11 +313,11 @@ def _check_shard(shard, shape, start):
 def _partial_block_amax(shard, shape, start, block_rows, block_cols):
     h, w = shape
     n = _check_shard(shard, shape, start)
-    out = np.full((cdiv(h, block_rows), cdiv(w, block_cols)), np.nan, dtype=np.float32)
+    out = np.zeros((cdiv(h, block_rows), cdiv(w, block_cols)), dtype=np.float32)
     if n == 0:
         return out
     r0, r1 = _shard_rows(shape, start, n, block_rows)
-    window = np.full((r1 - r0) * w, np.nan, dtype=np.float32)
+    window = np.zeros((r1 - r0) * w, dtype=np.float32)
     offset = start - r0 * w
     window[offset: offset + n] = np.asarray(shard).reshape(-1).astype(np.float32)
     out[r0 // block_rows: cdiv(r1, block_rows)] = block_amax(window.reshape(r1 - r0, w),
@@ -333,8 +332,9 @@ def partial_amax(shard, shape, start, recipe, columnwise: bool = True):
     Returns ``(rowwise_amax, columnwise_amax)``, fp32:
       Block2D: (cdiv(h,128), cdiv(w,128)) and None;
       MXFP8:   (h, w/32) for 1x32 blocks and, if `columnwise`, (h/32, w) for 32x1 blocks.
-    Blocks the shard does not touch (or whose touched elements are all NaN) hold NaN, so
-    ``np.fmax`` over all shards' results equals the amax of the whole weight.
+    Blocks the shard does not touch hold 0 and NaN elements are ignored, so the elementwise
+    max over all shards' results equals ``block_amax`` of the whole weight (and an all-reduce
+    MAX of these buffers is exact: they hold no NaN).
     """
     if isinstance(recipe, Block2D):
         return _partial_block_amax(shard, shape, start, 128, 128), None

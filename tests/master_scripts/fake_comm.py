@@ -1,0 +1,81 @@
+"""In-process stand-in for a communicator: every rank is a thread, ``all_reduce`` meets at a
+barrier. Fast (no processes), strict (mismatched buffers raise instead of hanging) and faithful
+where it matters: MAX propagates NaN the way MPI's MAX may, so a NaN that reaches the reduce
+shows up in the result.
+
+Contract mirrored from fp8blk.comm: ``rank``, ``size``, ``all_reduce(buf, op="max"|"sum")`` in
+place, ``stats`` with cumulative ``calls`` and ``bytes`` (payload bytes of this rank's buffers),
+``reset_stats()``.
+"""
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+
+_TIMEOUT_S = 60.0
+
+
+class _Group:
+    def __init__(self, size):
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=_TIMEOUT_S)
+        self.slots = [None] * size
+
+
+class ThreadComm:
+    def __init__(self, group, rank):
+        self._group = group
+        self.rank = rank
+        self.size = group.size
+        self.reset_stats()
+
+    def reset_stats(self):
+        self.stats = SimpleNamespace(calls=0, bytes=0)
+
+    def all_reduce(self, buf, op="max"):
+        if op not in ("max", "sum"):
+            raise ValueError(f"op must be 'max' or 'sum', got {op!r}")
+        if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous:
+            raise TypeError("ThreadComm.all_reduce takes a contiguous NumPy buffer")
+        g = self._group
+        g.slots[self.rank] = (op, buf.copy())
+        g.barrier.wait()
+        ops = {s[0] for s in g.slots}
+        layouts = {(s[1].dtype, s[1].shape) for s in g.slots}
+        if len(ops) != 1 or len(layouts) != 1:
+            g.barrier.abort()
+            raise RuntimeError(f"ranks disagree on the all_reduce: ops {ops}, buffers {layouts}")
+        stacked = np.stack([s[1] for s in g.slots])
+        result = np.maximum.reduce(stacked) if op == "max" else np.add.reduce(stacked)
+        g.barrier.wait()
+        buf[...] = result
+        self.stats.calls += 1
+        self.stats.bytes += buf.nbytes
+
+
+def run_ranks(size, fn):
+    """Run ``fn(rank, comm)`` on `size` threads; return the results by rank, re-raising the
+    first exception (other ranks are released through the broken barrier)."""
+    group = _Group(size)
+    results, errors = [None] * size, [None] * size
+
+    def body(rank):
+        try:
+            results[rank] = fn(rank, ThreadComm(group, rank))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+            errors[rank] = exc
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(_TIMEOUT_S * 4)
+        if t.is_alive():
+            raise TimeoutError("a fake-comm rank did not finish")
+    real = [e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)]
+    if real or any(errors):
+        raise (real or [e for e in errors if e is not None])[0]
+    return results

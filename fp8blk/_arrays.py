@@ -84,7 +84,12 @@ def to_backend(x):
 
         arr = cupy.from_dlpack(src.detach())
         return (arr.view(np.uint16) if bf16 else arr), family, (BF16 if bf16 else arr.dtype)
-    arr = np.from_dlpack(src.detach())
+    try:
+        arr = np.from_dlpack(src.detach())
+    except (RuntimeError, BufferError, TypeError) as err:  # e.g. float8 has no DLPack code
+        raise TypeError(f"torch dtype {x.dtype} cannot be passed to fp8blk; use float32, "
+                        f"bfloat16 or float16 (e.g. x.float()), or x.view(torch.uint8) for "
+                        f"FP8 bytes") from err
     return (arr.view(BF16) if bf16 else arr), family, arr.dtype if not bf16 else BF16
 
 

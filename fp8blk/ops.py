@@ -50,7 +50,7 @@ def quantize(x, recipe, rowwise: bool = True, columnwise: bool = False) -> Block
                          f"32x1); got (M, K) = ({rows}, {cols}) from shape {tuple(arr.shape)}: "
                          f"pad the tensor or use Block1D")
     x2d = arr.reshape(rows, cols)
-    buffers = backend_for(arr).quantize(x2d, recipe, rowwise, columnwise)
+    buffers = backend_for(arr).quantize(x2d, recipe, rowwise, columnwise, dtype=dtype)
     return BlockTensor(arr.shape, recipe, *buffers, dtype=dtype, family=family)
 
 

@@ -1,0 +1,239 @@
+"""fb.quantize / fb.dequantize: array families (NumPy, torch CPU), input validation, empty,
+1-D and N-D inputs, and the buffer layouts of DESIGN §4."""
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fp8blk as fb
+from tests import _oracles as O
+from tests.test_reference_quantize import assert_same_buffers, buffers
+
+try:
+    import torch
+except ImportError:  # the NumPy tests below still run
+    torch = None
+needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
+
+BF16 = ml_dtypes.bfloat16
+RECIPES = [fb.Block1D(), fb.Block1D(fb.E5M2, False, 1e-12), fb.Block2D(),
+           fb.Block2D(fb.E5M2, False, 1e-12), fb.MXFP8(), fb.MXFP8(fb.E5M2)]
+TORCH_DTYPES = ({torch.float32: np.float32, torch.bfloat16: BF16, torch.float16: np.float16}
+                if torch is not None else {})
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def rnd(a, b):
+    return cdiv(a, b) * b
+
+
+def expected_layout(recipe, m, k):
+    """(shape, dtype) of the four buffers, straight from the table in DESIGN §4."""
+    f32, u8 = np.dtype(np.float32), np.dtype(np.uint8)
+    if isinstance(recipe, fb.Block1D):
+        return [((m, k), u8), ((cdiv(k, 128), rnd(m, 4)), f32),
+                ((k, m), u8), ((cdiv(m, 128), rnd(k, 4)), f32)]
+    if isinstance(recipe, fb.Block2D):
+        return [((m, k), u8), ((cdiv(m, 128), rnd(cdiv(k, 128), 4)), f32),
+                ((k, m), u8), ((cdiv(k, 128), rnd(cdiv(m, 128), 4)), f32)]
+    return [((m, k), u8), ((rnd(m, 128), rnd(k // 32, 4)), u8),
+            ((m, k), u8), ((rnd(m // 32, 4), rnd(k, 128)), u8)]
+
+
+def to_numpy(t):
+    """torch CPU tensor -> NumPy (bf16 through its int16 bits)."""
+    if t is None:
+        return None
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(BF16)
+    return t.numpy()
+
+
+def from_numpy(a):
+    if a.dtype == BF16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+# --------------------------------------------------------------------------------------------
+# layouts
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=repr)
+def test_layouts_follow_design_table(recipe, rng):
+    shapes = ([(32, 32), (96, 160), (160, 2080), (4, 8, 64)] if isinstance(recipe, fb.MXFP8)
+              else [(1, 1), (5, 7), (129, 257), (513, 130), (2, 3, 129)])
+    for shape in shapes:
+        x = O.random_input(rng, shape, np.float32)
+        q = fb.quantize(x, recipe, rowwise=True, columnwise=True)
+        m, k = int(np.prod(shape[:-1])), shape[-1]
+        for buf, (want_shape, want_dtype) in zip(buffers(q), expected_layout(recipe, m, k)):
+            assert buf.shape == want_shape and buf.dtype == want_dtype, (shape, buf.shape)
+            assert buf.flags.c_contiguous
+
+
+def test_input_is_not_modified_and_may_be_read_only(rng):
+    x = O.random_input(rng, (128, 256), np.float32)
+    before = x.copy()
+    x.setflags(write=False)
+    for recipe in RECIPES:
+        fb.quantize(x, recipe, rowwise=True, columnwise=True)
+    assert np.array_equal(x.view(np.uint32), before.view(np.uint32))
+
+
+# --------------------------------------------------------------------------------------------
+# torch CPU tensors
+
+
+@needs_torch
+@pytest.mark.parametrize("recipe", RECIPES, ids=repr)
+@pytest.mark.parametrize("tdtype", list(TORCH_DTYPES), ids=str)
+def test_torch_in_torch_out(tdtype, recipe, rng):
+    shape = (2, 48, 96) if isinstance(recipe, fb.MXFP8) else (3, 43, 130)
+    x_np = O.random_input(rng, shape, TORCH_DTYPES[tdtype])
+    x_t = from_numpy(x_np)
+    assert x_t.dtype == tdtype
+    q_t = fb.quantize(x_t, recipe, rowwise=True, columnwise=True)
+    q_n = fb.quantize(x_np, recipe, rowwise=True, columnwise=True)
+    scale_dtype = torch.uint8 if isinstance(recipe, fb.MXFP8) else torch.float32
+    for buf, want_dtype in zip(buffers(q_t), (torch.uint8, scale_dtype) * 2):
+        assert isinstance(buf, torch.Tensor) and buf.dtype == want_dtype
+        assert buf.device.type == "cpu" and buf.is_contiguous()
+    assert_same_buffers([to_numpy(b) for b in buffers(q_t)], buffers(q_n))
+    assert q_t.shape == shape
+    for out_t, out_n in ((torch.float32, np.float32), (torch.bfloat16, BF16),
+                         (torch.float16, np.float16)):
+        with np.errstate(over="ignore"):
+            d_t = q_t.dequantize(out_t)
+            d_n = q_n.dequantize(out_n)
+        assert isinstance(d_t, torch.Tensor) and d_t.dtype == out_t
+        assert tuple(d_t.shape) == shape
+        assert np.array_equal(to_numpy(d_t).view(np.uint8), d_n.view(np.uint8))
+    d = fb.dequantize(q_t)  # default float32, still torch
+    assert isinstance(d, torch.Tensor) and d.dtype == torch.float32
+
+
+@needs_torch
+def test_torch_requires_grad_1d_and_block2d_create_columnwise(rng):
+    x = torch.from_numpy(O.random_input(rng, (300,), np.float32)).requires_grad_()
+    q = fb.quantize(x, fb.Block1D())
+    assert q.shape == (300,) and tuple(q.rowwise_data.shape) == (1, 300)
+    assert tuple(q.dequantize(torch.float32).shape) == (300,)
+    w = from_numpy(O.random_input(rng, (200, 260), BF16))
+    q = fb.quantize(w, fb.Block2D())
+    q.create_columnwise()
+    assert isinstance(q.columnwise_data, torch.Tensor)
+    assert torch.equal(q.columnwise_data, q.rowwise_data.T.contiguous())
+    want = fb.quantize(to_numpy(w), fb.Block2D(), rowwise=False, columnwise=True)
+    assert_same_buffers([to_numpy(b) for b in buffers(q)][2:], buffers(want)[2:])
+
+
+# --------------------------------------------------------------------------------------------
+# bad input
+
+
+@pytest.mark.parametrize("bad", [np.float64, np.int32, np.uint8, np.bool_, np.complex64,
+                                 ml_dtypes.float8_e4m3fn])
+def test_unsupported_numpy_dtype(bad):
+    x = np.zeros((4, 64), dtype=bad)
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        fb.quantize(x, fb.Block1D())
+
+
+@needs_torch
+@pytest.mark.parametrize("bad", ["float64", "int32", "uint8", "bool", "complex64",
+                                 "float8_e4m3fn", "float8_e5m2"])
+def test_unsupported_torch_dtype(bad):
+    x = torch.zeros((4, 64), dtype=getattr(torch, bad))
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        fb.quantize(x, fb.Block1D())
+
+
+@pytest.mark.parametrize("bad", [None, "Block1D", fb.Block1D, fb.E4M3, 128, object()])
+def test_wrong_recipe_type(bad):
+    with pytest.raises(TypeError, match="recipe"):
+        fb.quantize(np.zeros((4, 64), np.float32), bad)
+
+
+@pytest.mark.parametrize("bad", [[[1.0, 2.0]], 3.0, "x"])
+def test_not_an_array(bad):
+    with pytest.raises(TypeError, match="numpy.ndarray"):
+        fb.quantize(bad, fb.Block1D())
+
+
+def test_non_contiguous_input(rng):
+    x = O.random_input(rng, (64, 128), np.float32)
+    for view in (x.T, x[:, ::2], np.asfortranarray(x), x[::2]):
+        with pytest.raises(ValueError, match="contiguous"):
+            fb.quantize(view, fb.Block1D())
+    if torch is None:
+        return
+    t = torch.from_numpy(x)
+    for view in (t.T, t[:, ::2], t.to(torch.bfloat16).T):
+        with pytest.raises(ValueError, match=r"x\.contiguous\(\)"):
+            fb.quantize(view, fb.Block2D())
+
+
+@pytest.mark.parametrize("shape", [(33, 64), (64, 33), (3, 16, 64), (1, 32), (32,), (48, 32)],
+                         ids=str)
+def test_mxfp8_needs_multiples_of_32(shape):
+    with pytest.raises(ValueError, match="multiples of 32"):
+        fb.quantize(np.ones(shape, np.float32), fb.MXFP8())
+
+
+def test_mxfp8_leading_dims_multiply_to_32(rng):
+    x = O.random_input(rng, (2, 16, 64), np.float32)  # M = 32
+    q = fb.quantize(x, fb.MXFP8(), columnwise=True)
+    assert_same_buffers(buffers(q), O.quantize_loop(x.reshape(32, 64), fb.MXFP8(), True, True))
+
+
+def test_neither_direction():
+    with pytest.raises(ValueError, match="rowwise=True or columnwise=True"):
+        fb.quantize(np.ones((4, 64), np.float32), fb.Block1D(), rowwise=False, columnwise=False)
+
+
+def test_zero_dim_input():
+    with pytest.raises(ValueError, match="at least one dimension"):
+        fb.quantize(np.array(1.0, dtype=np.float32), fb.Block1D())
+
+
+# --------------------------------------------------------------------------------------------
+# empty inputs
+
+
+EMPTY_SHAPES = [(0, 64), (64, 0), (0, 0), (2, 0, 64), (0, 5, 32), (0,), (5, 0)]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=repr)
+@pytest.mark.parametrize("shape", EMPTY_SHAPES, ids=str)
+@pytest.mark.parametrize("family", ["numpy", "torch"])
+def test_empty_inputs(shape, recipe, family):
+    m = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
+    k = shape[-1]
+    x = np.zeros(shape, np.float32)
+    if isinstance(recipe, fb.MXFP8) and (m % 32 or k % 32):
+        with pytest.raises(ValueError, match="multiples of 32"):
+            fb.quantize(x, recipe)
+        return
+    if family == "torch":
+        if torch is None:
+            pytest.skip("torch is not installed")
+        x = torch.from_numpy(x)
+    q = fb.quantize(x, recipe, rowwise=True, columnwise=True)
+    layout = expected_layout(recipe, m, k)
+    for buf, (want_shape, want_dtype) in zip(buffers(q), layout):
+        assert tuple(buf.shape) == want_shape
+        if family == "numpy":
+            assert buf.dtype == want_dtype
+        else:
+            assert isinstance(buf, torch.Tensor)
+            assert to_numpy(buf).dtype == want_dtype
+        # padding of scale buffers that are not empty despite the empty input
+        if buf is not None and 0 not in tuple(buf.shape) and want_dtype == np.float32:
+            assert np.all(to_numpy(buf) == 1.0) if family == "torch" else np.all(buf == 1.0)
+    for rowwise, columnwise in ((True, False), (False, True)):
+        q1 = fb.quantize(x, recipe, rowwise=rowwise, columnwise=columnwise)
+        assert tuple(q1.dequantize().shape) == shape
+    assert tuple(q.dequantize().shape) == shape

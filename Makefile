@@ -16,6 +16,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 
 demo: $(VENV)/.installed
 	$(PY) -m fp8blk demo
+	$(VENV)/bin/mpiexec -n 4 $(PY) -m mpi4py -m fp8blk demo --distributed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

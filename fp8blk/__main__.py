@@ -1,7 +1,8 @@
 """``python -m fp8blk demo|bench|info``.
 
 demo   quantize random matrices with every recipe (on the GPU when CuPy sees one, else on the
-       CPU) and print, per recipe, bytes stored, dequantization error and time.
+       CPU) and print, per recipe, bytes stored, dequantization error and time; with
+       --distributed, under mpiexec: quantized all-gather and master-weight casts over MPI.
 bench  time the CPU reference path on an 8192x8192 float32 matrix (GPU kernels: bench/).
 info   versions and whether a GPU is usable.
 """
@@ -45,6 +46,10 @@ def _nbytes(q):
 
 
 def demo(args) -> int:
+    if args.distributed:
+        from ._demo_distributed import run
+
+        return run(args.seed)
     xp = np if args.cpu else (_gpu_module() or np)
     where = "GPU (CuPy)" if xp is not np else "CPU (NumPy reference)"
     rows, cols = args.shape
@@ -118,6 +123,8 @@ def main(argv=None) -> int:
     p_demo.add_argument("--shape", type=int, nargs=2, default=(2048, 2048), metavar=("M", "K"))
     p_demo.add_argument("--cpu", action="store_true", help="stay on the CPU even with a GPU")
     p_demo.add_argument("--seed", type=int, default=0)
+    p_demo.add_argument("--distributed", action="store_true",
+                        help="the multi-rank part; run under `mpiexec -n N python -m mpi4py -m fp8blk`")
     sub.add_parser("bench", help="time the CPU reference path")
     sub.add_parser("info", help="versions and GPU availability")
     args = parser.parse_args(argv)

@@ -1,0 +1,431 @@
+"""The communicator protocol every backend implements, the Handle of an asynchronous
+collective, and the traffic counters.
+
+Protocol (``Communicator``; MPIComm, NCCLComm and TorchComm subclass it):
+
+``rank``, ``size``
+    this process's rank in the group and the group's size.
+``all_reduce(buf, op="sum", async_op=False, dtype=None)``
+    in place, element-wise over ranks; ``op`` is ``"sum"`` or ``"max"``. Returns None, or a
+    Handle when ``async_op`` (``wait()`` returns ``buf``).
+``all_gather(inp, out=None, async_op=False)``
+    concatenation along dim 0: ``inp`` is (n, ...) with the same shape and dtype on every rank,
+    ``out`` is (size*n, ...). Returns ``out`` (allocated when None), or a Handle whose
+    ``wait()`` returns it.
+``all_gather_v(inp, counts, out=None, async_op=False)``
+    the same with a different element count per rank: ``inp`` is flattened (``inp.size ==
+    counts[rank]``), ``out`` is flat with ``sum(counts)`` elements, rank r's elements at
+    offset ``sum(counts[:r])``. Every rank passes the same ``counts``.
+``reduce_scatter(inp, out=None, op="sum", async_op=False, dtype=None)``
+    ``inp`` is (size*n, ...); rank r receives rows [r*n, (r+1)*n) of the reduction, (n, ...).
+    Returns ``out``, or a Handle.
+``broadcast(buf, root=0, async_op=False)``
+    in place: every rank ends with ``root``'s buffer. Returns None, or a Handle.
+``barrier()``
+    blocks until every rank has entered it (device backends first wait for the current stream).
+
+Arrays are NumPy (host), CuPy (device) or torch tensors (converted through DLPack without a
+copy); in-place and ``out`` buffers must be C-contiguous, inputs may be strided (they are
+copied). Reductions work on uint8, int32, int64, float16, bfloat16, float32 and float64.
+Device bfloat16 buffers are uint16 bit patterns in CuPy, so CuPy callers pass
+``dtype="bfloat16"``; torch bf16 tensors carry their dtype.
+
+``op="max"`` on floating-point data ignores NaN as ``fmaxf`` does (NaN only where every rank
+has NaN) on every backend, and orders -0.0 below +0.0; this is what NCCL computes, and what
+partial block amaxes need. Collectives must be called in the same order on every rank, with
+matching shapes and dtypes: the raw collectives do not check this (a mismatch can hang or
+corrupt, as in MPI and NCCL); the packed helpers and ``gather_along_first_dim`` do.
+
+Counters (``comm.stats``, a :class:`Stats`; ``comm.reset_stats()`` zeroes them):
+
+``calls``        data collectives issued: all_reduce, all_gather, all_gather_v, reduce_scatter,
+                 broadcast (barriers and metadata exchanges are not counted here).
+``bytes``        bytes this rank contributes to them: the buffer's nbytes for all_reduce and
+                 broadcast, the local input's nbytes for all_gather, all_gather_v and
+                 reduce_scatter (where a backend pads uneven gathers, the padded size).
+``meta_calls``   barriers and the small metadata collectives fp8blk's helpers issue to check
+``meta_bytes``   layouts and exchange sizes (see :meth:`Communicator.metadata`).
+``ops``          {op name: [calls, bytes]} for the data collectives.
+``gather_paths`` a Counter of the paths ``gather_along_first_dim`` took ("fast", "fallback",
+                 "plain"), and ``last_gather_path`` the latest one.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+
+import numpy as np
+
+from .. import _arrays
+
+OPS = ("sum", "max")
+# dtypes the reductions support (all_gather / broadcast move bytes and take any dtype)
+REDUCE_DTYPES = tuple(np.dtype(d) for d in (np.uint8, np.int32, np.int64, np.float16,
+                                             np.float32, np.float64)) + (_arrays.BF16,)
+
+
+class Stats:
+    """Cumulative traffic counters of one communicator; fields are described in the module
+    docstring. Attribute access (``stats.calls``) and item access (``stats["calls"]``) both
+    work."""
+
+    _FIELDS = ("calls", "bytes", "meta_calls", "meta_bytes")
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.calls = 0
+        self.bytes = 0
+        self.meta_calls = 0
+        self.meta_bytes = 0
+        self.ops = {}
+        self.gather_paths = collections.Counter()
+        self.last_gather_path = None
+
+    def record(self, op: str, nbytes: int, meta: bool = False):
+        if meta:
+            self.meta_calls += 1
+            self.meta_bytes += int(nbytes)
+            return
+        self.calls += 1
+        self.bytes += int(nbytes)
+        entry = self.ops.setdefault(op, [0, 0])
+        entry[0] += 1
+        entry[1] += int(nbytes)
+
+    def record_gather_path(self, path: str):
+        self.gather_paths[path] += 1
+        self.last_gather_path = path
+
+    def __getitem__(self, name):
+        return getattr(self, name)
+
+    def as_dict(self) -> dict:
+        return {"calls": self.calls, "bytes": self.bytes, "meta_calls": self.meta_calls,
+                "meta_bytes": self.meta_bytes, "ops": {k: list(v) for k, v in self.ops.items()},
+                "gather_paths": dict(self.gather_paths),
+                "last_gather_path": self.last_gather_path}
+
+    def __repr__(self):
+        return f"Stats({self.as_dict()})"
+
+
+class Handle:
+    """An operation in flight. ``wait()`` blocks until it is complete (for device backends:
+    makes the caller's current stream wait for it), then runs the post-processing once, and
+    returns the result; calling it again returns the same result and does nothing else.
+
+    ``waiter``: called once to complete the communication (None: already complete).
+    ``post``:   called once after it; a non-None return value replaces ``result``.
+    """
+
+    __slots__ = ("_waiter", "_post", "result", "_state", "_error")
+
+    def __init__(self, waiter=None, post=None, result=None):
+        self._waiter = waiter
+        self._post = post
+        self.result = result
+        self._state = 0  # 0 pending, 1 done, 2 failed
+        self._error = None
+
+    @classmethod
+    def completed(cls, result=None) -> "Handle":
+        return cls(result=result)
+
+    @property
+    def done(self) -> bool:
+        return self._state != 0
+
+    def wait(self):
+        if self._state == 1:
+            return self.result
+        if self._state == 2:
+            raise self._error
+        # Mark the state before running anything, so that a failure is not retried (a second
+        # MPI wait on a freed request, or post-processing applied twice, would be wrong).
+        waiter, post = self._waiter, self._post
+        self._waiter = self._post = None
+        try:
+            if waiter is not None:
+                waiter()
+            if post is not None:
+                value = post()
+                if value is not None:
+                    self.result = value
+        except BaseException as error:
+            self._state, self._error = 2, error
+            raise
+        self._state = 1
+        return self.result
+
+    def then(self, post) -> "Handle":
+        """A Handle that waits for this one, then runs ``post()`` (whose non-None return value
+        becomes its result; otherwise it forwards this handle's result)."""
+        def chained():
+            value = post()
+            return self.result if value is None else value
+        return Handle(waiter=self.wait, post=chained, result=self.result)
+
+    def __repr__(self):
+        return f"Handle({'done' if self.done else 'pending'})"
+
+
+def check_op(op) -> str:
+    if op not in OPS:
+        raise ValueError(f"op must be 'sum' or 'max', got {op!r}")
+    return op
+
+
+def xp_of(arr):
+    """numpy or cupy, for an internal array."""
+    if _arrays.is_device(arr):
+        import cupy
+
+        return cupy
+    return np
+
+
+def nbytes_of(arr) -> int:
+    return int(arr.size) * arr.dtype.itemsize
+
+
+def byte_view(arr):
+    """Flat uint8 view of a C-contiguous internal array."""
+    return arr.reshape(-1).view(np.uint8)
+
+
+# --------------------------------------------------------------------------------------------
+# NaN-ignoring MAX through integer keys (for backends whose float MAX is not fmax)
+
+_KEY_TYPES = {2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def float_to_max_keys(arr, dtype):
+    """Turn a float host array into signed integer keys, in place (returns the integer view).
+
+    Keys order like the floats (-0.0 just below +0.0), and every NaN gets the smallest
+    integer, which no number has; integer MAX over keys is then fmax over the floats.
+    """
+    itype = np.dtype(_KEY_TYPES[np.dtype(dtype).itemsize])
+    values = arr.view(dtype)
+    nan = np.isnan(values)
+    keys = arr.view(itype)
+    # Negative floats (sign bit set, so negative as integers): flip the magnitude bits, so a
+    # larger magnitude gives a smaller key. The map is its own inverse.
+    mask = itype.type(np.iinfo(itype).max)
+    np.bitwise_xor(keys, mask, out=keys, where=keys < 0)
+    keys[nan] = np.iinfo(itype).min
+    return keys
+
+
+def max_keys_to_float(keys):
+    """Undo :func:`float_to_max_keys` in place (the smallest key becomes a NaN)."""
+    mask = keys.dtype.type(np.iinfo(keys.dtype).max)
+    np.bitwise_xor(keys, mask, out=keys, where=keys < 0)
+
+
+def is_float(dtype) -> bool:
+    dtype = np.dtype(dtype)
+    return dtype == _arrays.BF16 or dtype.kind == "f"
+
+
+# --------------------------------------------------------------------------------------------
+# The base class: argument handling and counting; backends implement the underscored hooks
+
+
+class Communicator:
+    """Base class of the backends; see the module docstring for the protocol.
+
+    Backends implement, on internal (NumPy / CuPy), C-contiguous arrays, each returning a
+    :class:`Handle` (``Handle.completed()`` when done synchronously):
+    ``_all_reduce(buf, dtype, op, async_op)``, ``_all_gather(inp, out, async_op)``,
+    ``_all_gather_v(inp, counts, out, async_op)`` (optional: the default pads to the largest
+    count and uses ``_all_gather``), ``_reduce_scatter(inp, out, dtype, op, async_op)``,
+    ``_broadcast(buf, root, async_op)``, ``_barrier()``. ``inp`` / ``buf`` of all_gather,
+    all_gather_v and broadcast arrive as flat uint8 views; reductions keep their dtype.
+    """
+
+    rank: int = 0
+    size: int = 1
+
+    def __init__(self):
+        self.stats = Stats()
+        self._meta_depth = 0
+
+    # -- counters -----------------------------------------------------------------------------
+    def reset_stats(self):
+        self.stats.reset()
+
+    @contextlib.contextmanager
+    def metadata(self):
+        """Collectives issued inside count as metadata (``meta_calls``/``meta_bytes``), not
+        as data: used by fp8blk's helpers for layout checks and size exchanges."""
+        self._meta_depth += 1
+        try:
+            yield self
+        finally:
+            self._meta_depth -= 1
+
+    def _record(self, op, nbytes):
+        self.stats.record(op, nbytes, meta=self._meta_depth > 0)
+
+    def __repr__(self):
+        return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
+
+    # -- public collectives ----------------------------------------------------------------
+    def all_reduce(self, buf, op="sum", async_op=False, dtype=None):
+        check_op(op)
+        arr, family, logical = _arrays.to_backend(buf)
+        dtype = _reduce_dtype(arr, logical, dtype)
+        _require_contiguous(arr, "all_reduce buffer")
+        self._record("all_reduce", nbytes_of(arr))
+        handle = self._all_reduce(arr, dtype, op, async_op)
+        return _finish(handle, async_op, buf)
+
+    def all_gather(self, inp, out=None, async_op=False):
+        arr, family, logical = _arrays.to_backend(inp)
+        if arr.ndim == 0:
+            raise ValueError("all_gather needs an array with at least one dimension (it "
+                             "concatenates along dim 0)")
+        xp = xp_of(arr)
+        arr = xp.ascontiguousarray(arr)
+        out_shape = (self.size * arr.shape[0],) + tuple(arr.shape[1:])
+        out, out_arr = _output(out, out_shape, arr, family, logical, "all_gather")
+        self._record("all_gather", nbytes_of(arr))
+        handle = self._all_gather(byte_view(arr), byte_view(out_arr), async_op)
+        return _finish(handle, async_op, out, sync_result=out)
+
+    def all_gather_v(self, inp, counts, out=None, async_op=False):
+        counts = [int(c) for c in counts]
+        if len(counts) != self.size or min(counts, default=0) < 0:
+            raise ValueError(f"all_gather_v needs one non-negative count per rank "
+                             f"({self.size}), got {counts}")
+        arr, family, logical = _arrays.to_backend(inp)
+        xp = xp_of(arr)
+        arr = xp.ascontiguousarray(arr).reshape(-1)
+        if arr.size != counts[self.rank]:
+            raise ValueError(f"all_gather_v: this rank's input has {arr.size} elements but "
+                             f"counts[{self.rank}] is {counts[self.rank]}")
+        out, out_arr = _output(out, (sum(counts),), arr, family, logical, "all_gather_v",
+                               flat_ok=True)
+        item = arr.dtype.itemsize
+        byte_counts = [c * item for c in counts]
+        self._record("all_gather_v", self._all_gather_v_wire_bytes(byte_counts))
+        handle = self._all_gather_v(byte_view(arr), byte_counts, byte_view(out_arr), async_op)
+        return _finish(handle, async_op, out, sync_result=out)
+
+    def reduce_scatter(self, inp, out=None, op="sum", async_op=False, dtype=None):
+        check_op(op)
+        arr, family, logical = _arrays.to_backend(inp)
+        dtype = _reduce_dtype(arr, logical, dtype)
+        if arr.ndim == 0 or arr.shape[0] % self.size:
+            raise ValueError(f"reduce_scatter needs dim 0 divisible by the group size "
+                             f"{self.size}, got shape {tuple(arr.shape)}")
+        xp = xp_of(arr)
+        arr = xp.ascontiguousarray(arr)
+        out_shape = (arr.shape[0] // self.size,) + tuple(arr.shape[1:])
+        out, out_arr = _output(out, out_shape, arr, family, logical, "reduce_scatter")
+        self._record("reduce_scatter", nbytes_of(arr))
+        handle = self._reduce_scatter(arr, out_arr, dtype, op, async_op)
+        return _finish(handle, async_op, out, sync_result=out)
+
+    def broadcast(self, buf, root=0, async_op=False):
+        if not (isinstance(root, (int, np.integer)) and 0 <= root < self.size):
+            raise ValueError(f"broadcast root must be a rank in [0, {self.size}), got {root!r}")
+        arr, family, logical = _arrays.to_backend(buf)
+        _require_contiguous(arr, "broadcast buffer")
+        self._record("broadcast", nbytes_of(arr))
+        handle = self._broadcast(byte_view(arr), int(root), async_op)
+        return _finish(handle, async_op, buf)
+
+    def barrier(self):
+        self.stats.record("barrier", 0, meta=True)
+        self._barrier()
+
+    # -- backend hooks --------------------------------------------------------------------------
+    def _all_reduce(self, buf, dtype, op, async_op):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _all_gather(self, inp, out, async_op):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _all_gather_v_wire_bytes(self, byte_counts):
+        """Bytes this rank sends in all_gather_v (the default pads to the largest count)."""
+        return max(byte_counts, default=0)
+
+    def _all_gather_v(self, inp, byte_counts, out, async_op):
+        """Default: pad every rank's bytes to the largest count, all_gather, compact."""
+        width = max(byte_counts, default=0)
+        if all(c == width for c in byte_counts):
+            return self._all_gather(inp, out, async_op)
+        xp = xp_of(inp)
+        padded = xp.zeros(width, dtype=np.uint8)
+        padded[: inp.size] = inp
+        staging = xp.empty(width * self.size, dtype=np.uint8)
+        handle = self._all_gather(padded, staging, async_op)
+
+        def compact():
+            offset = 0
+            for r, count in enumerate(byte_counts):
+                out[offset: offset + count] = staging[r * width: r * width + count]
+                offset += count
+        return handle.then(compact)
+
+    def _reduce_scatter(self, inp, out, dtype, op, async_op):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _broadcast(self, buf, root, async_op):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _barrier(self):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+def _finish(handle, async_op, result, sync_result=None):
+    """Public return value: a Handle whose wait() returns ``result`` when async, else the
+    synchronous result (None for in-place collectives)."""
+    if handle is None:
+        handle = Handle.completed()
+    outer = handle.then(lambda: result)
+    if async_op:
+        return outer
+    outer.wait()
+    return sync_result
+
+
+def _reduce_dtype(arr, logical, dtype):
+    dtype = logical if dtype is None else _arrays.numpy_dtype(dtype)
+    if dtype != logical and not (dtype.itemsize == arr.dtype.itemsize
+                                 and arr.dtype.kind in "ui"):
+        raise TypeError(f"dtype={dtype} does not match the buffer's dtype {logical} (an "
+                        f"explicit dtype only reinterprets integer bit patterns, e.g. CuPy "
+                        f"uint16 holding bfloat16)")
+    if dtype not in REDUCE_DTYPES:
+        raise TypeError(f"reductions support {', '.join(str(d) for d in REDUCE_DTYPES)}; "
+                        f"got {dtype}")
+    return dtype
+
+
+def _require_contiguous(arr, what):
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"the {what} must be C-contiguous (it is written in place); pass a "
+                         f"contiguous array, e.g. numpy.ascontiguousarray(x) or x.contiguous(), "
+                         f"and copy the result back")
+
+
+def _output(out, shape, like, family, logical, what, flat_ok=False):
+    """(out in the caller's family, internal out array) of ``shape``, allocated if None."""
+    if out is None:
+        xp = xp_of(like)
+        out_arr = xp.empty(shape, dtype=like.dtype)
+        return _arrays.from_backend(out_arr, family, logical), out_arr
+    out_arr, _, out_logical = _arrays.to_backend(out)
+    if out_arr.dtype != like.dtype:
+        raise TypeError(f"{what}: out has dtype {out_logical}, the input {logical}")
+    size = int(np.prod(shape, dtype=np.int64))
+    if (tuple(out_arr.shape) != tuple(shape)) and not (flat_ok and out_arr.size == size):
+        raise ValueError(f"{what}: out must have shape {tuple(shape)}, got "
+                         f"{tuple(out_arr.shape)}")
+    _require_contiguous(out_arr, f"{what} output")
+    return out, out_arr

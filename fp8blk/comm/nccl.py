@@ -1,0 +1,217 @@
+"""NCCLComm: the Communicator protocol over NCCL (``cupy.cuda.nccl``), for CuPy arrays.
+
+One rank per GPU. ``NCCLComm.from_mpi(mpi_comm)`` picks the GPU from the rank's position on
+its node, broadcasts NCCL's unique id over MPI and keeps the MPI communicator for host data:
+NumPy buffers (metadata, layout checks) go through MPI, CuPy buffers through NCCL.
+
+Stream semantics (as torch's NCCL process groups): every collective is enqueued on the
+caller's *current* CuPy stream. A synchronous call returns once the work is enqueued; later
+work on that stream is ordered after it, and reading the result on the host needs a stream
+synchronize (``cupy.asnumpy`` does one). With ``async_op=True`` the returned Handle's
+``wait()`` makes the then-current stream wait for the collective (an event) and runs any
+post-processing there. To overlap communication with compute, issue the collective while a
+separate stream is current.
+
+``op="max"`` on floats is NCCL's fmaxf (NaN-ignoring), the semantics every fp8blk backend has.
+Calls inside ``with comm.group():`` are fused into one NCCL group launch; uneven
+``all_gather_v`` is one group of broadcasts, one per rank, with no padding.
+
+GPU test (the lead runs it on the H200; Open MPI there needs the flags)::
+
+    /usr/bin/mpiexec --allow-run-as-root --oversubscribe -n 1 \\
+        python3 -m mpi4py tests/comm/mpi_scripts/comm_suite.py nccl
+    python3 -m pytest -m gpu tests/comm -q
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from .. import _arrays
+from .base import Communicator, Handle
+
+_F16 = np.dtype(np.float16)
+
+
+def _nccl():
+    from cupy.cuda import nccl
+
+    return nccl
+
+
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+def _nccl_dtype(dtype):
+    nccl = _nccl()
+    table = {np.dtype(np.uint8): nccl.NCCL_UINT8, np.dtype(np.int32): nccl.NCCL_INT32,
+             np.dtype(np.int64): nccl.NCCL_INT64, _F16: nccl.NCCL_FLOAT16,
+             np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float64): nccl.NCCL_FLOAT64,
+             _arrays.BF16: getattr(nccl, "NCCL_BFLOAT16", 9)}  # ncclBfloat16 == 9
+    return table[np.dtype(dtype)]
+
+
+def _nccl_op(op):
+    nccl = _nccl()
+    return nccl.NCCL_SUM if op == "sum" else nccl.NCCL_MAX
+
+
+class NCCLComm(Communicator):
+    """Collectives over an NCCL communicator; build it with :meth:`from_mpi`.
+
+    ``nccl_comm``: a ``cupy.cuda.nccl.NcclCommunicator``; ``host_comm``: an MPIComm for host
+    (NumPy) buffers, or None to stage host buffers through the device.
+    """
+
+    def __init__(self, nccl_comm, rank, size, host_comm=None, device=None):
+        super().__init__()
+        self.nccl_comm = nccl_comm
+        self.rank, self.size = int(rank), int(size)
+        self.device = device
+        self.host_comm = host_comm
+
+    @classmethod
+    def from_mpi(cls, mpi_comm=None, device=None):
+        """NCCLComm over the ranks of ``mpi_comm`` (default ``MPI.COMM_WORLD``).
+
+        ``device``: the GPU of this rank; default: the rank's index among the ranks on its
+        node (one rank per GPU; more ranks on a node than GPUs raise ValueError). That GPU is
+        made current.
+        """
+        from mpi4py import MPI
+
+        from .mpi import MPIComm
+
+        cupy, nccl = _cupy(), _nccl()
+        mpi_comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        if device is None:
+            local = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
+            local_rank, local_size = local.Get_rank(), local.Get_size()
+            local.Free()
+            count = cupy.cuda.runtime.getDeviceCount()
+            if local_size > count:
+                raise ValueError(f"NCCLComm needs one rank per GPU: {local_size} ranks on "
+                                 f"this node but {count} GPU(s); start fewer ranks or pass "
+                                 f"device=")
+            device = local_rank
+        cupy.cuda.Device(int(device)).use()
+        uid = nccl.get_unique_id() if mpi_comm.Get_rank() == 0 else None
+        uid = mpi_comm.bcast(uid, root=0)
+        nccl_comm = nccl.NcclCommunicator(mpi_comm.Get_size(), uid, mpi_comm.Get_rank())
+        host = MPIComm(mpi_comm)
+        comm = cls(nccl_comm, mpi_comm.Get_rank(), mpi_comm.Get_size(), host_comm=host,
+                   device=int(device))
+        host.stats = comm.stats  # host traffic counts as this communicator's
+        return comm
+
+    # -- helpers ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def group(self):
+        """Fuse the collectives issued inside into one NCCL launch (ncclGroupStart/End)."""
+        nccl = _nccl()
+        nccl.groupStart()
+        try:
+            yield self
+        finally:
+            nccl.groupEnd()
+
+    @staticmethod
+    def _stream():
+        return _cupy().cuda.get_current_stream()
+
+    def _enqueued(self, async_op, post=None):
+        """Handle for work just enqueued on the current stream."""
+        if not async_op:
+            if post is not None:
+                post()
+            return Handle.completed()
+        event = _cupy().cuda.Event(disable_timing=True)
+        event.record(self._stream())
+
+        def wait():
+            self._stream().wait_event(event)
+        return Handle(waiter=wait, post=post)
+
+    def _host(self, *arrays):
+        """True when these are host arrays (served by the MPI host communicator)."""
+        host = [not _arrays.is_device(a) for a in arrays]
+        if any(host) and not all(host):
+            raise TypeError("NCCLComm: pass all buffers of a collective on the device (CuPy) "
+                            "or all on the host (NumPy)")
+        if host[0] and self.host_comm is None:
+            raise TypeError("NCCLComm without a host communicator takes CuPy arrays only: "
+                            "build it with NCCLComm.from_mpi to use NumPy buffers too")
+        return host[0]
+
+    def _all_gather_v_wire_bytes(self, byte_counts):
+        return byte_counts[self.rank]
+
+    # -- hooks --------------------------------------------------------------------------------
+    # Empty buffers skip NCCL (a zero-size CuPy array has a null pointer); the ranks agree on
+    # the sizes, so every rank skips the same call.
+    def _all_reduce(self, buf, dtype, op, async_op):
+        if self._host(buf):
+            return self.host_comm._all_reduce(buf, dtype, op, async_op)
+        if buf.size == 0:
+            return self._enqueued(async_op)
+        ptr = buf.data.ptr
+        self.nccl_comm.allReduce(ptr, ptr, buf.size, _nccl_dtype(dtype), _nccl_op(op),
+                                 self._stream().ptr)
+        return self._enqueued(async_op)
+
+    def _all_gather(self, inp, out, async_op):
+        if self._host(inp, out):
+            return self.host_comm._all_gather(inp, out, async_op)
+        if out.size == 0:
+            return self._enqueued(async_op)
+        self.nccl_comm.allGather(inp.data.ptr, out.data.ptr, inp.size, _nccl().NCCL_UINT8,
+                                 self._stream().ptr)
+        return self._enqueued(async_op)
+
+    def _all_gather_v(self, inp, byte_counts, out, async_op):
+        if self._host(inp, out):
+            return self.host_comm._all_gather_v(inp, byte_counts, out, async_op)
+        if all(c == byte_counts[0] for c in byte_counts):
+            return self._all_gather(inp, out, async_op)
+        stream = self._stream().ptr
+        offset = 0
+        with self.group():
+            for root, count in enumerate(byte_counts):
+                if count:  # every rank skips the same roots: counts agree
+                    dst = out.data.ptr + offset
+                    src = inp.data.ptr if root == self.rank else dst
+                    self.nccl_comm.broadcast(src, dst, count, _nccl().NCCL_UINT8, root, stream)
+                offset += count
+        return self._enqueued(async_op)
+
+    def _reduce_scatter(self, inp, out, dtype, op, async_op):
+        if self._host(inp, out):
+            return self.host_comm._reduce_scatter(inp, out, dtype, op, async_op)
+        if inp.size == 0:
+            return self._enqueued(async_op)
+        self.nccl_comm.reduceScatter(inp.data.ptr, out.data.ptr, out.size, _nccl_dtype(dtype),
+                                     _nccl_op(op), self._stream().ptr)
+        return self._enqueued(async_op)
+
+    def _broadcast(self, buf, root, async_op):
+        if self._host(buf):
+            return self.host_comm._broadcast(buf, root, async_op)
+        if buf.size == 0:
+            return self._enqueued(async_op)
+        self.nccl_comm.bcast(buf.data.ptr, buf.size, _nccl().NCCL_UINT8, root,
+                             self._stream().ptr)
+        return self._enqueued(async_op)
+
+    def _barrier(self):
+        self._stream().synchronize()
+        if self.host_comm is not None:
+            self.host_comm.mpi_comm.Barrier()
+            return
+        probe = _cupy().zeros(1, dtype=np.float32)
+        self.nccl_comm.allReduce(probe.data.ptr, probe.data.ptr, 1, _nccl().NCCL_FLOAT32,
+                                 _nccl().NCCL_SUM, self._stream().ptr)
+        self._stream().synchronize()

@@ -1,0 +1,77 @@
+"""Launching multi-rank test programs (mpiexec, torchrun) from pytest with a hard timeout.
+
+Each launch runs in its own session and process group; on timeout the whole group (the
+launcher and every rank) is killed and the test fails, so a hang never stalls the suite.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+SCRIPTS = HERE / "mpi_scripts"
+REPO = HERE.parent.parent
+
+
+def mpiexec_command():
+    """[mpiexec, flags...]: $FP8BLK_MPIEXEC, else the mpiexec beside this Python (pip's mpich
+    in the venv), else the one on PATH; Open MPI gets --allow-run-as-root --oversubscribe."""
+    explicit = os.environ.get("FP8BLK_MPIEXEC")
+    candidates = [explicit, str(Path(sys.executable).parent / "mpiexec"), shutil.which("mpiexec")]
+    path = next((c for c in candidates if c and Path(c).exists()), None)
+    if path is None:
+        pytest.skip("no mpiexec found (pip install mpich, or set FP8BLK_MPIEXEC)")
+    try:
+        version = subprocess.run([path, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        version = ""
+    flags = ["--allow-run-as-root", "--oversubscribe"] if re.search(
+        r"Open MPI|OpenRTE|open-mpi", version) else []
+    return [path] + flags
+
+
+def run(command, timeout, env=None):
+    """(returncode, combined output, seconds). Kills the process group on timeout and fails."""
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO)] + ([full_env["PYTHONPATH"]] if full_env.get("PYTHONPATH") else []))
+    full_env.update(env or {})
+    start = time.monotonic()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, cwd=REPO, env=full_env, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"{' '.join(command)} did not finish within {timeout} s (hang?); "
+                    f"output:\n{output[-6000:]}")
+    return process.returncode, output, time.monotonic() - start
+
+
+def mpi(n, script, *args, timeout=120, env=None):
+    pytest.importorskip("mpi4py")
+    command = mpiexec_command() + ["-n", str(n), sys.executable, "-m", "mpi4py",
+                                   str(SCRIPTS / script), *args]
+    return run(command, timeout, env)
+
+
+def torchrun(n, script, *args, timeout=180, env=None):
+    pytest.importorskip("torch.distributed")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={n}", str(SCRIPTS / script), *args]
+    return run(command, timeout, dict({"OMP_NUM_THREADS": "1"}, **(env or {})))
+
+
+def suite_passes(output):
+    """Number of ranks that printed SUITE OK (lines of ranks may interleave)."""
+    return len(re.findall(r"SUITE OK", output))

@@ -1,0 +1,41 @@
+"""Run the communicator suite over a torch.distributed process group (TorchComm).
+
+    torchrun --standalone --nproc-per-node N tests/comm/mpi_scripts/torch_suite.py [gloo|nccl]
+
+gloo (CPU): the suite runs on torch CPU tensors, and its collective part once more on NumPy
+arrays. nccl (one GPU per process): on CUDA tensors. Each rank prints ``SUITE OK ...``.
+A rank given FP8BLK_TEST_FAIL_RANK=r raises before its first collective (the launcher must
+then end the job instead of hanging).
+"""
+import datetime
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import checks  # noqa: E402
+from fp8blk.comm import TorchComm  # noqa: E402
+
+
+def main():
+    backend = sys.argv[1] if len(sys.argv) > 1 else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=60))
+    comm = TorchComm()
+    fail_rank = os.environ.get("FP8BLK_TEST_FAIL_RANK")
+    if fail_rank is not None and int(fail_rank) == comm.rank:
+        raise RuntimeError(f"rank {comm.rank} fails on purpose")
+    if backend == "nccl":
+        checks.run_suite(comm, checks.TorchFamily("cuda"), "torch-nccl")
+    else:
+        checks.run_suite(comm, checks.TorchFamily("cpu"), "torch-gloo")
+        checks.run_suite(comm, checks.Family(), "torch-gloo-numpy", ("collectives",))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

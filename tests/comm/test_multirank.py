@@ -1,0 +1,62 @@
+"""Multi-rank tests: the communicator suite (tests/comm/mpi_scripts/checks.py) under mpiexec
+with MPIComm at 1-4 ranks, under torchrun with TorchComm on gloo, and jobs whose ranks fail
+(they must end within the timeout, not hang).
+
+GPU parts (marked ``gpu``; run on the H200 with ``python3 -m pytest -m gpu tests/comm``):
+NCCLComm with one rank on CuPy arrays, MPIComm staging CuPy arrays through the host, and
+TorchComm on an NCCL process group with CUDA tensors.
+"""
+import pytest
+
+from .launch import mpi, suite_passes, torchrun
+
+pytestmark = pytest.mark.mpi
+
+
+def _expect_suite(result, ranks, runs=1):
+    code, output, seconds = result
+    assert code == 0 and suite_passes(output) == ranks * runs, output[-8000:]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_mpi_suite(n):
+    _expect_suite(mpi(n, "comm_suite.py", "mpi"), n)
+
+
+@pytest.mark.parametrize("mode", ["between", "inside"])
+def test_failing_rank_ends_the_mpi_job(mode):
+    code, output, seconds = mpi(3, "fail_in_collective.py", mode, timeout=60)
+    assert code != 0, output
+    assert "fails on purpose" in output, output
+    assert "finished (it should not have)" not in output, output
+    assert seconds < 60
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_torch_suite_gloo(n):
+    # the suite on torch tensors, and its collectives once more on NumPy arrays
+    _expect_suite(torchrun(n, "torch_suite.py", "gloo"), n, runs=2)
+
+
+def test_failing_rank_ends_the_torchrun_job():
+    code, output, seconds = torchrun(2, "torch_suite.py", "gloo", timeout=120,
+                                     env={"FP8BLK_TEST_FAIL_RANK": "1"})
+    assert code != 0 and "fails on purpose" in output, output[-4000:]
+    assert "SUITE OK" not in output
+
+
+@pytest.mark.gpu
+def test_nccl_suite_one_rank():
+    _expect_suite(mpi(1, "comm_suite.py", "nccl", timeout=600), 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 2])
+def test_mpi_staging_cupy_arrays(n):
+    # Open MPI on the GPU machine is not CUDA-aware: device buffers must be staged
+    _expect_suite(mpi(n, "comm_suite.py", "mpi-cupy", timeout=600), n)
+
+
+@pytest.mark.gpu
+def test_torch_suite_nccl_one_rank():
+    _expect_suite(torchrun(1, "torch_suite.py", "nccl", timeout=600), 1)

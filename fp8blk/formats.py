@@ -61,18 +61,12 @@ def _check_fp32_scale_fields(pow2_scales, amax_epsilon) -> None:
 
 
 @dataclass(frozen=True)
-class Block1D:
-    """1x128 blocks along K for rowwise data, 128x1 blocks along M for columnwise data.
-
-    Scales are fp32; with ``pow2_scales`` they are rounded down to a power of two.
-    """
+class _Fp32ScaledRecipe:
+    """Fields and validation shared by the recipes with fp32 block scales."""
 
     fmt: Format = Format.E4M3
     pow2_scales: bool = True
     amax_epsilon: float = 0.0
-
-    block_rows = 1
-    block_cols = 128
 
     def __post_init__(self):
         _check_format(self.fmt)
@@ -81,20 +75,22 @@ class Block1D:
 
 
 @dataclass(frozen=True)
-class Block2D:
-    """128x128 tiles; columnwise data is the exact FP8 transpose of rowwise data."""
+class Block1D(_Fp32ScaledRecipe):
+    """1x128 blocks along K for rowwise data, 128x1 blocks along M for columnwise data.
 
-    fmt: Format = Format.E4M3
-    pow2_scales: bool = True
-    amax_epsilon: float = 0.0
+    Scales are fp32; with ``pow2_scales`` they are rounded down to a power of two.
+    """
+
+    block_rows = 1
+    block_cols = 128
+
+
+@dataclass(frozen=True)
+class Block2D(_Fp32ScaledRecipe):
+    """128x128 tiles; columnwise data is the exact FP8 transpose of rowwise data."""
 
     block_rows = 128
     block_cols = 128
-
-    def __post_init__(self):
-        _check_format(self.fmt)
-        _check_fp32_scale_fields(self.pow2_scales, self.amax_epsilon)
-        object.__setattr__(self, "amax_epsilon", float(self.amax_epsilon))
 
 
 @dataclass(frozen=True)

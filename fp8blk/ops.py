@@ -49,7 +49,7 @@ def quantize(x, recipe, rowwise: bool = True, columnwise: bool = False) -> Block
         raise ValueError(f"MXFP8 needs M and K to be multiples of 32 (its blocks are 1x32 and "
                          f"32x1); got (M, K) = ({rows}, {cols}) from shape {tuple(arr.shape)}: "
                          f"pad the tensor or use Block1D")
-    x2d = arr.reshape(rows, cols)
+    x2d = arr if arr.ndim == 2 else arr.reshape(rows, cols)  # skip a ~2 us no-op reshape
     buffers = backend_for(arr).quantize(x2d, recipe, rowwise, columnwise, dtype=dtype)
     return BlockTensor(arr.shape, recipe, *buffers, dtype=dtype, family=family)
 

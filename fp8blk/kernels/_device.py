@@ -1,0 +1,173 @@
+"""Device helpers shared by the kernels: input decoding, scale rules, padding fill.
+
+All are Numba device functions (inlined) built by cached factories, so recipe constants (format
+max, epsilon, pow2) are compile-time constants of each specialized kernel. Numerics follow
+DESIGN §3 exactly; under the simulator they run as NumPy float32 scalar code.
+
+Input chunks: a kernel holds its input as uint32 words, 16 bytes per chunk: 4 float32, or 8
+bf16/fp16 (element 2i in the low half of word i). Elements outside the tensor are filled with
+NaN bit patterns (:data:`NAN_WORD`), which every block amax ignores.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from ._numba import bf16x2_f32, bits_f32, device, f16x2_f32, f32_bits, st_b32, types
+
+F32, BF16, F16 = 0, 1, 2  # input kinds
+ELEMS_PER_CHUNK = {F32: 4, BF16: 8, F16: 8}
+ITEMSIZE = {F32: 4, BF16: 2, F16: 2}
+NAN_WORD = {F32: 0x7FC00000, BF16: 0x7FC07FC0, F16: 0x7E007E00}
+NAN_HALF = {BF16: 0x7FC0, F16: 0x7E00}
+
+
+@lru_cache(maxsize=None)
+def element_decoder(kind):
+    """``elem(raw, j, e)``: float32 value of element e (0..VE-1) of chunk j of a local
+    ``raw[NJ, 4]`` uint32 array (e must be a compile-time constant after unrolling)."""
+    if kind == F32:
+        @device
+        def elem(raw, j, e):
+            return bits_f32(raw[j, e])
+    elif kind == BF16:
+        @device
+        def elem(raw, j, e):
+            lo, hi = bf16x2_f32(raw[j, e >> 1])
+            return lo if (e & 1) == 0 else hi
+    else:
+        @device
+        def elem(raw, j, e):
+            lo, hi = f16x2_f32(raw[j, e >> 1])
+            return lo if (e & 1) == 0 else hi
+    return elem
+
+
+@lru_cache(maxsize=None)
+def fp32_scale_rule(fmt_max, pow2, eps, value_for_inf):
+    """``scale(amax) -> (scale, scale_inv)`` for Block1D/Block2D (DESIGN §3 steps 1-5)."""
+    F = np.float32(fmt_max)
+    EPS = np.float32(eps)
+    HAS_EPS = eps > 0
+    VINF = np.float32(value_for_inf)
+    INF = np.float32(np.inf)
+    ONE = np.float32(1.0)
+
+    @device
+    def scale(amax):
+        a = amax
+        if HAS_EPS:
+            if a < EPS:
+                a = EPS
+        if a == 0 or a != a or a == INF:
+            s = ONE
+        else:
+            s = F / a
+            if s == INF:
+                s = VINF
+        if pow2:
+            s = bits_f32(f32_bits(s) & 0xFF800000)
+        return s, ONE / s
+    return scale
+
+
+@lru_cache(maxsize=None)
+def e8m0_rule(fmt_max):
+    """``code(amax) -> (code, multiplier)``: E8M0 code (0..255) and the fp32 cast multiplier
+    2**(127-code) written as TE's exp2f_rcp (code 0 -> 1, 255 -> -inf)."""
+    INV_F = np.float32(1.0) / np.float32(fmt_max)
+    INF = np.float32(np.inf)
+    ONE = np.float32(1.0)
+
+    @device
+    def code(amax):
+        v = amax * INV_F
+        if v != v:
+            c = 255
+        elif v == INF:
+            c = 254
+        elif v == 0:
+            c = 0
+        else:
+            b = f32_bits(v)
+            e = int((b >> 23) & 0xFF)
+            mant = int(b & 0x7FFFFF)
+            c = e
+            if mant > 0 and e != 0xFE and not (e == 0 and mant <= 0x400000):
+                c = e + 1
+        if c == 0:
+            mult = ONE
+        else:
+            mult = bits_f32((254 - c) << 23)
+        return c, mult
+    return code
+
+
+@device
+def fill_padding(p, rows_valid, cols_valid, rows_total, cols_total, value, gtid, gsize):
+    """Write `value` to every entry of the row-major (rows_total, cols_total) array at `p`
+    outside [0, rows_valid) x [0, cols_valid); grid-stride over those entries (thread `gtid`
+    of `gsize`). Used for the padding of scale tensors (DESIGN §4)."""
+    n_bottom = (rows_total - rows_valid) * cols_total
+    width = cols_total - cols_valid
+    n_right = rows_valid * width
+    i = gtid
+    while i < n_bottom + n_right:
+        if i < n_bottom:
+            r = rows_valid + i // cols_total
+            c = i % cols_total
+        else:
+            i2 = i - n_bottom
+            r = i2 // width
+            c = cols_valid + i2 % width
+        p[r * cols_total + c] = value
+        i += gsize
+
+
+@device
+def store_tile_rows_unaligned(tb, dst, k0, m0, K, M, TKT, TMT, tid, nthreads):
+    """Write a shared tile of transposed bytes to an (K, M) byte array whose rows are not
+    16-byte aligned (M % 16 != 0).
+
+    ``tb[kk, w]`` (uint32, >= TMT/4 + 1 words per row) holds bytes m0 + 4w .. m0 + 4w + 3 of
+    output row k0 + kk; `dst` is a uint8 pointer to the whole (K, M) output. Each warp takes a
+    row; its lanes store the row's aligned 4-byte words (consecutive lanes on consecutive words:
+    coalesced), shifting bytes across two shared words when the row starts mid-word, and up to
+    3 bytes at each end with byte stores. Columns >= M and rows >= K are skipped.
+    """
+    warp = tid // 32
+    lane = tid % 32
+    mend = min(m0 + TMT, M)
+    kk = warp
+    while kk < TKT:
+        k = k0 + kk
+        if k < K:
+            base = k * M + m0
+            end = k * M + mend
+            w0 = (base + 3) // 4
+            w1 = end // 4
+            w = w0 + lane
+            while w < w1:
+                off = 4 * w - base
+                q = off // 4
+                h = off % 4
+                v = types.uint32(tb[kk, q])
+                if h != 0:
+                    v = types.uint32(((v >> (8 * h)) | (tb[kk, q + 1] << (32 - 8 * h)))
+                                     & 0xFFFFFFFF)
+                st_b32(dst, 4 * w, v)
+                w += 32
+            head_end = min(4 * w0, end)
+            tail_start = max(4 * w1, head_end)
+            if lane < 3:
+                a = base + lane
+                if a < head_end:
+                    off = a - base
+                    dst[a] = (tb[kk, off // 4] >> (8 * (off % 4))) & 0xFF
+            elif lane < 6:
+                a = tail_start + lane - 3
+                if a < end:
+                    off = a - base
+                    dst[a] = (tb[kk, off // 4] >> (8 * (off % 4))) & 0xFF
+        kk += nthreads // 32

@@ -1,0 +1,70 @@
+"""Host-side helpers shared by the kernels' Python entry points: array module, allocation,
+pointer arguments, launch.
+
+On the GPU the arrays are CuPy arrays and kernels are CuPy ``Function`` objects taking CuPy
+arrays (passed as data pointers) and ``numpy.int64`` scalars, launched on CuPy's current
+stream without synchronizing. Under the simulator (CPU tests) the same entry points take NumPy
+arrays, and pointer arguments become flat NumPy views of the element type the kernel indexes.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .._arrays import BF16
+from . import _device as dev
+from ._numba import SIM
+
+_KIND_OF = {np.dtype(np.float32): dev.F32, np.dtype(np.float16): dev.F16}
+
+
+def kind_of(arr, dtype):
+    """Input kind (dev.F32 / BF16 / F16) from the logical dtype (device bf16 is uint16)."""
+    logical = np.dtype(dtype) if dtype is not None else arr.dtype
+    if logical == BF16:
+        return dev.BF16
+    kind = _KIND_OF.get(logical)
+    if kind is None:
+        raise TypeError(f"quantize takes float32, bfloat16 or float16 input, got {logical}")
+    if arr.dtype.itemsize != dev.ITEMSIZE[kind]:
+        raise TypeError(f"array of dtype {arr.dtype} does not hold {logical} elements")
+    return kind
+
+
+def module_of(arr):
+    """numpy or cupy, whichever `arr` belongs to."""
+    if isinstance(arr, np.ndarray):
+        return np
+    import cupy
+
+    return cupy
+
+
+def data_ptr(arr) -> int:
+    return arr.ctypes.data if isinstance(arr, np.ndarray) else arr.data.ptr
+
+
+def pointer_arg(arr, np_dtype):
+    """Kernel pointer argument for `arr`: the array itself on the GPU (CuPy passes its data
+    pointer); under the simulator a flat view typed as the kernel indexes it."""
+    if SIM:
+        return arr.reshape(-1).view(np_dtype)
+    return arr
+
+
+def unused_pointer(like):
+    """A pointer argument for an output a specialization never touches."""
+    if SIM:
+        return np.zeros(16, dtype=np.uint8)
+    return like
+
+
+def i64(v):
+    return np.int64(v)
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def round_up(a, b):
+    return -(-a // b) * b

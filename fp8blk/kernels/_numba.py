@@ -1,0 +1,416 @@
+"""The one module that imports ``numba.cuda``; low-level device primitives with simulator twins.
+
+Everything GPU-specific that Numba cannot express directly lives here, so that a switch to
+numba-cuda-mlir (or a new Numba release) touches one file:
+
+* a NumPy >= 2.5 shim (numba-cuda 0.30.4 overloads the removed ``np.row_stack``);
+* ``cuda``, ``types`` and ``SIM`` (True under ``NUMBA_ENABLE_CUDASIM=1``);
+* device primitives. On the GPU they are ``@intrinsic`` inline PTX (16-byte non-coherent loads,
+  vector stores, ``cvt.rn.satfinite`` FP8 packs, bf16/fp16 conversions, bit casts); under the
+  simulator they are plain Python on NumPy scalars with the same results (bit arithmetic for
+  FP8, shared-memory exchange instead of warp shuffles);
+* ``compile_kernel(pyfunc, argtypes)``: compile a kernel for the current device and return a
+  CuPy ``Function`` (raw-pointer launch on CuPy's current stream, ~5 us of host time), or under
+  the simulator a callable running the simulated kernel; ``compile_ptx_sm90`` for CPU tests.
+
+Conventions used by every primitive:
+  * pointers are ``CPointer(uint32)`` / ``CPointer(uint8)`` / ... on the GPU and 1-D NumPy
+    arrays of that dtype under the simulator; indices count elements of the pointer's type;
+  * FP8 packs take four float32 values and return one uint32 holding their bytes, the first
+    value in the lowest byte (the byte at the lowest address after a little-endian store).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+if not hasattr(np, "row_stack"):  # numba-cuda 0.30.4 overloads it; NumPy 2.5 removed it
+    np.row_stack = np.vstack
+
+from numba import config as _numba_config  # noqa: E402
+from numba import cuda, types  # noqa: E402
+
+SIM = bool(_numba_config.ENABLE_CUDASIM)
+
+__all__ = ["cuda", "types", "SIM", "device", "f32_bits", "bits_f32", "ld_v4", "st_v4", "st_v2",
+           "fmax32", "pack4_e4m3", "pack4_e5m2", "pack4_fp8", "bf16x2_f32", "f16x2_f32",
+           "f32_bf16_bits", "f32_f16_bits", "group_fmax", "ptr", "compile_kernel",
+           "compile_ptx_sm90", "FULL_MASK", "prmt", "st_b32"]
+
+FULL_MASK = 0xFFFFFFFF
+
+
+def ptr(dtype):
+    """Numba argument type of a raw device pointer to `dtype`, e.g. ``ptr(types.uint32)``."""
+    return types.CPointer(dtype)
+
+
+def device(fn):
+    """Decorator for device helpers: an always-inlined Numba device function (or, under the
+    simulator, a simulated device function)."""
+    if SIM:
+        return cuda.jit(device=True)(fn)
+    return cuda.jit(device=True, inline="always")(fn)
+
+
+if SIM:
+    # ---------------------------------------------------------------------------------------
+    # Simulator twins: NumPy scalar arithmetic with the hardware's results.
+    import threading
+
+    _U32 = np.uint32
+
+    def f32_bits(x):
+        """float32 -> its uint32 bit pattern."""
+        return np.float32(x).view(np.uint32)
+
+    def bits_f32(u):
+        """uint32 bit pattern -> float32."""
+        return np.uint32(int(u) & 0xFFFFFFFF).view(np.float32)
+
+    def ld_v4(p, i):
+        """Four uint32 words p[i..i+3] (one 16-byte load on the GPU; i % 4 == 0)."""
+        return _U32(p[i]), _U32(p[i + 1]), _U32(p[i + 2]), _U32(p[i + 3])
+
+    def st_v4(p, i, a, b, c, d):
+        """Store four uint32 words at p[i..i+3] (one 16-byte store; i % 4 == 0)."""
+        p[i], p[i + 1], p[i + 2], p[i + 3] = a, b, c, d
+
+    def st_v2(p, i, a, b):
+        """Store two uint32 words at p[i..i+1] (one 8-byte store; i % 2 == 0)."""
+        p[i], p[i + 1] = a, b
+
+    def st_b32(p, i, v):
+        """Store uint32 `v` at byte offset i (i % 4 == 0) of a uint8 pointer, little-endian."""
+        v = int(v)
+        p[i], p[i + 1], p[i + 2], p[i + 3] = (v & 0xFF, (v >> 8) & 0xFF, (v >> 16) & 0xFF,
+                                              (v >> 24) & 0xFF)
+
+    def fmax32(a, b):
+        """NaN-ignoring max of two float32 (fmaxf: NaN only if both are NaN)."""
+        return np.fmax(np.float32(a), np.float32(b))
+
+    def _encode_fp8(v, mbits, bias, fmax):
+        """Round one float32 to FP8 (RNE, satfinite, NaN -> 0x7F) by bit arithmetic."""
+        v = np.float32(v)
+        if v != v:
+            return 0x7F
+        sign = (int(f32_bits(v)) >> 24) & 0x80
+        mag = min(abs(v), np.float32(fmax))
+        shift = 23 - mbits
+        if mag < np.float32(2.0 ** (1 - bias)):
+            code = int(np.rint(mag * np.float32(2.0 ** (mbits - 1 + bias))))
+        else:
+            b = int(f32_bits(mag))
+            code = ((b + (1 << (shift - 1)) - 1 + ((b >> shift) & 1)) >> shift) \
+                - ((127 - bias) << mbits)
+        return code | sign
+
+    def pack4_e4m3(a, b, c, d):
+        return _U32(_encode_fp8(a, 3, 7, 448.0) | (_encode_fp8(b, 3, 7, 448.0) << 8)
+                    | (_encode_fp8(c, 3, 7, 448.0) << 16) | (_encode_fp8(d, 3, 7, 448.0) << 24))
+
+    def pack4_e5m2(a, b, c, d):
+        return _U32(_encode_fp8(a, 2, 15, 57344.0) | (_encode_fp8(b, 2, 15, 57344.0) << 8)
+                    | (_encode_fp8(c, 2, 15, 57344.0) << 16)
+                    | (_encode_fp8(d, 2, 15, 57344.0) << 24))
+
+    def bf16x2_f32(w):
+        """uint32 holding two bf16 (element 0 in the low half) -> two float32."""
+        w = int(w)
+        return bits_f32((w & 0xFFFF) << 16), bits_f32(w & 0xFFFF0000)
+
+    def f16x2_f32(w):
+        """uint32 holding two fp16 (element 0 in the low half) -> two float32."""
+        w = int(w)
+        return (np.float32(np.uint16(w & 0xFFFF).view(np.float16)),
+                np.float32(np.uint16(w >> 16).view(np.float16)))
+
+    def f32_bf16_bits(x):
+        """float32 -> bf16 bits (round to nearest even; NaN -> 0x7FC0 as ml_dtypes gives for
+        the quiet NaN)."""
+        import ml_dtypes
+
+        x = np.float32(x)
+        if x != x:
+            return np.uint16(0x7FC0)
+        return np.array(x).astype(ml_dtypes.bfloat16).view(np.uint16)[()]
+
+    def f32_f16_bits(x):
+        """float32 -> fp16 bits (round to nearest even, overflow to inf; NaN -> 0x7E00)."""
+        x = np.float32(x)
+        if x != x:
+            return np.uint16(0x7E00)
+        with np.errstate(over="ignore"):
+            return np.float16(x).view(np.uint16)
+
+    def group_fmax(v, lane_mask_lo, lane_mask_hi, scratch, tid):
+        """fmax of `v` over the lanes whose lane ids differ from this one only in the bits
+        lane_mask_lo..lane_mask_hi (powers of two, lo <= hi); every thread of the block must
+        call it. ``scratch``: a float32 shared array of at least blockDim.x entries."""
+        th = threading.current_thread()
+        scratch[tid] = v
+        th.syncthreads()
+        bits = 0
+        m = lane_mask_lo
+        while m <= lane_mask_hi:
+            bits |= m
+            m *= 2
+        base = tid & ~bits
+        out = np.float32(np.nan)
+        for other in range(32):
+            if other & ~bits == 0:
+                out = np.fmax(out, scratch[base | other])
+        th.syncthreads()
+        return np.float32(out)
+
+    def pack4_fp8(fmt_is_e4m3):
+        return pack4_e4m3 if fmt_is_e4m3 else pack4_e5m2
+
+    def prmt(a, b, selector):
+        """PTX ``prmt.b32`` (default mode): byte i of the result is byte (selector nibble i)
+        of the 8-byte value b:a."""
+        both = (int(b) << 32) | int(a)
+        out = 0
+        for i in range(4):
+            sel = (int(selector) >> (4 * i)) & 0x7
+            out |= ((both >> (8 * sel)) & 0xFF) << (8 * i)
+        return np.uint32(out)
+
+else:
+    # ---------------------------------------------------------------------------------------
+    # GPU: inline PTX through @intrinsic.
+    from llvmlite import ir
+    from numba.cuda.extending import intrinsic
+
+    _I32 = ir.IntType(32)
+    _I16 = ir.IntType(16)
+    _F32 = ir.FloatType()
+
+    def _asm(builder, ret, args, text, constraints, side_effect=False):
+        fnty = ir.FunctionType(ret, [a.type for a in args])
+        return builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=side_effect), args)
+
+    @intrinsic
+    def f32_bits(typingctx, x):
+        """float32 -> its uint32 bit pattern."""
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], _I32)
+        return types.uint32(types.float32), codegen
+
+    @intrinsic
+    def bits_f32(typingctx, u):
+        """uint32 bit pattern -> float32 (any integer type is truncated to 32 bits)."""
+        def codegen(context, builder, sig, args):
+            v = args[0]
+            if v.type.width != 32:
+                v = builder.trunc(v, _I32) if v.type.width > 32 else builder.zext(v, _I32)
+            return builder.bitcast(v, _F32)
+        return types.float32(u), codegen
+
+    @intrinsic
+    def ld_v4(typingctx, p, i):
+        """Four uint32 words p[i..i+3] in one ``ld.global.nc.v4.u32`` (16-byte aligned)."""
+        sig = types.UniTuple(types.uint32, 4)(p, i)
+
+        def codegen(context, builder, sig, args):
+            addr = builder.gep(args[0], [args[1]])
+            st = ir.LiteralStructType([_I32] * 4)
+            r = _asm(builder, st, [addr], "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];",
+                     "=r,=r,=r,=r,l")
+            return context.make_tuple(builder, sig.return_type,
+                                      [builder.extract_value(r, k) for k in range(4)])
+        return sig, codegen
+
+    @intrinsic
+    def st_v4(typingctx, p, i, a, b, c, d):
+        """Store four uint32 words at p[i..i+3] in one ``st.global.v4.u32``."""
+        sig = types.void(p, i, types.uint32, types.uint32, types.uint32, types.uint32)
+
+        def codegen(context, builder, sig, args):
+            addr = builder.gep(args[0], [args[1]])
+            _asm(builder, ir.VoidType(), [addr] + list(args[2:]),
+                 "st.global.v4.u32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r,~{memory}", True)
+            return context.get_dummy_value()
+        return sig, codegen
+
+    @intrinsic
+    def st_v2(typingctx, p, i, a, b):
+        """Store two uint32 words at p[i..i+1] in one ``st.global.v2.u32``."""
+        sig = types.void(p, i, types.uint32, types.uint32)
+
+        def codegen(context, builder, sig, args):
+            addr = builder.gep(args[0], [args[1]])
+            _asm(builder, ir.VoidType(), [addr] + list(args[2:]),
+                 "st.global.v2.u32 [$0], {$1, $2};", "l,r,r,~{memory}", True)
+            return context.get_dummy_value()
+        return sig, codegen
+
+    @intrinsic
+    def st_b32(typingctx, p, i, v):
+        """Store uint32 `v` at byte offset i (i % 4 == 0) of a uint8 pointer."""
+        sig = types.void(p, i, types.uint32)
+
+        def codegen(context, builder, sig, args):
+            addr = builder.gep(args[0], [args[1]])
+            addr = builder.bitcast(addr, _I32.as_pointer())
+            builder.store(args[2], addr, align=4)
+            return context.get_dummy_value()
+        return sig, codegen
+
+    def _pack4(kind):
+        text = ("{\n.reg .b16 lo, hi;\n"
+                f"cvt.rn.satfinite.{kind}x2.f32 lo, $2, $1;\n"
+                f"cvt.rn.satfinite.{kind}x2.f32 hi, $4, $3;\n"
+                "mov.b32 $0, {lo, hi};\n}")
+
+        @intrinsic
+        def pack4(typingctx, a, b, c, d):
+            sig = types.uint32(types.float32, types.float32, types.float32, types.float32)
+
+            def codegen(context, builder, sig, args):
+                return _asm(builder, _I32, list(args), text, "=r,f,f,f,f")
+            return sig, codegen
+        return pack4
+
+    pack4_e4m3 = _pack4("e4m3")
+    pack4_e5m2 = _pack4("e5m2")
+
+    @intrinsic
+    def _fmax_f32(typingctx, a, b):
+        def codegen(context, builder, sig, args):
+            return _asm(builder, _F32, list(args), "max.f32 $0, $1, $2;", "=f,f,f")
+        return types.float32(types.float32, types.float32), codegen
+
+    fmax32 = _fmax_f32
+
+    @intrinsic
+    def bf16x2_f32(typingctx, w):
+        """uint32 holding two bf16 (element 0 in the low half) -> two float32."""
+        sig = types.UniTuple(types.float32, 2)(types.uint32)
+
+        def codegen(context, builder, sig, args):
+            w = args[0]
+            lo = builder.bitcast(builder.shl(w, ir.Constant(_I32, 16)), _F32)
+            hi = builder.bitcast(builder.and_(w, ir.Constant(_I32, 0xFFFF0000)), _F32)
+            return context.make_tuple(builder, sig.return_type, [lo, hi])
+        return sig, codegen
+
+    @intrinsic
+    def f16x2_f32(typingctx, w):
+        """uint32 holding two fp16 (element 0 in the low half) -> two float32."""
+        sig = types.UniTuple(types.float32, 2)(types.uint32)
+
+        def codegen(context, builder, sig, args):
+            st = ir.LiteralStructType([_F32, _F32])
+            r = _asm(builder, st, [args[0]],
+                     "{\n.reg .b16 l, h;\nmov.b32 {l, h}, $2;\ncvt.f32.f16 $0, l;\n"
+                     "cvt.f32.f16 $1, h;\n}", "=f,=f,r")
+            return context.make_tuple(builder, sig.return_type,
+                                      [builder.extract_value(r, 0), builder.extract_value(r, 1)])
+        return sig, codegen
+
+    def _f32_to_16(cvt, nan_bits):
+        # NaN is written as the quiet NaN NumPy / ml_dtypes produce, not the GPU's canonical one.
+        text = ("{\n.reg .b16 h;\n.reg .pred p;\n"
+                f"cvt.rn.{cvt}.f32 h, $1;\n"
+                "setp.nan.f32 p, $1, $1;\n"
+                f"@p mov.b16 h, {nan_bits};\n"
+                "mov.b16 $0, h;\n}")
+
+        @intrinsic
+        def conv(typingctx, x):
+            def codegen(context, builder, sig, args):
+                return _asm(builder, _I16, [args[0]], text, "=h,f")
+            return types.uint16(types.float32), codegen
+        return conv
+
+    f32_bf16_bits = _f32_to_16("bf16", "0x7FC0")
+    f32_f16_bits = _f32_to_16("f16", "0x7E00")
+
+    @cuda.jit(device=True, inline="always")
+    def group_fmax(v, lane_mask_lo, lane_mask_hi, scratch, tid):
+        """fmax of `v` over the lanes whose lane ids differ from this one only in the bits
+        lane_mask_lo..lane_mask_hi (powers of two, lo <= hi), by xor shuffles; every lane of
+        the warp must call it. ``scratch`` and ``tid`` are unused here (simulator only)."""
+        m = lane_mask_lo
+        while m <= lane_mask_hi:
+            v = fmax32(v, cuda.shfl_xor_sync(FULL_MASK, v, m))
+            m *= 2
+        return v
+
+    def pack4_fp8(fmt_is_e4m3):
+        return pack4_e4m3 if fmt_is_e4m3 else pack4_e5m2
+
+    @intrinsic
+    def prmt(typingctx, a, b, selector):
+        """PTX ``prmt.b32``: byte i of the result is byte (selector nibble i) of b:a."""
+        sig = types.uint32(types.uint32, types.uint32, types.uint32)
+
+        def codegen(context, builder, sig, args):
+            return _asm(builder, _I32, list(args), "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r")
+        return sig, codegen
+
+
+# ------------------------------------------------------------------------------------------
+# Compilation and launch
+
+
+def compile_ptx_sm90(pyfunc, argtypes, launch_bounds=None):
+    """PTX of kernel `pyfunc` for compute capability 9.0, without a GPU (CPU tests).
+
+    Device helpers need Numba to believe a cc-9.0 device is current; the patch is scoped to
+    this call.
+    """
+    import numba.cuda.dispatcher as dispatcher
+
+    class _CC90:
+        compute_capability = (9, 0)
+
+    saved = dispatcher.get_current_device
+    dispatcher.get_current_device = lambda: _CC90()
+    try:
+        ptx, _ = cuda.compile_ptx(pyfunc, types.void(*argtypes), cc=(9, 0),
+                                  launch_bounds=launch_bounds)
+    finally:
+        dispatcher.get_current_device = saved
+    return ptx
+
+
+class _SimKernel:
+    """Simulator launch with the same call convention as a CuPy Function:
+    ``k(grid, block, args)``, pointer arguments being 1-D NumPy arrays."""
+
+    def __init__(self, pyfunc):
+        self._kernel = cuda.jit(pyfunc)
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        with np.errstate(all="ignore"):
+            self._kernel[grid, block](*args)
+
+
+def compile_kernel(pyfunc, argtypes, launch_bounds=None):
+    """Compile kernel `pyfunc` for the current GPU with raw-pointer / scalar `argtypes` and
+    return a launchable ``f(grid, block, args)``.
+
+    On the GPU this is a ``cupy.cuda.function.Function`` loaded from Numba's cubin: launching
+    it costs a few microseconds, passes CuPy arrays as their data pointers, and runs on CuPy's
+    current stream (pass integer scalars as ``numpy.int64``). Under the simulator, a
+    ``_SimKernel`` taking NumPy arrays. Callers cache the result (compilation takes ~1 s).
+    """
+    if SIM:
+        return _SimKernel(pyfunc)
+    import cupy
+
+    sig = types.void(*argtypes)
+    kwargs = {"launch_bounds": launch_bounds} if launch_bounds else {}
+    dispatcher = cuda.jit(sig, **kwargs)(pyfunc)
+    overload = dispatcher.overloads[tuple(argtypes)]
+    cubin = overload._codelibrary.get_cubin()
+    module = cupy.cuda.function.Module()
+    image = getattr(cubin, "code", cubin)  # numba-cuda 0.30 returns a cuda.core ObjectCode
+    if isinstance(image, str):
+        with open(image, "rb") as f:
+            image = f.read()
+    module.load(bytes(image))
+    function = module.get_function(overload.entry_name)
+    return function

@@ -1,0 +1,101 @@
+"""GPU ``quantize``: allocate the DESIGN §4 buffers and launch one tiled kernel (one pass over
+the input for any combination of rowwise and columnwise outputs).
+
+Same signature and return convention as ``fp8blk.reference.quantize``, plus ``dtype``: the
+logical input dtype, needed because device bf16 arrays are uint16 bit patterns.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import scaling
+from .._arrays import BF16
+from ..formats import Block1D, Block2D, E4M3, MXFP8
+from . import _device as dev
+from . import _quantize_kernel as qk
+from ._host import cdiv, data_ptr, i64, kind_of, module_of, pointer_arg, round_up, unused_pointer
+
+_RECIPE_KIND = {Block1D: qk.BLOCK1D, Block2D: qk.BLOCK2D, MXFP8: qk.MXFP8}
+_VMAX = {dev.F32: scaling.FLT_MAX, dev.BF16: scaling.dtype_max(BF16),
+         dev.F16: scaling.dtype_max(np.float16)}
+
+# (recipe, kind, rowwise, columnwise, vec, col_vec) -> (kernel, spec): the per-call lookup
+_kernels = {}
+
+
+def _kernel_for(recipe, kind, rowwise, columnwise, vec, col_vec):
+    key = (recipe, kind, rowwise, columnwise, vec, col_vec)
+    hit = _kernels.get(key)
+    if hit is None:
+        is_mx = isinstance(recipe, MXFP8)
+        spec = qk.QuantSpec(
+            recipe=_RECIPE_KIND[type(recipe)], kind=kind, e4m3=recipe.fmt is E4M3,
+            rowwise=bool(rowwise), columnwise=bool(columnwise),
+            pow2=False if is_mx else recipe.pow2_scales,
+            eps=0.0 if is_mx else recipe.amax_epsilon, vmax=_VMAX[kind], vec=vec,
+            col_vec=col_vec)
+        hit = (qk.get_kernel(spec), spec)
+        _kernels[key] = hit
+    return hit
+
+
+_shapes = {}
+
+
+def output_shapes(recipe, rows, cols, rowwise, columnwise):
+    """[(shape, dtype)] of (row_data, row_sinv, col_data, col_sinv), None where not asked
+    (memoized: this is on the per-call host path)."""
+    key = (type(recipe), rows, cols, rowwise, columnwise)
+    hit = _shapes.get(key)
+    if hit is None:
+        if len(_shapes) > 4096:
+            _shapes.clear()
+        hit = _shapes[key] = _output_shapes(recipe, rows, cols, rowwise, columnwise)
+    return hit
+
+
+def _output_shapes(recipe, rows, cols, rowwise, columnwise):
+    if isinstance(recipe, Block1D):
+        row = [((rows, cols), np.uint8), ((cdiv(cols, 128), round_up(rows, 4)), np.float32)]
+        col = [((cols, rows), np.uint8), ((cdiv(rows, 128), round_up(cols, 4)), np.float32)]
+    elif isinstance(recipe, Block2D):
+        mt, kt = cdiv(rows, 128), cdiv(cols, 128)
+        row = [((rows, cols), np.uint8), ((mt, round_up(kt, 4)), np.float32)]
+        col = [((cols, rows), np.uint8), ((kt, round_up(mt, 4)), np.float32)]
+    else:
+        row = [((rows, cols), np.uint8), ((round_up(rows, 128), round_up(cols // 32, 4)),
+                                          np.uint8)]
+        col = [((rows, cols), np.uint8), ((round_up(rows // 32, 4), round_up(cols, 128)),
+                                          np.uint8)]
+    return (row if rowwise else [None, None]) + (col if columnwise else [None, None])
+
+
+def quantize(x2d, recipe, rowwise=True, columnwise=False, dtype=None):
+    """Quantize a C-contiguous 2-D (M, K) device array (float32, float16, or bf16 held as
+    uint16 with ``dtype`` = bfloat16). Returns ``(row_data, row_sinv, col_data, col_sinv)``
+    (None for a direction not asked for) in DESIGN §4 layouts, without synchronizing."""
+    xp = module_of(x2d)
+    kind = kind_of(x2d, dtype)
+    rows, cols = x2d.shape
+    if isinstance(recipe, MXFP8) and (rows % 32 or cols % 32):
+        raise ValueError(f"MXFP8 needs M and K to be multiples of 32, got ({rows}, {cols})")
+    out = [None if s is None else xp.empty(s[0], dtype=s[1])
+           for s in output_shapes(recipe, rows, cols, rowwise, columnwise)]
+    if rows == 0 or cols == 0:
+        return tuple(out)  # every scale tensor is empty too (DESIGN §4 shapes)
+    ve = dev.ELEMS_PER_CHUNK[kind]
+    vec = cols % ve == 0 and data_ptr(x2d) % 16 == 0
+    kernel, spec = _kernel_for(recipe, kind, rowwise, columnwise, vec, rows % 16 == 0)
+    in_t = np.uint32 if (vec or kind == dev.F32) else np.uint16
+    data_t = np.uint32 if vec else np.uint8
+    sinv_t = np.uint8 if isinstance(recipe, MXFP8) else np.float32
+    col_t = np.uint32 if (isinstance(recipe, MXFP8) and vec) or (
+        not isinstance(recipe, MXFP8) and spec.col_vec) else np.uint8
+    args = (pointer_arg(x2d, in_t),
+            pointer_arg(out[0], data_t) if rowwise else unused_pointer(x2d),
+            pointer_arg(out[1], sinv_t) if rowwise else unused_pointer(x2d),
+            pointer_arg(out[2], col_t) if columnwise else unused_pointer(x2d),
+            pointer_arg(out[3], sinv_t) if columnwise else unused_pointer(x2d),
+            i64(rows), i64(cols))
+    kernel(qk.grid(spec, rows, cols), (qk.THREADS, 1, 1), args)
+    return tuple(out)

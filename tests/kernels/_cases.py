@@ -1,0 +1,68 @@
+"""Shared test data for the kernel tests (simulator and GPU): random inputs that contain the
+special values the kernels must get right, and a byte-for-byte comparison."""
+import ml_dtypes
+import numpy as np
+
+import fp8blk as fb
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = {"f32": np.dtype(np.float32), "bf16": BF16, "f16": np.dtype(np.float16)}
+
+
+def make_input(rng, shape, dtype, specials=True):
+    """Random (…, K) array of `dtype` with magnitudes over many binades, plus (when
+    `specials`) NaN, -NaN, +-inf, a zero 128x128 region, an all-NaN 1x32 run, the dtype's max,
+    subnormal-range values and a tiny-amax row."""
+    dtype = np.dtype(dtype)
+    x = rng.standard_normal(shape).astype(np.float32)
+    x *= np.exp2(rng.integers(-8, 9, size=shape)).astype(np.float32)
+    flat = x.reshape(-1, shape[-1])
+    m, k = flat.shape
+    if specials and m and k:
+        n = flat.size
+        idx = rng.choice(n, size=min(n, 24), replace=False)
+        vals = [np.nan, -np.nan, np.inf, -np.inf]
+        for i, j in enumerate(idx[:16]):
+            flat.flat[j] = vals[i % 4]
+        if m >= 256 and k >= 256:
+            flat[128:256, 128:256] = 0.0            # a zero 128x128 tile
+        flat[m - 1, :] = 0.0                        # zero row blocks
+        flat[:, k - 1] = 0.0                        # zero column blocks
+        if m > 2:
+            flat[1, : min(k, 32)] = np.nan          # an all-NaN 1x32 block
+        if m > 3:
+            flat[2, :] *= np.float32(2.0 ** -120)   # tiny amax (scale overflow path)
+        big = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max) if dtype == BF16 else \
+            float(np.finfo(dtype).max)
+        if m > 4:
+            flat[3, : min(k, 7)] = big * np.array([1, -1, 1, 0.5, -1, 1, 1][: min(k, 7)])
+    with np.errstate(over="ignore"):
+        return x.astype(dtype)
+
+
+def same_bytes(got, want):
+    """None if equal byte for byte (shape and dtype too), else a message."""
+    if got is None or want is None:
+        return None if got is None and want is None else f"one is None: {got!r} vs {want!r}"
+    got = np.asarray(got)
+    if got.shape != want.shape:
+        return f"shape {got.shape} != {want.shape}"
+    if got.dtype.itemsize != want.dtype.itemsize:
+        return f"dtype {got.dtype} != {want.dtype}"
+    g = np.ascontiguousarray(got).view(np.uint8).reshape(-1)
+    w = np.ascontiguousarray(want).view(np.uint8).reshape(-1)
+    bad = np.flatnonzero(g != w)
+    if bad.size == 0:
+        return None
+    return f"{bad.size} bytes differ, first at byte {bad[:5]}: got {g[bad[:5]]} want {w[bad[:5]]}"
+
+
+RECIPES = {
+    "b1d": fb.Block1D(),
+    "b1d-e5m2-nopow2": fb.Block1D(fmt=fb.E5M2, pow2_scales=False),
+    "b1d-eps": fb.Block1D(pow2_scales=False, amax_epsilon=1e-3),
+    "b2d": fb.Block2D(),
+    "b2d-e5m2-nopow2": fb.Block2D(fmt=fb.E5M2, pow2_scales=False),
+    "mx": fb.MXFP8(),
+    "mx-e5m2": fb.MXFP8(fmt=fb.E5M2),
+}

@@ -1,0 +1,74 @@
+"""Runs every kernel under the Numba CUDA simulator on tiny grids and compares its bytes with
+the reference. Started by test_sim.py in a subprocess with NUMBA_ENABLE_CUDASIM=1 (the variable
+must be set before numba is imported, so these cases cannot share a process with tests that
+import numba normally). Prints one JSON object {case: null | error message}.
+
+Usage: NUMBA_ENABLE_CUDASIM=1 python tests/kernels/sim_runner.py SEED
+"""
+import json
+import os
+import sys
+import traceback
+import warnings
+
+assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run with NUMBA_ENABLE_CUDASIM=1"
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import numpy as np  # noqa: E402
+
+from _cases import DTYPES, RECIPES, make_input, same_bytes  # noqa: E402
+from sim_cases import DEQUANT_CASES, QUANTIZE_CASES, TRANSPOSE_CASES  # noqa: E402
+from fp8blk import reference as ref  # noqa: E402
+from fp8blk.kernels import quantize as kquantize  # noqa: E402
+from fp8blk.kernels.dequant import dequantize as kdq  # noqa: E402
+from fp8blk.kernels.transpose import block2d_columnwise_from_rowwise as ktr  # noqa: E402
+
+def run(seed):
+    warnings.simplefilter("ignore")
+    rng = np.random.default_rng(seed)
+    results = {}
+
+    def case(name, fn):
+        try:
+            results[name] = fn()
+        except Exception:  # report, do not stop the other cases
+            results[name] = traceback.format_exc(limit=4)
+
+    for rname, dname, rw, cw, shape in QUANTIZE_CASES:
+        def q(rname=rname, dname=dname, rw=rw, cw=cw, shape=shape):
+            x = make_input(rng, shape, DTYPES[dname])
+            arg = x.view(np.uint16) if dname == "bf16" else x
+            got = kquantize(arg, RECIPES[rname], rw, cw, dtype=DTYPES[dname])
+            want = ref.quantize(x, RECIPES[rname], rw, cw)
+            errs = [same_bytes(g, w) for g, w in zip(got, want)]
+            errs = [f"buffer {i}: {e}" for i, e in enumerate(errs) if e]
+            return "; ".join(errs) or None
+        case(f"quantize-{rname}-{dname}-r{int(rw)}c{int(cw)}-{shape[0]}x{shape[1]}", q)
+
+    for rname, cw, oname, shape in DEQUANT_CASES:
+        def dq(rname=rname, cw=cw, oname=oname, shape=shape):
+            x = make_input(rng, shape, np.float32)
+            bufs = ref.quantize(x, RECIPES[rname], not cw, cw)
+            got = kdq(RECIPES[rname], shape, *bufs, dtype=DTYPES[oname])
+            return same_bytes(got, ref.dequantize(RECIPES[rname], shape, *bufs,
+                                                  dtype=DTYPES[oname]))
+        case(f"dequantize-{rname}-c{int(cw)}-{oname}-{shape[0]}x{shape[1]}", dq)
+
+    for shape in TRANSPOSE_CASES:
+        def tr(shape=shape):
+            x = make_input(rng, shape, np.float32)
+            data, sinv, _, _ = ref.quantize(x, RECIPES["b2d"], True, False)
+            want = ref.block2d_columnwise_from_rowwise(data, sinv)
+            out = (np.zeros_like(want[0]), np.zeros_like(want[1]))
+            got = ktr(data, sinv, out=out)
+            if got[0] is not out[0] or got[1] is not out[1]:
+                return "out buffers not reused"
+            errs = [same_bytes(g, w) for g, w in zip(got, want)]
+            return "; ".join(e for e in errs if e) or None
+        case(f"transpose-{shape[0]}x{shape[1]}", tr)
+    return results
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(int(sys.argv[1]))))

@@ -1,0 +1,147 @@
+"""GPU kernels byte for byte against the reference on fresh random data (run on the H200:
+``pytest -m gpu tests/kernels/test_gpu.py``; skipped without CUDA + CuPy)."""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _cases import BF16, DTYPES, RECIPES, make_input, same_bytes  # noqa: E402
+
+import fp8blk as fb  # noqa: E402
+from fp8blk import reference as ref  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+DIRECTIONS = [(True, False), (False, True), (True, True)]
+
+
+def _to_device(x):
+    import cupy
+
+    return cupy.asarray(x.view(np.uint16) if x.dtype == BF16 else x)
+
+
+def _kernels():
+    from fp8blk import kernels
+
+    return kernels
+
+
+def _check_quantize(x, recipe, rw, cw):
+    got = _kernels().quantize(_to_device(x), recipe, rw, cw, dtype=x.dtype)
+    want = ref.quantize(x, recipe, rw, cw)
+    errs = [same_bytes(None if g is None else g.get(), w) for g, w in zip(got, want)]
+    errs = [f"buffer {i}: {e}" for i, e in enumerate(errs) if e]
+    assert not errs, "; ".join(errs)
+
+
+@pytest.mark.parametrize("rname", sorted(RECIPES))
+@pytest.mark.parametrize("dname", sorted(DTYPES))
+@pytest.mark.parametrize("rw,cw", DIRECTIONS)
+def test_quantize_medium_all_variants(rng, rname, dname, rw, cw):
+    shape = (1056, 1120) if rname.startswith("mx") else (1000, 1100)
+    _check_quantize(make_input(rng, shape, DTYPES[dname]), RECIPES[rname], rw, cw)
+
+
+@pytest.mark.parametrize("rname", ["b1d", "b2d", "mx", "b1d-e5m2-nopow2", "b2d-e5m2-nopow2"])
+@pytest.mark.parametrize("shape", [(4096, 4096), (8191, 8320)])
+def test_quantize_large(rng, rname, shape):
+    if rname.startswith("mx"):
+        shape = (shape[0] + 1, shape[1]) if shape[0] % 2 else shape
+    _check_quantize(make_input(rng, shape, BF16), RECIPES[rname], True, True)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 5), (17, 129), (129, 17), (2, 128)])
+@pytest.mark.parametrize("rname", ["b1d", "b2d"])
+def test_quantize_tiny_and_unaligned(rng, rname, shape):
+    for dname in DTYPES:
+        _check_quantize(make_input(rng, shape, DTYPES[dname]), RECIPES[rname], True, True)
+
+
+def test_quantize_empty():
+    import cupy
+
+    for recipe in (fb.Block1D(), fb.Block2D(), fb.MXFP8()):
+        for shape in ((0, 64), (64, 0)):
+            got = _kernels().quantize(cupy.zeros(shape, np.float32), recipe, True, True)
+            want = ref.quantize(np.zeros(shape, np.float32), recipe, True, True)
+            for g, w in zip(got, want):
+                assert g.shape == w.shape and g.dtype == w.dtype
+
+
+@pytest.mark.parametrize("rname", sorted(RECIPES))
+@pytest.mark.parametrize("columnwise", [False, True])
+@pytest.mark.parametrize("oname", sorted(DTYPES))
+def test_dequantize(rng, rname, columnwise, oname):
+    shape = (1056, 1120) if rname.startswith("mx") else (1000, 1100)
+    x = make_input(rng, shape, np.float32)
+    bufs = ref.quantize(x, RECIPES[rname], not columnwise, columnwise)
+    import cupy
+
+    dev_bufs = [None if b is None else cupy.asarray(b) for b in bufs]
+    got = _kernels().dequantize(RECIPES[rname], shape, *dev_bufs, dtype=DTYPES[oname])
+    want = ref.dequantize(RECIPES[rname], shape, *bufs, dtype=DTYPES[oname])
+    err = same_bytes(got.get(), want)
+    assert err is None, err
+
+
+@pytest.mark.parametrize("shape", [(4096, 4096), (8191, 8320), (129, 141), (1, 1)])
+def test_transpose_and_buffer_reuse(rng, shape):
+    import cupy
+
+    x = make_input(rng, shape, np.float32)
+    data, sinv, _, _ = ref.quantize(x, fb.Block2D(), True, False)
+    want = ref.block2d_columnwise_from_rowwise(data, sinv)
+    k = _kernels()
+    got = k.block2d_columnwise_from_rowwise(cupy.asarray(data), cupy.asarray(sinv))
+    for g, w in zip(got, want):
+        assert same_bytes(g.get(), w) is None
+    out = (cupy.zeros(want[0].shape, np.uint8), cupy.zeros(want[1].shape, np.float32))
+    got2 = k.block2d_columnwise_from_rowwise(cupy.asarray(data), cupy.asarray(sinv), out=out)
+    assert got2[0] is out[0] and got2[1] is out[1]
+    assert same_bytes(out[0].get(), want[0]) is None and same_bytes(out[1].get(), want[1]) is None
+
+
+def test_families_and_3d_input(rng):
+    """numpy -> numpy, cupy -> cupy, torch CUDA (bf16, 3-D) -> torch, equal bytes."""
+    import cupy
+
+    x = make_input(rng, (4, 96, 256), np.float32)
+    q_np = fb.quantize(x, fb.Block1D(), rowwise=True, columnwise=True)
+    q_cp = fb.quantize(cupy.asarray(x), fb.Block1D(), rowwise=True, columnwise=True)
+    assert isinstance(q_np.rowwise_data, np.ndarray)
+    assert isinstance(q_cp.rowwise_data, cupy.ndarray)
+    for name in ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"):
+        assert same_bytes(getattr(q_cp, name).get(), getattr(q_np, name)) is None, name
+    torch = pytest.importorskip("torch")
+    xb = make_input(rng, (2, 64, 384), BF16)
+    t = torch.from_numpy(xb.view(np.int16)).view(torch.bfloat16).cuda()
+    for recipe in (fb.Block1D(), fb.Block2D(), fb.MXFP8()):
+        q_t = fb.quantize(t, recipe, rowwise=True, columnwise=True)
+        q_h = fb.quantize(xb, recipe, rowwise=True, columnwise=True)
+        assert isinstance(q_t.rowwise_data, torch.Tensor) and q_t.rowwise_data.is_cuda
+        for name in ("rowwise_data", "rowwise_scale_inv", "columnwise_data",
+                     "columnwise_scale_inv"):
+            got = getattr(q_t, name).cpu().numpy()
+            assert same_bytes(got, getattr(q_h, name)) is None, (recipe, name)
+        y_t = q_t.dequantize(torch.bfloat16)
+        assert y_t.dtype == torch.bfloat16 and y_t.shape == t.shape
+        y_h = q_h.dequantize(BF16)
+        assert same_bytes(y_t.view(torch.int16).cpu().numpy(), y_h.view(np.int16)) is None
+    q2 = fb.quantize(t, fb.Block2D(), rowwise=True).create_columnwise()
+    q2h = fb.quantize(xb, fb.Block2D(), rowwise=True).create_columnwise()
+    assert same_bytes(q2.columnwise_data.cpu().numpy(), q2h.columnwise_data) is None
+
+
+def test_negative_nan_gives_reference_byte(rng):
+    """-NaN and NaN payloads must give the reference's 0x7F for both formats."""
+    nan_bits = np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFFFFFFF, 0xFF800001],
+                        dtype=np.uint32).view(np.float32)
+    x = make_input(rng, (256, 256), np.float32)
+    x[5, :5] = nan_bits
+    x[:5, 7] = nan_bits
+    for recipe in (fb.Block1D(), fb.Block1D(fmt=fb.E5M2), fb.Block2D(fmt=fb.E5M2), fb.MXFP8(),
+                   fb.MXFP8(fmt=fb.E5M2)):
+        _check_quantize(x, recipe, True, True)

@@ -16,18 +16,15 @@ shards cut arbitrarily, so the steps are:
 
 Buckets (at most two collectives per call, in this order):
 
-* Block2D (any fmt / pow2 / epsilon): fp32 tile amaxes. A tile this rank does not touch, or
-  whose touched elements are all NaN, contributes -1.0 (every real amax is >= 0), and -1.0 is
-  mapped back to NaN after the reduce. MPI's MAX does not ignore NaN the way ``fmaxf`` does,
-  so the NaN marker must never reach the collective; with -1.0 the reduce is exact, including
-  tiles that are all NaN (split across ranks or not).
+* Block2D (any fmt / pow2 / epsilon): fp32 tile amaxes.
 * MXFP8 (any fmt): each rank turns its partial amaxes into 1-byte E8M0 codes *before* the
   reduce; codes are monotone in amax, so the MAX of codes is the code of the MAX, and the
-  payload is half that of bf16 amaxes. Untouched blocks contribute 0. The one edge where this
-  differs from ``quantize``: a 1x32 / 32x1 block whose elements are ALL NaN and which is split
-  across ranks gets scale code 0, where quantize writes 255 (a rank that sees only NaN in a
-  block cannot tell whether another rank holds real values, and 255 would override them). Its
-  data bytes are NaN (0x7F) either way. An all-NaN block held whole by one rank gets 255.
+  payload is half that of bf16 amaxes.
+
+Block amaxes are TE's ``fmaxf`` reduction started at 0 (DESIGN §3, reference.block_amax): NaN is
+ignored, an all-NaN block has amax 0, and a block this rank does not touch contributes 0. So no
+buffer ever holds NaN and a plain MAX (MPI's, NCCL's, or of E8M0 codes, where amax 0 is code 0)
+over ranks is exact, whatever the shard boundaries -- including all-NaN blocks split across ranks.
 
 Overflow scale (DESIGN §3 step 4): when ``F / amax`` overflows fp32 (amax below ~F/FLT_MAX,
 only reachable with bf16 or fp32 model weights), ``quantize`` uses the input dtype's largest
@@ -46,8 +43,16 @@ Storage written per weight (``weight._buffers`` = [row_data, row_sinv, col_data,
   (h, w)); every scale_inv buffer held. Row-only weights pack and write rowwise only.
 * With ``fragments``, data bytes go to the fragments instead and the weight's data buffers are
   not touched (scales are still written into the weight). For Block2D a fragment is one uint8
-  array of n bytes (the rowwise bytes [o, o+n)); for MXFP8 a ``(row, col)`` pair, each n bytes or
-  None for a direction the weight does not hold.
+  array of n bytes (the rowwise bytes [o, o+n)); Block2D transposed columnwise data is then not
+  written (derive it after the gather with ``create_columnwise``). For MXFP8 a fragment is a
+  ``(row, col)`` pair, each n bytes or None for a direction the weight does not hold.
+
+Execution: host (NumPy) buffers run the NumPy reference (``reference.partial_amax`` /
+``partial_cast``); CuPy buffers run the CUDA kernels of ``fp8blk.kernels.partial_amax`` and
+``partial_cast``, asynchronously on CuPy's current stream. Per bucket that is one memset, one
+partial-amax launch per kernel specialization present (row-only / with columnwise), the
+collective, one scale launch and one cast launch per specialization: a constant number for any
+number of weights (a table of per-weight offsets drives each launch).
 """
 from __future__ import annotations
 
@@ -62,7 +67,6 @@ from .tensor import BlockTensor
 
 _MODEL_DTYPES = (np.dtype(np.float32), _arrays.BF16, np.dtype(np.float16))
 _MASTER_DTYPES = (np.dtype(np.float32), _arrays.BF16)
-UNTOUCHED_AMAX = -1.0  # Block2D marker for "no real amax here" (all real amaxes are >= 0)
 
 
 @dataclass
@@ -76,6 +80,7 @@ class Item:
     w: int
     recipe: object
     master: object
+    master_dtype: object  # logical dtype of `master` (device bf16 arrays are uint16)
     start: int
     count: int
     rowwise: bool  # the weight holds this direction (data or fragment is written)
@@ -181,6 +186,7 @@ def _internal(x, what, on_device):
 
 
 def _check_master(master, index, h, w, start, on_device):
+    dtype = None
     if master is None:
         count = 0
         arr = None
@@ -190,17 +196,20 @@ def _check_master(master, index, h, w, start, on_device):
             raise ValueError(f"masters[{index}] must be a flat (1-D) shard of the row-major "
                              f"weight, got shape {tuple(arr.shape)}: pass master.reshape(-1)")
         if dtype not in _MASTER_DTYPES:
-            raise TypeError(f"masters[{index}] must be float32 or bfloat16, got {dtype}")
+            raise TypeError(f"masters[{index}] must be float32 or bfloat16 (on the GPU, pass bf16 "
+                            f"as a torch.bfloat16 tensor), got {dtype}")
         if not arr.flags.c_contiguous:
             raise ValueError(f"masters[{index}] must be contiguous")
         count = int(arr.shape[0])
+        if count == 0:
+            arr = None
     if isinstance(start, (bool, np.bool_)) or not isinstance(start, (int, np.integer)):
         raise TypeError(f"start_offsets[{index}] must be an int, got {start!r}")
     start = int(start)
     if start < 0 or start + count > h * w:
         raise ValueError(f"masters[{index}] covers flat [{start}, {start + count}), outside the "
                          f"{h}x{w} weight (0..{h * w})")
-    return arr, start, count
+    return arr, dtype, start, count
 
 
 def _check_fragment(frag, index, what, count, on_device):
@@ -272,12 +281,15 @@ def validate(weights, masters, start_offsets, fragments):
     items = []
     for i, weight in enumerate(weights):
         h, w = _check_weight(weight, i, on_device)
-        arr, start, count = _check_master(masters[i], i, h, w, start_offsets[i], on_device)
-        item = Item(i, weight, h, w, weight.recipe, arr, start, count,
+        arr, dtype, start, count = _check_master(masters[i], i, h, w, start_offsets[i],
+                                                 on_device)
+        item = Item(i, weight, h, w, weight.recipe, arr, dtype, start, count,
                     rowwise=weight._buffers[0] is not None,
                     columnwise=weight._buffers[2] is not None)
         if fragments is not None:
             _fragments_for(item, fragments[i], on_device)
+            if not count:  # an empty fragment has no address to write to
+                item.frag_row = item.frag_col = None
         items.append(item)
     return items, on_device
 
@@ -287,34 +299,16 @@ def validate(weights, masters, start_offsets, fragments):
 
 
 def _host_shard(item, model_dtype):
-    """The master shard rounded once to the model dtype (fp32 -> bf16/fp16 is RNE)."""
-    return item.master.astype(np.float32).astype(model_dtype)
-
-
-def _full_blocks_mask(item, block_rows, block_cols):
-    """Bool (h/br, w/bc): blocks whose every element lies in the shard [o, o+n)."""
-    o, end, w = item.start, item.start + item.count, item.w
-    rows = np.arange(item.h // block_rows, dtype=np.int64)[:, None] * block_rows
-    cols = np.arange(w // block_cols, dtype=np.int64)[None, :] * block_cols
-    first = rows * w + cols
-    last = (rows + block_rows - 1) * w + cols + block_cols - 1
-    return (first >= o) & (last < end)
-
-
-def _mxfp8_codes(amax, full_mask, fmt):
-    """E8M0 codes of partial amaxes for the reduce: NaN (untouched, or all touched elements NaN)
-    gives 0 unless the whole block is in this shard, where it is the true NaN code 255."""
-    codes = scaling.e8m0_from_amax(amax, fmt)
-    codes[np.isnan(amax) & ~full_mask] = 0
-    return codes.reshape(-1)
+    """The master shard rounded once to the model dtype (fp32 -> bf16/fp16 is RNE; values
+    beyond the model dtype's range become inf, as in the unsharded model)."""
+    with np.errstate(over="ignore"):
+        return item.master.astype(np.float32).astype(model_dtype)
 
 
 def _host_pack(bucket, shards, block2d):
     total = sum(it.row_blocks + it.col_blocks for it in bucket)
-    if block2d:
-        buf = np.full(total, UNTOUCHED_AMAX, dtype=np.float32)
-    else:
-        buf = np.zeros(total, dtype=np.uint8)
+    # Untouched blocks hold amax 0 / E8M0 code 0, the identity of the MAX reduce.
+    buf = np.zeros(total, dtype=np.float32 if block2d else np.uint8)
     offset = 0
     for it, shard in zip(bucket, shards):
         nrow, ncol = it.row_blocks, it.col_blocks
@@ -322,15 +316,14 @@ def _host_pack(bucket, shards, block2d):
             row, col = reference.partial_amax(shard, (it.h, it.w), it.start, it.recipe,
                                               columnwise=(not block2d) and it.columnwise)
             if block2d:
-                buf[offset: offset + nrow] = np.where(np.isnan(row), UNTOUCHED_AMAX,
-                                                      row).reshape(-1)
+                buf[offset: offset + nrow] = row.reshape(-1)
             else:
                 if it.rowwise:
-                    buf[offset: offset + nrow] = _mxfp8_codes(row, _full_blocks_mask(it, 1, 32),
-                                                              it.recipe.fmt)
+                    buf[offset: offset + nrow] = scaling.e8m0_from_amax(row, it.recipe.fmt
+                                                                        ).reshape(-1)
                 if it.columnwise:
-                    buf[offset + nrow: offset + nrow + ncol] = _mxfp8_codes(
-                        col, _full_blocks_mask(it, 32, 1), it.recipe.fmt)
+                    buf[offset + nrow: offset + nrow + ncol] = scaling.e8m0_from_amax(
+                        col, it.recipe.fmt).reshape(-1)
         offset += nrow + ncol
     return buf
 
@@ -353,7 +346,6 @@ def _host_finish_block2d(bucket, shards, buf, value_for_inf, have_fragments):
         mt, kt = cdiv(it.h, 128), cdiv(it.w, 128)
         amax = buf[offset: offset + mt * kt].reshape(mt, kt)
         offset += mt * kt
-        amax = np.where(amax < 0, np.float32(np.nan), amax)
         r = it.recipe
         scale = scaling.fp32_scale_from_amax(amax, r.fmt, r.pow2_scales, r.amax_epsilon,
                                              value_for_inf)
@@ -430,31 +422,53 @@ def cast_master_weights(weights, masters, start_offsets, comm, fragments=None,
 
     After every rank's call, the bytes each rank wrote at its [o, o+n) positions, put together,
     equal ``quantize(model_dtype(full weight), recipe, ...)`` byte for byte and the scales equal
-    quantize's on every rank, for any world size and any shard boundaries -- with the one MXFP8
-    edge and the overflow-scale rule described in the module docstring. Returns None.
+    quantize's on every rank, for any world size and any shard boundaries (with the overflow-scale
+    rule described in the module docstring). Returns None.
     """
     model_dtype = _model_dtype(model_dtype)
     if not hasattr(comm, "all_reduce"):
         raise TypeError(f"comm must be a fp8blk communicator with all_reduce(buf, op=...), got "
                         f"{type(comm).__name__}")
     items, on_device = validate(weights, masters, start_offsets, fragments)
-    block2d = [it for it in items if isinstance(it.recipe, Block2D)]
-    mxfp8 = [it for it in items if isinstance(it.recipe, MXFP8)]
-    value_for_inf = scaling.dtype_max(model_dtype)
-    if on_device:
-        from .kernels import partial_cast as _device
-
-        _device.cast_master_batch(block2d, mxfp8, comm, model_dtype, value_for_inf,
-                                  have_fragments=fragments is not None)
-        return None
-    if block2d:
-        shards = [_host_shard(it, model_dtype) if it.count else None for it in block2d]
-        buf = _host_pack(block2d, shards, block2d=True)
-        comm.all_reduce(buf, op="max")
-        _host_finish_block2d(block2d, shards, buf, value_for_inf, fragments is not None)
-    if mxfp8:
-        shards = [_host_shard(it, model_dtype) if it.count else None for it in mxfp8]
-        buf = _host_pack(mxfp8, shards, block2d=False)
-        comm.all_reduce(buf, op="max")
-        _host_finish_mxfp8(mxfp8, shards, buf)
+    cast_batch(items, comm, model_dtype, have_fragments=fragments is not None, device=on_device)
     return None
+
+
+def cast_batch(items, comm, model_dtype, have_fragments, device):
+    """Steps 1-5 for validated items: per bucket (Block2D, then MXFP8) pack, ONE all-reduce,
+    scales, cast. ``device`` selects the CUDA kernels (CuPy buffers, or NumPy buffers under
+    the Numba simulator in tests) instead of the NumPy reference."""
+    value_for_inf = scaling.dtype_max(model_dtype)
+    for bucket_type in (Block2D, MXFP8):
+        bucket = [it for it in items if isinstance(it.recipe, bucket_type)]
+        if not bucket:
+            continue
+        if device:
+            _device_bucket(bucket, comm, model_dtype, value_for_inf, have_fragments)
+            continue
+        shards = [_host_shard(it, model_dtype) if it.count else None for it in bucket]
+        block2d = bucket_type is Block2D
+        buf = _host_pack(bucket, shards, block2d=block2d)
+        comm.all_reduce(buf, op="max")
+        if block2d:
+            _host_finish_block2d(bucket, shards, buf, value_for_inf, have_fragments)
+        else:
+            _host_finish_mxfp8(bucket, shards, buf)
+
+
+def _device_bucket(bucket, comm, model_dtype, value_for_inf, have_fragments):
+    """GPU path of one bucket: zeroed packed buffer, partial-amax kernel(s), the all-reduce,
+    scale kernel, cast kernel(s) -- a constant number of launches for any batch size (see
+    fp8blk.kernels.partial_amax for the batch table)."""
+    from .kernels import _device as dev
+    from .kernels import partial_amax, partial_cast
+
+    model = {np.dtype(np.float32): dev.F32, _arrays.BF16: dev.BF16,
+             np.dtype(np.float16): dev.F16}[model_dtype]
+    batch = partial_amax.Batch(bucket, have_fragments)
+    buf = batch.new_buffer()
+    partial_amax.launch_partial_amax(batch, buf, model)
+    comm.all_reduce(buf, op="max")
+    scales = partial_cast.launch_scales(batch, buf, value_for_inf)
+    partial_cast.launch_cast(batch, scales if batch.block2d else buf, model)
+    batch.finish()

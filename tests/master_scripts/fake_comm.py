@@ -1,7 +1,7 @@
 """In-process stand-in for a communicator: every rank is a thread, ``all_reduce`` meets at a
 barrier. Fast (no processes), strict (mismatched buffers raise instead of hanging) and faithful
-where it matters: MAX propagates NaN the way MPI's MAX may, so a NaN that reaches the reduce
-shows up in the result.
+where it matters: MAX propagates NaN the way a plain MPI MAX may, so a NaN that reaches the
+reduce shows up in the result. Buffers may be NumPy or CuPy (GPU tests: every rank on one GPU).
 
 Contract mirrored from fp8blk.comm: ``rank``, ``size``, ``all_reduce(buf, op="max"|"sum")`` in
 place, ``stats`` with cumulative ``calls`` and ``bytes`` (payload bytes of this rank's buffers),
@@ -15,6 +15,16 @@ from types import SimpleNamespace
 import numpy as np
 
 _TIMEOUT_S = 60.0
+
+
+def _module_of(buf):
+    if isinstance(buf, np.ndarray):
+        return np
+    import cupy
+
+    if isinstance(buf, cupy.ndarray):
+        return cupy
+    raise TypeError(f"ThreadComm.all_reduce takes NumPy or CuPy buffers, got {type(buf)}")
 
 
 class _Group:
@@ -37,8 +47,9 @@ class ThreadComm:
     def all_reduce(self, buf, op="max"):
         if op not in ("max", "sum"):
             raise ValueError(f"op must be 'max' or 'sum', got {op!r}")
-        if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous:
-            raise TypeError("ThreadComm.all_reduce takes a contiguous NumPy buffer")
+        xp = _module_of(buf)
+        if not buf.flags.c_contiguous:
+            raise TypeError("ThreadComm.all_reduce takes a contiguous NumPy or CuPy buffer")
         g = self._group
         g.slots[self.rank] = (op, buf.copy())
         g.barrier.wait()
@@ -47,8 +58,10 @@ class ThreadComm:
         if len(ops) != 1 or len(layouts) != 1:
             g.barrier.abort()
             raise RuntimeError(f"ranks disagree on the all_reduce: ops {ops}, buffers {layouts}")
-        stacked = np.stack([s[1] for s in g.slots])
-        result = np.maximum.reduce(stacked) if op == "max" else np.add.reduce(stacked)
+        stacked = xp.stack([s[1] for s in g.slots])
+        # max propagates NaN (as a plain MPI MAX may): a NaN reaching the reduce shows up
+        result = (xp.max(stacked, axis=0) if op == "max" else xp.sum(stacked, axis=0)
+                  ).astype(buf.dtype)
         g.barrier.wait()
         buf[...] = result
         self.stats.calls += 1

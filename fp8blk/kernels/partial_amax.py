@@ -1,0 +1,602 @@
+"""Partial block amaxes of flat master shards, for a whole batch of weights in one launch
+(the GPU side of ``fp8blk.master``; reference: ``fp8blk.reference.partial_amax``).
+
+Batch table
+-----------
+Every weight of a recipe bucket is one row of an int64 table (fields ``F_*`` below), uploaded
+once (cached while the shards and buffers stay where they are). A kernel launch covers a
+contiguous range of rows: each CUDA block finds its weight by binary search over a prefix
+field (its first block), so 100 weights cost one launch, not 100.
+
+Rows hold *offsets* instead of pointers: all arrays of a batch (masters, data, fragments,
+scale_inv buffers) are addressed from one base address (:class:`Arena`). On the GPU the base is
+the lowest of their addresses (rounded down to 256 bytes) and each array is ``base + offset``
+through typed raw-pointer parameters (``mem32``/``mem16``/``mem8``/``memf``, all the same base);
+under the simulator the arrays are copied into one NumPy pool at offsets that keep their
+alignment modulo 16, and written ones are copied back.
+
+Kernels
+-------
+* Block2D: one CUDA block (256 threads) per 128x128 tile the shard touches; a warp reads one
+  128-element row segment per step (16-byte loads when the shard is aligned), every thread
+  keeps a running ``fmaxf`` from 0 over the model-dtype-rounded values, then warp shuffles and a
+  shared-memory step give the tile amax, written to the packed fp32 buffer.
+* MXFP8: one CUDA block (128 threads) per 32-row band x 512 columns; a lane owns 4 columns,
+  so the column (32x1) amaxes stay in registers over the band's rows and each row (1x32) amax
+  takes 2 in-thread maxes and 3 xor shuffles over the 8 lanes of a block. E8M0 codes are made
+  in the kernel and written as bytes into the packed uint8 buffer (the collective's payload).
+  Row-only weights use a kernel compiled without the columnwise part.
+
+Untouched blocks are left as the caller zeroed them (amax 0, code 0): the identity of MAX.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from .. import _arrays
+from ..formats import Block2D, E4M3
+from ..reference import cdiv, round_up
+from . import _device as dev
+from ._host import data_ptr, module_of
+from ._numba import (SIM, bf16x2_f32, bits_f32, compile_kernel, cuda, device, f16x2_f32,
+                     f32_bf16_bits, f32_bits, f32_f16_bits, fmax32, group_fmax, ld_v4, ptr,
+                     types)
+
+# ---- table fields -----------------------------------------------------------------------------
+F_H, F_W, F_O, F_N = 0, 1, 2, 3
+F_MOFF = 4      # master offset from the base, in elements of the master's dtype
+F_MBF16 = 5     # 1: the master is bf16 (else fp32)
+F_MVEC = 6      # 1: master offset aligned for vector loads (fp32: 16 B, bf16: 4 B)
+F_VEC2D = 7     # 1: F_MVEC and o % 4 == 0 and w % 4 == 0 (every row segment aligned)
+F_E4M3 = 8      # 1: E4M3, 0: E5M2
+F_POW2 = 9
+F_EPS = 10      # float32 bits of amax_epsilon
+F_ROWBUF = 11   # offset of the weight's rowwise (Block2D: tile) entries in the packed buffer
+F_COLBUF = 12   # offset of its MXFP8 columnwise entries (multiple of 4), or -1
+F_ROWDATA = 13  # byte offset of the rowwise destination of flat index f is F_ROWDATA + f
+F_COLDATA = 14  # same for MXFP8 columnwise data; Block2D transposed data starts here
+F_ROWSINV = 15  # offset of rowwise scale_inv (fp32 elements / bytes), -1 if not held
+F_COLSINV = 16
+F_HASROW = 17
+F_HASCOL = 18
+F_AMAX0 = 19    # first CUDA block of this weight in its partial-amax launch
+F_BAND0 = 20    # first tile row (Block2D) / 32-row band (MXFP8) the shard touches
+F_NCB = 21      # CUDA blocks per band: cdiv(w, 128) (Block2D), cdiv(w, 512) (MXFP8)
+F_CAST0 = 22    # first CUDA block in its cast launch
+F_SCALE0 = 23   # first entry in the scale launch
+NF = 24
+
+AMAX2D_THREADS = 256
+MXAMAX_THREADS = 128
+MX_COLS = 512          # columns per MXFP8 amax block
+CAST_THREADS = 256
+CAST_GROUPS = 4        # groups of 4 elements per thread
+CAST_CHUNK = CAST_THREADS * CAST_GROUPS * 4
+SCALE_THREADS = 256
+
+_INF = np.float32(np.inf)
+INV_F = {True: float(np.float32(1) / np.float32(448.0)),
+         False: float(np.float32(1) / np.float32(57344.0))}
+
+
+# ---- pointer arguments -------------------------------------------------------------------------
+
+
+class SimPtr:
+    """Simulator stand-in for a raw pointer: indexes a flat NumPy array in place. (The simulator
+    copies ndarray arguments in and out of every launch, so views of one buffer passed as
+    several arguments -- the arena's typed views -- would overwrite each other's writes.)"""
+
+    __slots__ = ("a",)
+
+    def __init__(self, a):
+        self.a = a
+
+    def __getitem__(self, i):
+        return self.a[i]
+
+    def __setitem__(self, i, v):
+        self.a[i] = v
+
+
+def ptr_arg(arr, dtype):
+    """Kernel pointer argument for `arr` indexed as `dtype`: the CuPy array itself on the GPU,
+    a :class:`SimPtr` over a flat view under the simulator."""
+    if SIM:
+        return SimPtr(arr.reshape(-1).view(dtype))
+    return arr
+
+
+# ---- address space ----------------------------------------------------------------------------
+
+
+class Arena:
+    """One base address for a batch's arrays. ``offset(arr, itemsize)`` is arr's position from
+    the base in elements of `itemsize` bytes; ``pointers()`` gives the kernel arguments
+    (mem32, mem16, mem8, memf); ``finish()`` copies written arrays back (simulator only)."""
+
+    def __init__(self, arrays, written):
+        # empty arrays have no address (CuPy gives them pointer 0): never registered
+        arrays = [a for a in arrays if a is not None and a.nbytes]
+        self._written = [a for a in written if a is not None and a.nbytes]
+        if SIM:
+            self._pos = {}
+            cursor = 0
+            for a in arrays:
+                if id(a) in self._pos:
+                    continue
+                cursor = round_up(cursor, 256) + data_ptr(a) % 16
+                self._pos[id(a)] = cursor
+                cursor += a.nbytes
+            # gaps hold 0x7F bytes (fp32/bf16 ~3.4e38): a read past an array shows in tests
+            self._pool = np.full(round_up(cursor + 16, 16), 0x7F, np.uint8)
+            for a in arrays:
+                p = self._pos[id(a)]
+                self._pool[p: p + a.nbytes] = a.reshape(-1).view(np.uint8)
+            self._base = 0
+        else:
+            ptrs = [data_ptr(a) for a in arrays]
+            self._base = (min(ptrs) // 256 * 256) if ptrs else 0
+
+    def byte_offset(self, arr):
+        if SIM:
+            return self._pos[id(arr)]
+        return data_ptr(arr) - self._base
+
+    def offset(self, arr, itemsize):
+        b = self.byte_offset(arr)
+        if b % itemsize:
+            raise ValueError(f"array at byte offset {b} is not aligned to its {itemsize}-byte "
+                             f"elements")
+        return b // itemsize
+
+    def pointers(self):
+        if SIM:
+            p = self._pool
+            return (SimPtr(p.view(np.uint32)), SimPtr(p.view(np.uint16)), SimPtr(p),
+                    SimPtr(p.view(np.float32)))
+        base = np.uint64(self._base)
+        return (base, base, base, base)
+
+    def finish(self):
+        if SIM:
+            for a in self._written:
+                p = self._pos[id(a)]
+                a.reshape(-1).view(np.uint8)[...] = self._pool[p: p + a.nbytes]
+
+
+# ---- batch --------------------------------------------------------------------------------------
+
+
+class Launch:
+    """A kernel launch over table rows [first, first + count): ``blocks`` CUDA blocks."""
+
+    __slots__ = ("first", "count", "blocks", "with_col")
+
+    def __init__(self, first, count, blocks, with_col):
+        self.first, self.count, self.blocks, self.with_col = first, count, blocks, with_col
+
+
+_table_cache = {}
+_TABLE_CACHE_SIZE = 32
+
+
+def _device_table(table, xp):
+    """The table on the device, reused while its bytes are the same (shards and buffers stay
+    put between optimizer steps, so steady state uploads nothing)."""
+    table = table.reshape(-1)
+    if xp is np:
+        return table
+    key = table.tobytes()
+    hit = _table_cache.get(key)
+    if hit is None:
+        if len(_table_cache) >= _TABLE_CACHE_SIZE:
+            _table_cache.pop(next(iter(_table_cache)))
+        hit = xp.asarray(table)
+        _table_cache[key] = hit
+    return hit
+
+
+class Batch:
+    """Table, arena and launches for the weights of one bucket (``fp8blk.master.Item`` list).
+
+    Rows are ordered with the weights that have no columnwise output first (row-only MXFP8;
+    Block2D without transposed data, or with fragments), so each kernel specialization
+    covers one contiguous range of rows.
+    """
+
+    def __init__(self, items, have_fragments):
+        self.block2d = isinstance(items[0].recipe, Block2D)
+        some = next(b for b in items[0].weight._buffers if b is not None)
+        self.xp = module_of(some)
+
+        def with_col(it):
+            return it.columnwise and not (self.block2d and have_fragments)
+
+        self.items = sorted(items, key=with_col)
+        arrays, written = [], []
+        for it in self.items:
+            arrays.append(it.master)
+            for b in it.weight._buffers:
+                arrays.append(b)
+                written.append(b)
+            arrays += [it.frag_row, it.frag_col]
+            written += [it.frag_row, it.frag_col]
+        self.arena = Arena(arrays, written)
+        n = len(self.items)
+        t = np.zeros((n, NF), np.int64)
+        buf = 0
+        for i, it in enumerate(self.items):
+            self._fill_row(t[i], it, have_fragments)
+            t[i, F_ROWBUF] = buf
+            buf += it.row_blocks
+            t[i, F_COLBUF] = buf if it.col_blocks else -1
+            buf += it.col_blocks
+        self.buf_entries = buf
+        # launches: by specialization (no columnwise output / with it), prefix sums per launch
+        self.amax_launches, self.cast_launches = [], []
+        groups = [False, True] if not self.block2d else [None]
+        for g in groups:
+            idx = [i for i, it in enumerate(self.items) if g is None or with_col(it) == g]
+            if not idx:
+                continue
+            blocks = 0
+            for i in idx:
+                t[i, F_AMAX0] = blocks
+                blocks += self._amax_blocks(t[i])
+            if blocks:
+                self.amax_launches.append(Launch(idx[0], len(idx), blocks, bool(g)))
+        for g in (False, True):
+            idx = [i for i, it in enumerate(self.items) if with_col(it) == g]
+            if not idx:
+                continue
+            blocks = 0
+            for i in idx:
+                t[i, F_CAST0] = blocks
+                blocks += cdiv(int(t[i, F_N]), CAST_CHUNK)
+            if blocks:
+                self.cast_launches.append(Launch(idx[0], len(idx), blocks, g))
+        entries = 0
+        for i, it in enumerate(self.items):
+            t[i, F_SCALE0] = entries
+            entries += self._scale_entries(it)
+        self.scale_entries = entries
+        self.table = t
+        self.table_dev = _device_table(t, self.xp)
+
+    def _fill_row(self, row, it, have_fragments):
+        a = self.arena
+        h, w, o, n = it.h, it.w, it.start, it.count
+        if h * w >= 2 ** 31:
+            raise ValueError(f"weights[{it.index}] has {h * w} elements; the master kernels "
+                             f"index with 32 bits (at most 2**31 - 1 elements per weight)")
+        row[F_H], row[F_W], row[F_O], row[F_N] = h, w, o, n
+        if n:
+            bf16 = it.master_dtype == _arrays.BF16
+            moff = a.offset(it.master, 2 if bf16 else 4)
+            row[F_MOFF], row[F_MBF16] = moff, int(bf16)
+            row[F_MVEC] = int(moff % (2 if bf16 else 4) == 0)
+            row[F_VEC2D] = int(row[F_MVEC] and o % 4 == 0 and w % 4 == 0)
+        r = it.recipe
+        row[F_E4M3] = int(r.fmt is E4M3)
+        if self.block2d:
+            row[F_POW2] = int(r.pow2_scales)
+            row[F_EPS] = int(np.float32(r.amax_epsilon).view(np.int32))
+        row_data, row_sinv, col_data, col_sinv = it.weight._buffers
+        row[F_HASROW], row[F_HASCOL] = int(it.rowwise), int(it.columnwise)
+        if it.rowwise:
+            row[F_ROWDATA] = (a.offset(it.frag_row, 1) - o) if it.frag_row is not None else \
+                a.offset(row_data, 1)
+            row[F_ROWSINV] = a.offset(row_sinv, 4 if self.block2d else 1)
+        else:
+            row[F_ROWSINV] = -1
+        if it.columnwise:
+            if self.block2d:
+                row[F_COLDATA] = -1 if have_fragments else a.offset(col_data, 1)
+            else:
+                row[F_COLDATA] = (a.offset(it.frag_col, 1) - o) if it.frag_col is not None \
+                    else a.offset(col_data, 1)
+            row[F_COLSINV] = a.offset(col_sinv, 4 if self.block2d else 1)
+        else:
+            row[F_COLSINV] = -1
+        band = 128 if self.block2d else 32
+        row[F_NCB] = cdiv(w, 128) if self.block2d else cdiv(w, MX_COLS)
+        if n:
+            row[F_BAND0] = (o // w) // band
+
+    def _amax_blocks(self, row):
+        n = int(row[F_N])
+        if not n:
+            return 0
+        w, o = int(row[F_W]), int(row[F_O])
+        band = 128 if self.block2d else 32
+        last_band = ((o + n - 1) // w) // band
+        return (last_band - int(row[F_BAND0]) + 1) * int(row[F_NCB])
+
+    def _scale_entries(self, it):
+        h, w = it.h, it.w
+        if self.block2d:
+            return round_up(cdiv(h, 128), 4) * round_up(cdiv(w, 128), 4)
+        e = 0
+        if it.rowwise:
+            e += round_up(h, 128) * round_up(w // 32, 4)
+        if it.columnwise:
+            e += round_up(h // 32, 4) * round_up(w, 128)
+        return e
+
+    def new_buffer(self):
+        """Zeroed packed buffer: fp32 tile amaxes (Block2D) or uint8 E8M0 codes (MXFP8)."""
+        return self.xp.zeros(self.buf_entries, np.float32 if self.block2d else np.uint8)
+
+    def finish(self):
+        self.arena.finish()
+
+
+# ---- device helpers -----------------------------------------------------------------------------
+
+
+@device
+def find_weight(tab, first, count, field, b):
+    """Last table row in [first, first+count) whose `field` (a prefix of work units) <= b."""
+    lo = first
+    hi = first + count - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tab[mid * NF + field] <= b:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@lru_cache(maxsize=None)
+def model_rounder(model):
+    """``rnd(v)``: float32 v rounded once to the model dtype (dev.F32 / BF16 / F16), as float32."""
+    if model == dev.F32:
+        @device
+        def rnd(v):
+            return v
+    elif model == dev.BF16:
+        @device
+        def rnd(v):
+            return bits_f32(types.uint32(f32_bf16_bits(v)) << 16)
+    else:
+        @device
+        def rnd(v):
+            lo, hi = f16x2_f32(types.uint32(f32_f16_bits(v)))
+            return lo
+    return rnd
+
+
+@device
+def load_group(raw, k, mem32, mem16, moff, m, bf16, vec, v0, v1, v2, v3):
+    """Raw words of master elements m..m+3 into raw[k, :]: fp32 bits in raw[k, e], or bf16
+    pairs in raw[k, 0..1] (element 2i in the low half of word i). ``vec``: all four are valid
+    and aligned (one 16-byte or two 4-byte loads); otherwise v0..v3 say which elements are
+    valid, and invalid ones read as +0."""
+    if vec:
+        if bf16:
+            j = (moff + m) >> 1
+            raw[k, 0] = mem32[j]
+            raw[k, 1] = mem32[j + 1]
+        else:
+            w0, w1, w2, w3 = ld_v4(mem32, moff + m)
+            raw[k, 0] = w0
+            raw[k, 1] = w1
+            raw[k, 2] = w2
+            raw[k, 3] = w3
+    elif bf16:
+        lo = types.uint32(0)
+        hi = types.uint32(0)
+        if v0:
+            lo = types.uint32(mem16[moff + m])
+        if v1:
+            lo = lo | (types.uint32(mem16[moff + m + 1]) << 16)
+        if v2:
+            hi = types.uint32(mem16[moff + m + 2])
+        if v3:
+            hi = hi | (types.uint32(mem16[moff + m + 3]) << 16)
+        raw[k, 0] = lo
+        raw[k, 1] = hi
+    else:
+        raw[k, 0] = mem32[moff + m] if v0 else types.uint32(0)
+        raw[k, 1] = mem32[moff + m + 1] if v1 else types.uint32(0)
+        raw[k, 2] = mem32[moff + m + 2] if v2 else types.uint32(0)
+        raw[k, 3] = mem32[moff + m + 3] if v3 else types.uint32(0)
+
+
+@device
+def decode4(raw, k, bf16):
+    """The four float32 values of raw[k, :] (see load_group)."""
+    if bf16:
+        a, b = bf16x2_f32(raw[k, 0])
+        c, d = bf16x2_f32(raw[k, 1])
+        return a, b, c, d
+    return bits_f32(raw[k, 0]), bits_f32(raw[k, 1]), bits_f32(raw[k, 2]), bits_f32(raw[k, 3])
+
+
+@device
+def e8m0_code(amax, inv_f):
+    """E8M0 code of a block amax (DESIGN §3; scaling.e8m0_from_amax), inv_f = fl32(1/F)."""
+    v = amax * inv_f
+    if v != v:
+        return 255
+    if v == _INF:
+        return 254
+    if v == 0:
+        return 0
+    b = f32_bits(v)
+    e = int((b >> 23) & 0xFF)
+    mant = int(b & 0x7FFFFF)
+    if mant > 0 and e != 0xFE and not (e == 0 and mant <= 0x400000):
+        return e + 1
+    return e
+
+
+# ---- kernels ------------------------------------------------------------------------------------
+
+
+def _block2d_amax_pyfunc(model):
+    rnd = model_rounder(model)
+    THREADS = AMAX2D_THREADS
+    WARPS = THREADS // 32
+    STEPS = 128 // WARPS  # rows per warp
+    ZERO = np.float32(0.0)
+    uint32, float32 = types.uint32, types.float32
+
+    def kernel(tab, first, count, amax_out, codes32, mem32, mem16):  # codes32: unused
+        b = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        red = cuda.shared.array(THREADS, float32)
+        wred = cuda.shared.array(WARPS, float32)
+        i = find_weight(tab, first, count, F_AMAX0, b)
+        row = i * NF
+        H = tab[row + F_H]
+        W = tab[row + F_W]
+        O = tab[row + F_O]
+        N = tab[row + F_N]
+        moff = tab[row + F_MOFF]
+        bf16 = tab[row + F_MBF16] != 0
+        vec = tab[row + F_VEC2D] != 0
+        ncb = tab[row + F_NCB]
+        local = b - tab[row + F_AMAX0]
+        tr = tab[row + F_BAND0] + local // ncb
+        tc = local % ncb
+        c = tc * 128 + lane * 4
+        raw = cuda.local.array((STEPS, 4), uint32)
+        for k in range(STEPS):
+            r = tr * 128 + warp + WARPS * k
+            m = r * W + c - O
+            ok = r < H
+            v0 = ok and c < W and m >= 0 and m < N
+            v1 = ok and c + 1 < W and m + 1 >= 0 and m + 1 < N
+            v2 = ok and c + 2 < W and m + 2 >= 0 and m + 2 < N
+            v3 = ok and c + 3 < W and m + 3 >= 0 and m + 3 < N
+            load_group(raw, k, mem32, mem16, moff, m, bf16, vec and v0 and v3, v0, v1, v2, v3)
+        t = ZERO
+        for k in range(STEPS):
+            a, bb, cc, d = decode4(raw, k, bf16)
+            t = fmax32(t, abs(rnd(a)))
+            t = fmax32(t, abs(rnd(bb)))
+            t = fmax32(t, abs(rnd(cc)))
+            t = fmax32(t, abs(rnd(d)))
+        t = group_fmax(t, 1, 16, red, tid)
+        if lane == 0:
+            wred[warp] = t
+        cuda.syncthreads()
+        if tid == 0:
+            for w in range(1, WARPS):
+                t = fmax32(t, wred[w])
+            amax_out[tab[row + F_ROWBUF] + tr * ncb + tc] = t
+
+    return kernel
+
+
+def _mxfp8_amax_pyfunc(model, with_col):
+    rnd = model_rounder(model)
+    THREADS = MXAMAX_THREADS
+    HALF = 16  # rows loaded before use (two halves of the 32-row band)
+    ZERO = np.float32(0.0)
+    INV_E4M3, INV_E5M2 = np.float32(INV_F[True]), np.float32(INV_F[False])
+    uint32, float32 = types.uint32, types.float32
+
+    def kernel(tab, first, count, codes, codes32, mem32, mem16):
+        b = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        red = cuda.shared.array(THREADS, float32)
+        i = find_weight(tab, first, count, F_AMAX0, b)
+        row = i * NF
+        W = tab[row + F_W]
+        O = tab[row + F_O]
+        N = tab[row + F_N]
+        moff = tab[row + F_MOFF]
+        bf16 = tab[row + F_MBF16] != 0
+        vec = tab[row + F_VEC2D] != 0
+        has_row = tab[row + F_HASROW] != 0
+        inv_f = INV_E4M3 if tab[row + F_E4M3] != 0 else INV_E5M2
+        ncb = tab[row + F_NCB]
+        local = b - tab[row + F_AMAX0]
+        band = tab[row + F_BAND0] + local // ncb
+        c = (local % ncb) * MX_COLS + warp * 128 + lane * 4
+        rowbuf = tab[row + F_ROWBUF]
+        wb = W // 32
+        cm0 = ZERO
+        cm1 = ZERO
+        cm2 = ZERO
+        cm3 = ZERO
+        raw = cuda.local.array((HALF, 4), uint32)
+        for half in range(2):
+            for k in range(HALF):
+                r = band * 32 + half * HALF + k
+                m = r * W + c - O
+                v0 = c < W and m >= 0 and m < N
+                v3 = c < W and m + 3 >= 0 and m + 3 < N
+                load_group(raw, k, mem32, mem16, moff, m, bf16, vec and v0 and v3, v0,
+                           c < W and m + 1 >= 0 and m + 1 < N,
+                           c < W and m + 2 >= 0 and m + 2 < N, v3)
+            for k in range(HALF):
+                a0, a1, a2, a3 = decode4(raw, k, bf16)
+                a0 = abs(rnd(a0))
+                a1 = abs(rnd(a1))
+                a2 = abs(rnd(a2))
+                a3 = abs(rnd(a3))
+                if with_col:
+                    cm0 = fmax32(cm0, a0)
+                    cm1 = fmax32(cm1, a1)
+                    cm2 = fmax32(cm2, a2)
+                    cm3 = fmax32(cm3, a3)
+                if has_row:
+                    a = fmax32(fmax32(fmax32(fmax32(ZERO, a0), a1), a2), a3)
+                    a = group_fmax(a, 1, 4, red, tid)
+                    if lane % 8 == 0 and c < W:
+                        r = band * 32 + half * HALF + k
+                        codes[rowbuf + r * wb + c // 32] = e8m0_code(a, inv_f)
+        if with_col:
+            if tab[row + F_HASCOL] != 0 and c < W:
+                word = (uint32(e8m0_code(cm0, inv_f)) | (uint32(e8m0_code(cm1, inv_f)) << 8)
+                        | (uint32(e8m0_code(cm2, inv_f)) << 16)
+                        | (uint32(e8m0_code(cm3, inv_f)) << 24))
+                codes32[(tab[row + F_COLBUF] + band * W + c) // 4] = word
+
+    return kernel
+
+
+def amax_argtypes(block2d):
+    buf_t = types.float32 if block2d else types.uint8
+    return (ptr(types.int64), types.int64, types.int64, ptr(buf_t), ptr(types.uint32),
+            ptr(types.uint32), ptr(types.uint16))
+
+
+def amax_pyfunc(block2d, model, with_col):
+    """The Python kernel (for compile_ptx tests and :func:`get_amax_kernel`)."""
+    if block2d:
+        return _block2d_amax_pyfunc(model)
+    return _mxfp8_amax_pyfunc(model, with_col)
+
+
+@lru_cache(maxsize=None)
+def get_amax_kernel(block2d, model, with_col):
+    threads = AMAX2D_THREADS if block2d else MXAMAX_THREADS
+    return compile_kernel(amax_pyfunc(block2d, model, with_col), amax_argtypes(block2d),
+                          launch_bounds=None if SIM else threads)
+
+
+def launch_partial_amax(batch, buf, model):
+    """Partial amaxes (Block2D, fp32) or E8M0 codes (MXFP8, uint8) of every touched block of
+    the batch into the zeroed packed `buf`; one launch per specialization present."""
+    mem32, mem16, _, _ = batch.arena.pointers()
+    threads = AMAX2D_THREADS if batch.block2d else MXAMAX_THREADS
+    # MXFP8 buffers hold a multiple of 32 codes per weight; Block2D does not use codes32
+    codes32 = ptr_arg(buf, np.uint32) if not batch.block2d else ptr_arg(buf, np.float32)
+    for ln in batch.amax_launches:
+        kernel = get_amax_kernel(batch.block2d, model, bool(ln.with_col))
+        kernel((ln.blocks, 1, 1), (threads, 1, 1),
+               (ptr_arg(batch.table_dev, np.int64), np.int64(ln.first), np.int64(ln.count),
+                ptr_arg(buf, buf.dtype), codes32, mem32, mem16))
+    return len(batch.amax_launches)

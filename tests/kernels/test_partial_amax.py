@@ -1,0 +1,99 @@
+"""Partial-amax kernels of the master-weight path (fp8blk/kernels/partial_amax.py): PTX for
+sm_90 without a GPU, byte-exact results under the simulator (subprocess), the batch table
+(constant launches for 100 weights), and the same on the GPU (-m gpu, see tests/test_master.py).
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import fp8blk as fb
+from fp8blk import master
+from fp8blk.kernels import _device as dev
+from fp8blk.kernels import _numba
+from fp8blk.kernels import partial_amax as pa
+from tests.master_scripts import cases
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+needs_compiler = pytest.mark.skipif(_numba.SIM, reason="compile_ptx needs the real Numba CUDA "
+                                                        "target (this process is simulated)")
+
+
+def run_sim(what, timeout=300):
+    """Run tests/master_scripts/sim_checks.py `what` under the simulator; assert it passed."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, os.path.join(_REPO, "tests", "master_scripts",
+                                                        "sim_checks.py"), what, str(seed)],
+                          cwd=_REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0 and f"OK {what}" in proc.stdout, (
+        f"seed={seed}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
+@needs_compiler
+@pytest.mark.parametrize("block2d,model,with_col", [(True, dev.BF16, False),
+                                                    (False, dev.BF16, True),
+                                                    (False, dev.F32, False)])
+def test_amax_kernel_compiles_for_sm90(block2d, model, with_col):
+    ptx = _numba.compile_ptx_sm90(pa.amax_pyfunc(block2d, model, with_col),
+                                  pa.amax_argtypes(block2d))
+    assert ".target sm_90" in ptx
+    assert "ld.global.nc.v4.u32" in ptx       # 16-byte loads on the aligned path
+    assert "shfl.sync.bfly" in ptx            # warp reductions, not shared-memory loops
+    assert ".local" not in ptx                # the per-thread arrays stay in registers
+    col_stores = ptx.count("st.global.u32")   # MXFP8 columnwise codes, 4 per 32-bit store
+    assert (col_stores > 0) == (with_col and not block2d)
+
+
+def test_partial_amax_matches_reference_in_simulator():
+    run_sim("amax")
+
+
+def _batch_of(n_weights, rng):
+    """A mixed batch of `n_weights` small weights, each half-owned by this rank."""
+    kinds = [(fb.Block2D(), True, False), (fb.Block2D(fb.E5M2, False), True, True),
+             (fb.MXFP8(), True, True), (fb.MXFP8(fb.E5M2), True, False)]
+    specs = [cases.Spec((64, 96), *kinds[i % 4]) for i in range(n_weights)]
+    weights = [cases.alloc_weight(s, rng) for s in specs]
+    masters = [np.zeros(64 * 48, np.float32) if i % 3 else None for i in range(n_weights)]
+    items, _ = master.validate(weights, masters, [64 * 48] * n_weights, None)
+    return items
+
+
+@pytest.mark.parametrize("n_weights", [4, 100])
+def test_launches_do_not_grow_with_the_batch(n_weights, rng):
+    """One launch per kernel specialization present, whatever the number of weights."""
+    items = _batch_of(n_weights, rng)
+    for block2d in (True, False):
+        bucket = [it for it in items if isinstance(it.recipe, fb.Block2D) == block2d]
+        batch = pa.Batch(bucket, have_fragments=False)
+        assert len(batch.amax_launches) <= (1 if block2d else 2)
+        assert len(batch.cast_launches) <= 2
+        # every weight's first block / entry is inside its launch's prefix order
+        t = batch.table.reshape(-1, pa.NF)
+        assert np.all(np.diff(t[:, pa.F_SCALE0]) >= 0)
+        # the packed buffer: 4-byte tile amaxes (Block2D) or 1-byte codes (MXFP8)
+        want = sum(it.row_blocks + it.col_blocks for it in bucket)
+        assert batch.buf_entries == want
+
+
+def test_table_rejects_weights_too_large_for_32_bit_indexing():
+    spec = cases.Spec((64, 64), fb.Block2D())
+    w = cases.alloc_weight(spec, np.random.default_rng(0))
+    items, _ = master.validate([w], [np.zeros(10, np.float32)], [0], None)
+    items[0].h = 1 << 16
+    items[0].w = 1 << 15
+    with pytest.raises(ValueError, match="32 bits"):
+        pa.Batch(items, have_fragments=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale", [1, 64])
+def test_gpu_partial_amax_matches_reference(scale, rng):
+    """The simulator's checks on the GPU, at the tiny shapes and 64 times taller."""
+    cp = pytest.importorskip("cupy")
+    from tests.master_scripts import kernel_checks
+
+    kernel_checks.check_amax(rng, xp=cp, scale=scale)

@@ -1,0 +1,42 @@
+"""Master-weight kernels under the Numba CUDA simulator, byte for byte against the reference.
+
+Run in a fresh process (the simulator must be chosen before numba loads):
+    NUMBA_ENABLE_CUDASIM=1 python tests/master_scripts/sim_checks.py amax|cast [SEED]
+Prints "OK <what>" when every check passes; raises otherwise. Shapes are tiny: a simulated
+thread costs ~150 us and these kernels launch 128-256 threads per CUDA block.
+"""
+import os
+import sys
+import threading
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
+    raise SystemExit("set NUMBA_ENABLE_CUDASIM=1 before running this script")
+
+import numpy as np  # noqa: E402
+
+from fp8blk.kernels import _numba  # noqa: E402
+from tests.master_scripts import kernel_checks  # noqa: E402
+
+
+# Simulated launches swap module globals while they run: never run two at once (the fake-comm
+# ranks are threads).
+_lock = threading.Lock()
+_sim_call = _numba._SimKernel.__call__
+
+
+def _locked_call(self, *args, **kwargs):
+    with _lock:
+        return _sim_call(self, *args, **kwargs)
+
+
+_numba._SimKernel.__call__ = _locked_call
+
+
+if __name__ == "__main__":
+    what = sys.argv[1]
+    seed = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+    print(f"seed={seed}", flush=True)
+    {"amax": kernel_checks.check_amax, "cast": kernel_checks.check_cast}[what](
+        np.random.default_rng(seed))
+    print(f"OK {what}", flush=True)

@@ -11,6 +11,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NGPU=$(nvidia-smi -L | wc -l)
 MPIEXEC="/usr/bin/mpiexec --allow-run-as-root --oversubscribe"
+PY=$(command -v python3)  # mpiexec's children would otherwise find /usr/bin/python3
 nvidia-smi -L
 step() {  # step NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, print its tail and status
   local name=$1 limit=$2; shift 2
@@ -21,11 +22,11 @@ step() {  # step NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, print its tail 
   echo "== $name: rc=$rc in $(( $(date +%s) - t0 )) s"
 }
 step gpu_tests ${GPU_TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 ${GPU_TESTS:-tests}
-step comm_nccl_1 60 $MPIEXEC -n 1 python3 -m mpi4py tests/comm/mpi_scripts/comm_suite.py nccl
-step comm_mpi_cupy_2 60 $MPIEXEC -n 2 python3 -m mpi4py tests/comm/mpi_scripts/comm_suite.py mpi-cupy
+step comm_nccl_1 60 $MPIEXEC -n 1 $PY -m mpi4py tests/comm/mpi_scripts/comm_suite.py nccl
+step comm_mpi_cupy_2 60 $MPIEXEC -n 2 $PY -m mpi4py tests/comm/mpi_scripts/comm_suite.py mpi-cupy
 step comm_torch_nccl_1 60 torchrun --standalone --nproc-per-node 1 tests/comm/mpi_scripts/torch_suite.py nccl
 if [ "$NGPU" -gt 1 ]; then
-  step comm_nccl_$NGPU 120 $MPIEXEC -n $NGPU python3 -m mpi4py tests/comm/mpi_scripts/comm_suite.py nccl
+  step comm_nccl_$NGPU 120 $MPIEXEC -n $NGPU $PY -m mpi4py tests/comm/mpi_scripts/comm_suite.py nccl
 fi
 step bench_master 110 python3 bench/bench_master.py --out "$OUT/master-h200-$(date +%F).json"
-step bench_comm_$NGPU 70 $MPIEXEC -n $NGPU python3 -m mpi4py bench/bench_comm.py --out "$OUT"
+step bench_comm_$NGPU 70 $MPIEXEC -n $NGPU $PY -m mpi4py bench/bench_comm.py --out "$OUT"

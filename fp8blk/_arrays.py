@@ -20,7 +20,13 @@ NUMPY, CUPY, TORCH = "numpy", "cupy", "torch"
 
 
 def _torch():
-    return sys.modules.get("torch")
+    """The torch module if the caller's program has imported it (fp8blk never imports it
+    itself). A module still being imported by another thread counts as absent: it may not
+    have ``Tensor`` or ``dtype`` yet."""
+    torch = sys.modules.get("torch")
+    if torch is None or not (hasattr(torch, "dtype") and hasattr(torch, "Tensor")):
+        return None
+    return torch
 
 
 def _cupy():

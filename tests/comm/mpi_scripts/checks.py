@@ -65,7 +65,7 @@ class CupyFamily(Family):
         self.cupy = cupy
 
     def make(self, host):
-        host = np.ascontiguousarray(host)
+        host = np.array(host, order="C")  # not ascontiguousarray: it turns 0-d into (1,)
         if host.dtype == BF16:
             host = host.view(np.uint16)  # CuPy has no bfloat16: bit patterns
         return self.cupy.asarray(host)

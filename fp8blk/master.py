@@ -16,7 +16,10 @@ shards cut arbitrarily, so the steps are:
 
 Buckets (at most two collectives per call, in this order):
 
-* Block2D (any fmt / pow2 / epsilon): fp32 tile amaxes.
+* Block2D (any fmt / pow2 / epsilon): fp32 tile amaxes, reduced as their int32 bit patterns
+  (amaxes are >= 0 and never NaN, so the bits order like the values and integer MAX is exact;
+  a float MAX may flush subnormal amaxes to 0 -- CuPy's reductions are compiled with
+  ``-ftz=true`` -- which would give such a tile scale 1 instead of the overflow scale).
 * MXFP8 (any fmt): each rank turns its partial amaxes into 1-byte E8M0 codes *before* the
   reduce; codes are monotone in amax, so the MAX of codes is the code of the MAX, and the
   payload is half that of bf16 amaxes.
@@ -412,7 +415,7 @@ def cast_master_weights(weights, masters, start_offsets, comm, fragments=None,
         weight; the shard covers [o, o + len(shard)).
       comm: a communicator with ``all_reduce(buf, op="max")`` in place (fp8blk.comm.*). Every
         rank must call with the same weights list; exactly one all-reduce is made per bucket
-        present (Block2D: fp32, 4 bytes per 128x128 tile of every weight; MXFP8: uint8,
+        present (Block2D: int32, the bits of the fp32 amax of every 128x128 tile; MXFP8: uint8,
         1 byte per 1x32 / 32x1 block of every held direction).
       fragments: None, or per weight the flat uint8 destination of the owned bytes (Block2D: one
         array of n bytes; MXFP8: a (rowwise, columnwise) pair, None for a direction not held).
@@ -449,11 +452,22 @@ def cast_batch(items, comm, model_dtype, have_fragments, device):
         shards = [_host_shard(it, model_dtype) if it.count else None for it in bucket]
         block2d = bucket_type is Block2D
         buf = _host_pack(bucket, shards, block2d=block2d)
-        comm.all_reduce(buf, op="max")
+        _all_reduce_max(comm, buf)
         if block2d:
             _host_finish_block2d(bucket, shards, buf, value_for_inf, have_fragments)
         else:
             _host_finish_mxfp8(bucket, shards, buf)
+
+
+def _all_reduce_max(comm, buf):
+    """MAX over ranks of a packed buffer, in place: uint8 E8M0 codes as they are, fp32 amaxes
+    as their int32 bit patterns. Amaxes are >= 0 and never NaN, so the patterns order like the
+    values (+0 lowest, +inf highest) and the integer MAX is exact for every amax -- including
+    subnormal ones (a tile of NaNs, zeros and values like 2**-133), which a float MAX built
+    with flush-to-zero turns into 0 (CuPy reductions use ``-ftz=true``; found on the H200)."""
+    if buf.dtype == np.float32:
+        buf = buf.view(np.int32)
+    comm.all_reduce(buf, op="max")
 
 
 def _device_bucket(bucket, comm, model_dtype, value_for_inf, have_fragments):
@@ -468,7 +482,7 @@ def _device_bucket(bucket, comm, model_dtype, value_for_inf, have_fragments):
     batch = partial_amax.Batch(bucket, have_fragments)
     buf = batch.new_buffer()
     partial_amax.launch_partial_amax(batch, buf, model)
-    comm.all_reduce(buf, op="max")
+    _all_reduce_max(comm, buf)
     scales = partial_cast.launch_scales(batch, buf, value_for_inf)
     partial_cast.launch_cast(batch, scales if batch.block2d else buf, model)
     batch.finish()

@@ -182,6 +182,48 @@ def test_overflow_scale_uses_the_model_dtype_max():
     assert got == scaling.scale_inv_from_scale(with_bf16_max)
 
 
+class _FlushingMax:
+    """A fake-comm rank whose float MAX flushes subnormal inputs to zero first, as CuPy's
+    reductions (built with -ftz=true) do on the GPU; integer MAX stays exact."""
+
+    def __init__(self, comm):
+        self._comm = comm
+        self.stats = comm.stats
+
+    def all_reduce(self, buf, op="max"):
+        if buf.dtype.kind == "f":
+            buf[np.abs(buf) < np.finfo(buf.dtype).tiny] = 0
+        self._comm.all_reduce(buf, op)
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+def test_subnormal_tile_amax_survives_a_flushing_reduce(pow2, rng):
+    """Tiles whose amax is subnormal (NaNs + a few 2**-133, as make_full makes them; all tiny
+    subnormals) must get the overflow scale, not scale 1, even through a collective whose float
+    MAX flushes subnormals (the H200 failure: Block2D amaxes are reduced as int32 bits)."""
+    h, w = 256, 160
+    full = cases.make_full(rng, (h, w))
+    full[:128, :128] = np.nan
+    full[5, 7] = np.float32(2.0 ** -133)
+    full[100, 3] = -np.float32(2.0 ** -131)
+    sub = rng.integers(1, 1 << 16, size=(128, w - 128)).astype(np.float32) * np.float32(2 ** -149)
+    full[128:, 128:] = sub * rng.choice([-1, 1], size=sub.shape).astype(np.float32)
+    full[128:, 128:][rng.random(sub.shape) < 0.3] = 0.0
+    spec = cases.Spec((h, w), fb.Block2D(fb.E4M3, pow2_scales=pow2), columnwise=True)
+    cut = int(rng.integers(0, h * w + 1))
+    ranges = [[(0, cut), (cut, h * w - cut)] if cut < h * w else [(0, cut), (0, 0)]]
+
+    def body(rank, comm):
+        ws = [cases.alloc_weight(spec, np.random.default_rng([1, rank]))]
+        masters, starts = cases.rank_inputs([spec], [full], ranges, rank, rng=np.random.
+                                            default_rng([2, rank]))
+        cast_master_weights(ws, masters, starts, _FlushingMax(comm))
+        return ws
+    weights = run_ranks(2, body)
+    cases.check([spec], [full], ranges, weights)
+    assert weights[0][0]._buffers[1][0, 0] < np.finfo(np.float32).tiny  # overflow scale_inv
+
+
 @pytest.mark.parametrize("model_dtype", [np.float32, np.float16, cases.BF16])
 def test_model_dtypes(model_dtype, rng):
     specs = [s for s in cases.scenario("batch20") if s.master_dtype == cases.F32]

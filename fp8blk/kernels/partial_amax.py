@@ -31,6 +31,7 @@ Untouched blocks are left as the caller zeroed them (amax 0, code 0): the identi
 """
 from __future__ import annotations
 
+import threading
 from functools import lru_cache
 
 import numpy as np
@@ -180,22 +181,27 @@ class Launch:
 
 
 _table_cache = {}
+_table_lock = threading.Lock()
 _TABLE_CACHE_SIZE = 32
 
 
 def _device_table(table, xp):
     """The table on the device, reused while its bytes are the same (shards and buffers stay
-    put between optimizer steps, so steady state uploads nothing)."""
+    put between optimizer steps, so steady state uploads nothing). Entries are per stream: the
+    upload (and the pool's reuse of an evicted table) is ordered only on the stream that made
+    it, so another thread's stream must not read it. The lock keeps concurrent callers (one
+    thread per rank) from evicting the same entry twice."""
     table = table.reshape(-1)
     if xp is np:
         return table
-    key = table.tobytes()
-    hit = _table_cache.get(key)
-    if hit is None:
-        if len(_table_cache) >= _TABLE_CACHE_SIZE:
-            _table_cache.pop(next(iter(_table_cache)))
-        hit = xp.asarray(table)
-        _table_cache[key] = hit
+    key = (xp.cuda.get_current_stream().ptr, table.tobytes())
+    with _table_lock:
+        hit = _table_cache.get(key)
+        if hit is None:
+            if len(_table_cache) >= _TABLE_CACHE_SIZE:
+                _table_cache.pop(next(iter(_table_cache)))
+            hit = xp.asarray(table)
+            _table_cache[key] = hit
     return hit
 
 

@@ -21,6 +21,15 @@ def _dist():
     return dist
 
 
+def _in_order(*steps):
+    """One post-processing callable running the given steps (None entries skipped) in order."""
+    def run():
+        for step in steps:
+            if step is not None:
+                step()
+    return run
+
+
 class TorchComm(Communicator):
     """Collectives over ``group`` (a ``torch.distributed`` ProcessGroup; None: the default
     group). ``torch.distributed.init_process_group`` must have been called."""
@@ -103,12 +112,7 @@ class TorchComm(Communicator):
         work = dist.all_reduce(tensor, op=self._reduce_op(op), group=self.group,
                                async_op=async_op)
 
-        def post():
-            if copy_back is not None:
-                copy_back()
-            if finish is not None:
-                finish()
-        return self._handle(work, post, async_op)
+        return self._handle(work, _in_order(copy_back, finish), async_op)
 
     def _all_gather(self, inp, out, async_op):
         dist = _dist()
@@ -141,12 +145,7 @@ class TorchComm(Communicator):
         work = dist.reduce_scatter_tensor(recv, send, op=self._reduce_op(op), group=self.group,
                                           async_op=async_op)
 
-        def post():
-            if copy_back is not None:
-                copy_back()
-            if finish is not None:
-                finish()
-        return self._handle(work, post, async_op)
+        return self._handle(work, _in_order(copy_back, finish), async_op)
 
     def _broadcast(self, buf, root, async_op):
         dist = _dist()

@@ -3,6 +3,8 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+# On a machine with an NVIDIA driver, also install CuPy so the demo runs on the GPU.
+EXTRAS := test,torch$(shell command -v nvidia-smi >/dev/null 2>&1 && echo ,gpu)
 
 .PHONY: demo test bench info clean
 
@@ -11,7 +13,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch==2.13.0 first: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[test,torch]"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
 demo: $(VENV)/.installed

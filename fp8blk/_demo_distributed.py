@@ -54,9 +54,8 @@ def _gather_demo(comm, rng_seed):
 
 
 def _master_demo(comm, rng_seed):
-    shapes = [(1024, 768), (300, 257), (768, 3072), (96, 128)]
+    shapes = [(1024, 768), (300, 257), (768, 3072), (96, 128)]  # (300, 257): Block2D edge tiles
     recipes = [fb.Block2D(), fb.Block2D(), fb.MXFP8(), fb.MXFP8()]
-    shapes[1] = (300, 257)  # unaligned: Block2D edge tiles
     rng = np.random.default_rng(rng_seed)
     full_masters = [rng.standard_normal(h * w).astype(np.float32) * 0.02 for h, w in shapes]
     weights, masters, offsets, cuts = [], [], [], []

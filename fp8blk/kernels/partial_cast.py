@@ -43,7 +43,11 @@ __all__ = ["launch_scales", "launch_cast", "F_AMAX0"]
 
 @device
 def fp32_scale(amax, fmax, pow2, eps, vinf):
-    """DESIGN §3 steps 1-5 with runtime recipe fields (scaling.fp32_scale_from_amax)."""
+    """DESIGN §3 steps 1-5 with runtime recipe fields (scaling.fp32_scale_from_amax).
+
+    The quantize kernels use _device's closure version, where the recipe is a compile-time
+    constant; here one launch covers a batch of weights whose recipes (format, pow2, epsilon)
+    differ, so the fields are read from the metadata table at run time."""
     a = amax
     if eps > 0 and a < eps:
         a = eps

@@ -474,22 +474,36 @@ def _block2d_amax_pyfunc(model):
         tc = local % ncb
         c = tc * 128 + lane * 4
         raw = cuda.local.array((STEPS, 4), uint32)
-        for k in range(STEPS):
-            r = tr * 128 + warp + WARPS * k
-            m = r * W + c - O
-            ok = r < H
-            v0 = ok and c < W and m >= 0 and m < N
-            v1 = ok and c + 1 < W and m + 1 >= 0 and m + 1 < N
-            v2 = ok and c + 2 < W and m + 2 >= 0 and m + 2 < N
-            v3 = ok and c + 3 < W and m + 3 >= 0 and m + 3 < N
-            load_group(raw, k, mem32, mem16, moff, m, bf16, vec and v0 and v3, v0, v1, v2, v3)
+        # Interior tiles (inside the weight and the shard, aligned) take a path with no
+        # per-element bounds: the index arithmetic, not DRAM, bounds the general path.
+        m0 = (tr * 128 + warp) * W + c - O
+        step = WARPS * W
+        if (vec and tr * 128 + 128 <= H and tc * 128 + 128 <= W and tr * 128 * W + tc * 128 >= O
+                and (tr * 128 + 127) * W + tc * 128 + 127 < O + N):
+            for k in range(STEPS):
+                load_group(raw, k, mem32, mem16, moff, m0 + k * step, bf16, True, True, True,
+                           True, True)
+        else:
+            for k in range(STEPS):
+                r = tr * 128 + warp + WARPS * k
+                m = m0 + k * step
+                ok = r < H
+                v0 = ok and c < W and m >= 0 and m < N
+                v1 = ok and c + 1 < W and m + 1 >= 0 and m + 1 < N
+                v2 = ok and c + 2 < W and m + 2 >= 0 and m + 2 < N
+                v3 = ok and c + 3 < W and m + 3 >= 0 and m + 3 < N
+                load_group(raw, k, mem32, mem16, moff, m, bf16, vec and v0 and v3, v0, v1, v2,
+                           v3)
         t = ZERO
         for k in range(STEPS):
             a, bb, cc, d = decode4(raw, k, bf16)
-            t = fmax32(t, abs(rnd(a)))
-            t = fmax32(t, abs(rnd(bb)))
-            t = fmax32(t, abs(rnd(cc)))
-            t = fmax32(t, abs(rnd(d)))
+            t = fmax32(t, abs(a))
+            t = fmax32(t, abs(bb))
+            t = fmax32(t, abs(cc))
+            t = fmax32(t, abs(d))
+        # Rounding to the model dtype is monotonic and odd, so the max of the rounded |x|
+        # equals the rounded max of |x|: one rounding per thread instead of one per element.
+        t = rnd(t)
         t = group_fmax(t, 1, 16, red, tid)
         if lane == 0:
             wred[warp] = t
@@ -518,6 +532,7 @@ def _mxfp8_amax_pyfunc(model, with_col):
         red = cuda.shared.array(THREADS, float32)
         i = find_weight(tab, first, count, F_AMAX0, b)
         row = i * NF
+        H = tab[row + F_H]
         W = tab[row + F_W]
         O = tab[row + F_O]
         N = tab[row + F_N]
@@ -529,29 +544,38 @@ def _mxfp8_amax_pyfunc(model, with_col):
         ncb = tab[row + F_NCB]
         local = b - tab[row + F_AMAX0]
         band = tab[row + F_BAND0] + local // ncb
-        c = (local % ncb) * MX_COLS + warp * 128 + lane * 4
+        c0 = (local % ncb) * MX_COLS
+        c = c0 + warp * 128 + lane * 4
         rowbuf = tab[row + F_ROWBUF]
         wb = W // 32
+        m0 = band * 32 * W + c - O
+        # bands inside the weight and the shard, aligned: no per-element bounds (see Block2D)
+        fast = (vec and band * 32 + 32 <= H and c0 + MX_COLS <= W and band * 32 * W + c0 >= O
+                and (band * 32 + 31) * W + c0 + MX_COLS - 1 < O + N)
         cm0 = ZERO
         cm1 = ZERO
         cm2 = ZERO
         cm3 = ZERO
         raw = cuda.local.array((HALF, 4), uint32)
         for half in range(2):
-            for k in range(HALF):
-                r = band * 32 + half * HALF + k
-                m = r * W + c - O
-                v0 = c < W and m >= 0 and m < N
-                v3 = c < W and m + 3 >= 0 and m + 3 < N
-                load_group(raw, k, mem32, mem16, moff, m, bf16, vec and v0 and v3, v0,
-                           c < W and m + 1 >= 0 and m + 1 < N,
-                           c < W and m + 2 >= 0 and m + 2 < N, v3)
+            if fast:
+                for k in range(HALF):
+                    load_group(raw, k, mem32, mem16, moff, m0 + (half * HALF + k) * W, bf16,
+                               True, True, True, True, True)
+            else:
+                for k in range(HALF):
+                    m = m0 + (half * HALF + k) * W
+                    v0 = c < W and m >= 0 and m < N
+                    v3 = c < W and m + 3 >= 0 and m + 3 < N
+                    load_group(raw, k, mem32, mem16, moff, m, bf16, vec and v0 and v3, v0,
+                               c < W and m + 1 >= 0 and m + 1 < N,
+                               c < W and m + 2 >= 0 and m + 2 < N, v3)
             for k in range(HALF):
                 a0, a1, a2, a3 = decode4(raw, k, bf16)
-                a0 = abs(rnd(a0))
-                a1 = abs(rnd(a1))
-                a2 = abs(rnd(a2))
-                a3 = abs(rnd(a3))
+                a0 = abs(a0)
+                a1 = abs(a1)
+                a2 = abs(a2)
+                a3 = abs(a3)
                 if with_col:
                     cm0 = fmax32(cm0, a0)
                     cm1 = fmax32(cm1, a1)
@@ -562,12 +586,14 @@ def _mxfp8_amax_pyfunc(model, with_col):
                     a = group_fmax(a, 1, 4, red, tid)
                     if lane % 8 == 0 and c < W:
                         r = band * 32 + half * HALF + k
-                        codes[rowbuf + r * wb + c // 32] = e8m0_code(a, inv_f)
+                        # rounding commutes with max (monotonic, odd): round the block amax
+                        codes[rowbuf + r * wb + c // 32] = e8m0_code(rnd(a), inv_f)
         if with_col:
             if tab[row + F_HASCOL] != 0 and c < W:
-                word = (uint32(e8m0_code(cm0, inv_f)) | (uint32(e8m0_code(cm1, inv_f)) << 8)
-                        | (uint32(e8m0_code(cm2, inv_f)) << 16)
-                        | (uint32(e8m0_code(cm3, inv_f)) << 24))
+                word = (uint32(e8m0_code(rnd(cm0), inv_f))
+                        | (uint32(e8m0_code(rnd(cm1), inv_f)) << 8)
+                        | (uint32(e8m0_code(rnd(cm2), inv_f)) << 16)
+                        | (uint32(e8m0_code(rnd(cm3), inv_f)) << 24))
                 codes32[(tab[row + F_COLBUF] + band * W + c) // 4] = word
 
     return kernel

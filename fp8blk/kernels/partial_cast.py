@@ -32,7 +32,7 @@ from ._numba import (SIM, bits_f32, compile_kernel, cuda, device, f32_bits, pack
                      pack4_e5m2, ptr, types)
 from .partial_amax import (CAST_CHUNK, CAST_GROUPS, CAST_THREADS, F_AMAX0, F_CAST0, F_COLBUF,
                            F_COLDATA, F_COLSINV, F_E4M3, F_EPS, F_H, F_HASCOL, F_HASROW,
-                           F_MBF16, F_MOFF, F_MVEC, F_N, F_NCB, F_O, F_POW2, F_ROWBUF,
+                           F_MBF16, F_MOFF, F_MVEC, F_N, F_NCB, F_O, F_POW2, F_ROWBUF, F_VEC2D,
                            F_ROWDATA, F_ROWSINV, F_SCALE0, F_W, NF, SCALE_THREADS, decode4,
                            find_weight, load_group, model_rounder, ptr_arg)
 
@@ -198,6 +198,7 @@ def _cast_pyfunc(block2d, model, with_col):
     rnd = model_rounder(model)
     THREADS = CAST_THREADS
     GROUPS = CAST_GROUPS
+    STEP = THREADS * 4  # elements between a thread's consecutive groups
     uint32, float32 = types.uint32, types.float32
 
     @device
@@ -237,78 +238,133 @@ def _cast_pyfunc(block2d, model, with_col):
         kt = tab[row + F_NCB]
         wb = W // 32
         base = (b - tab[row + F_CAST0]) * CAST_CHUNK
-        raw = cuda.local.array((GROUPS, 4), uint32)
-        for k in range(GROUPS):
-            m = base + (k * THREADS + tid) * 4
-            load_group(raw, k, mem32, mem16, moff, m, bf16, mvec and m + 3 < N, m < N,
-                       m + 1 < N, m + 2 < N, m + 3 < N)
-        sc = cuda.local.array(4, float32)
-        cs = cuda.local.array(4, float32)
-        rr = cuda.local.array(4, types.int64)
-        cc = cuda.local.array(4, types.int64)
-        for k in range(GROUPS):
-            m = base + (k * THREADS + tid) * 4
-            if m < N:
-                nv = min(N - m, 4)
-                f = O + m
-                r = types.int64(uint32(f) // uint32(W))
-                c = f - r * W
-                # positions of the 4 elements (a row may end inside the group)
-                for e in range(4):
-                    ce = c + e
-                    re = r
-                    while ce >= W:
-                        ce -= W
-                        re += 1
-                    rr[e] = re
-                    cc[e] = ce
+        hascol = with_col and tab[row + F_HASCOL] != 0
+        # Fast path: a chunk wholly inside the shard, with 4-element groups that never cross
+        # a row or a scale block (o % 4 == w % 4 == 0), aligned loads and 32-bit stores.
+        # Positions advance by a precomputed (rows, columns) step instead of a division per
+        # group: the general path's per-element index arithmetic is what bounds its speed.
+        fast = (tab[row + F_VEC2D] != 0 and base + CAST_CHUNK <= N
+                and (not has_row or (rowdata + O) % 4 == 0))
+        if with_col:
+            if block2d:
+                fast = False  # transposed (K, M) bytes: byte scatter, general path
+            elif hascol:
+                fast = fast and (coldata + O) % 4 == 0
+        if fast:
+            raw = cuda.local.array((GROUPS, 4), uint32)
+            rscale = cuda.local.array(GROUPS, float32)
+            cword = cuda.local.array(GROUPS, uint32)
+            w32 = uint32(W)
+            f = uint32(O + base + tid * 4)  # weights have < 2**31 elements (Batch checks)
+            r = f // w32
+            c = f - r * w32
+            dr = uint32(STEP) // w32
+            dc = uint32(STEP) - dr * w32
+            for k in range(GROUPS):
+                m = base + k * STEP + tid * 4
+                load_group(raw, k, mem32, mem16, moff, m, bf16, True, True, True, True, True)
                 if block2d:
-                    if c + 3 < W and (c % 128) <= 124:
-                        s = sbuf[rowbuf + (r // 128) * kt + c // 128]
-                        for e in range(4):
-                            sc[e] = s
-                    else:
-                        for e in range(4):
-                            sc[e] = sbuf[rowbuf + (rr[e] // 128) * kt + cc[e] // 128] \
-                                if e < nv else _ONE
+                    rscale[k] = sbuf[rowbuf + (r >> 7) * kt + (c >> 7)]
                 else:
                     if has_row:
-                        if c + 3 < W and (c % 32) <= 28:
-                            s = e8m0_multiplier(sbuf[rowbuf + r * wb + c // 32])
-                            for e in range(4):
-                                sc[e] = s
-                        else:
-                            for e in range(4):
-                                sc[e] = e8m0_multiplier(sbuf[rowbuf + rr[e] * wb + cc[e] // 32]) \
-                                    if e < nv else _ONE
-                    if with_col and tab[row + F_HASCOL] != 0:
-                        if nv == 4 and c % 4 == 0:
-                            word = codes32[(colbuf + (r // 32) * W + c) // 4]
-                            for e in range(4):
-                                cs[e] = e8m0_multiplier((word >> (8 * e)) & 0xFF)
-                        else:
-                            for e in range(4):
-                                cs[e] = e8m0_multiplier(
-                                    sbuf[colbuf + (rr[e] // 32) * W + cc[e]]) \
-                                    if e < nv else _ONE
+                        rscale[k] = e8m0_multiplier(sbuf[rowbuf + r * wb + (c >> 5)])
+                    if hascol:
+                        cword[k] = codes32[(colbuf + (r >> 5) * W + c) >> 2]
+                r += dr
+                c += dc
+                if c >= w32:
+                    c -= w32
+                    r += uint32(1)
+            for k in range(GROUPS):
+                m = base + k * STEP + tid * 4
                 x0, x1, x2, x3 = decode4(raw, k, bf16)
                 x0 = rnd(x0)
                 x1 = rnd(x1)
                 x2 = rnd(x2)
                 x3 = rnd(x3)
-                if has_row or (with_col and block2d):
-                    word = pack(e4m3, x0 * sc[0], x1 * sc[1], x2 * sc[2], x3 * sc[3])
-                    if has_row:
-                        store4(mem8, mem32, rowdata + f, word, nv)
-                    if with_col and block2d:
-                        for e in range(4):
-                            if e < nv:
-                                mem8[coldata + cc[e] * H + rr[e]] = uint32(
-                                    (word >> (8 * e)) & 0xFF)
-                if with_col and not block2d:
-                    if tab[row + F_HASCOL] != 0:
-                        word = pack(e4m3, x0 * cs[0], x1 * cs[1], x2 * cs[2], x3 * cs[3])
-                        store4(mem8, mem32, coldata + f, word, nv)
+                if has_row:
+                    s = rscale[k]
+                    mem32[(rowdata + O + m) >> 2] = pack(e4m3, x0 * s, x1 * s, x2 * s, x3 * s)
+                if not block2d and hascol:
+                    w = cword[k]
+                    mem32[(coldata + O + m) >> 2] = pack(
+                        e4m3, x0 * e8m0_multiplier(w & 0xFF),
+                        x1 * e8m0_multiplier((w >> 8) & 0xFF),
+                        x2 * e8m0_multiplier((w >> 16) & 0xFF),
+                        x3 * e8m0_multiplier(w >> 24))
+        else:
+            raw = cuda.local.array((GROUPS, 4), uint32)
+            for k in range(GROUPS):
+                m = base + (k * THREADS + tid) * 4
+                load_group(raw, k, mem32, mem16, moff, m, bf16, mvec and m + 3 < N, m < N,
+                           m + 1 < N, m + 2 < N, m + 3 < N)
+            sc = cuda.local.array(4, float32)
+            cs = cuda.local.array(4, float32)
+            rr = cuda.local.array(4, types.int64)
+            cc = cuda.local.array(4, types.int64)
+            for k in range(GROUPS):
+                m = base + (k * THREADS + tid) * 4
+                if m < N:
+                    nv = min(N - m, 4)
+                    f = O + m
+                    r = types.int64(uint32(f) // uint32(W))
+                    c = f - r * W
+                    # positions of the 4 elements (a row may end inside the group)
+                    for e in range(4):
+                        ce = c + e
+                        re = r
+                        while ce >= W:
+                            ce -= W
+                            re += 1
+                        rr[e] = re
+                        cc[e] = ce
+                    if block2d:
+                        if c + 3 < W and (c % 128) <= 124:
+                            s = sbuf[rowbuf + (r // 128) * kt + c // 128]
+                            for e in range(4):
+                                sc[e] = s
+                        else:
+                            for e in range(4):
+                                sc[e] = sbuf[rowbuf + (rr[e] // 128) * kt + cc[e] // 128] \
+                                    if e < nv else _ONE
+                    else:
+                        if has_row:
+                            if c + 3 < W and (c % 32) <= 28:
+                                s = e8m0_multiplier(sbuf[rowbuf + r * wb + c // 32])
+                                for e in range(4):
+                                    sc[e] = s
+                            else:
+                                for e in range(4):
+                                    sc[e] = e8m0_multiplier(sbuf[rowbuf + rr[e] * wb + cc[e] // 32]) \
+                                        if e < nv else _ONE
+                        if with_col and tab[row + F_HASCOL] != 0:
+                            if nv == 4 and c % 4 == 0:
+                                word = codes32[(colbuf + (r // 32) * W + c) // 4]
+                                for e in range(4):
+                                    cs[e] = e8m0_multiplier((word >> (8 * e)) & 0xFF)
+                            else:
+                                for e in range(4):
+                                    cs[e] = e8m0_multiplier(
+                                        sbuf[colbuf + (rr[e] // 32) * W + cc[e]]) \
+                                        if e < nv else _ONE
+                    x0, x1, x2, x3 = decode4(raw, k, bf16)
+                    x0 = rnd(x0)
+                    x1 = rnd(x1)
+                    x2 = rnd(x2)
+                    x3 = rnd(x3)
+                    if has_row or (with_col and block2d):
+                        word = pack(e4m3, x0 * sc[0], x1 * sc[1], x2 * sc[2], x3 * sc[3])
+                        if has_row:
+                            store4(mem8, mem32, rowdata + f, word, nv)
+                        if with_col and block2d:
+                            for e in range(4):
+                                if e < nv:
+                                    mem8[coldata + cc[e] * H + rr[e]] = uint32(
+                                        (word >> (8 * e)) & 0xFF)
+                    if with_col and not block2d:
+                        if tab[row + F_HASCOL] != 0:
+                            word = pack(e4m3, x0 * cs[0], x1 * cs[1], x2 * cs[2], x3 * cs[3])
+                            store4(mem8, mem32, coldata + f, word, nv)
 
     return kernel
 

@@ -43,6 +43,11 @@ def test_device_path_matches_quantize_in_simulator():
     run_sim("cast")
 
 
+def test_fast_paths_match_reference_in_simulator():
+    """Interior tiles, bands and chunks (the kernels' unpredicated paths) next to edge ones."""
+    run_sim("fast")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("scale", [1, 32])
 def test_gpu_device_path_matches_quantize(scale, rng):
@@ -51,3 +56,13 @@ def test_gpu_device_path_matches_quantize(scale, rng):
     from tests.master_scripts import kernel_checks
 
     kernel_checks.check_cast(rng, xp=cp, scale=scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale", [1, 16])
+def test_gpu_fast_paths_match_reference(scale, rng):
+    """The simulator's fast-path checks on the GPU, and 16 times taller."""
+    cp = pytest.importorskip("cupy")
+    from tests.master_scripts import kernel_checks
+
+    kernel_checks.check_fast_paths(rng, xp=cp, scale=scale)

@@ -57,41 +57,77 @@ def check_amax(rng, xp=np, scale=1):
         # the listed cuts, then random ones (ends at every residue mod 4 over the seeds)
         ranges = [(o, n) if rng.random() < 0.4 or not n else _random_cut(rng, s)
                   for (o, n), s in zip(ranges, specs)]
-        fulls = [cases.make_full(rng, s.shape) for s in specs]
-        weights = [cases.alloc_weight(s, rng, xp=xp) for s in specs]
-        masters = [_shard(f, s, o, n, m, xp) if n else None
-                   for f, s, (o, n), m in zip(fulls, specs, ranges, misalign)]
-        items, _ = master.validate(weights, masters, [o for o, _ in ranges], None)
-        batch = pa.Batch(items, have_fragments=False)
-        buf = batch.new_buffer()
-        pa.launch_partial_amax(batch, buf, MODEL[np.dtype(model_dtype)])
-        for it in batch.items:
-            o, n = it.start, it.count
-            row_off = int(batch.table.reshape(-1, pa.NF)[batch.items.index(it), pa.F_ROWBUF])
-            host = None if not n else cases._host(it.master)
-            if host is not None and it.master_dtype == cases.BF16:
-                host = host.view(cases.BF16)
-            with np.errstate(over="ignore"):
-                shard = (np.zeros(0, np.float32) if not n else
-                         host.astype(np.float32).astype(model_dtype))
-            row, col = reference.partial_amax(shard, (it.h, it.w), o, it.recipe,
-                                              columnwise=it.columnwise)
-            if isinstance(it.recipe, fb.Block2D):
-                want = [row.reshape(-1)]
-            else:
-                want = []
-                if it.rowwise:
-                    want.append(scaling.e8m0_from_amax(row, it.recipe.fmt).reshape(-1))
-                if it.columnwise:
-                    want.append(scaling.e8m0_from_amax(col, it.recipe.fmt).reshape(-1))
-            want = np.concatenate(want)
-            got = cases._host(buf)[row_off: row_off + want.size]
-            bad = np.flatnonzero(got.view(np.uint8 if got.dtype == np.uint8 else np.uint32)
-                                 != want.view(np.uint8 if want.dtype == np.uint8 else np.uint32))
-            assert not bad.size, (f"partial amax of weights[{it.index}] {it.recipe} "
-                                  f"{(it.h, it.w)} [{o}, {o + n}): {bad.size} entries differ, "
-                                  f"first {bad[0]}: got {got[bad[0]]}, want {want[bad[0]]}")
+        _check_amax_batch(rng, specs, ranges, misalign, model_dtype, xp)
 
+
+def _check_amax_batch(rng, specs, ranges, misalign, model_dtype, xp, make_full=None):
+    """Partial amaxes of one batch (weights `specs`, shard (o, n) per weight) against the
+    reference."""
+    fulls = [(make_full or cases.make_full)(rng, s.shape) for s in specs]
+    weights = [cases.alloc_weight(s, rng, xp=xp) for s in specs]
+    masters = [_shard(f, s, o, n, m, xp) if n else None
+               for f, s, (o, n), m in zip(fulls, specs, ranges, misalign)]
+    items, _ = master.validate(weights, masters, [o for o, _ in ranges], None)
+    batch = pa.Batch(items, have_fragments=False)
+    buf = batch.new_buffer()
+    pa.launch_partial_amax(batch, buf, MODEL[np.dtype(model_dtype)])
+    for it in batch.items:
+        o, n = it.start, it.count
+        row_off = int(batch.table.reshape(-1, pa.NF)[batch.items.index(it), pa.F_ROWBUF])
+        host = None if not n else cases._host(it.master)
+        if host is not None and it.master_dtype == cases.BF16:
+            host = host.view(cases.BF16)
+        with np.errstate(over="ignore"):
+            shard = (np.zeros(0, np.float32) if not n else
+                     host.astype(np.float32).astype(model_dtype))
+        row, col = reference.partial_amax(shard, (it.h, it.w), o, it.recipe,
+                                          columnwise=it.columnwise)
+        if isinstance(it.recipe, fb.Block2D):
+            want = [row.reshape(-1)]
+        else:
+            want = []
+            if it.rowwise:
+                want.append(scaling.e8m0_from_amax(row, it.recipe.fmt).reshape(-1))
+            if it.columnwise:
+                want.append(scaling.e8m0_from_amax(col, it.recipe.fmt).reshape(-1))
+        want = np.concatenate(want)
+        got = cases._host(buf)[row_off: row_off + want.size]
+        bad = np.flatnonzero(got.view(np.uint8 if got.dtype == np.uint8 else np.uint32)
+                             != want.view(np.uint8 if want.dtype == np.uint8 else np.uint32))
+        assert not bad.size, (f"partial amax of weights[{it.index}] {it.recipe} "
+                              f"{(it.h, it.w)} [{o}, {o + n}): {bad.size} entries differ, "
+                              f"first {bad[0]}: got {got[bad[0]]}, want {want[bad[0]]}")
+
+
+def check_fast_paths(rng, xp=np, scale=1):
+    """Weights big enough for the kernels' interior fast paths (whole 128x128 tiles and
+    32x512 MXFP8 bands inside an aligned shard; 4096-element cast chunks with o % 4 == w % 4
+    == 0) next to edge blocks that take the general path, in one batch: partial amaxes
+    against the reference, then the whole device path against quantize(bf16(full))."""
+    def make_full(rng, shape):
+        # make_full's scattered infs put inf in nearly every 128x128 tile, which would hide a
+        # wrong tile amax: keep infs and near-max values to the last 32 rows only
+        x = cases.make_full(rng, shape)
+        top = x[:-32]
+        big = np.isinf(top) | (np.abs(top) > np.float32(1e38))
+        top[big] = rng.standard_normal(int(big.sum())).astype(np.float32)
+        return x
+
+    h = 256 * scale
+    specs = [cases.Spec((h, 256), fb.Block2D(fb.E4M3, False)),
+             cases.Spec((h // 4, 544), fb.MXFP8(fb.E4M3), columnwise=True),
+             cases.Spec((h // 8, 544), fb.MXFP8(fb.E5M2), master_dtype=cases.BF16)]
+    sizes = [s.shape[0] * s.shape[1] for s in specs]
+    # shards from o = 12 / 8 / 0 to 16 elements before the end: interior tiles and bands are
+    # inside, the first and the last are cut
+    amax_ranges = [(12, sizes[0] - 28), (8, sizes[1] - 24), (0, sizes[2] - 16)]
+    _check_amax_batch(rng, specs[:1], amax_ranges[:1], [False], cases.BF16, xp, make_full)
+    _check_amax_batch(rng, specs[1:], amax_ranges[1:], [False, False], np.float32, xp,
+                      make_full)
+    fulls = [make_full(rng, s.shape) for s in specs]
+    ranges = [[(0, o), (o, size - o)] for size, (o, _) in zip(sizes, amax_ranges)]
+    weights, _ = _device_run(specs, fulls, ranges, 2, 4, False, cases.BF16, xp)
+    cases.check(specs, fulls, ranges, weights)
 
 
 def _device_run(specs, fulls, ranges, size, seed, fragments, model_dtype, xp):

@@ -1,7 +1,7 @@
 """Master-weight kernels under the Numba CUDA simulator, byte for byte against the reference.
 
 Run in a fresh process (the simulator must be chosen before numba loads):
-    NUMBA_ENABLE_CUDASIM=1 python tests/master_scripts/sim_checks.py amax|cast [SEED]
+    NUMBA_ENABLE_CUDASIM=1 python tests/master_scripts/sim_checks.py amax|cast|fast [SEED]
 Prints "OK <what>" when every check passes; raises otherwise. Shapes are tiny: a simulated
 thread costs ~150 us and these kernels launch 128-256 threads per CUDA block.
 """
@@ -37,6 +37,7 @@ if __name__ == "__main__":
     what = sys.argv[1]
     seed = int(sys.argv[2]) if len(sys.argv) > 2 else 0
     print(f"seed={seed}", flush=True)
-    {"amax": kernel_checks.check_amax, "cast": kernel_checks.check_cast}[what](
+    {"amax": kernel_checks.check_amax, "cast": kernel_checks.check_cast,
+     "fast": kernel_checks.check_fast_paths}[what](
         np.random.default_rng(seed))
     print(f"OK {what}", flush=True)

@@ -58,6 +58,21 @@ def unused_pointer(like):
     return like
 
 
+def alloc_views(xp, nbytes, shapes, offsets):
+    """Arrays of `shapes` [((shape), dtype) or None] at byte `offsets` of ONE new allocation of
+    `nbytes`: one memory-pool call instead of up to four (a few microseconds each on CuPy)."""
+    if xp is np:
+        base = np.empty(nbytes, np.uint8)
+        return tuple(None if s is None else
+                     np.ndarray(s[0], s[1], buffer=base, offset=o)
+                     for s, o in zip(shapes, offsets))
+    import cupy
+
+    mem = cupy.cuda.alloc(nbytes)
+    return tuple(None if s is None else cupy.ndarray(s[0], s[1], memptr=mem + o)
+                 for s, o in zip(shapes, offsets))
+
+
 def i64(v):
     return np.int64(v)
 

@@ -13,7 +13,8 @@ from .._arrays import BF16
 from ..formats import Block1D, Block2D, E4M3, MXFP8
 from . import _device as dev
 from . import _quantize_kernel as qk
-from ._host import cdiv, data_ptr, i64, kind_of, module_of, pointer_arg, round_up, unused_pointer
+from ._host import (SIM, alloc_views, cdiv, data_ptr, i64, kind_of, module_of,
+                    pointer_arg, round_up, unused_pointer)
 
 _RECIPE_KIND = {Block1D: qk.BLOCK1D, Block2D: qk.BLOCK2D, MXFP8: qk.MXFP8}
 _VMAX = {dev.F32: scaling.FLT_MAX, dev.BF16: scaling.dtype_max(BF16),
@@ -70,32 +71,72 @@ def _output_shapes(recipe, rows, cols, rowwise, columnwise):
     return (row if rowwise else [None, None]) + (col if columnwise else [None, None])
 
 
+class _Plan:
+    """Everything about a quantize call that depends only on (recipe, input kind, shape,
+    directions, alignment): the kernel, its launch shape, the output layouts and the offsets
+    of the outputs inside one allocation. Built once per key, so a call does one dict lookup,
+    one allocation and one launch."""
+
+    __slots__ = ("kernel", "grid", "block", "shapes", "offsets", "nbytes", "scalars",
+                 "arg_dtypes")
+
+    def __init__(self, recipe, kind, rows, cols, rowwise, columnwise, vec):
+        self.kernel, spec = _kernel_for(recipe, kind, rowwise, columnwise, vec, rows % 16 == 0)
+        self.grid = qk.grid(spec, rows, cols)
+        self.block = qk.block(spec)
+        self.shapes = _output_shapes(recipe, rows, cols, rowwise, columnwise)
+        # each output starts on a 256-byte boundary (the kernels' vector stores need 16)
+        self.offsets, total = [], 0
+        for s in self.shapes:
+            self.offsets.append(None if s is None else total)
+            if s is not None:
+                total += round_up(int(np.prod(s[0])) * np.dtype(s[1]).itemsize, 256)
+        self.nbytes = total
+        self.scalars = (i64(rows), i64(cols))
+        in_t = np.uint32 if (vec or kind == dev.F32) else np.uint16
+        data_t = np.uint32 if vec else np.uint8
+        sinv_t = np.uint8 if isinstance(recipe, MXFP8) else np.float32
+        col_t = np.uint32 if (isinstance(recipe, MXFP8) and vec) or (
+            not isinstance(recipe, MXFP8) and spec.col_vec) else np.uint8
+        self.arg_dtypes = (in_t, data_t, sinv_t, col_t, sinv_t)
+
+
+_plans = {}
+
+
+def _plan_for(recipe, kind, rows, cols, rowwise, columnwise, vec):
+    key = (recipe, kind, rows, cols, rowwise, columnwise, vec)
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) > 4096:
+            _plans.clear()
+        plan = _plans[key] = _Plan(recipe, kind, rows, cols, rowwise, columnwise, vec)
+    return plan
+
+
 def quantize(x2d, recipe, rowwise=True, columnwise=False, dtype=None):
     """Quantize a C-contiguous 2-D (M, K) device array (float32, float16, or bf16 held as
     uint16 with ``dtype`` = bfloat16). Returns ``(row_data, row_sinv, col_data, col_sinv)``
-    (None for a direction not asked for) in DESIGN §4 layouts, without synchronizing."""
+    (None for a direction not asked for) in DESIGN §4 layouts, without synchronizing.
+
+    The outputs are views of one allocation (each 256-byte aligned): it is freed when the last
+    of them is."""
     xp = module_of(x2d)
     kind = kind_of(x2d, dtype)
     rows, cols = x2d.shape
     if isinstance(recipe, MXFP8) and (rows % 32 or cols % 32):
         raise ValueError(f"MXFP8 needs M and K to be multiples of 32, got ({rows}, {cols})")
-    out = [None if s is None else xp.empty(s[0], dtype=s[1])
-           for s in output_shapes(recipe, rows, cols, rowwise, columnwise)]
-    if rows == 0 or cols == 0:
-        return tuple(out)  # every scale tensor is empty too (DESIGN §4 shapes)
-    ve = dev.ELEMS_PER_CHUNK[kind]
-    vec = cols % ve == 0 and data_ptr(x2d) % 16 == 0
-    kernel, spec = _kernel_for(recipe, kind, rowwise, columnwise, vec, rows % 16 == 0)
-    in_t = np.uint32 if (vec or kind == dev.F32) else np.uint16
-    data_t = np.uint32 if vec else np.uint8
-    sinv_t = np.uint8 if isinstance(recipe, MXFP8) else np.float32
-    col_t = np.uint32 if (isinstance(recipe, MXFP8) and vec) or (
-        not isinstance(recipe, MXFP8) and spec.col_vec) else np.uint8
-    args = (pointer_arg(x2d, in_t),
-            pointer_arg(out[0], data_t) if rowwise else unused_pointer(x2d),
-            pointer_arg(out[1], sinv_t) if rowwise else unused_pointer(x2d),
-            pointer_arg(out[2], col_t) if columnwise else unused_pointer(x2d),
-            pointer_arg(out[3], sinv_t) if columnwise else unused_pointer(x2d),
-            i64(rows), i64(cols))
-    kernel(qk.grid(spec, rows, cols), (qk.THREADS, 1, 1), args)
-    return tuple(out)
+    if rows == 0 or cols == 0:  # every scale tensor is empty too (DESIGN §4 shapes)
+        return tuple(None if s is None else xp.empty(s[0], dtype=s[1])
+                     for s in output_shapes(recipe, rows, cols, rowwise, columnwise))
+    vec = cols % dev.ELEMS_PER_CHUNK[kind] == 0 and data_ptr(x2d) % 16 == 0
+    plan = _plan_for(recipe, kind, rows, cols, rowwise, columnwise, vec)
+    out = alloc_views(xp, plan.nbytes, plan.shapes, plan.offsets)
+    if SIM:
+        args = tuple(pointer_arg(a, t) if a is not None else unused_pointer(x2d)
+                     for a, t in zip((x2d,) + out, plan.arg_dtypes)) + plan.scalars
+    else:  # CuPy passes an array as its data pointer; unused outputs get any pointer
+        args = (x2d, out[0] if rowwise else x2d, out[1] if rowwise else x2d,
+                out[2] if columnwise else x2d, out[3] if columnwise else x2d) + plan.scalars
+    plan.kernel(plan.grid, plan.block, args)
+    return out

@@ -363,6 +363,8 @@ def host_cost(n=3000):
             lambda: fb.quantize(x32, rec, rowwise=True, columnwise=True),
         "fb.quantize torch bf16 256x256 Block1D row": lambda: fb.quantize(xt, rec),
         "fb.quantize cupy f32 256x256 MXFP8 row": lambda: fb.quantize(x32, fb.MXFP8()),
+        "fb.quantize cupy f32 256x256 MXFP8 row+col":
+            lambda: fb.quantize(x32, fb.MXFP8(), rowwise=True, columnwise=True),
         "kernels.quantize cupy bf16 256x256 Block1D row":
             lambda: kernels.quantize(xbits, rec, True, False, dtype=BF16),
         "cupy.empty x2 (allocation alone)":
@@ -445,6 +447,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="16384x16384 only")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--no-variants", action="store_true")
+    ap.add_argument("--host-only", action="store_true", help="host cost per call only")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     date = datetime.date.today().isoformat()
@@ -466,6 +469,10 @@ def main():
     except Exception:
         RESULTS["notes"].append("nan probe failed: " + traceback.format_exc(limit=3))
         log(traceback.format_exc())
+    if args.host_only:
+        RESULTS["host_us"] = host_cost()
+        write(path.replace(".json", "-host.json"))
+        return
     copy_bps, _ = copy_bandwidth(16384 * 16384 * 2)
     RESULTS["copy_tb_s"] = copy_bps / 1e12
     log(f"device copy: {copy_bps / 1e12:.3f} TB/s")

@@ -199,7 +199,7 @@ def bench_variants(copy_bps, shape=(16384, 16384)):
     xs = bf16_inputs(shape)
     for min_blocks in (2, 3, 4):
         qk.MIN_BLOCKS_PER_SM = min_blocks
-        quant._kernels.clear()
+        quant._kernels.clear(); quant._plans.clear()
         for name, recipe, rw, cw in KERNEL_CASES:
             if name not in ("b1d_col", "b1d_both", "mx_both", "mx_col"):
                 continue
@@ -214,9 +214,9 @@ def bench_variants(copy_bps, shape=(16384, 16384)):
             except Exception as exc:
                 RESULTS["notes"].append(f"variant {name} minblk{min_blocks}: {exc!r}")
                 log("  variant failed", name, min_blocks, repr(exc)[:200])
-            quant._kernels.clear()
+            quant._kernels.clear(); quant._plans.clear()
     qk.MIN_BLOCKS_PER_SM = None
-    quant._kernels.clear()
+    quant._kernels.clear(); quant._plans.clear()
 
 
 # -------------------------------------------------------------------------------------------

@@ -109,8 +109,9 @@ def masters_for(cp, seed, n):
     return cp.random.default_rng(seed).standard_normal(n, dtype=np.float32) * cp.float32(3.0)
 
 
-def kernel_rows(cp, copy_bw, reps, inner):
-    """Bandwidth of the partial kernels alone on the 16384x6144 weight."""
+def kernel_rows(cp, copy_bw, reps, inner, only=None, aligned_only=False):
+    """Bandwidth of the partial kernels alone on the 16384x6144 weight (cases whose label is
+    in `only`, default all)."""
     rows = []
     total = H * W
     cases = [
@@ -119,8 +120,11 @@ def kernel_rows(cp, copy_bw, reps, inner):
         ("MXFP8 row-only", fb.MXFP8(fb.E4M3), True, False),
         ("MXFP8 bidirectional", fb.MXFP8(fb.E4M3), True, True),
     ]
+    shards = (("aligned", 0, total), ("unaligned o=3", 3, total - 8))
     for label, recipe, row, col in cases:
-        for shard_label, o, n in (("aligned", 0, total), ("unaligned o=3", 3, total - 8)):
+        if only is not None and label not in only:
+            continue
+        for shard_label, o, n in shards[:1] if aligned_only else shards:
             weight = make_weight(cp, recipe, row, col)
             times_amax, times_cast = [], []
             for seed in (1, 2):  # two input sets
@@ -257,6 +261,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join("bench", "results", "master_h200.json"))
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time the MXFP8 fast-path kernels under other register caps")
     args = ap.parse_args()
     import cupy as cp
 
@@ -283,6 +289,14 @@ def main():
 
     print("partial kernels alone (16384x6144, fp32 master, bf16 model):", flush=True)
     kernels = kernel_rows(cp, copy_bw, reps, inner)
+    sweep = {}
+    if args.sweep:
+        for min_blocks in (3, 4):
+            pa.FAST_MIN_BLOCKS[False] = pc.FAST_MIN_BLOCKS[False] = min_blocks
+            print(f"MXFP8 fast-path kernels with minBlocksPerSM={min_blocks}:", flush=True)
+            sweep[min_blocks] = kernel_rows(cp, copy_bw, reps, inner, aligned_only=True,
+                                            only=("MXFP8 row-only", "MXFP8 bidirectional"))
+        pa.FAST_MIN_BLOCKS[False] = pc.FAST_MIN_BLOCKS[False] = None
     print("MXFP8 cast specialization (16384x6144, aligned):", flush=True)
     spec = specialization_rows(cp, reps, inner)
     payload = payload_rows()
@@ -293,7 +307,8 @@ def main():
     batches = batch_rows(cp, reps)
     results = {"info": info, "copy": {"bytes": 2 * nbytes, "us": t_copy * 1e6,
                                       "TBps": copy_bw / 1e12},
-               "kernels": kernels, "mxfp8_cast_specialization_us": spec,
+               "kernels": kernels, "mxfp8_min_blocks_sweep": sweep,
+               "mxfp8_cast_specialization_us": spec,
                "payload_bytes": payload, "batches": batches,
                "command": "python bench/bench_master.py " + " ".join(sys.argv[1:])}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

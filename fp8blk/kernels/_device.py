@@ -45,6 +45,21 @@ def element_decoder(kind):
 
 
 @lru_cache(maxsize=None)
+def word_decoder(kind):
+    """``(lo, hi) = word_f32(w)``: the two float32 values of a uint32 word holding two bf16
+    or fp16 (element 0 in the low half)."""
+    if kind == BF16:
+        @device
+        def word_f32(w):
+            return bf16x2_f32(w)
+    else:
+        @device
+        def word_f32(w):
+            return f16x2_f32(w)
+    return word_f32
+
+
+@lru_cache(maxsize=None)
 def fp32_scale_rule(fmt_max, pow2, eps, value_for_inf):
     """``scale(amax) -> (scale, scale_inv)`` for Block1D/Block2D (DESIGN §3 steps 1-5)."""
     F = np.float32(fmt_max)
@@ -77,25 +92,21 @@ def e8m0_rule(fmt_max):
     """``code(amax) -> (code, multiplier)``: E8M0 code (0..255) and the fp32 cast multiplier
     2**(127-code) written as TE's exp2f_rcp (code 0 -> 1, 255 -> -inf)."""
     INV_F = np.float32(1.0) / np.float32(fmt_max)
-    INF = np.float32(np.inf)
     ONE = np.float32(1.0)
 
     @device
     def code(amax):
+        # Branch-free form of DESIGN §3's E8M0 rule: round the exponent of v = amax / F up
+        # when the mantissa is non-zero (except subnormals <= 2**-127, which round down),
+        # capped at 254, which also covers v = inf and the 0xFE exponent; NaN -> 255.
         v = amax * INV_F
+        b = f32_bits(v)
+        e = int((b >> 23) & 0xFF)
+        mant = int(b & 0x7FFFFF)
+        c = e + 1 if (mant != 0 and not (e == 0 and mant <= 0x400000)) else e
+        c = min(c, 254)
         if v != v:
             c = 255
-        elif v == INF:
-            c = 254
-        elif v == 0:
-            c = 0
-        else:
-            b = f32_bits(v)
-            e = int((b >> 23) & 0xFF)
-            mant = int(b & 0x7FFFFF)
-            c = e
-            if mant > 0 and e != 0xFE and not (e == 0 and mant <= 0x400000):
-                c = e + 1
         if c == 0:
             mult = ONE
         else:
@@ -108,21 +119,31 @@ def e8m0_rule(fmt_max):
 def fill_padding(p, rows_valid, cols_valid, rows_total, cols_total, value, gtid, gsize):
     """Write `value` to every entry of the row-major (rows_total, cols_total) array at `p`
     outside [0, rows_valid) x [0, cols_valid); grid-stride over those entries (thread `gtid`
-    of `gsize`). Used for the padding of scale tensors (DESIGN §4)."""
-    n_bottom = (rows_total - rows_valid) * cols_total
-    width = cols_total - cols_valid
-    n_right = rows_valid * width
-    i = gtid
-    while i < n_bottom + n_right:
+    of `gsize`). Used for the padding of scale tensors (DESIGN §4).
+
+    Index arithmetic is unsigned 32-bit (scale tensors have < 2**32 entries): a signed 64-bit
+    division makes the compiler emit calls to a division subroutine, and any call caps the
+    whole kernel at the call ABI's 64 registers (measured with ptxas: the MXFP8 row+col kernel
+    spilled at 64 registers with the calls, and uses 73 without)."""
+    u32 = types.uint32
+    rv = u32(rows_valid)
+    cv = u32(cols_valid)
+    ct = u32(cols_total)
+    n_bottom = u32((u32(rows_total) - rv) * ct)
+    width = u32(ct - cv)
+    n_all = u32(n_bottom + rv * width)
+    i = u32(gtid)
+    step = u32(gsize)
+    while i < n_all:
         if i < n_bottom:
-            r = rows_valid + i // cols_total
-            c = i % cols_total
+            r = u32(rv + u32(i // ct))
+            c = u32(i % ct)
         else:
-            i2 = i - n_bottom
-            r = i2 // width
-            c = cols_valid + i2 % width
-        p[r * cols_total + c] = value
-        i += gsize
+            i2 = u32(i - n_bottom)
+            r = u32(i2 // width)
+            c = u32(cv + u32(i2 % width))
+        p[u32(r * ct + c)] = value
+        i = u32(i + step)
 
 
 @device

@@ -414,3 +414,201 @@ def compile_kernel(pyfunc, argtypes, launch_bounds=None):
     module.load(bytes(image))
     function = module.get_function(overload.entry_name)
     return function
+
+
+# ------------------------------------------------------------------------------------------
+# Single warp shuffles of float32 values with simulator twins (the simulator has no warp
+# shuffles: there the exchange goes through a shared-memory `scratch` of >= blockDim.x floats,
+# and every thread of the block must call, as on the GPU every lane of the warp must).
+
+if SIM:
+    def shfl_xor_f32(v, lane_mask, scratch, tid):
+        """float32 `v` of the lane whose id is this lane's xor `lane_mask`."""
+        import threading
+
+        th = threading.current_thread()
+        scratch[tid] = v
+        th.syncthreads()
+        out = np.float32(scratch[tid ^ int(lane_mask)])
+        th.syncthreads()
+        return out
+
+    def shfl_idx_f32(v, src_lane, scratch, tid):
+        """float32 `v` of lane `src_lane` (0..31) of this thread's warp."""
+        import threading
+
+        th = threading.current_thread()
+        scratch[tid] = v
+        th.syncthreads()
+        out = np.float32(scratch[(tid & ~31) | int(src_lane)])
+        th.syncthreads()
+        return out
+else:
+    @cuda.jit(device=True, inline="always")
+    def shfl_xor_f32(v, lane_mask, scratch, tid):
+        """float32 `v` of the lane whose id is this lane's xor `lane_mask` (``shfl.bfly``)."""
+        return cuda.shfl_xor_sync(FULL_MASK, v, lane_mask)
+
+    @cuda.jit(device=True, inline="always")
+    def shfl_idx_f32(v, src_lane, scratch, tid):
+        """float32 `v` of lane `src_lane` (0..31) of this thread's warp (``shfl.idx``)."""
+        return cuda.shfl_sync(FULL_MASK, v, src_lane)
+
+
+# ------------------------------------------------------------------------------------------
+# Packed 2 x 16-bit maxima (``max.bf16x2`` / ``max.f16x2``): per half, the larger value; a NaN
+# half loses to a number (fmaxf semantics), two NaN halves give a NaN. Exact (a selection).
+
+if SIM:
+    def _half_value(h, is_bf16):
+        h = int(h) & 0xFFFF
+        if is_bf16:
+            return float(np.uint32(h << 16).view(np.float32))
+        return float(np.uint16(h).view(np.float16))
+
+    def _max16x2(a, b, is_bf16, nan_half):
+        out = 0
+        for sh in (0, 16):
+            x = (int(a) >> sh) & 0xFFFF
+            y = (int(b) >> sh) & 0xFFFF
+            xv = _half_value(x, is_bf16)
+            yv = _half_value(y, is_bf16)
+            if xv != xv and yv != yv:
+                h = nan_half
+            elif xv != xv:
+                h = y
+            elif yv != yv:
+                h = x
+            else:
+                h = x if xv >= yv else y
+            out |= h << sh
+        return np.uint32(out)
+
+    def max_bf16x2(a, b):
+        """Per-half max of two uint32 words each holding two bf16 (NaN-ignoring)."""
+        return _max16x2(a, b, True, 0x7FFF)
+
+    def max_f16x2(a, b):
+        """Per-half max of two uint32 words each holding two fp16 (NaN-ignoring)."""
+        return _max16x2(a, b, False, 0x7FFF)
+
+    def absmax_bf16x2(a, b):
+        """Per-half max of |a| and |b| (bf16 halves; NaN-ignoring)."""
+        return _max16x2(int(a) & 0x7FFF7FFF, int(b) & 0x7FFF7FFF, True, 0x7FFF)
+
+    def absmax_f16x2(a, b):
+        """Per-half max of |a| and |b| (fp16 halves; NaN-ignoring)."""
+        return _max16x2(int(a) & 0x7FFF7FFF, int(b) & 0x7FFF7FFF, False, 0x7FFF)
+else:
+    def _max16x2_intrinsic(ptx_type):
+        @intrinsic
+        def max16x2(typingctx, a, b):
+            sig = types.uint32(types.uint32, types.uint32)
+
+            def codegen(context, builder, sig, args):
+                return _asm(builder, _I32, list(args), f"max.{ptx_type} $0, $1, $2;",
+                            "=r,r,r")
+            return sig, codegen
+        return max16x2
+
+    max_bf16x2 = _max16x2_intrinsic("bf16x2")
+    max_f16x2 = _max16x2_intrinsic("f16x2")
+
+    def _absmax16x2_intrinsic(ptx_type):
+        # max.xorsign.abs: the larger magnitude per half (NaN-ignoring like max); its sign bit
+        # is the xor of the inputs' signs, so callers take |.| of the final value.
+        @intrinsic
+        def absmax16x2(typingctx, a, b):
+            sig = types.uint32(types.uint32, types.uint32)
+
+            def codegen(context, builder, sig, args):
+                return _asm(builder, _I32, list(args), f"max.xorsign.abs.{ptx_type} $0, $1, $2;",
+                            "=r,r,r")
+            return sig, codegen
+        return absmax16x2
+
+    absmax_bf16x2 = _absmax16x2_intrinsic("bf16x2")
+    absmax_f16x2 = _absmax16x2_intrinsic("f16x2")
+
+
+# ------------------------------------------------------------------------------------------
+# Vector loads / stores addressed by a BYTE offset from a typed pointer (saves the index
+# scaling and shifts when the caller's natural offset is in bytes, e.g. FP8 outputs).
+
+if SIM:
+    def _word_index(p, off):
+        return int(off) // p.itemsize
+
+    def ld_v4_at(p, off):
+        """Four uint32 words at byte offset `off` (16-byte aligned) of pointer p."""
+        i = _word_index(p, off)
+        return _U32(p[i]), _U32(p[i + 1]), _U32(p[i + 2]), _U32(p[i + 3])
+
+    def st_v2_at(p, off, a, b):
+        """Store two uint32 words at byte offset `off` (8-byte aligned) of pointer p."""
+        i = _word_index(p, off)
+        p[i], p[i + 1] = a, b
+
+    def st_v4_at(p, off, a, b, c, d):
+        """Store four uint32 words at byte offset `off` (16-byte aligned) of pointer p."""
+        i = _word_index(p, off)
+        p[i], p[i + 1], p[i + 2], p[i + 3] = a, b, c, d
+
+    def st_u32_at(p, off, v):
+        """Store one uint32 word at byte offset `off` (4-byte aligned) of pointer p."""
+        p[_word_index(p, off)] = v
+else:
+    _I8P = ir.IntType(8).as_pointer()
+
+    def _byte_addr(builder, p, off):
+        return builder.gep(builder.bitcast(p, _I8P), [off])
+
+    @intrinsic
+    def ld_v4_at(typingctx, p, off):
+        """Four uint32 words at byte offset `off` (16-byte aligned) of pointer p, in one
+        ``ld.global.nc.v4.u32``."""
+        sig = types.UniTuple(types.uint32, 4)(p, off)
+
+        def codegen(context, builder, sig, args):
+            addr = _byte_addr(builder, args[0], args[1])
+            st = ir.LiteralStructType([_I32] * 4)
+            r = _asm(builder, st, [addr], "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];",
+                     "=r,=r,=r,=r,l")
+            return context.make_tuple(builder, sig.return_type,
+                                      [builder.extract_value(r, k) for k in range(4)])
+        return sig, codegen
+
+    @intrinsic
+    def st_v2_at(typingctx, p, off, a, b):
+        """Store two uint32 words at byte offset `off` (8-byte aligned) of pointer p."""
+        sig = types.void(p, off, types.uint32, types.uint32)
+
+        def codegen(context, builder, sig, args):
+            addr = _byte_addr(builder, args[0], args[1])
+            _asm(builder, ir.VoidType(), [addr] + list(args[2:]),
+                 "st.global.v2.u32 [$0], {$1, $2};", "l,r,r,~{memory}", True)
+            return context.get_dummy_value()
+        return sig, codegen
+
+    @intrinsic
+    def st_v4_at(typingctx, p, off, a, b, c, d):
+        """Store four uint32 words at byte offset `off` (16-byte aligned) of pointer p."""
+        sig = types.void(p, off, types.uint32, types.uint32, types.uint32, types.uint32)
+
+        def codegen(context, builder, sig, args):
+            addr = _byte_addr(builder, args[0], args[1])
+            _asm(builder, ir.VoidType(), [addr] + list(args[2:]),
+                 "st.global.v4.u32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r,~{memory}", True)
+            return context.get_dummy_value()
+        return sig, codegen
+
+    @intrinsic
+    def st_u32_at(typingctx, p, off, v):
+        """Store one uint32 word at byte offset `off` (4-byte aligned) of pointer p."""
+        sig = types.void(p, off, types.uint32)
+
+        def codegen(context, builder, sig, args):
+            addr = builder.bitcast(_byte_addr(builder, args[0], args[1]), _I32.as_pointer())
+            builder.store(args[2], addr, align=4)
+            return context.get_dummy_value()
+        return sig, codegen

@@ -1,15 +1,19 @@
 """One tiled quantize kernel, specialized per recipe, direction, input dtype and alignment.
 
-A CTA of 256 threads owns a TM x TK tile of the (M, K) input and reads it once, in 16-byte
+A CTA of NT threads (256; 512 for the fused Block1D row+col kernel on 2-byte inputs, see
+``threads``) owns a TM x TK tile of the (M, K) input and reads it once, in 16-byte
 chunks (VE elements: 4 fp32 or 8 bf16/fp16). Thread t owns chunk column ``c = t % CPR``
 (CPR = TK / VE chunks per tile row) in NJ rows: rows come in quads of 4 consecutive rows,
-``row(j) = (j // 4) * 4 * RPI + 4 * s + j % 4`` with ``s = t // CPR`` and RPI = 256 / CPR, so
+``row(j) = (j // 4) * 4 * RPI + 4 * s + j % 4`` with ``s = t // CPR`` and RPI = NT / CPR, so
 that a thread can pack one byte from each of 4 consecutive rows into a word for the
 transposed outputs. All NJ loads are issued before any use.
 
 From the registers it derives whatever the recipe needs in the same pass:
-  * row blocks (1x128 Block1D, 1x32 MXFP8): in-thread max over the chunk, then an xor-shuffle
-    max over the G = RB / VE lanes of a block;
+  * row blocks (1x128 Block1D, 1x32 MXFP8): in-thread max over the chunk (2-byte inputs: packed
+    ``max.xorsign.abs.bf16x2/f16x2``, one instruction per 2 elements), then a reduce-scatter
+    over the G = RB / VE lanes of a block, so that each lane owns one chunk's block amax and
+    runs the scale rule once (not once per chunk); the multipliers are gathered back with
+    indexed shuffles where the rowwise bytes are cast;
   * column blocks (128x1 Block1D, 32x1 MXFP8; TM equals the block height): in-thread max over
     the thread's rows, xor shuffles across the lanes of the same chunk column, then a
     cross-warp max in shared memory; threads t < TK turn column t's amax into its scale;
@@ -30,11 +34,25 @@ from functools import lru_cache
 import numpy as np
 
 from . import _device as dev
-from ._numba import (SIM, compile_kernel, cuda, device, fmax32, group_fmax, ld_v4, pack4_fp8, ptr,
-                     st_v2, st_v4, types)
+from ._numba import (SIM, absmax_bf16x2, absmax_f16x2, compile_kernel, cuda, device, fmax32,
+                     group_fmax, ld_v4_at, pack4_fp8, ptr, shfl_idx_f32, shfl_xor_f32, st_u32_at,
+                     st_v2_at, st_v4_at, types)
 
-THREADS = 256
+THREADS = 256          # threads per CTA unless threads(spec) says otherwise
 WARPS = THREADS // 32
+
+# Threads per CTA of the fused Block1D row+col kernel on 2-byte inputs (benchmark knob, read at
+# kernel build time). 512 halves the tile each thread holds and avoids spills at 64 registers,
+# but the H200 sweep (bench/NOTES.md, bench/sweep_fused.py) measured 256 threads with 3 CTAs
+# per SM (80 registers, 40 B spilled outside the hot loop) faster: 84.5% of copy against 79.3%.
+FUSED_BLOCK1D_THREADS = 256
+# Reduce-scatter the per-row block amaxes across the lanes of a block so that each lane runs
+# the scale rule once instead of once per chunk (benchmark knob, read at kernel build time).
+ROW_SCATTER = True
+# 2-byte inputs: row and column amaxes with packed max.xorsign.abs.bf16x2 / .f16x2 (one
+# instruction per 2 elements; exact, NaN-ignoring like fmaxf) instead of one fmaxf per element
+# (benchmark knob, read at kernel build time).
+PACKED_AMAX = True
 
 # recipe kinds
 BLOCK1D, BLOCK2D, MXFP8 = "block1d", "block2d", "mxfp8"
@@ -65,6 +83,18 @@ def tile_shape(spec):
     return (64 if ve == 8 else 32), 128
 
 
+def threads(spec):
+    """Threads per CTA of the kernel for `spec`."""
+    if spec.recipe == BLOCK1D and spec.rowwise and spec.columnwise and spec.kind != dev.F32:
+        return FUSED_BLOCK1D_THREADS
+    return THREADS
+
+
+def block(spec):
+    """CUDA block shape (threads, 1, 1) of the kernel for `spec`."""
+    return (threads(spec), 1, 1)
+
+
 def argtypes(spec):
     """Numba argument types of the kernel for `spec`."""
     in_t = types.uint32 if (spec.vec or spec.kind == dev.F32) else types.uint16
@@ -80,9 +110,11 @@ def make_kernel_pyfunc(spec):
     """The Python kernel function for `spec` (compile it with :func:`argtypes`)."""
     VE = dev.ELEMS_PER_CHUNK[spec.kind]
     KIND = spec.kind
+    NT = threads(spec)
+    NW = NT // 32
     TM, TK = tile_shape(spec)
     CPR = TK // VE
-    RPI = THREADS // CPR
+    RPI = NT // CPR
     NJ = TM // RPI
     NQ = NJ // 4
     assert NJ % 4 == 0 and CPR <= 32
@@ -96,16 +128,29 @@ def make_kernel_pyfunc(spec):
     RB = 0 if IS_2D else (32 if IS_MX else 128)
     ROWRED = ROW and not IS_2D
     G = RB // VE if ROWRED else 1                # lanes per row block
+    LOG_G = G.bit_length() - 1
+    LOG_NJ = NJ.bit_length() - 1
+    # reduce-scatter of the NJ row amaxes over the G lanes of a block (needs NJ <= G)
+    SCATTER = ROWRED and ROW_SCATTER and NJ <= G
     COLRED = COL and not IS_2D                   # per-column amax over the tile's rows
     TRANS = COL and not IS_MX                    # (K, M) transposed columnwise output
     TKT, TMW = (TK, TM // 4 + 1) if TRANS else (1, 1)   # +1 word: conflict-free 16B reads
     TKC = TK if COLRED else 1
-    NOUT = (TK * TM // 16) // THREADS if TRANS else 0    # 16-byte stores per thread
+    NOUT = (TK * TM // 16) // NT if TRANS else 0    # 16-byte stores per thread
     PARTS = TM // 16
     NAN_WORD = np.uint32(dev.NAN_WORD[KIND])
     NAN_HALF = dev.NAN_HALF.get(KIND, 0)
     ONE = np.float32(1.0)
     ZERO = np.float32(0.0)  # amax is fmaxf from 0 (NaN ignored; an all-NaN block gives 0)
+    ISZ = dev.ITEMSIZE[KIND]                     # bytes per input element
+    PACKED = PACKED_AMAX and KIND != dev.F32 and (ROWRED or COLRED)
+    habsmax2 = absmax_bf16x2 if KIND == dev.BF16 else absmax_f16x2   # max(|a|, |b|) per half
+    word_f32 = dev.word_decoder(KIND)
+
+    @device
+    def roff(j):
+        """Row of chunk j relative to the thread's first row m0 + 4 s."""
+        return (j // 4) * (4 * RPI) + (j % 4)
 
     elem = dev.element_decoder(KIND)
     pack4 = pack4_fp8(spec.e4m3)
@@ -119,24 +164,47 @@ def make_kernel_pyfunc(spec):
     float32, uint32 = types.float32, types.uint32
 
     @device
-    def store_chunk(out, raw, j, r, kc, M, K, scl):
-        """Cast chunk j (row r, columns kc..kc+VE-1) with per-element multipliers scl[e] and
-        store its VE bytes at out[r, kc:] of an (M, K) byte array."""
+    def scatter_lane(lane, j):
+        """Lane of this lane's row-block group that holds chunk j's block amax after the
+        reduce-scatter (its lane bits G/2, G/4, ... spell j's bits, high to low)."""
+        src = lane & (32 - G)
+        for k in range(LOG_NJ):
+            if (j & (NJ >> (k + 1))) != 0:
+                src |= G >> (k + 1)
+        return src
+
+    @device
+    def chunk_absmax(raw, j):
+        """max(0, |x|) over the VE elements of chunk j (NaN ignored)."""
+        if PACKED:
+            t = habsmax2(habsmax2(raw[j, 0], raw[j, 1]), habsmax2(raw[j, 2], raw[j, 3]))
+            lo, hi = word_f32(t)
+            return fmax32(fmax32(ZERO, abs(lo)), abs(hi))
+        a = ZERO
+        for e in range(VE):
+            a = fmax32(a, abs(elem(raw, j, e)))
+        return a
+
+    @device
+    def store_chunk(out, raw, j, row_ok, eidx, K, kc, scl):
+        """Cast chunk j (flat element index eidx = r * K + kc of its first element) with
+        per-element multipliers scl[e] and store its VE bytes at out[r, kc:] of an (M, K) byte
+        array (row_ok: r < M)."""
         words = cuda.local.array(2, uint32)
         for h in range(VE // 4):
             e = 4 * h
             words[h] = pack4(elem(raw, j, e) * scl[e], elem(raw, j, e + 1) * scl[e + 1],
                              elem(raw, j, e + 2) * scl[e + 2], elem(raw, j, e + 3) * scl[e + 3])
         if VEC:
-            if r < M and kc < K:
+            if row_ok and kc < K:
                 if VE == 8:
-                    st_v2(out, (r * K + kc) // 4, words[0], words[1])
+                    st_v2_at(out, eidx, words[0], words[1])
                 else:
-                    out[(r * K + kc) // 4] = words[0]
+                    st_u32_at(out, eidx, words[0])
         else:
             for e in range(VE):
-                if r < M and kc + e < K:
-                    out[r * K + kc + e] = (words[e // 4] >> (8 * (e % 4))) & 0xFF
+                if row_ok and kc + e < K:
+                    out[eidx + e] = (words[e // 4] >> (8 * (e % 4))) & 0xFF
 
     def kernel(x, rdata, rsinv, cdata, csinv, M, K):
         tid = cuda.threadIdx.x
@@ -149,15 +217,17 @@ def make_kernel_pyfunc(spec):
         c = tid % CPR
         s = tid // CPR
         kc = k0 + c * VE
-        red = cuda.shared.array(THREADS, float32)        # simulator shuffle scratch
-        wred = cuda.shared.array(WARPS, float32)
-        colred = cuda.shared.array((WARPS, TKC), float32)
+        r0 = m0 + 4 * s                 # row of chunk 0; chunk j is row r0 + roff(j)
+        e0 = r0 * K + kc                # flat element index of chunk 0
+        red = cuda.shared.array(NT, float32)        # simulator shuffle scratch
+        wred = cuda.shared.array(NW, float32)
+        colred = cuda.shared.array((NW, TKC), float32)
         colscale = cuda.shared.array(TKC, float32)
         tb = cuda.shared.array((TKT, TMW), uint32)
 
         # ---- scale padding (DESIGN §4), spread over all CTAs
-        gtid = (bk * cuda.gridDim.x + bm) * THREADS + tid
-        gsize = cuda.gridDim.x * cuda.gridDim.y * THREADS
+        gtid = (bk * cuda.gridDim.x + bm) * NT + tid
+        gsize = cuda.gridDim.x * cuda.gridDim.y * NT
         if IS_MX:
             if ROW:
                 fill_padding(rsinv, M, K // 32, (M + 127) // 128 * 128, (K // 32 + 3) // 4 * 4,
@@ -183,10 +253,11 @@ def make_kernel_pyfunc(spec):
         # ---- load the tile: NJ chunks per thread, all loads before any use
         raw = cuda.local.array((NJ, 4), uint32)
         for j in range(NJ):
-            r = m0 + (j // 4) * 4 * RPI + 4 * s + (j % 4)
+            r = r0 + roff(j)
+            ej = e0 + roff(j) * K
             if VEC:
                 if r < M and kc < K:
-                    w0, w1, w2, w3 = ld_v4(x, (r * K + kc) // (VE // 4))
+                    w0, w1, w2, w3 = ld_v4_at(x, ej * ISZ)
                     raw[j, 0] = w0
                     raw[j, 1] = w1
                     raw[j, 2] = w2
@@ -198,7 +269,7 @@ def make_kernel_pyfunc(spec):
                 if KIND == dev.F32:
                     for e in range(4):
                         if r < M and kc + e < K:
-                            raw[j, e] = x[r * K + kc + e]
+                            raw[j, e] = x[ej + e]
                         else:
                             raw[j, e] = NAN_WORD
                 else:
@@ -206,13 +277,14 @@ def make_kernel_pyfunc(spec):
                         lo = NAN_HALF
                         hi = NAN_HALF
                         if r < M and kc + 2 * w < K:
-                            lo = x[r * K + kc + 2 * w]
+                            lo = x[ej + 2 * w]
                         if r < M and kc + 2 * w + 1 < K:
-                            hi = x[r * K + kc + 2 * w + 1]
+                            hi = x[ej + 2 * w + 1]
                         raw[j, w] = uint32(lo) | (uint32(hi) << 16)
 
         # ---- amaxes and scales
         rscale = cuda.local.array(NJ, float32)
+        rmult = ONE
         cscale = cuda.local.array(VE, float32)
         if IS_2D:
             t = ZERO
@@ -224,7 +296,7 @@ def make_kernel_pyfunc(spec):
                 wred[warp] = t
             cuda.syncthreads()
             t = wred[0]
-            for w in range(1, WARPS):
+            for w in range(1, NW):
                 t = fmax32(t, wred[w])
             sc, sinv = rule(t)
             for j in range(NJ):
@@ -238,13 +310,47 @@ def make_kernel_pyfunc(spec):
                     rsinv[bm * ((nkt + 3) // 4 * 4) + bk] = sinv
                 if COL:
                     csinv[bk * ((nmt + 3) // 4 * 4) + bm] = sinv
-        if ROWRED:
+        if ROWRED and SCATTER:
+            # In-thread maxima of the NJ chunks, then a reduce-scatter over the G lanes of a
+            # row block: at each step a lane keeps half of its values and sends the other half
+            # to its partner, so after log2(NJ) steps it holds the block amax of one chunk
+            # (jsel); plain xor steps finish the remaining lane bits. Each lane then runs the
+            # scale rule once, and the multipliers are gathered back per chunk.
+            ra = cuda.local.array(NJ, float32)
             for j in range(NJ):
-                a = ZERO
-                for e in range(VE):
-                    a = fmax32(a, abs(elem(raw, j, e)))
+                ra[j] = chunk_absmax(raw, j)
+            for k in range(LOG_NJ):
+                half = NJ >> (k + 1)
+                up = (lane & (G >> (k + 1))) != 0
+                for i in range(half):
+                    lo_v = ra[i]
+                    hi_v = ra[i + half]
+                    send = lo_v if up else hi_v
+                    keep = hi_v if up else lo_v
+                    ra[i] = fmax32(keep, shfl_xor_f32(send, G >> (k + 1), red, tid))
+            a = ra[0]
+            for k in range(LOG_NJ, LOG_G):
+                a = fmax32(a, shfl_xor_f32(a, G >> (k + 1), red, tid))
+            jsel = 0
+            for k in range(LOG_NJ):
+                if (lane & (G >> (k + 1))) != 0:
+                    jsel += NJ >> (k + 1)
+            r = r0 + (jsel // 4) * (4 * RPI) + (jsel % 4)
+            owner = (lane & ((G >> LOG_NJ) - 1)) == 0
+            if IS_MX:
+                code, mult = rule(a)
+                if owner and r < M and kc < K:
+                    rsinv[r * ((K // 32 + 3) // 4 * 4) + kc // 32] = code
+            else:
+                mult, sinv = rule(a)
+                if owner and r < M:
+                    rsinv[bk * ((M + 3) // 4 * 4) + r] = sinv
+            rmult = mult    # chunk j's multiplier is gathered from lane scatter_lane(j) at use
+        elif ROWRED:
+            for j in range(NJ):
+                a = chunk_absmax(raw, j)
                 a = group_fmax(a, 1, G // 2, red, tid)
-                r = m0 + (j // 4) * 4 * RPI + 4 * s + (j % 4)
+                r = r0 + roff(j)
                 if IS_MX:
                     code, mult = rule(a)
                     rscale[j] = mult
@@ -257,10 +363,22 @@ def make_kernel_pyfunc(spec):
                         rsinv[bk * ((M + 3) // 4 * 4) + r] = sinv
         if COLRED:
             cam = cuda.local.array(VE, float32)
+            if PACKED:
+                for w in range(4):
+                    t = raw[0, w]
+                    for j in range(1, NJ):
+                        t = habsmax2(t, raw[j, w])
+                    lo, hi = word_f32(t)
+                    cam[2 * w] = fmax32(ZERO, abs(lo))
+                    cam[2 * w + 1] = fmax32(ZERO, abs(hi))
+            else:
+                for e in range(VE):
+                    a = ZERO
+                    for j in range(NJ):
+                        a = fmax32(a, abs(elem(raw, j, e)))
+                    cam[e] = a
             for e in range(VE):
-                a = ZERO
-                for j in range(NJ):
-                    a = fmax32(a, abs(elem(raw, j, e)))
+                a = cam[e]
                 if CPR < 32:
                     a = group_fmax(a, CPR, 16, red, tid)
                 cam[e] = a
@@ -270,7 +388,7 @@ def make_kernel_pyfunc(spec):
             cuda.syncthreads()
             if tid < TK:
                 a = colred[0, tid]
-                for w in range(1, WARPS):
+                for w in range(1, NW):
                     a = fmax32(a, colred[w, tid])
                 k = k0 + tid
                 if IS_MX:
@@ -291,14 +409,16 @@ def make_kernel_pyfunc(spec):
         if ROW:
             rs = cuda.local.array(VE, float32)
             for j in range(NJ):
+                if SCATTER:
+                    sc = shfl_idx_f32(rmult, scatter_lane(lane, j), red, tid)
+                else:
+                    sc = rscale[j]
                 for e in range(VE):
-                    rs[e] = rscale[j]
-                store_chunk(rdata, raw, j, m0 + (j // 4) * 4 * RPI + 4 * s + (j % 4), kc, M, K,
-                            rs)
+                    rs[e] = sc
+                store_chunk(rdata, raw, j, r0 + roff(j) < M, e0 + roff(j) * K, K, kc, rs)
         if COL and IS_MX:
             for j in range(NJ):
-                store_chunk(cdata, raw, j, m0 + (j // 4) * 4 * RPI + 4 * s + (j % 4), kc, M, K,
-                            cscale)
+                store_chunk(cdata, raw, j, r0 + roff(j) < M, e0 + roff(j) * K, K, kc, cscale)
 
         # ---- transposed columnwise bytes through shared memory
         if TRANS:
@@ -311,17 +431,17 @@ def make_kernel_pyfunc(spec):
             cuda.syncthreads()
             if COLVEC:
                 for it in range(NOUT):
-                    u = tid + THREADS * it
+                    u = tid + NT * it
                     kk = u // PARTS
                     part = u % PARTS
                     k = k0 + kk
                     mm = m0 + part * 16
                     if k < K and mm < M:
-                        st_v4(cdata, (k * M + mm) // 4, tb[kk, part * 4], tb[kk, part * 4 + 1],
-                              tb[kk, part * 4 + 2], tb[kk, part * 4 + 3])
+                        st_v4_at(cdata, k * M + mm, tb[kk, part * 4], tb[kk, part * 4 + 1],
+                                 tb[kk, part * 4 + 2], tb[kk, part * 4 + 3])
             else:
                 # rows of (K, M) are not 16-byte aligned: 4-byte words, bytes at the ends
-                store_unaligned(tb, cdata, k0, m0, K, M, TK, TM, tid, THREADS)
+                store_unaligned(tb, cdata, k0, m0, K, M, TK, TM, tid, NT)
 
     return kernel
 
@@ -334,7 +454,9 @@ def default_min_blocks(spec):
     """Minimum CTAs per SM for the register allocator, chosen from the H200 sweep
     (bench/NOTES.md): capping registers pays for the Block1D kernels with columnwise output."""
     if spec.recipe == BLOCK1D and spec.columnwise and spec.kind != dev.F32:
-        return 4 if spec.rowwise else 3
+        # col only: 3 x 256 threads (80 registers); row+col: 3 CTAs at 256 threads (80
+        # registers), 2 at 512 (64 registers)
+        return 3 if threads(spec) == 256 else 1024 // threads(spec)
     return None
 
 
@@ -342,12 +464,14 @@ def get_kernel(spec):
     """Compiled, launchable kernel for `spec` (see ``_numba.compile_kernel``)."""
     min_blocks = MIN_BLOCKS_PER_SM if MIN_BLOCKS_PER_SM is not None else \
         default_min_blocks(spec)
-    return _get_kernel(spec, min_blocks)
+    return _get_kernel(spec, min_blocks, FUSED_BLOCK1D_THREADS, ROW_SCATTER, PACKED_AMAX)
 
 
 @lru_cache(maxsize=None)
-def _get_kernel(spec, min_blocks):
-    bounds = THREADS if min_blocks is None else (THREADS, min_blocks)
+def _get_kernel(spec, min_blocks, fused_threads, row_scatter, packed_amax):
+    # the knobs are part of the cache key: make_kernel_pyfunc reads them
+    nt = threads(spec)
+    bounds = nt if min_blocks is None else (nt, min_blocks)
     return compile_kernel(make_kernel_pyfunc(spec), argtypes(spec),
                           launch_bounds=None if SIM else bounds)
 

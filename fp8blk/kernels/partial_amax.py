@@ -43,7 +43,7 @@ from . import _device as dev
 from ._host import data_ptr, module_of
 from ._numba import (SIM, bf16x2_f32, bits_f32, compile_kernel, cuda, device, f16x2_f32,
                      f32_bf16_bits, f32_bits, f32_f16_bits, fmax32, group_fmax, ld_v4, ptr,
-                     types)
+                     shfl_xor_f32, types)
 
 # ---- table fields -----------------------------------------------------------------------------
 F_H, F_W, F_O, F_N = 0, 1, 2, 3
@@ -67,7 +67,12 @@ F_BAND0 = 20    # first tile row (Block2D) / 32-row band (MXFP8) the shard touch
 F_NCB = 21      # CUDA blocks per band: cdiv(w, 128) (Block2D), cdiv(w, 512) (MXFP8)
 F_CAST0 = 22    # first CUDA block in its cast launch
 F_SCALE0 = 23   # first entry in the scale launch
-NF = 24
+F_AMAXF0 = 24   # first CUDA block of this weight in its fast-path partial-amax launch
+F_FASTROW0 = 25  # band rows [F_FASTROW0, F_FASTROW1) lie inside the shard (fast path); the
+F_FASTROW1 = 26  # touched rows before and after them take the general path
+F_CASTF0 = 27   # first CUDA block in its fast-path cast launch
+F_NFC = 28      # chunks 0 .. F_NFC-1 of the shard take the fast-path cast, the rest the general
+NF = 29
 
 AMAX2D_THREADS = 256
 MXAMAX_THREADS = 128
@@ -172,12 +177,15 @@ class Arena:
 
 
 class Launch:
-    """A kernel launch over table rows [first, first + count): ``blocks`` CUDA blocks."""
+    """The kernel launches over table rows [first, first + count): ``fast_blocks`` CUDA blocks
+    of the fast-path kernel (interior tiles / bands / chunks of aligned shards, no bounds
+    checks) and ``blocks`` of the general one (the rest). Either may be 0 (no launch)."""
 
-    __slots__ = ("first", "count", "blocks", "with_col")
+    __slots__ = ("first", "count", "blocks", "fast_blocks", "with_col")
 
-    def __init__(self, first, count, blocks, with_col):
+    def __init__(self, first, count, blocks, fast_blocks, with_col):
         self.first, self.count, self.blocks, self.with_col = first, count, blocks, with_col
+        self.fast_blocks = fast_blocks
 
 
 _table_cache = {}
@@ -248,22 +256,29 @@ class Batch:
             idx = [i for i, it in enumerate(self.items) if g is None or with_col(it) == g]
             if not idx:
                 continue
-            blocks = 0
+            blocks = fast_blocks = 0
             for i in idx:
-                t[i, F_AMAX0] = blocks
-                blocks += self._amax_blocks(t[i])
-            if blocks:
-                self.amax_launches.append(Launch(idx[0], len(idx), blocks, bool(g)))
+                t[i, F_AMAX0], t[i, F_AMAXF0] = blocks, fast_blocks
+                slow, fast = self._amax_blocks(t[i])
+                blocks += slow
+                fast_blocks += fast
+            if blocks or fast_blocks:
+                self.amax_launches.append(Launch(idx[0], len(idx), blocks, fast_blocks,
+                                                 bool(g)))
         for g in (False, True):
             idx = [i for i, it in enumerate(self.items) if with_col(it) == g]
             if not idx:
                 continue
-            blocks = 0
+            blocks = fast_blocks = 0
             for i in idx:
-                t[i, F_CAST0] = blocks
-                blocks += cdiv(int(t[i, F_N]), CAST_CHUNK)
-            if blocks:
-                self.cast_launches.append(Launch(idx[0], len(idx), blocks, g))
+                n_chunks = cdiv(int(t[i, F_N]), CAST_CHUNK)
+                nfc = self._fast_chunks(t[i], with_col(self.items[i]))
+                t[i, F_NFC] = nfc
+                t[i, F_CAST0], t[i, F_CASTF0] = blocks, fast_blocks
+                blocks += n_chunks - nfc
+                fast_blocks += nfc
+            if blocks or fast_blocks:
+                self.cast_launches.append(Launch(idx[0], len(idx), blocks, fast_blocks, g))
         entries = 0
         for i, it in enumerate(self.items):
             t[i, F_SCALE0] = entries
@@ -313,13 +328,37 @@ class Batch:
             row[F_BAND0] = (o // w) // band
 
     def _amax_blocks(self, row):
+        """(general-path, fast-path) CUDA blocks of the weight's partial amax; also sets its
+        F_FASTROW0/1. A band row (128 rows of tiles for Block2D, 32 for MXFP8) is fast when
+        the shard is aligned (F_VEC2D) and holds every element of the row."""
         n = int(row[F_N])
         if not n:
+            return 0, 0
+        h, w, o = int(row[F_H]), int(row[F_W]), int(row[F_O])
+        bh = 128 if self.block2d else 32
+        first, last = int(row[F_BAND0]), ((o + n - 1) // w) // bh
+
+        def inside(b):
+            return b * bh * w >= o and (b * bh + bh) * w <= o + n and b * bh + bh <= h
+
+        f0 = first if inside(first) else first + 1
+        f1 = last + 1 if inside(last) else last
+        if not row[F_VEC2D] or f1 <= f0:
+            f0 = f1 = last + 1  # no fast rows: all touched rows are general-path rows
+        row[F_FASTROW0], row[F_FASTROW1] = f0, f1
+        ncb = int(row[F_NCB])
+        return (last - first + 1 - (f1 - f0)) * ncb, (f1 - f0) * ncb
+
+    def _fast_chunks(self, row, with_col):
+        """How many leading cast chunks of the shard take the fast path: the full ones, when
+        master loads and FP8 word stores are aligned and groups of 4 stay inside a row
+        (o % 4 == w % 4 == 0); none for Block2D transposed storage (byte scatter)."""
+        o, n = int(row[F_O]), int(row[F_N])
+        if not row[F_VEC2D] or (row[F_HASROW] and (row[F_ROWDATA] + o) % 4):
             return 0
-        w, o = int(row[F_W]), int(row[F_O])
-        band = 128 if self.block2d else 32
-        last_band = ((o + n - 1) // w) // band
-        return (last_band - int(row[F_BAND0]) + 1) * int(row[F_NCB])
+        if with_col and (self.block2d or (row[F_COLDATA] + o) % 4):
+            return 0
+        return n // CAST_CHUNK
 
     def _scale_entries(self, it):
         h, w = it.h, it.w
@@ -341,6 +380,20 @@ class Batch:
 
 
 # ---- device helpers -----------------------------------------------------------------------------
+
+
+@device
+def band_row(tab, row, local, ncb, fast_path):
+    """The band row (tile row for Block2D) of a weight's `local`-th CUDA block in its
+    fast-path or general launch: fast rows are [F_FASTROW0, F_FASTROW1); the general launch
+    covers the touched rows before them, then those after them."""
+    r = local // ncb
+    if fast_path:
+        return tab[row + F_FASTROW0] + r
+    head = tab[row + F_FASTROW0] - tab[row + F_BAND0]
+    if r < head:
+        return tab[row + F_BAND0] + r
+    return tab[row + F_FASTROW1] + (r - head)
 
 
 @device
@@ -424,6 +477,19 @@ def decode4(raw, k, bf16):
 
 
 @device
+def scatter_max(v, n, m, lane, red, tid):
+    """One reduce-scatter step over lanes l and l ^ m of the 2n values v[0:2n]: afterwards
+    v[j] (j < n) is the max of both lanes' v[j + n] if this lane has bit m set, else of
+    their v[j]. Three steps (m = 4, 2, 1) leave lane l of an 8-lane group with entries
+    2 * (l % 8) and 2 * (l % 8) + 1 of the group's 16, reduced over the group."""
+    upper = (lane & m) != 0
+    for j in range(n):
+        send = v[j] if upper else v[j + n]
+        keep = v[j + n] if upper else v[j]
+        v[j] = fmax32(keep, shfl_xor_f32(send, m, red, tid))
+
+
+@device
 def e8m0_code(amax, inv_f):
     """E8M0 code of a block amax (DESIGN §3; scaling.e8m0_from_amax), inv_f = fl32(1/F)."""
     v = amax * inv_f
@@ -444,8 +510,9 @@ def e8m0_code(amax, inv_f):
 # ---- kernels ------------------------------------------------------------------------------------
 
 
-def _block2d_amax_pyfunc(model):
+def _block2d_amax_pyfunc(model, fast_path):
     rnd = model_rounder(model)
+    PREFIX = F_AMAXF0 if fast_path else F_AMAX0
     THREADS = AMAX2D_THREADS
     WARPS = THREADS // 32
     STEPS = 128 // WARPS  # rows per warp
@@ -459,7 +526,7 @@ def _block2d_amax_pyfunc(model):
         lane = tid % 32
         red = cuda.shared.array(THREADS, float32)
         wred = cuda.shared.array(WARPS, float32)
-        i = find_weight(tab, first, count, F_AMAX0, b)
+        i = find_weight(tab, first, count, PREFIX, b)
         row = i * NF
         H = tab[row + F_H]
         W = tab[row + F_W]
@@ -469,20 +536,25 @@ def _block2d_amax_pyfunc(model):
         bf16 = tab[row + F_MBF16] != 0
         vec = tab[row + F_VEC2D] != 0
         ncb = tab[row + F_NCB]
-        local = b - tab[row + F_AMAX0]
-        tr = tab[row + F_BAND0] + local // ncb
+        local = b - tab[row + PREFIX]
+        tr = band_row(tab, row, local, ncb, fast_path)
         tc = local % ncb
         c = tc * 128 + lane * 4
         raw = cuda.local.array((STEPS, 4), uint32)
-        # Interior tiles (inside the weight and the shard, aligned) take a path with no
-        # per-element bounds: the index arithmetic, not DRAM, bounds the general path.
         m0 = (tr * 128 + warp) * W + c - O
         step = WARPS * W
-        if (vec and tr * 128 + 128 <= H and tc * 128 + 128 <= W and tr * 128 * W + tc * 128 >= O
-                and (tr * 128 + 127) * W + tc * 128 + 127 < O + N):
-            for k in range(STEPS):
-                load_group(raw, k, mem32, mem16, moff, m0 + k * step, bf16, True, True, True,
-                           True, True)
+        # Tile rows inside the weight and an aligned shard (Batch picks them) go to the kernel
+        # compiled with fast_path: no per-element bounds, since index arithmetic, not DRAM,
+        # bounds the general path; compiled apart so that each has its own register budget.
+        if fast_path:
+            if c < W:  # W % 4 == 0 here: a lane's 4 columns are all in or all out
+                for k in range(STEPS):
+                    load_group(raw, k, mem32, mem16, moff, m0 + k * step, bf16, True, True,
+                               True, True, True)
+            else:
+                for k in range(STEPS):
+                    for e in range(4):
+                        raw[k, e] = uint32(0)
         else:
             for k in range(STEPS):
                 r = tr * 128 + warp + WARPS * k
@@ -516,8 +588,9 @@ def _block2d_amax_pyfunc(model):
     return kernel
 
 
-def _mxfp8_amax_pyfunc(model, with_col):
+def _mxfp8_amax_pyfunc(model, with_col, fast_path):
     rnd = model_rounder(model)
+    PREFIX = F_AMAXF0 if fast_path else F_AMAX0
     THREADS = MXAMAX_THREADS
     HALF = 16  # rows loaded before use (two halves of the 32-row band)
     ZERO = np.float32(0.0)
@@ -530,7 +603,7 @@ def _mxfp8_amax_pyfunc(model, with_col):
         warp = tid // 32
         lane = tid % 32
         red = cuda.shared.array(THREADS, float32)
-        i = find_weight(tab, first, count, F_AMAX0, b)
+        i = find_weight(tab, first, count, PREFIX, b)
         row = i * NF
         H = tab[row + F_H]
         W = tab[row + F_W]
@@ -542,26 +615,30 @@ def _mxfp8_amax_pyfunc(model, with_col):
         has_row = tab[row + F_HASROW] != 0
         inv_f = INV_E4M3 if tab[row + F_E4M3] != 0 else INV_E5M2
         ncb = tab[row + F_NCB]
-        local = b - tab[row + F_AMAX0]
-        band = tab[row + F_BAND0] + local // ncb
+        local = b - tab[row + PREFIX]
+        band = band_row(tab, row, local, ncb, fast_path)
         c0 = (local % ncb) * MX_COLS
         c = c0 + warp * 128 + lane * 4
         rowbuf = tab[row + F_ROWBUF]
         wb = W // 32
         m0 = band * 32 * W + c - O
-        # bands inside the weight and the shard, aligned: no per-element bounds (see Block2D)
-        fast = (vec and band * 32 + 32 <= H and c0 + MX_COLS <= W and band * 32 * W + c0 >= O
-                and (band * 32 + 31) * W + c0 + MX_COLS - 1 < O + N)
+        # bands inside an aligned shard: the fast_path kernel (see Block2D)
         cm0 = ZERO
         cm1 = ZERO
         cm2 = ZERO
         cm3 = ZERO
         raw = cuda.local.array((HALF, 4), uint32)
+        rm = cuda.local.array(HALF, float32)  # per row: max |x| of this lane's 4 columns
         for half in range(2):
-            if fast:
-                for k in range(HALF):
-                    load_group(raw, k, mem32, mem16, moff, m0 + (half * HALF + k) * W, bf16,
-                               True, True, True, True, True)
+            if fast_path:
+                if c < W:  # W % 32 == 0: a lane's 4 columns are all in or all out
+                    for k in range(HALF):
+                        load_group(raw, k, mem32, mem16, moff, m0 + (half * HALF + k) * W,
+                                   bf16, True, True, True, True, True)
+                else:
+                    for k in range(HALF):
+                        for e in range(4):
+                            raw[k, e] = uint32(0)
             else:
                 for k in range(HALF):
                     m = m0 + (half * HALF + k) * W
@@ -581,13 +658,21 @@ def _mxfp8_amax_pyfunc(model, with_col):
                     cm1 = fmax32(cm1, a1)
                     cm2 = fmax32(cm2, a2)
                     cm3 = fmax32(cm3, a3)
-                if has_row:
-                    a = fmax32(fmax32(fmax32(fmax32(ZERO, a0), a1), a2), a3)
-                    a = group_fmax(a, 1, 4, red, tid)
-                    if lane % 8 == 0 and c < W:
-                        r = band * 32 + half * HALF + k
+                rm[k] = fmax32(fmax32(fmax32(fmax32(ZERO, a0), a1), a2), a3)
+            if has_row:
+                # The 1x32 amaxes of the HALF rows: a reduce-scatter over the 8 lanes of a
+                # block (xor 4, 2, 1) leaves lane l with rows 2*(l%8) and 2*(l%8)+1, fully
+                # reduced: 14 shuffles and 2 E8M0 codes per lane instead of 48 shuffles and 16
+                # dependent code computations.
+                scatter_max(rm, 8, 4, lane, red, tid)
+                scatter_max(rm, 4, 2, lane, red, tid)
+                scatter_max(rm, 2, 1, lane, red, tid)
+                if c - (lane % 8) * 4 < W:
+                    rsel = 2 * (lane % 8)
+                    blk = rowbuf + (band * 32 + half * HALF) * wb + c // 32
+                    for j in range(2):
                         # rounding commutes with max (monotonic, odd): round the block amax
-                        codes[rowbuf + r * wb + c // 32] = e8m0_code(rnd(a), inv_f)
+                        codes[blk + (rsel + j) * wb] = e8m0_code(rnd(rm[j]), inv_f)
         if with_col:
             if tab[row + F_HASCOL] != 0 and c < W:
                 word = (uint32(e8m0_code(rnd(cm0), inv_f))
@@ -605,30 +690,49 @@ def amax_argtypes(block2d):
             ptr(types.uint32), ptr(types.uint16))
 
 
-def amax_pyfunc(block2d, model, with_col):
-    """The Python kernel (for compile_ptx tests and :func:`get_amax_kernel`)."""
+def amax_pyfunc(block2d, model, with_col, fast_path=False):
+    """The Python kernel (for compile_ptx tests and :func:`get_amax_kernel`): the fast_path
+    one handles the interior tiles / bands of aligned shards, the other one the rest."""
     if block2d:
-        return _block2d_amax_pyfunc(model)
-    return _mxfp8_amax_pyfunc(model, with_col)
+        return _block2d_amax_pyfunc(model, fast_path)
+    return _mxfp8_amax_pyfunc(model, with_col, fast_path)
+
+
+# minimum CTAs per SM asked of the compiler for the fast-path kernels (None: its choice),
+# by block2d; read when a kernel is built (bench/bench_master.py --sweep varies it). MXFP8:
+# 4 CTAs of 128 threads (<= 128 registers, no spills) measured 4-10% faster than the
+# compiler's 131 registers / 3 CTAs on the H200 (bench/NOTES.md).
+FAST_MIN_BLOCKS = {True: None, False: 4}
+
+
+def get_amax_kernel(block2d, model, with_col, fast_path):
+    return _get_amax_kernel(block2d, model, with_col, fast_path,
+                            FAST_MIN_BLOCKS[block2d] if fast_path else None)
 
 
 @lru_cache(maxsize=None)
-def get_amax_kernel(block2d, model, with_col):
+def _get_amax_kernel(block2d, model, with_col, fast_path, min_blocks):
     threads = AMAX2D_THREADS if block2d else MXAMAX_THREADS
-    return compile_kernel(amax_pyfunc(block2d, model, with_col), amax_argtypes(block2d),
-                          launch_bounds=None if SIM else threads)
+    bounds = threads if min_blocks is None else (threads, min_blocks)
+    return compile_kernel(amax_pyfunc(block2d, model, with_col, fast_path),
+                          amax_argtypes(block2d), launch_bounds=None if SIM else bounds)
 
 
 def launch_partial_amax(batch, buf, model):
     """Partial amaxes (Block2D, fp32) or E8M0 codes (MXFP8, uint8) of every touched block of
-    the batch into the zeroed packed `buf`; one launch per specialization present."""
+    the batch into the zeroed packed `buf`; up to two launches (band rows inside aligned
+    shards, the rest) per specialization present. Returns the number of launches."""
     mem32, mem16, _, _ = batch.arena.pointers()
     threads = AMAX2D_THREADS if batch.block2d else MXAMAX_THREADS
     # MXFP8 buffers hold a multiple of 32 codes per weight; Block2D does not use codes32
     codes32 = ptr_arg(buf, np.uint32) if not batch.block2d else ptr_arg(buf, np.float32)
+    launches = 0
     for ln in batch.amax_launches:
-        kernel = get_amax_kernel(batch.block2d, model, bool(ln.with_col))
-        kernel((ln.blocks, 1, 1), (threads, 1, 1),
-               (ptr_arg(batch.table_dev, np.int64), np.int64(ln.first), np.int64(ln.count),
-                ptr_arg(buf, buf.dtype), codes32, mem32, mem16))
-    return len(batch.amax_launches)
+        args = (ptr_arg(batch.table_dev, np.int64), np.int64(ln.first), np.int64(ln.count),
+                ptr_arg(buf, buf.dtype), codes32, mem32, mem16)
+        for fast_path, blocks in ((True, ln.fast_blocks), (False, ln.blocks)):
+            if blocks:
+                kernel = get_amax_kernel(batch.block2d, model, bool(ln.with_col), fast_path)
+                kernel((blocks, 1, 1), (threads, 1, 1), args)
+                launches += 1
+    return launches

@@ -30,10 +30,11 @@ import numpy as np
 
 from ._numba import (SIM, bits_f32, compile_kernel, cuda, device, f32_bits, pack4_e4m3,
                      pack4_e5m2, ptr, types)
-from .partial_amax import (CAST_CHUNK, CAST_GROUPS, CAST_THREADS, F_AMAX0, F_CAST0, F_COLBUF,
-                           F_COLDATA, F_COLSINV, F_E4M3, F_EPS, F_H, F_HASCOL, F_HASROW,
-                           F_MBF16, F_MOFF, F_MVEC, F_N, F_NCB, F_O, F_POW2, F_ROWBUF, F_VEC2D,
-                           F_ROWDATA, F_ROWSINV, F_SCALE0, F_W, NF, SCALE_THREADS, decode4,
+from .partial_amax import (CAST_CHUNK, CAST_GROUPS, CAST_THREADS, F_AMAX0, F_CAST0, F_CASTF0,
+                           F_COLBUF, F_COLDATA, F_COLSINV, F_E4M3, F_EPS, F_H, F_HASCOL,
+                           F_HASROW, F_MBF16, F_MOFF, F_MVEC, F_N, F_NCB, F_NFC, F_O, F_POW2,
+                           F_ROWBUF, F_ROWDATA, F_ROWSINV, F_SCALE0, F_W, NF, SCALE_THREADS,
+                           decode4,
                            find_weight, load_group, model_rounder, ptr_arg)
 
 _INF = np.float32(np.inf)
@@ -194,11 +195,12 @@ def launch_scales(batch, buf, vinf):
 # ---- cast ---------------------------------------------------------------------------------------
 
 
-def _cast_pyfunc(block2d, model, with_col):
+def _cast_pyfunc(block2d, model, with_col, fast_path):
     rnd = model_rounder(model)
     THREADS = CAST_THREADS
     GROUPS = CAST_GROUPS
     STEP = THREADS * 4  # elements between a thread's consecutive groups
+    PREFIX = F_CASTF0 if fast_path else F_CAST0
     uint32, float32 = types.uint32, types.float32
 
     @device
@@ -220,7 +222,7 @@ def _cast_pyfunc(block2d, model, with_col):
     def kernel(tab, first, count, sbuf, codes32, mem32, mem16, mem8):
         b = cuda.blockIdx.x
         tid = cuda.threadIdx.x
-        i = find_weight(tab, first, count, F_CAST0, b)
+        i = find_weight(tab, first, count, PREFIX, b)
         row = i * NF
         H = tab[row + F_H]
         W = tab[row + F_W]
@@ -237,20 +239,16 @@ def _cast_pyfunc(block2d, model, with_col):
         colbuf = tab[row + F_COLBUF]
         kt = tab[row + F_NCB]
         wb = W // 32
-        base = (b - tab[row + F_CAST0]) * CAST_CHUNK
+        # chunks [0, F_NFC) of the shard are the fast-path kernel's, the rest the general one's
+        base = (b - tab[row + PREFIX] + (0 if fast_path else tab[row + F_NFC])) * CAST_CHUNK
         hascol = with_col and tab[row + F_HASCOL] != 0
-        # Fast path: a chunk wholly inside the shard, with 4-element groups that never cross
-        # a row or a scale block (o % 4 == w % 4 == 0), aligned loads and 32-bit stores.
-        # Positions advance by a precomputed (rows, columns) step instead of a division per
-        # group: the general path's per-element index arithmetic is what bounds its speed.
-        fast = (tab[row + F_VEC2D] != 0 and base + CAST_CHUNK <= N
-                and (not has_row or (rowdata + O) % 4 == 0))
-        if with_col:
-            if block2d:
-                fast = False  # transposed (K, M) bytes: byte scatter, general path
-            elif hascol:
-                fast = fast and (coldata + O) % 4 == 0
-        if fast:
+        # The fast-path kernel (compiled apart so that each path has its own register budget)
+        # gets the full chunks of shards whose master loads and FP8 word stores are aligned
+        # and whose groups of 4 never cross a row or a scale block (o % 4 == w % 4 == 0; Batch
+        # picks them). Positions advance by a precomputed (rows, columns) step instead of a
+        # division per group: the general path's per-element index arithmetic is what bounds
+        # its speed.
+        if fast_path:
             raw = cuda.local.array((GROUPS, 4), uint32)
             rscale = cuda.local.array(GROUPS, float32)
             cword = cuda.local.array(GROUPS, uint32)
@@ -375,24 +373,42 @@ def cast_argtypes(block2d):
             ptr(types.uint32), ptr(types.uint16), ptr(types.uint8))
 
 
-def cast_pyfunc(block2d, model, with_col):
-    return _cast_pyfunc(block2d, model, with_col)
+def cast_pyfunc(block2d, model, with_col, fast_path=False):
+    """The Python cast kernel: fast_path for the interior chunks of aligned shards, the other
+    one for the rest."""
+    return _cast_pyfunc(block2d, model, with_col, fast_path)
+
+
+# minimum CTAs per SM asked of the compiler for the fast-path kernels (None: its choice);
+# read when a kernel is built (bench/bench_master.py --sweep varies it)
+FAST_MIN_BLOCKS = {True: None, False: None}  # by block2d
+
+
+def get_cast_kernel(block2d, model, with_col, fast_path):
+    return _get_cast_kernel(block2d, model, with_col, fast_path,
+                            FAST_MIN_BLOCKS[block2d] if fast_path else None)
 
 
 @lru_cache(maxsize=None)
-def get_cast_kernel(block2d, model, with_col):
-    return compile_kernel(cast_pyfunc(block2d, model, with_col), cast_argtypes(block2d),
-                          launch_bounds=None if SIM else CAST_THREADS)
+def _get_cast_kernel(block2d, model, with_col, fast_path, min_blocks):
+    bounds = CAST_THREADS if min_blocks is None else (CAST_THREADS, min_blocks)
+    return compile_kernel(cast_pyfunc(block2d, model, with_col, fast_path),
+                          cast_argtypes(block2d), launch_bounds=None if SIM else bounds)
 
 
 def launch_cast(batch, sbuf, model):
     """Cast every owned element of the batch: `sbuf` is the packed fp32 scales (Block2D) or the
-    reduced E8M0 codes (MXFP8). One launch per specialization present; returns the count."""
+    reduced E8M0 codes (MXFP8). Up to two launches (full chunks of aligned shards, the rest)
+    per specialization present; returns the count."""
     mem32, mem16, mem8, _ = batch.arena.pointers()
     codes32 = ptr_arg(sbuf, np.float32 if batch.block2d else np.uint32)  # unused by Block2D
+    launches = 0
     for ln in batch.cast_launches:
-        kernel = get_cast_kernel(batch.block2d, model, bool(ln.with_col))
-        kernel((ln.blocks, 1, 1), (CAST_THREADS, 1, 1),
-               (ptr_arg(batch.table_dev, np.int64), np.int64(ln.first), np.int64(ln.count),
-                ptr_arg(sbuf, sbuf.dtype), codes32, mem32, mem16, mem8))
-    return len(batch.cast_launches)
+        args = (ptr_arg(batch.table_dev, np.int64), np.int64(ln.first), np.int64(ln.count),
+                ptr_arg(sbuf, sbuf.dtype), codes32, mem32, mem16, mem8)
+        for fast_path, blocks in ((True, ln.fast_blocks), (False, ln.blocks)):
+            if blocks:
+                kernel = get_cast_kernel(batch.block2d, model, bool(ln.with_col), fast_path)
+                kernel((blocks, 1, 1), (CAST_THREADS, 1, 1), args)
+                launches += 1
+    return launches

@@ -44,7 +44,8 @@ def _id(spec):
 
 @pytest.mark.parametrize("spec", QUANT_SPECS, ids=_id)
 def test_quantize_kernel_compiles_for_sm90(spec):
-    ptx = compile_ptx_sm90(qk.make_kernel_pyfunc(spec), qk.argtypes(spec), launch_bounds=256)
+    ptx = compile_ptx_sm90(qk.make_kernel_pyfunc(spec), qk.argtypes(spec),
+                           launch_bounds=qk.threads(spec))
     assert ".target sm_90" in ptx
     assert not LOCAL.search(ptx), "the tile spilled to local memory"
     fmt = "e4m3x2" if spec.e4m3 else "e5m2x2"

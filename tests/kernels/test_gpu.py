@@ -145,3 +145,30 @@ def test_negative_nan_gives_reference_byte(rng):
     for recipe in (fb.Block1D(), fb.Block1D(fmt=fb.E5M2), fb.Block2D(fmt=fb.E5M2), fb.MXFP8(),
                    fb.MXFP8(fmt=fb.E5M2)):
         _check_quantize(x, recipe, True, True)
+
+
+@pytest.mark.parametrize("dname", ["bf16", "f16"])
+@pytest.mark.parametrize("rname", ["b1d", "b1d-e5m2-nopow2", "mx", "mx-e5m2"])
+@pytest.mark.parametrize("rw,cw", DIRECTIONS)
+def test_packed_amax_special_halves(rng, dname, rname, rw, cw):
+    """2-byte inputs take packed (2 x 16-bit) abs-max paths: NaN / -NaN in one half of a word,
+    subnormal-only, -0-only and -inf blocks, negative maxima, in row and in column blocks."""
+    dtype = DTYPES[dname]
+    x = make_input(rng, (1024, 1024), dtype)
+    bits = x.view(np.uint16)
+    expo = 0x80 if dname == "bf16" else 0x400            # first normal exponent bit
+    nan, neg_inf, neg_max = (0x7FC1, 0xFF80, 0xFF7F) if dname == "bf16" else \
+        (0x7E01, 0xFC00, 0xFBFF)
+    sub = rng.integers(1, expo, size=1024).astype(np.uint16) | \
+        (rng.integers(0, 2, size=1024).astype(np.uint16) << 15)
+    bits[5, :] = sub                      # subnormal-only row blocks
+    bits[:, 9] = sub                      # subnormal-only column blocks
+    bits[6, 0::2] = nan                   # NaN in every low half
+    bits[7, 1::2] = nan | 0x8000          # -NaN in every high half
+    bits[0::2, 13] = nan                  # NaN in every other row of a column
+    bits[8, :] = 0x8000                   # -0 row
+    bits[8, 3] = neg_inf                  # -inf in a block of -0
+    bits[40:72, 11] = nan | 0x8000        # a 32x1 column block of NaN
+    bits[10, 64:96] = neg_max             # negative maxima
+    bits[200:328, 17] = neg_max
+    _check_quantize(x, RECIPES[rname], rw, cw)

@@ -33,11 +33,12 @@ def run_sim(what, timeout=300):
 
 
 @needs_compiler
+@pytest.mark.parametrize("fast_path", [False, True])
 @pytest.mark.parametrize("block2d,model,with_col", [(True, dev.BF16, False),
                                                     (False, dev.BF16, True),
                                                     (False, dev.F32, False)])
-def test_amax_kernel_compiles_for_sm90(block2d, model, with_col):
-    ptx = _numba.compile_ptx_sm90(pa.amax_pyfunc(block2d, model, with_col),
+def test_amax_kernel_compiles_for_sm90(block2d, model, with_col, fast_path):
+    ptx = _numba.compile_ptx_sm90(pa.amax_pyfunc(block2d, model, with_col, fast_path),
                                   pa.amax_argtypes(block2d))
     assert ".target sm_90" in ptx
     assert "ld.global.nc.v4.u32" in ptx       # 16-byte loads on the aligned path

@@ -10,11 +10,13 @@ from tests.kernels.test_partial_amax import needs_compiler, run_sim
 
 
 @needs_compiler
-@pytest.mark.parametrize("block2d,model,with_col", [(True, dev.BF16, True),
-                                                    (False, dev.BF16, True),
-                                                    (False, dev.F16, False)])
-def test_cast_kernel_compiles_for_sm90(block2d, model, with_col):
-    ptx = _numba.compile_ptx_sm90(pc.cast_pyfunc(block2d, model, with_col),
+@pytest.mark.parametrize("block2d,model,with_col,fast_path", [
+    (True, dev.BF16, True, False),  # transposed Block2D storage: general path only
+    (True, dev.BF16, False, True), (False, dev.BF16, True, False),
+    (False, dev.BF16, True, True), (False, dev.F16, False, False),
+    (False, dev.F16, False, True)])
+def test_cast_kernel_compiles_for_sm90(block2d, model, with_col, fast_path):
+    ptx = _numba.compile_ptx_sm90(pc.cast_pyfunc(block2d, model, with_col, fast_path),
                                   pc.cast_argtypes(block2d))
     assert ".target sm_90" in ptx
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "cvt.rn.satfinite.e5m2x2.f32" in ptx
@@ -24,7 +26,7 @@ def test_cast_kernel_compiles_for_sm90(block2d, model, with_col):
     assert "div.s64" not in ptx and "rem.s64" not in ptx  # 32-bit index division only
     if not block2d and not with_col:
         # the row-only specialization has no columnwise code at all
-        with_col_ptx = _numba.compile_ptx_sm90(pc.cast_pyfunc(False, model, True),
+        with_col_ptx = _numba.compile_ptx_sm90(pc.cast_pyfunc(False, model, True, fast_path),
                                                pc.cast_argtypes(False))
         assert ptx.count("cvt.rn.satfinite") < with_col_ptx.count("cvt.rn.satfinite")
 

@@ -1,0 +1,203 @@
+"""Sweep of the fused row+col quantize kernels' build-time knobs, in one process on the GPU.
+
+    python3 bench/sweep_fused.py --out results/sweep_fused.json [--shape 16384 16384]
+
+For each alternative (a set of module-level knobs of fp8blk.kernels._quantize_kernel:
+FUSED_BLOCK1D_THREADS, ROW_SCATTER, PACKED_AMAX, MIN_BLOCKS_PER_SM) it clears the kernel
+caches, then for Block1D row+col and MXFP8 row+col on bf16 input:
+  * checks the bytes against fp8blk.reference on a 1024x1024 random input that also holds NaN,
+    -NaN, +-inf, subnormals, -0 and the bf16 max inside blocks (a mismatch is reported, and
+    the timing is still taken);
+  * times the public ``fp8blk.kernels.quantize`` at the given shape (default 16384x16384):
+    median of 7 x 10 back-to-back calls with CUDA events, 3 rotating inputs;
+  * reads the kernel's registers / local bytes (cuFuncGetAttribute).
+A failing alternative is reported and the others still run. Prints a table and writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import traceback
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests", "kernels"))
+
+import cupy  # noqa: E402
+
+import fp8blk as fb  # noqa: E402
+from fp8blk import kernels  # noqa: E402
+from fp8blk import reference as ref  # noqa: E402
+from fp8blk._arrays import BF16  # noqa: E402
+from fp8blk.kernels import _quantize_kernel as qk  # noqa: E402
+from fp8blk.kernels import quant  # noqa: E402
+
+KNOBS = ("FUSED_BLOCK1D_THREADS", "ROW_SCATTER", "PACKED_AMAX", "MIN_BLOCKS_PER_SM")
+DEFAULTS = {k: getattr(qk, k) for k in KNOBS}
+
+# name -> knob overrides (the rest keep the module defaults)
+ALTERNATIVES = [
+    ("default", {}),
+    ("packed_off", {"PACKED_AMAX": False}),
+    ("scatter_off", {"ROW_SCATTER": False}),
+    ("b1d_256thr", {"FUSED_BLOCK1D_THREADS": 256}),                        # 64 regs, spills
+    ("b1d_256thr_minblk3", {"FUSED_BLOCK1D_THREADS": 256, "MIN_BLOCKS_PER_SM": 3}),
+    ("minblk4", {"MIN_BLOCKS_PER_SM": 4}),         # MXFP8 capped at 64 regs (Block1D: 32, spills)
+    ("minblk3", {"MIN_BLOCKS_PER_SM": 3}),         # MXFP8 ~71 regs, 3 CTAs/SM
+    ("v3_like", {"FUSED_BLOCK1D_THREADS": 256, "ROW_SCATTER": False, "PACKED_AMAX": False}),
+]
+CASES = [("b1d_both", fb.Block1D()), ("mx_both", fb.MXFP8())]
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def set_knobs(overrides):
+    for k in KNOBS:
+        setattr(qk, k, overrides.get(k, DEFAULTS[k]))
+    quant._kernels.clear()
+    getattr(quant, "_plans", {}).clear()    # launch plans hold the kernel too
+    qk._get_kernel.cache_clear()
+
+
+def time_calls(fn, inputs, reps=7, inner=10):
+    for inp in inputs:
+        fn(inp)
+    cupy.cuda.Device().synchronize()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for _ in range(reps):
+        start.record()
+        for i in range(inner):
+            fn(inputs[i % len(inputs)])
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3 / inner)
+    return statistics.median(times), times
+
+
+def copy_bandwidth(nbytes=512 << 20):
+    src = cupy.ones(nbytes, dtype=np.uint8)
+    dst = cupy.empty_like(src)
+
+    def fn(_):
+        cupy.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, nbytes, 3,
+                                      cupy.cuda.get_current_stream().ptr)
+    t, _ = time_calls(fn, [None], reps=9)
+    return 2 * nbytes / t
+
+
+def special_input(rng, shape=(1024, 1024)):
+    """bf16 test input (ml_dtypes array) with specials inside row and column blocks."""
+    from _cases import make_input
+
+    x = make_input(rng, shape, BF16)
+    bits = x.view(np.uint16)
+    m, k = shape
+    sub = rng.integers(1, 0x80, size=k, dtype=np.uint16) | \
+        (rng.integers(0, 2, size=k, dtype=np.uint16) << 15)
+    bits[5, :] = sub                                    # subnormal-only row blocks
+    bits[:, 9] = sub[:m] if m <= k else bits[:, 9]      # subnormal-only column blocks
+    bits[6, 0::2] = 0x7FC1                              # NaN in every low half
+    bits[7, 1::2] = 0xFFC1                              # -NaN in every high half
+    bits[8, :] = 0x8000                                 # -0 row
+    bits[8, 3] = 0xFF80                                 # -inf among NaN-free zeros
+    bits[40:72, 11] = 0xFF81                            # a 32x1 column block of NaNs
+    bits[10, 64:96] = 0xFF7F                            # -bf16 max
+    return x
+
+
+def check(recipe, x):
+    got = kernels.quantize(cupy.asarray(x.view(np.uint16)), recipe, True, True, dtype=BF16)
+    want = ref.quantize(x, recipe, True, True)
+    errs = []
+    for i, (g, w) in enumerate(zip(got, want)):
+        g = g.get()
+        gb = np.ascontiguousarray(g).view(np.uint8).reshape(-1)
+        wb = np.ascontiguousarray(w).view(np.uint8).reshape(-1)
+        if g.shape != w.shape or gb.size != wb.size:
+            errs.append(f"buffer {i}: shape {g.shape} vs {w.shape}")
+        elif (gb != wb).any():
+            errs.append(f"buffer {i}: {(gb != wb).sum()} bytes differ")
+    return "; ".join(errs) or None
+
+
+def kernel_attrs():
+    out = {}
+    for key, (fn, spec) in quant._kernels.items():
+        try:
+            out["regs"] = int(cupy.cuda.driver.funcGetAttribute(4, fn.ptr))
+            out["local_bytes"] = int(cupy.cuda.driver.funcGetAttribute(3, fn.ptr))
+            out["threads"] = qk.threads(spec)
+        except Exception as exc:  # attribute query is informational only
+            out["attr_error"] = repr(exc)[:80]
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True, help="JSON output path")
+    ap.add_argument("--shape", type=int, nargs=2, default=(16384, 16384))
+    ap.add_argument("--only", nargs="*", help="alternative names to run (default: all)")
+    args = ap.parse_args()
+    shape = tuple(args.shape)
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    copy_bps = copy_bandwidth()
+    log(f"copy: {copy_bps / 1e12:.2f} TB/s (read + write)")
+    xs = []
+    for i in range(3):
+        rs = cupy.random.RandomState(i)
+        x = rs.standard_normal(shape, dtype=np.float32) * np.float32(3.0)
+        xs.append((x.view(np.uint32) >> 16).astype(np.uint16))
+    xcheck = special_input(rng)
+    rows = []
+    for name, overrides in ALTERNATIVES:
+        if args.only and name not in args.only:
+            continue
+        for cname, recipe in CASES:
+            row = {"alt": name, "knobs": {k: overrides.get(k, DEFAULTS[k]) for k in KNOBS},
+                   "case": cname, "shape": list(shape)}
+            try:
+                set_knobs(overrides)
+                row["exact_1024"] = check(recipe, xcheck) or "ok"
+                row.update(kernel_attrs())
+                bufs = kernels.quantize(xs[0], recipe, True, True, dtype=BF16)
+                nbytes = xs[0].nbytes + sum(int(b.nbytes) for b in bufs)
+                del bufs
+                t, ts = time_calls(lambda x: kernels.quantize(x, recipe, True, True,
+                                                              dtype=BF16), xs)
+                row.update(us=t * 1e6, tb_s=nbytes / t / 1e12,
+                           pct_copy=100 * nbytes / t / copy_bps, all_us=[v * 1e6 for v in ts])
+            except Exception as exc:
+                row["error"] = traceback.format_exc(limit=3)[-1500:]
+                log(f"  {name} {cname} FAILED: {exc!r}"[:300])
+            rows.append(row)
+            log(f"  {name:20s} {cname:9s} " + (
+                f"{row['us']:7.1f} us {row['pct_copy']:5.1f}% copy regs={row.get('regs')} "
+                f"local={row.get('local_bytes')} thr={row.get('threads')} "
+                f"exact={row.get('exact_1024')}" if "us" in row else "error"))
+    set_knobs({})
+    log("\n| alternative | case | us | % copy | regs | local B | threads | exact |")
+    log("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "us" in r:
+            log(f"| {r['alt']} | {r['case']} | {r['us']:.1f} | {r['pct_copy']:.1f} | "
+                f"{r.get('regs')} | {r.get('local_bytes')} | {r.get('threads')} | "
+                f"{r.get('exact_1024')} |")
+        else:
+            log(f"| {r['alt']} | {r['case']} | error | | | | | {r.get('exact_1024')} |")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"copy_tb_s": copy_bps / 1e12, "device": cupy.cuda.runtime.getDeviceProperties(
+            0)["name"].decode(), "rows": rows}, f, indent=1)
+    log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

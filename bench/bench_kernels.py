@@ -367,6 +367,8 @@ def host_cost(n=3000):
             lambda: fb.quantize(x32, fb.MXFP8(), rowwise=True, columnwise=True),
         "kernels.quantize cupy bf16 256x256 Block1D row":
             lambda: kernels.quantize(xbits, rec, True, False, dtype=BF16),
+        "kernels.quantize cupy f32 256x256 Block1D row":
+            lambda: kernels.quantize(x32, rec, True, False),
         "cupy.empty x2 (allocation alone)":
             lambda: (cupy.empty((256, 256), np.uint8), cupy.empty((2, 256), np.float32)),
     }
@@ -382,7 +384,12 @@ def host_cost(n=3000):
             cupy.cuda.Device().synchronize()
             best.append((time.perf_counter() - t0) / n * 1e6)
         out[name] = statistics.median(best)
-        log(f"  host {name:50s} {out[name]:7.1f} us/call")
+        # GPU time of one call on its own (events around each call): a host figure close to
+        # it means the loop was GPU-bound, not host-bound
+        from cupyx.profiler import benchmark
+        gpu = float(np.median(benchmark(fn, n_repeat=500, n_warmup=50).gpu_times)) * 1e6
+        out[name + " [GPU us per call alone]"] = gpu
+        log(f"  host {name:50s} {out[name]:7.1f} us/call (GPU alone {gpu:6.1f} us)")
     return out
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import traceback
 
@@ -27,6 +26,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests", "kernels"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import cupy  # noqa: E402
 
@@ -36,6 +36,7 @@ from fp8blk import reference as ref  # noqa: E402
 from fp8blk._arrays import BF16  # noqa: E402
 from fp8blk.kernels import _quantize_kernel as qk  # noqa: E402
 from fp8blk.kernels import quant  # noqa: E402
+from bench_kernels import copy_bandwidth, time_cupy  # noqa: E402
 
 KNOBS = ("FUSED_BLOCK1D_THREADS", "ROW_SCATTER", "PACKED_AMAX", "MIN_BLOCKS_PER_SM")
 DEFAULTS = {k: getattr(qk, k) for k in KNOBS}
@@ -64,33 +65,6 @@ def set_knobs(overrides):
     quant._kernels.clear()
     getattr(quant, "_plans", {}).clear()    # launch plans hold the kernel too
     qk._get_kernel.cache_clear()
-
-
-def time_calls(fn, inputs, reps=7, inner=10):
-    for inp in inputs:
-        fn(inp)
-    cupy.cuda.Device().synchronize()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(reps):
-        start.record()
-        for i in range(inner):
-            fn(inputs[i % len(inputs)])
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3 / inner)
-    return statistics.median(times), times
-
-
-def copy_bandwidth(nbytes=512 << 20):
-    src = cupy.ones(nbytes, dtype=np.uint8)
-    dst = cupy.empty_like(src)
-
-    def fn(_):
-        cupy.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, nbytes, 3,
-                                      cupy.cuda.get_current_stream().ptr)
-    t, _ = time_calls(fn, [None], reps=9)
-    return 2 * nbytes / t
 
 
 def special_input(rng, shape=(1024, 1024)):
@@ -148,7 +122,7 @@ def main():
     args = ap.parse_args()
     shape = tuple(args.shape)
     rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
-    copy_bps = copy_bandwidth()
+    copy_bps = copy_bandwidth(512 << 20)[0]
     log(f"copy: {copy_bps / 1e12:.2f} TB/s (read + write)")
     xs = []
     for i in range(3):
@@ -170,7 +144,7 @@ def main():
                 bufs = kernels.quantize(xs[0], recipe, True, True, dtype=BF16)
                 nbytes = xs[0].nbytes + sum(int(b.nbytes) for b in bufs)
                 del bufs
-                t, ts = time_calls(lambda x: kernels.quantize(x, recipe, True, True,
+                t, ts = time_cupy(lambda x: kernels.quantize(x, recipe, True, True,
                                                               dtype=BF16), xs)
                 row.update(us=t * 1e6, tb_s=nbytes / t / 1e12,
                            pct_copy=100 * nbytes / t / copy_bps, all_us=[v * 1e6 for v in ts])

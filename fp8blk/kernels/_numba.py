@@ -500,35 +500,24 @@ if SIM:
         """Per-half max of |a| and |b| (fp16 halves; NaN-ignoring)."""
         return _max16x2(int(a) & 0x7FFF7FFF, int(b) & 0x7FFF7FFF, False, 0x7FFF)
 else:
-    def _max16x2_intrinsic(ptx_type):
+    def _packed16x2_intrinsic(instruction):
+        """uint32 op(uint32 a, uint32 b) running PTX `instruction` on two packed halves."""
         @intrinsic
-        def max16x2(typingctx, a, b):
+        def op16x2(typingctx, a, b):
             sig = types.uint32(types.uint32, types.uint32)
 
             def codegen(context, builder, sig, args):
-                return _asm(builder, _I32, list(args), f"max.{ptx_type} $0, $1, $2;",
+                return _asm(builder, _I32, list(args), f"{instruction} $0, $1, $2;",
                             "=r,r,r")
             return sig, codegen
-        return max16x2
+        return op16x2
 
-    max_bf16x2 = _max16x2_intrinsic("bf16x2")
-    max_f16x2 = _max16x2_intrinsic("f16x2")
-
-    def _absmax16x2_intrinsic(ptx_type):
-        # max.xorsign.abs: the larger magnitude per half (NaN-ignoring like max); its sign bit
-        # is the xor of the inputs' signs, so callers take |.| of the final value.
-        @intrinsic
-        def absmax16x2(typingctx, a, b):
-            sig = types.uint32(types.uint32, types.uint32)
-
-            def codegen(context, builder, sig, args):
-                return _asm(builder, _I32, list(args), f"max.xorsign.abs.{ptx_type} $0, $1, $2;",
-                            "=r,r,r")
-            return sig, codegen
-        return absmax16x2
-
-    absmax_bf16x2 = _absmax16x2_intrinsic("bf16x2")
-    absmax_f16x2 = _absmax16x2_intrinsic("f16x2")
+    max_bf16x2 = _packed16x2_intrinsic("max.bf16x2")
+    max_f16x2 = _packed16x2_intrinsic("max.f16x2")
+    # max.xorsign.abs: the larger magnitude per half (NaN-ignoring like max); its sign bit is
+    # the xor of the inputs' signs, so callers take |.| of the final value.
+    absmax_bf16x2 = _packed16x2_intrinsic("max.xorsign.abs.bf16x2")
+    absmax_f16x2 = _packed16x2_intrinsic("max.xorsign.abs.f16x2")
 
 
 # ------------------------------------------------------------------------------------------

@@ -187,6 +187,16 @@ class Launch:
         self.first, self.count, self.blocks, self.with_col = first, count, blocks, with_col
         self.fast_blocks = fast_blocks
 
+    def launch(self, kernel_for, threads, args):
+        """Launch kernel_for(fast_path) over its blocks, for each path that has any; returns
+        the number of launches."""
+        launches = 0
+        for fast_path, blocks in ((True, self.fast_blocks), (False, self.blocks)):
+            if blocks:
+                kernel_for(fast_path)((blocks, 1, 1), (threads, 1, 1), args)
+                launches += 1
+        return launches
+
 
 _table_cache = {}
 _table_lock = threading.Lock()
@@ -467,6 +477,20 @@ def load_group(raw, k, mem32, mem16, moff, m, bf16, vec, v0, v1, v2, v3):
 
 
 @device
+def load_rows_aligned(raw, rows, valid, mem32, mem16, moff, m_first, row_step, bf16):
+    """raw[k, :] = the 4 master elements at m_first + k * row_step (k < rows) of an aligned
+    shard (see load_group), or zeros where this lane's columns are outside the weight."""
+    if valid:
+        for k in range(rows):
+            load_group(raw, k, mem32, mem16, moff, m_first + k * row_step, bf16, True, True,
+                       True, True, True)
+    else:
+        for k in range(rows):
+            for e in range(4):
+                raw[k, e] = types.uint32(0)
+
+
+@device
 def decode4(raw, k, bf16):
     """The four float32 values of raw[k, :] (see load_group)."""
     if bf16:
@@ -547,14 +571,8 @@ def _block2d_amax_pyfunc(model, fast_path):
         # compiled with fast_path: no per-element bounds, since index arithmetic, not DRAM,
         # bounds the general path; compiled apart so that each has its own register budget.
         if fast_path:
-            if c < W:  # W % 4 == 0 here: a lane's 4 columns are all in or all out
-                for k in range(STEPS):
-                    load_group(raw, k, mem32, mem16, moff, m0 + k * step, bf16, True, True,
-                               True, True, True)
-            else:
-                for k in range(STEPS):
-                    for e in range(4):
-                        raw[k, e] = uint32(0)
+            # W % 4 == 0 here: a lane's 4 columns are all in or all out
+            load_rows_aligned(raw, STEPS, c < W, mem32, mem16, moff, m0, step, bf16)
         else:
             for k in range(STEPS):
                 r = tr * 128 + warp + WARPS * k
@@ -605,7 +623,6 @@ def _mxfp8_amax_pyfunc(model, with_col, fast_path):
         red = cuda.shared.array(THREADS, float32)
         i = find_weight(tab, first, count, PREFIX, b)
         row = i * NF
-        H = tab[row + F_H]
         W = tab[row + F_W]
         O = tab[row + F_O]
         N = tab[row + F_N]
@@ -631,14 +648,9 @@ def _mxfp8_amax_pyfunc(model, with_col, fast_path):
         rm = cuda.local.array(HALF, float32)  # per row: max |x| of this lane's 4 columns
         for half in range(2):
             if fast_path:
-                if c < W:  # W % 32 == 0: a lane's 4 columns are all in or all out
-                    for k in range(HALF):
-                        load_group(raw, k, mem32, mem16, moff, m0 + (half * HALF + k) * W,
-                                   bf16, True, True, True, True, True)
-                else:
-                    for k in range(HALF):
-                        for e in range(4):
-                            raw[k, e] = uint32(0)
+                # W % 4 == 0 here: a lane's 4 columns are all in or all out
+                load_rows_aligned(raw, HALF, c < W, mem32, mem16, moff, m0 + half * HALF * W,
+                                  W, bf16)
             else:
                 for k in range(HALF):
                     m = m0 + (half * HALF + k) * W
@@ -728,11 +740,9 @@ def launch_partial_amax(batch, buf, model):
     codes32 = ptr_arg(buf, np.uint32) if not batch.block2d else ptr_arg(buf, np.float32)
     launches = 0
     for ln in batch.amax_launches:
-        args = (ptr_arg(batch.table_dev, np.int64), np.int64(ln.first), np.int64(ln.count),
-                ptr_arg(buf, buf.dtype), codes32, mem32, mem16)
-        for fast_path, blocks in ((True, ln.fast_blocks), (False, ln.blocks)):
-            if blocks:
-                kernel = get_amax_kernel(batch.block2d, model, bool(ln.with_col), fast_path)
-                kernel((blocks, 1, 1), (threads, 1, 1), args)
-                launches += 1
+        launches += ln.launch(
+            lambda fast_path: get_amax_kernel(batch.block2d, model, bool(ln.with_col),
+                                              fast_path),
+            threads, (ptr_arg(batch.table_dev, np.int64), np.int64(ln.first),
+                      np.int64(ln.count), ptr_arg(buf, buf.dtype), codes32, mem32, mem16))
     return launches

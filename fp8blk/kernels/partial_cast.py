@@ -404,11 +404,10 @@ def launch_cast(batch, sbuf, model):
     codes32 = ptr_arg(sbuf, np.float32 if batch.block2d else np.uint32)  # unused by Block2D
     launches = 0
     for ln in batch.cast_launches:
-        args = (ptr_arg(batch.table_dev, np.int64), np.int64(ln.first), np.int64(ln.count),
-                ptr_arg(sbuf, sbuf.dtype), codes32, mem32, mem16, mem8)
-        for fast_path, blocks in ((True, ln.fast_blocks), (False, ln.blocks)):
-            if blocks:
-                kernel = get_cast_kernel(batch.block2d, model, bool(ln.with_col), fast_path)
-                kernel((blocks, 1, 1), (CAST_THREADS, 1, 1), args)
-                launches += 1
+        launches += ln.launch(
+            lambda fast_path: get_cast_kernel(batch.block2d, model, bool(ln.with_col),
+                                              fast_path),
+            CAST_THREADS, (ptr_arg(batch.table_dev, np.int64), np.int64(ln.first),
+                           np.int64(ln.count), ptr_arg(sbuf, sbuf.dtype), codes32, mem32,
+                           mem16, mem8))
     return launches

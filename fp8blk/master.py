@@ -479,7 +479,7 @@ def _device_bucket(bucket, comm, model_dtype, value_for_inf, have_fragments):
 
     model = {np.dtype(np.float32): dev.F32, _arrays.BF16: dev.BF16,
              np.dtype(np.float16): dev.F16}[model_dtype]
-    batch = partial_amax.Batch(bucket, have_fragments)
+    batch = partial_amax.batch_for(bucket, have_fragments)
     buf = batch.new_buffer()
     partial_amax.launch_partial_amax(batch, buf, model)
     _all_reduce_max(comm, buf)

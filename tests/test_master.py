@@ -461,3 +461,40 @@ def test_gpu_large_unaligned_weights(size, rng):
     ranges = cases.cut_ranges(rng, specs, size)
     weights, _, _ = _run_gpu(specs, fulls, ranges, size, 5)
     cases.check(specs, fulls, ranges, weights)
+
+
+@pytest.mark.gpu
+def test_gpu_steps_on_the_same_arrays_reuse_the_batch(rng):
+    """A training loop's steady state: the same weights and master shards, updated in place
+    each step. The batch table is built once (later calls reuse it) and every step stays
+    exact."""
+    cp = pytest.importorskip("cupy")
+    from fp8blk.kernels import partial_amax as pa
+
+    specs = cases.scenario("batch20")
+    fulls = [cases.make_full(rng, s.shape) for s in specs]
+    ranges = cases.cut_ranges(rng, specs, 1)
+
+    def body(rank, comm):
+        ws = [cases.alloc_weight(s, rng, xp=cp) for s in specs]
+        masters, starts = cases.rank_inputs(specs, fulls, ranges, rank, rng, xp=cp)
+        built = []
+        for step in range(3):
+            if step:
+                fresh, _ = cases.rank_inputs(specs, steps[step], ranges, rank, rng, xp=cp)
+                for m, f in zip(masters, fresh):
+                    if m is not None and m.size:
+                        m[...] = f  # in place: same addresses
+            before = len(pa._batch_cache)
+            cast_master_weights(ws, masters, starts, comm)
+            built.append(len(pa._batch_cache) - before)
+            cp.cuda.get_current_stream().synchronize()
+            cases.check(specs, steps[step], ranges, [ws])
+        return built
+
+    steps = [fulls]
+    for _ in range(2):
+        steps.append([cases.step_full(rng, f) for f in steps[-1]])
+    pa._batch_cache.clear()
+    built = run_ranks(1, body)[0]
+    assert built[1:] == [0, 0], f"batches built per step: {built}"

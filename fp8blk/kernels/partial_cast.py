@@ -182,7 +182,7 @@ def launch_scales(batch, buf, vinf):
         _, _, mem8, memf = batch.arena.pointers()
         kernel = get_scale_kernel(batch.block2d, float(vinf) if batch.block2d else 0.0)
         grid = ((batch.scale_entries + SCALE_THREADS - 1) // SCALE_THREADS, 1, 1)
-        head = (ptr_arg(batch.table_dev, np.int64), np.int64(0), np.int64(len(batch.items)),
+        head = (ptr_arg(batch.table_dev, np.int64), np.int64(0), np.int64(batch.n_items),
                 np.int64(batch.scale_entries))
         if batch.block2d:
             kernel(grid, (SCALE_THREADS, 1, 1),

@@ -63,6 +63,38 @@ def _batch_of(n_weights, rng):
     return items
 
 
+def test_batch_is_reused_while_shapes_and_addresses_stay(rng):
+    """batch_for (GPU path; here on host arrays outside the simulator) returns the cached Batch
+    for the same shapes, shard places and array addresses, a new one when any changes, and the
+    cache keeps no caller array alive."""
+    import gc
+    import weakref
+
+    pa._batch_cache.clear()
+    items = _batch_of(6, rng)
+    bucket = [it for it in items if isinstance(it.recipe, fb.MXFP8)]
+    first = pa.batch_for(bucket, have_fragments=False)
+    fresh = pa.Batch(bucket, have_fragments=False)
+    assert np.array_equal(first.table, fresh.table) and first.n_items == len(bucket)
+    again, _ = master.validate([it.weight for it in items], [it.master for it in items],
+                               [it.start for it in items], None)
+    assert pa.batch_for([it for it in again if isinstance(it.recipe, fb.MXFP8)], False) is first
+    assert pa.batch_for(bucket, have_fragments=True) is not first
+    moved = [it for it in items]
+    owner = next(i for i, it in enumerate(bucket) if it.master is not None)
+    new_master = bucket[owner].master.copy()  # same values, another address
+    shifted, _ = master.validate([it.weight for it in moved],
+                                 [new_master if it is bucket[owner] else it.master
+                                  for it in moved], [it.start for it in moved], None)
+    other = pa.batch_for([it for it in shifted if isinstance(it.recipe, fb.MXFP8)], False)
+    assert other is not first
+    ref = weakref.ref(new_master)
+    del new_master, shifted, other
+    gc.collect()
+    assert ref() is None, "the batch cache kept a master array alive"
+    pa._batch_cache.clear()
+
+
 @pytest.mark.parametrize("n_weights", [4, 100])
 def test_launches_do_not_grow_with_the_batch(n_weights, rng):
     """One launch per kernel specialization present, whatever the number of weights."""

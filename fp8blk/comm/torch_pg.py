@@ -123,7 +123,6 @@ class TorchComm(Communicator):
 
     def _reduce_scatter(self, inp, out, dtype, op, async_op):
         dist = _dist()
-        finish = None
         if self._keys_on_cpu(inp, dtype, op):
             host_in = inp.get() if _arrays.is_device(inp) else np.array(inp, copy=True)
             keys = float_to_max_keys(host_in, dtype)  # a copy: inputs stay intact
@@ -140,6 +139,7 @@ class TorchComm(Communicator):
                 else:
                     out[...] = result.view(out.dtype)
         else:
+            finish = None
             send, _ = self._work(inp, dtype)
             recv, copy_back = self._work(out, dtype)
         work = dist.reduce_scatter_tensor(recv, send, op=self._reduce_op(op), group=self.group,

@@ -59,59 +59,81 @@ def word_decoder(kind):
     return word_f32
 
 
+_INF = np.float32(np.inf)
+_ONE = np.float32(1.0)
+
+
+@device
+def fp32_scale(amax, fmax, pow2, eps, value_for_inf):
+    """DESIGN §3 steps 1-5 (scaling.fp32_scale_from_amax): the fp32 scale of a block amax.
+    The quantize kernels pass the recipe as compile-time constants (fp32_scale_rule), so the
+    untaken branches fold away; one master-weight launch covers weights of different
+    recipes, so it passes fields read from its table at run time."""
+    a = amax
+    if eps > 0 and a < eps:
+        a = eps
+    if a == 0 or a != a or a == _INF:
+        s = _ONE
+    else:
+        s = fmax / a
+        if s == _INF:
+            s = value_for_inf
+    if pow2:
+        s = bits_f32(f32_bits(s) & 0xFF800000)
+    return s
+
+
 @lru_cache(maxsize=None)
 def fp32_scale_rule(fmt_max, pow2, eps, value_for_inf):
-    """``scale(amax) -> (scale, scale_inv)`` for Block1D/Block2D (DESIGN §3 steps 1-5)."""
+    """``scale(amax) -> (scale, scale_inv)`` for Block1D/Block2D, the recipe folded in."""
     F = np.float32(fmt_max)
     EPS = np.float32(eps)
-    HAS_EPS = eps > 0
     VINF = np.float32(value_for_inf)
-    INF = np.float32(np.inf)
-    ONE = np.float32(1.0)
 
     @device
     def scale(amax):
-        a = amax
-        if HAS_EPS:
-            if a < EPS:
-                a = EPS
-        if a == 0 or a != a or a == INF:
-            s = ONE
-        else:
-            s = F / a
-            if s == INF:
-                s = VINF
-        if pow2:
-            s = bits_f32(f32_bits(s) & 0xFF800000)
-        return s, ONE / s
+        s = fp32_scale(amax, F, pow2, EPS, VINF)
+        return s, _ONE / s
     return scale
+
+
+@device
+def e8m0_code(amax, inv_f):
+    """E8M0 code (0..255) of a block amax (DESIGN §3; scaling.e8m0_from_amax), inv_f =
+    fl32(1/F). Branch-free: round the exponent of v = amax / F up when the mantissa is
+    non-zero (except subnormals <= 2**-127, which round down), capped at 254, which also
+    covers v = inf and the 0xFE exponent; NaN -> 255."""
+    v = amax * inv_f
+    b = f32_bits(v)
+    e = int((b >> 23) & 0xFF)
+    mant = int(b & 0x7FFFFF)
+    c = e + 1 if (mant != 0 and not (e == 0 and mant <= 0x400000)) else e
+    c = min(c, 254)
+    if v != v:
+        c = 255
+    return c
+
+
+@device
+def e8m0_multiplier(code):
+    """The fp32 cast multiplier 2**(127 - code) of an E8M0 code, as TE's exp2f_rcp
+    (scaling.e8m0_cast_multiplier): 0 -> 1, 255 -> -inf (bits_f32 keeps the low 32 bits).
+    ``int``: codes arrive as uint8/uint32, whose own arithmetic would wrap (simulator)."""
+    if code == 0:
+        return _ONE
+    return bits_f32((254 - int(code)) << 23)
 
 
 @lru_cache(maxsize=None)
 def e8m0_rule(fmt_max):
-    """``code(amax) -> (code, multiplier)``: E8M0 code (0..255) and the fp32 cast multiplier
-    2**(127-code) written as TE's exp2f_rcp (code 0 -> 1, 255 -> -inf)."""
+    """``code(amax) -> (code, multiplier)``: E8M0 code (0..255) and its cast multiplier, the
+    format folded in."""
     INV_F = np.float32(1.0) / np.float32(fmt_max)
-    ONE = np.float32(1.0)
 
     @device
     def code(amax):
-        # Branch-free form of DESIGN §3's E8M0 rule: round the exponent of v = amax / F up
-        # when the mantissa is non-zero (except subnormals <= 2**-127, which round down),
-        # capped at 254, which also covers v = inf and the 0xFE exponent; NaN -> 255.
-        v = amax * INV_F
-        b = f32_bits(v)
-        e = int((b >> 23) & 0xFF)
-        mant = int(b & 0x7FFFFF)
-        c = e + 1 if (mant != 0 and not (e == 0 and mant <= 0x400000)) else e
-        c = min(c, 254)
-        if v != v:
-            c = 255
-        if c == 0:
-            mult = ONE
-        else:
-            mult = bits_f32((254 - c) << 23)
-        return c, mult
+        c = e8m0_code(amax, INV_F)
+        return c, e8m0_multiplier(c)
     return code
 
 

@@ -40,9 +40,10 @@ from .. import _arrays
 from ..formats import Block2D, E4M3
 from ..reference import cdiv, round_up
 from . import _device as dev
+from ._device import e8m0_code
 from ._host import data_ptr, module_of
 from ._numba import (SIM, bf16x2_f32, bits_f32, compile_kernel, cuda, device, f16x2_f32,
-                     f32_bf16_bits, f32_bits, f32_f16_bits, fmax32, group_fmax, ld_v4, ptr,
+                     f32_bf16_bits, f32_f16_bits, fmax32, group_fmax, ld_v4, ptr,
                      shfl_xor_f32, types)
 
 # ---- table fields -----------------------------------------------------------------------------
@@ -553,24 +554,6 @@ def scatter_max(v, n, m, lane, red, tid):
         send = v[j] if upper else v[j + n]
         keep = v[j + n] if upper else v[j]
         v[j] = fmax32(keep, shfl_xor_f32(send, m, red, tid))
-
-
-@device
-def e8m0_code(amax, inv_f):
-    """E8M0 code of a block amax (DESIGN §3; scaling.e8m0_from_amax), inv_f = fl32(1/F)."""
-    v = amax * inv_f
-    if v != v:
-        return 255
-    if v == _INF:
-        return 254
-    if v == 0:
-        return 0
-    b = f32_bits(v)
-    e = int((b >> 23) & 0xFF)
-    mant = int(b & 0x7FFFFF)
-    if mant > 0 and e != 0xFE and not (e == 0 and mant <= 0x400000):
-        return e + 1
-    return e
 
 
 # ---- kernels ------------------------------------------------------------------------------------

@@ -28,47 +28,18 @@ from functools import lru_cache
 
 import numpy as np
 
-from ._numba import (SIM, bits_f32, compile_kernel, cuda, device, f32_bits, pack4_e4m3,
-                     pack4_e5m2, ptr, types)
+from ._device import e8m0_multiplier, fp32_scale
+from ._numba import (SIM, bits_f32, compile_kernel, cuda, device, pack4_e4m3, pack4_e5m2,
+                     ptr, types)
 from .partial_amax import (CAST_CHUNK, CAST_GROUPS, CAST_THREADS, F_AMAX0, F_CAST0, F_CASTF0,
                            F_COLBUF, F_COLDATA, F_COLSINV, F_E4M3, F_EPS, F_H, F_HASCOL,
                            F_HASROW, F_MBF16, F_MOFF, F_MVEC, F_N, F_NCB, F_NFC, F_O, F_POW2,
                            F_ROWBUF, F_ROWDATA, F_ROWSINV, F_SCALE0, F_W, NF, SCALE_THREADS,
-                           decode4,
-                           find_weight, load_group, model_rounder, ptr_arg)
+                           decode4, find_weight, load_group, model_rounder, ptr_arg)
 
 _INF = np.float32(np.inf)
 _ONE = np.float32(1.0)
 __all__ = ["launch_scales", "launch_cast", "F_AMAX0"]
-
-
-@device
-def fp32_scale(amax, fmax, pow2, eps, vinf):
-    """DESIGN §3 steps 1-5 with runtime recipe fields (scaling.fp32_scale_from_amax).
-
-    The quantize kernels use _device's closure version, where the recipe is a compile-time
-    constant; here one launch covers a batch of weights whose recipes (format, pow2, epsilon)
-    differ, so the fields are read from the metadata table at run time."""
-    a = amax
-    if eps > 0 and a < eps:
-        a = eps
-    if a == 0 or a != a or a == _INF:
-        s = _ONE
-    else:
-        s = fmax / a
-        if s == _INF:
-            s = vinf
-    if pow2:
-        s = bits_f32(f32_bits(s) & 0xFF800000)
-    return s
-
-
-@device
-def e8m0_multiplier(code):
-    """2**(127 - code) as TE's exp2f_rcp (scaling.e8m0_cast_multiplier): 0 -> 1, 255 -> -inf."""
-    if code == 0:
-        return _ONE
-    return bits_f32((254 - types.int32(code)) << 23)
 
 
 # ---- scales -------------------------------------------------------------------------------------

@@ -463,6 +463,20 @@ def find_weight(tab, first, count, field, b):
     return lo
 
 
+@device
+def weight_of(tab, first, count, prefix, b):
+    """(row offset in the flat table, h, w) of the weight owning work unit b of a launch over
+    rows [first, first + count) whose per-row first unit is field `prefix`."""
+    row = find_weight(tab, first, count, prefix, b) * NF
+    return row, tab[row + F_H], tab[row + F_W]
+
+
+@device
+def shard_of(tab, row):
+    """(o, n, master offset, master is bf16) of the weight at table offset `row`."""
+    return tab[row + F_O], tab[row + F_N], tab[row + F_MOFF], tab[row + F_MBF16] != 0
+
+
 @lru_cache(maxsize=None)
 def model_rounder(model):
     """``rnd(v)``: float32 v rounded once to the model dtype (dev.F32 / BF16 / F16), as float32."""
@@ -575,14 +589,8 @@ def _block2d_amax_pyfunc(model, fast_path):
         lane = tid % 32
         red = cuda.shared.array(THREADS, float32)
         wred = cuda.shared.array(WARPS, float32)
-        i = find_weight(tab, first, count, PREFIX, b)
-        row = i * NF
-        H = tab[row + F_H]
-        W = tab[row + F_W]
-        O = tab[row + F_O]
-        N = tab[row + F_N]
-        moff = tab[row + F_MOFF]
-        bf16 = tab[row + F_MBF16] != 0
+        row, H, W = weight_of(tab, first, count, PREFIX, b)
+        O, N, moff, bf16 = shard_of(tab, row)
         vec = tab[row + F_VEC2D] != 0
         ncb = tab[row + F_NCB]
         local = b - tab[row + PREFIX]
@@ -646,13 +654,8 @@ def _mxfp8_amax_pyfunc(model, with_col, fast_path):
         warp = tid // 32
         lane = tid % 32
         red = cuda.shared.array(THREADS, float32)
-        i = find_weight(tab, first, count, PREFIX, b)
-        row = i * NF
-        W = tab[row + F_W]
-        O = tab[row + F_O]
-        N = tab[row + F_N]
-        moff = tab[row + F_MOFF]
-        bf16 = tab[row + F_MBF16] != 0
+        row, _, W = weight_of(tab, first, count, PREFIX, b)
+        O, N, moff, bf16 = shard_of(tab, row)
         vec = tab[row + F_VEC2D] != 0
         has_row = tab[row + F_HASROW] != 0
         inv_f = INV_E4M3 if tab[row + F_E4M3] != 0 else INV_E5M2

@@ -32,10 +32,10 @@ from ._device import e8m0_multiplier, fp32_scale
 from ._numba import (SIM, bits_f32, compile_kernel, cuda, device, pack4_e4m3, pack4_e5m2,
                      ptr, types)
 from .partial_amax import (CAST_CHUNK, CAST_GROUPS, CAST_THREADS, F_AMAX0, F_CAST0, F_CASTF0,
-                           F_COLBUF, F_COLDATA, F_COLSINV, F_E4M3, F_EPS, F_H, F_HASCOL,
-                           F_HASROW, F_MBF16, F_MOFF, F_MVEC, F_N, F_NCB, F_NFC, F_O, F_POW2,
-                           F_ROWBUF, F_ROWDATA, F_ROWSINV, F_SCALE0, F_W, NF, SCALE_THREADS,
-                           decode4, find_weight, load_group, model_rounder, ptr_arg)
+                           F_COLBUF, F_COLDATA, F_COLSINV, F_E4M3, F_EPS, F_HASCOL, F_HASROW,
+                           F_MVEC, F_NCB, F_NFC, F_POW2, F_ROWBUF, F_ROWDATA, F_ROWSINV,
+                           F_SCALE0, SCALE_THREADS, decode4, load_group, model_rounder,
+                           ptr_arg, shard_of, weight_of)
 
 _INF = np.float32(np.inf)
 _ONE = np.float32(1.0)
@@ -54,10 +54,7 @@ def _block2d_scale_pyfunc(vinf):
         g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         if g >= total:
             return
-        i = find_weight(tab, first, count, F_SCALE0, g)
-        row = i * NF
-        H = tab[row + F_H]
-        W = tab[row + F_W]
+        row, H, W = weight_of(tab, first, count, F_SCALE0, g)
         mt = (H + 127) // 128
         kt = (W + 127) // 128
         mt4 = (mt + 3) // 4 * 4
@@ -95,10 +92,7 @@ def _mxfp8_scale_pyfunc():
         g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         if g >= total:
             return
-        i = find_weight(tab, first, count, F_SCALE0, g)
-        row = i * NF
-        H = tab[row + F_H]
-        W = tab[row + F_W]
+        row, H, W = weight_of(tab, first, count, F_SCALE0, g)
         e = g - tab[row + F_SCALE0]
         rs = tab[row + F_ROWSINV]
         if rs >= 0:
@@ -193,14 +187,8 @@ def _cast_pyfunc(block2d, model, with_col, fast_path):
     def kernel(tab, first, count, sbuf, codes32, mem32, mem16, mem8):
         b = cuda.blockIdx.x
         tid = cuda.threadIdx.x
-        i = find_weight(tab, first, count, PREFIX, b)
-        row = i * NF
-        H = tab[row + F_H]
-        W = tab[row + F_W]
-        O = tab[row + F_O]
-        N = tab[row + F_N]
-        moff = tab[row + F_MOFF]
-        bf16 = tab[row + F_MBF16] != 0
+        row, H, W = weight_of(tab, first, count, PREFIX, b)
+        O, N, moff, bf16 = shard_of(tab, row)
         mvec = tab[row + F_MVEC] != 0
         e4m3 = tab[row + F_E4M3] != 0
         has_row = tab[row + F_HASROW] != 0

@@ -31,7 +31,7 @@ from numba import cuda, types  # noqa: E402
 
 SIM = bool(_numba_config.ENABLE_CUDASIM)
 
-__all__ = ["cuda", "types", "SIM", "device", "f32_bits", "bits_f32", "ld_v4", "st_v4", "st_v2",
+__all__ = ["cuda", "types", "SIM", "device", "f32_bits", "bits_f32", "ld_v4", "st_v4",
            "fmax32", "pack4_e4m3", "pack4_e5m2", "pack4_fp8", "bf16x2_f32", "f16x2_f32",
            "f32_bf16_bits", "f32_f16_bits", "group_fmax", "ptr", "compile_kernel",
            "compile_ptx_sm90", "FULL_MASK", "prmt", "st_b32"]
@@ -74,10 +74,6 @@ if SIM:
     def st_v4(p, i, a, b, c, d):
         """Store four uint32 words at p[i..i+3] (one 16-byte store; i % 4 == 0)."""
         p[i], p[i + 1], p[i + 2], p[i + 3] = a, b, c, d
-
-    def st_v2(p, i, a, b):
-        """Store two uint32 words at p[i..i+1] (one 8-byte store; i % 2 == 0)."""
-        p[i], p[i + 1] = a, b
 
     def st_b32(p, i, v):
         """Store uint32 `v` at byte offset i (i % 4 == 0) of a uint8 pointer, little-endian."""
@@ -207,55 +203,70 @@ else:
             return builder.bitcast(v, _F32)
         return types.float32(u), codegen
 
-    @intrinsic
-    def ld_v4(typingctx, p, i):
-        """Four uint32 words p[i..i+3] in one ``ld.global.nc.v4.u32`` (16-byte aligned)."""
-        sig = types.UniTuple(types.uint32, 4)(p, i)
+    # Wide loads and stores through inline PTX, addressed either as an element index of the
+    # pointer (``_index_addr``) or as a byte offset from it (``_byte_addr``, the ``*_at``
+    # variants below).
+    _I8P = ir.IntType(8).as_pointer()
+
+    def _index_addr(builder, p, i):
+        return builder.gep(p, [i])
+
+    def _byte_addr(builder, p, off):
+        return builder.gep(builder.bitcast(p, _I8P), [off])
+
+    def _ld_v4_intrinsic(address):
+        @intrinsic
+        def ld_v4(typingctx, p, i):
+            sig = types.UniTuple(types.uint32, 4)(p, i)
+
+            def codegen(context, builder, sig, args):
+                st = ir.LiteralStructType([_I32] * 4)
+                r = _asm(builder, st, [address(builder, args[0], args[1])],
+                         "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
+                return context.make_tuple(builder, sig.return_type,
+                                          [builder.extract_value(r, k) for k in range(4)])
+            return sig, codegen
+        return ld_v4
+
+    def _st_vec_intrinsic(address, n):
+        regs = ", ".join(f"${k + 1}" for k in range(n))
+        text = f"st.global.v{n}.u32 [$0], {{{regs}}};"
+        constraints = "l," + ",".join(["r"] * n) + ",~{memory}"
 
         def codegen(context, builder, sig, args):
-            addr = builder.gep(args[0], [args[1]])
-            st = ir.LiteralStructType([_I32] * 4)
-            r = _asm(builder, st, [addr], "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];",
-                     "=r,=r,=r,=r,l")
-            return context.make_tuple(builder, sig.return_type,
-                                      [builder.extract_value(r, k) for k in range(4)])
-        return sig, codegen
-
-    @intrinsic
-    def st_v4(typingctx, p, i, a, b, c, d):
-        """Store four uint32 words at p[i..i+3] in one ``st.global.v4.u32``."""
-        sig = types.void(p, i, types.uint32, types.uint32, types.uint32, types.uint32)
-
-        def codegen(context, builder, sig, args):
-            addr = builder.gep(args[0], [args[1]])
-            _asm(builder, ir.VoidType(), [addr] + list(args[2:]),
-                 "st.global.v4.u32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r,~{memory}", True)
+            _asm(builder, ir.VoidType(), [address(builder, args[0], args[1])] + list(args[2:]),
+                 text, constraints, True)
             return context.get_dummy_value()
-        return sig, codegen
 
-    @intrinsic
-    def st_v2(typingctx, p, i, a, b):
-        """Store two uint32 words at p[i..i+1] in one ``st.global.v2.u32``."""
-        sig = types.void(p, i, types.uint32, types.uint32)
+        def typed(p, i):
+            return types.void(p, i, *([types.uint32] * n)), codegen
 
-        def codegen(context, builder, sig, args):
-            addr = builder.gep(args[0], [args[1]])
-            _asm(builder, ir.VoidType(), [addr] + list(args[2:]),
-                 "st.global.v2.u32 [$0], {$1, $2};", "l,r,r,~{memory}", True)
-            return context.get_dummy_value()
-        return sig, codegen
+        if n == 2:
+            def st_vec(typingctx, p, i, a, b):
+                return typed(p, i)
+        else:
+            def st_vec(typingctx, p, i, a, b, c, d):
+                return typed(p, i)
+        return intrinsic(st_vec)
 
-    @intrinsic
-    def st_b32(typingctx, p, i, v):
-        """Store uint32 `v` at byte offset i (i % 4 == 0) of a uint8 pointer."""
-        sig = types.void(p, i, types.uint32)
+    def _st_u32_intrinsic(address):
+        @intrinsic
+        def st_u32(typingctx, p, i, v):
+            sig = types.void(p, i, types.uint32)
 
-        def codegen(context, builder, sig, args):
-            addr = builder.gep(args[0], [args[1]])
-            addr = builder.bitcast(addr, _I32.as_pointer())
-            builder.store(args[2], addr, align=4)
-            return context.get_dummy_value()
-        return sig, codegen
+            def codegen(context, builder, sig, args):
+                addr = builder.bitcast(address(builder, args[0], args[1]), _I32.as_pointer())
+                builder.store(args[2], addr, align=4)
+                return context.get_dummy_value()
+            return sig, codegen
+        return st_u32
+
+    # four uint32 words p[i..i+3] in one ld.global.nc.v4.u32 (16-byte aligned)
+    ld_v4 = _ld_v4_intrinsic(_index_addr)
+    # store four uint32 words at p[i..i+3] in one st.global.v4.u32
+    st_v4 = _st_vec_intrinsic(_index_addr, 4)
+    # store uint32 v at byte offset i (i % 4 == 0) of a uint8 pointer
+    st_b32 = _st_u32_intrinsic(_index_addr)
 
     def _pack4(kind):
         text = ("{\n.reg .b16 lo, hi;\n"
@@ -547,57 +558,8 @@ if SIM:
         """Store one uint32 word at byte offset `off` (4-byte aligned) of pointer p."""
         p[_word_index(p, off)] = v
 else:
-    _I8P = ir.IntType(8).as_pointer()
-
-    def _byte_addr(builder, p, off):
-        return builder.gep(builder.bitcast(p, _I8P), [off])
-
-    @intrinsic
-    def ld_v4_at(typingctx, p, off):
-        """Four uint32 words at byte offset `off` (16-byte aligned) of pointer p, in one
-        ``ld.global.nc.v4.u32``."""
-        sig = types.UniTuple(types.uint32, 4)(p, off)
-
-        def codegen(context, builder, sig, args):
-            addr = _byte_addr(builder, args[0], args[1])
-            st = ir.LiteralStructType([_I32] * 4)
-            r = _asm(builder, st, [addr], "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];",
-                     "=r,=r,=r,=r,l")
-            return context.make_tuple(builder, sig.return_type,
-                                      [builder.extract_value(r, k) for k in range(4)])
-        return sig, codegen
-
-    @intrinsic
-    def st_v2_at(typingctx, p, off, a, b):
-        """Store two uint32 words at byte offset `off` (8-byte aligned) of pointer p."""
-        sig = types.void(p, off, types.uint32, types.uint32)
-
-        def codegen(context, builder, sig, args):
-            addr = _byte_addr(builder, args[0], args[1])
-            _asm(builder, ir.VoidType(), [addr] + list(args[2:]),
-                 "st.global.v2.u32 [$0], {$1, $2};", "l,r,r,~{memory}", True)
-            return context.get_dummy_value()
-        return sig, codegen
-
-    @intrinsic
-    def st_v4_at(typingctx, p, off, a, b, c, d):
-        """Store four uint32 words at byte offset `off` (16-byte aligned) of pointer p."""
-        sig = types.void(p, off, types.uint32, types.uint32, types.uint32, types.uint32)
-
-        def codegen(context, builder, sig, args):
-            addr = _byte_addr(builder, args[0], args[1])
-            _asm(builder, ir.VoidType(), [addr] + list(args[2:]),
-                 "st.global.v4.u32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r,~{memory}", True)
-            return context.get_dummy_value()
-        return sig, codegen
-
-    @intrinsic
-    def st_u32_at(typingctx, p, off, v):
-        """Store one uint32 word at byte offset `off` (4-byte aligned) of pointer p."""
-        sig = types.void(p, off, types.uint32)
-
-        def codegen(context, builder, sig, args):
-            addr = builder.bitcast(_byte_addr(builder, args[0], args[1]), _I32.as_pointer())
-            builder.store(args[2], addr, align=4)
-            return context.get_dummy_value()
-        return sig, codegen
+    # byte-offset versions of the GPU loads / stores above
+    ld_v4_at = _ld_v4_intrinsic(_byte_addr)
+    st_v2_at = _st_vec_intrinsic(_byte_addr, 2)
+    st_v4_at = _st_vec_intrinsic(_byte_addr, 4)
+    st_u32_at = _st_u32_intrinsic(_byte_addr)

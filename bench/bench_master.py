@@ -30,10 +30,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fp8blk as fb  # noqa: E402
 from fp8blk import master  # noqa: E402
+from fp8blk.tensor import buffer_layouts  # noqa: E402
 from fp8blk.kernels import _device as dev  # noqa: E402
 from fp8blk.kernels import partial_amax as pa  # noqa: E402
 from fp8blk.kernels import partial_cast as pc  # noqa: E402
-from fp8blk.reference import cdiv, round_up  # noqa: E402
 
 H, W = 16384, 6144
 HOST_REPS = 20  # calls timed on the host clock (no synchronization) per batch
@@ -92,15 +92,8 @@ def make_weight(cp, recipe, rowwise, columnwise, h=None, w=None):
     """An (h, w) BlockTensor (default H x W) with uninitialized CuPy buffers of the DESIGN §4
     layouts."""
     h, w = h or H, w or W
-    if isinstance(recipe, fb.Block2D):
-        mt, kt = cdiv(h, 128), cdiv(w, 128)
-        shapes = [((h, w), np.uint8), ((mt, round_up(kt, 4)), np.float32),
-                  ((w, h), np.uint8), ((kt, round_up(mt, 4)), np.float32)]
-    else:
-        shapes = [((h, w), np.uint8), ((round_up(h, 128), round_up(w // 32, 4)), np.uint8),
-                  ((h, w), np.uint8), ((round_up(h // 32, 4), round_up(w, 128)), np.uint8)]
-    held = [rowwise, rowwise, columnwise, columnwise]
-    bufs = [cp.empty(s, d) if keep else None for (s, d), keep in zip(shapes, held)]
+    bufs = [None if layout is None else cp.empty(*layout)
+            for layout in buffer_layouts(recipe, h, w, rowwise, columnwise)]
     return fb.BlockTensor((h, w), recipe, *bufs, dtype=np.float32, family="cupy")
 
 

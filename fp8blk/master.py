@@ -65,8 +65,8 @@ import numpy as np
 
 from . import _arrays, reference, scaling
 from .formats import Block1D, Block2D, MXFP8
-from .reference import cdiv, round_up
-from .tensor import BlockTensor
+from .reference import cdiv
+from .tensor import BlockTensor, buffer_layouts
 
 _MODEL_DTYPES = (np.dtype(np.float32), _arrays.BF16, np.dtype(np.float16))
 _MASTER_DTYPES = (np.dtype(np.float32), _arrays.BF16)
@@ -142,6 +142,9 @@ def _check_buffer(arr, shape, dtype, what, index, on_device):
         raise ValueError(f"weights[{index}] {what} is read-only; it must be written in place")
 
 
+_BUFFER_NAMES = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
+
+
 def _check_weight(weight, index, on_device):
     if not isinstance(weight, BlockTensor):
         raise TypeError(f"weights[{index}] must be a fp8blk.BlockTensor, got "
@@ -158,24 +161,12 @@ def _check_weight(weight, index, on_device):
                          f"in one direction")
     if row_data is None and col_data is None:
         raise ValueError(f"weights[{index}] holds no storage (see BlockTensor.update_usage)")
-    if isinstance(recipe, Block2D):
-        mt, kt = cdiv(h, 128), cdiv(w, 128)
-        _check_buffer(row_data, (h, w), np.uint8, "rowwise_data", index, on_device)
-        _check_buffer(row_sinv, (mt, round_up(kt, 4)), np.float32, "rowwise_scale_inv", index,
-                      on_device)
-        _check_buffer(col_data, (w, h), np.uint8, "columnwise_data", index, on_device)
-        _check_buffer(col_sinv, (kt, round_up(mt, 4)), np.float32, "columnwise_scale_inv",
-                      index, on_device)
-    else:
-        if h % 32 or w % 32:
-            raise ValueError(f"weights[{index}] is MXFP8 of shape {weight.shape}; MXFP8 needs "
-                             f"both dims to be multiples of 32")
-        _check_buffer(row_data, (h, w), np.uint8, "rowwise_data", index, on_device)
-        _check_buffer(row_sinv, (round_up(h, 128), round_up(w // 32, 4)), np.uint8,
-                      "rowwise_scale_inv", index, on_device)
-        _check_buffer(col_data, (h, w), np.uint8, "columnwise_data", index, on_device)
-        _check_buffer(col_sinv, (round_up(h // 32, 4), round_up(w, 128)), np.uint8,
-                      "columnwise_scale_inv", index, on_device)
+    if isinstance(recipe, MXFP8) and (h % 32 or w % 32):
+        raise ValueError(f"weights[{index}] is MXFP8 of shape {weight.shape}; MXFP8 needs "
+                         f"both dims to be multiples of 32")
+    for buf, layout, what in zip(weight._buffers, buffer_layouts(recipe, h, w, True, True),
+                                 _BUFFER_NAMES):
+        _check_buffer(buf, *layout, what, index, on_device)
     return h, w
 
 

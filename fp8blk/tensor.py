@@ -5,7 +5,27 @@ import numpy as np
 
 from . import _arrays
 from ._dispatch import backend_for
-from .formats import Block2D
+from .formats import Block1D, Block2D
+from .reference import cdiv, round_up
+
+
+def buffer_layouts(recipe, rows, cols, rowwise=True, columnwise=False):
+    """[(shape, dtype) or None] of (rowwise_data, rowwise_scale_inv, columnwise_data,
+    columnwise_scale_inv) of an (M, K) = (rows, cols) tensor (DESIGN §4; None for a direction
+    not held). Scale tensors include their padding."""
+    if isinstance(recipe, Block1D):
+        row = [((rows, cols), np.uint8), ((cdiv(cols, 128), round_up(rows, 4)), np.float32)]
+        col = [((cols, rows), np.uint8), ((cdiv(rows, 128), round_up(cols, 4)), np.float32)]
+    elif isinstance(recipe, Block2D):
+        mt, kt = cdiv(rows, 128), cdiv(cols, 128)
+        row = [((rows, cols), np.uint8), ((mt, round_up(kt, 4)), np.float32)]
+        col = [((cols, rows), np.uint8), ((kt, round_up(mt, 4)), np.float32)]
+    else:
+        row = [((rows, cols), np.uint8),
+               ((round_up(rows, 128), round_up(cols // 32, 4)), np.uint8)]
+        col = [((rows, cols), np.uint8),
+               ((round_up(rows // 32, 4), round_up(cols, 128)), np.uint8)]
+    return (row if rowwise else [None, None]) + (col if columnwise else [None, None])
 
 
 class BlockTensor:

@@ -11,9 +11,10 @@ import numpy as np
 from .. import scaling
 from .._arrays import BF16
 from ..formats import Block1D, Block2D, E4M3, MXFP8
+from ..tensor import buffer_layouts
 from . import _device as dev
 from . import _quantize_kernel as qk
-from ._host import (SIM, alloc_views, cdiv, data_ptr, i64, kind_of, module_of,
+from ._host import (SIM, alloc_views, data_ptr, i64, kind_of, module_of,
                     pointer_arg, round_up, unused_pointer)
 
 _RECIPE_KIND = {Block1D: qk.BLOCK1D, Block2D: qk.BLOCK2D, MXFP8: qk.MXFP8}
@@ -40,37 +41,6 @@ def _kernel_for(recipe, kind, rowwise, columnwise, vec, col_vec):
     return hit
 
 
-_shapes = {}
-
-
-def output_shapes(recipe, rows, cols, rowwise, columnwise):
-    """[(shape, dtype)] of (row_data, row_sinv, col_data, col_sinv), None where not asked
-    (memoized: this is on the per-call host path)."""
-    key = (type(recipe), rows, cols, rowwise, columnwise)
-    hit = _shapes.get(key)
-    if hit is None:
-        if len(_shapes) > 4096:
-            _shapes.clear()
-        hit = _shapes[key] = _output_shapes(recipe, rows, cols, rowwise, columnwise)
-    return hit
-
-
-def _output_shapes(recipe, rows, cols, rowwise, columnwise):
-    if isinstance(recipe, Block1D):
-        row = [((rows, cols), np.uint8), ((cdiv(cols, 128), round_up(rows, 4)), np.float32)]
-        col = [((cols, rows), np.uint8), ((cdiv(rows, 128), round_up(cols, 4)), np.float32)]
-    elif isinstance(recipe, Block2D):
-        mt, kt = cdiv(rows, 128), cdiv(cols, 128)
-        row = [((rows, cols), np.uint8), ((mt, round_up(kt, 4)), np.float32)]
-        col = [((cols, rows), np.uint8), ((kt, round_up(mt, 4)), np.float32)]
-    else:
-        row = [((rows, cols), np.uint8), ((round_up(rows, 128), round_up(cols // 32, 4)),
-                                          np.uint8)]
-        col = [((rows, cols), np.uint8), ((round_up(rows // 32, 4), round_up(cols, 128)),
-                                          np.uint8)]
-    return (row if rowwise else [None, None]) + (col if columnwise else [None, None])
-
-
 class _Plan:
     """Everything about a quantize call that depends only on (recipe, input kind, shape,
     directions, alignment): the kernel, its launch shape, the output layouts and the offsets
@@ -84,7 +54,7 @@ class _Plan:
         self.kernel, spec = _kernel_for(recipe, kind, rowwise, columnwise, vec, rows % 16 == 0)
         self.grid = qk.grid(spec, rows, cols)
         self.block = qk.block(spec)
-        self.shapes = _output_shapes(recipe, rows, cols, rowwise, columnwise)
+        self.shapes = buffer_layouts(recipe, rows, cols, rowwise, columnwise)
         # each output starts on a 256-byte boundary (the kernels' vector stores need 16)
         self.offsets, total = [], 0
         for s in self.shapes:
@@ -128,7 +98,7 @@ def quantize(x2d, recipe, rowwise=True, columnwise=False, dtype=None):
         raise ValueError(f"MXFP8 needs M and K to be multiples of 32, got ({rows}, {cols})")
     if rows == 0 or cols == 0:  # every scale tensor is empty too (DESIGN §4 shapes)
         return tuple(None if s is None else xp.empty(s[0], dtype=s[1])
-                     for s in output_shapes(recipe, rows, cols, rowwise, columnwise))
+                     for s in buffer_layouts(recipe, rows, cols, rowwise, columnwise))
     vec = cols % dev.ELEMS_PER_CHUNK[kind] == 0 and data_ptr(x2d) % 16 == 0
     plan = _plan_for(recipe, kind, rows, cols, rowwise, columnwise, vec)
     out = alloc_views(xp, plan.nbytes, plan.shapes, plan.offsets)

@@ -18,7 +18,8 @@ import ml_dtypes
 import numpy as np
 
 import fp8blk as fb
-from fp8blk.reference import cdiv, round_up
+from fp8blk.reference import cdiv
+from fp8blk.tensor import buffer_layouts
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
@@ -176,19 +177,12 @@ def alloc_weight(spec, rng, xp=np):
     that anything not written shows."""
     h, w = spec.shape
     r = spec.recipe
-    if isinstance(r, fb.Block2D):
-        mt, kt = cdiv(h, 128), cdiv(w, 128)
-        shapes = [((h, w), np.uint8), ((mt, round_up(kt, 4)), np.float32),
-                  ((w, h), np.uint8), ((kt, round_up(mt, 4)), np.float32)]
-    else:
-        shapes = [((h, w), np.uint8), ((round_up(h, 128), round_up(w // 32, 4)), np.uint8),
-                  ((h, w), np.uint8), ((round_up(h // 32, 4), round_up(w, 128)), np.uint8)]
-    held = [spec.rowwise, spec.rowwise, spec.columnwise, spec.columnwise]
     bufs = []
-    for (shape, dtype), keep in zip(shapes, held):
-        if not keep:
+    for layout in buffer_layouts(r, h, w, spec.rowwise, spec.columnwise):
+        if layout is None:
             bufs.append(None)
             continue
+        shape, dtype = layout
         if dtype == np.uint8:
             b = rng.integers(0, 256, size=shape, dtype=np.uint8)
         else:

@@ -395,23 +395,9 @@ def test_errors_on_storage_and_mxfp8_fragments():
 
 def _run_gpu(specs, fulls, ranges, size, seed, fragments=False, model_dtype=cases.BF16):
     cp = pytest.importorskip("cupy")
+    from tests.master_scripts.kernel_checks import device_run
 
-    def body(rank, comm):
-        r = np.random.default_rng([seed, rank])
-        ws = [cases.alloc_weight(s, r, xp=cp) for s in specs]
-        before = cases.snapshot(ws)
-        masters, starts = cases.rank_inputs(specs, fulls, ranges, rank, r, xp=cp)
-        frags, guarded = cases.make_fragments(specs, ranges, rank, r, xp=cp) if fragments \
-            else (None, None)
-        guards = None if guarded is None else \
-            [[None if g is None else g.copy() for g in gs] for gs in guarded]
-        cast_master_weights(ws, masters, starts, comm, fragments=frags,
-                            model_dtype=model_dtype)
-        cp.cuda.get_current_stream().synchronize()
-        cases.check_untouched(specs, ranges, rank, before, ws, fragments, guarded, guards)
-        return ws, frags, comm.stats
-    out = run_ranks(size, body)
-    return [o[0] for o in out], ([o[1] for o in out] if fragments else None), [o[2] for o in out]
+    return device_run(specs, fulls, ranges, size, seed, fragments, model_dtype, cp)
 
 
 @pytest.mark.gpu

@@ -126,12 +126,14 @@ def check_fast_paths(rng, xp=np, scale=1):
                       make_full)
     fulls = [make_full(rng, s.shape) for s in specs]
     ranges = [[(0, o), (o, size - o)] for size, (o, _) in zip(sizes, amax_ranges)]
-    weights, _ = _device_run(specs, fulls, ranges, 2, 4, False, cases.BF16, xp)
+    weights, _, _ = device_run(specs, fulls, ranges, 2, 4, False, cases.BF16, xp)
     cases.check(specs, fulls, ranges, weights)
 
 
-def _device_run(specs, fulls, ranges, size, seed, fragments, model_dtype, xp):
-    """Every rank's device-path call; also checks each rank wrote nothing outside its range."""
+def device_run(specs, fulls, ranges, size, seed, fragments, model_dtype, xp):
+    """Every rank's device-path call (CUDA kernels on CuPy arrays, or on NumPy arrays under the
+    simulator), on `size` thread-ranks; also checks each rank wrote nothing outside its range.
+    Returns (weights, fragments (None without), comm stats), each per rank."""
     def body(rank, comm):
         r = np.random.default_rng([seed, rank])
         ws = [cases.alloc_weight(s, r, xp=xp) for s in specs]
@@ -144,9 +146,9 @@ def _device_run(specs, fulls, ranges, size, seed, fragments, model_dtype, xp):
         items, _ = master.validate(ws, masters, starts, frags)
         master.cast_batch(items, comm, np.dtype(model_dtype), frags is not None, device=True)
         cases.check_untouched(specs, ranges, rank, before, ws, fragments, guarded, guards)
-        return ws, frags
+        return ws, frags, comm.stats
     out = run_ranks(size, body)
-    return [o[0] for o in out], ([o[1] for o in out] if fragments else None)
+    return [o[0] for o in out], ([o[1] for o in out] if fragments else None), [o[2] for o in out]
 
 
 def check_cast(rng, xp=np, scale=1):
@@ -167,7 +169,7 @@ def check_cast(rng, xp=np, scale=1):
     specs = [big(s) for s in specs]
     fulls = [cases.make_full(rng, s.shape) for s in specs]
     ranges = cases.cut_ranges(rng, specs, 2)
-    weights, _ = _device_run(specs, fulls, ranges, 2, 1, False, cases.BF16, xp)
+    weights, _, _ = device_run(specs, fulls, ranges, 2, 1, False, cases.BF16, xp)
     cases.check(specs, fulls, ranges, weights)
     # hand-picked cuts: o % 4 != 0 so groups straddle the 128-column tile edges, 32-column
     # block edges and (w = 302) row ends; shard ends inside a group
@@ -177,12 +179,12 @@ def check_cast(rng, xp=np, scale=1):
     for f in fulls2:  # distinct magnitudes per 32 columns: every block has its own scale
         f *= np.float32(2.0) ** np.repeat(np.arange(f.shape[1] // 32 + 1) % 7, 32)[: f.shape[1]]
     ranges2 = [[(0, 1), (1, 2 * 302 - 1)], [(0, 7), (7, 32 * 64 - 7)]]
-    weights, _ = _device_run(specs2, fulls2, ranges2, 2, 3, False, cases.BF16, xp)
+    weights, _, _ = device_run(specs2, fulls2, ranges2, 2, 3, False, cases.BF16, xp)
     cases.check(specs2, fulls2, ranges2, weights)
     # fragments (no column-only Block2D there), 3 ranks, fp32 model dtype
     specs = [specs[0], specs[2], specs[3]]
     fulls = [cases.make_full(rng, s.shape) for s in specs]
     ranges = cases.cut_ranges(rng, specs, 3)
-    weights, frags = _device_run(specs, fulls, ranges, 3, 2, True, np.float32, xp)
+    weights, frags, _ = device_run(specs, fulls, ranges, 3, 2, True, np.float32, xp)
     cases.check(specs, fulls, ranges, weights, rank_fragments=frags,
                 model_dtype=np.dtype(np.float32))

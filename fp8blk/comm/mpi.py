@@ -67,6 +67,16 @@ def _half_sum_op(dtype):
     return op
 
 
+def _wire_op(dtype, op):
+    """(dtype the buffer travels as, MPI op) of a SUM or MAX that needs no key transform
+    (float MAX goes through max keys): fp16/bf16 SUM as uint16 words with a user op, the
+    rest as themselves."""
+    MPI = _mpi()
+    if dtype in (_F16, _arrays.BF16):
+        return np.uint16, _half_sum_op(dtype)
+    return dtype, MPI.SUM if op == "sum" else MPI.MAX
+
+
 def _mpi_type(dtype):
     MPI = _mpi()
     table = {np.dtype(np.uint8): MPI.UINT8_T, np.dtype(np.int16): MPI.INT16_T,
@@ -138,12 +148,9 @@ class MPIComm(Communicator):
         if transform:
             work = float_to_max_keys(host, dtype)
             mpi_op = MPI.MAX
-        elif half:
-            work = host.view(np.uint16)
-            mpi_op = _half_sum_op(dtype) if op == "sum" else MPI.MAX  # MAX is transformed
         else:
-            work = host.view(dtype)
-            mpi_op = MPI.SUM if op == "sum" else MPI.MAX
+            wire, mpi_op = _wire_op(dtype, op)
+            work = host.view(wire)
         message = [work, _mpi_type(work.dtype)]
 
         def post():
@@ -203,12 +210,9 @@ class MPIComm(Communicator):
             send = float_to_max_keys(np.array(send, copy=True), dtype)  # inputs stay intact
             recv_work = recv.view(send.dtype)
             mpi_op = MPI.MAX
-        elif half:
-            send, recv_work = send.view(np.uint16), recv.view(np.uint16)
-            mpi_op = _half_sum_op(dtype)
         else:
-            send, recv_work = send.view(dtype), recv.view(dtype)
-            mpi_op = MPI.SUM if op == "sum" else MPI.MAX
+            wire, mpi_op = _wire_op(dtype, op)
+            send, recv_work = send.view(wire), recv.view(wire)
         mpi_type = _mpi_type(send.dtype)
 
         def post():

@@ -304,18 +304,17 @@ def bench_peers(shape, copy_bps, ours):
                 log("  torchao", name, "failed:", repr(exc)[:300])
         # torchao has no fused row+col Block1D kernel: its cost is the two kernels back to back
         try:
-            both = lambda x: (tk.triton_fp8_blockwise_act_quant_lhs(x),  # noqa: E731
-                              tk.triton_fp8_blockwise_act_quant_transposed_lhs(x))
-            outs = both(xs[0])
-            nb = nbytes_of([*outs[0], *outs[1]])
-            t, ts = time_torch(both, xs)
-            add_case("b1d_both", shape, t, nb, copy_bps, ts, kind="torchao")
-            both2 = lambda x: (tk.triton_fp8_blockwise_weight_quant_rhs(x),  # noqa: E731
-                               tk.triton_fp8_blockwise_weight_quant_transposed_rhs(x))
-            outs = both2(xs[0])
-            nb = nbytes_of([*outs[0], *outs[1]])
-            t, ts = time_torch(both2, xs)
-            add_case("b2d_both", shape, t, nb, copy_bps, ts, kind="torchao")
+            for name, row_fn, col_fn in (
+                    ("b1d_both", tk.triton_fp8_blockwise_act_quant_lhs,
+                     tk.triton_fp8_blockwise_act_quant_transposed_lhs),
+                    ("b2d_both", tk.triton_fp8_blockwise_weight_quant_rhs,
+                     tk.triton_fp8_blockwise_weight_quant_transposed_rhs)):
+                def both(x, row_fn=row_fn, col_fn=col_fn):
+                    return row_fn(x), col_fn(x)
+                outs = both(xs[0])
+                nb = nbytes_of([*outs[0], *outs[1]])
+                t, ts = time_torch(both, xs)
+                add_case(name, shape, t, nb, copy_bps, ts, kind="torchao")
         except Exception as exc:
             RESULTS["notes"].append(f"torchao both: {exc!r}")
     except Exception as exc:

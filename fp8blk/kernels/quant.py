@@ -63,12 +63,8 @@ class _Plan:
                 total += round_up(int(np.prod(s[0])) * np.dtype(s[1]).itemsize, 256)
         self.nbytes = total
         self.scalars = (i64(rows), i64(cols))
-        in_t = np.uint32 if (vec or kind == dev.F32) else np.uint16
-        data_t = np.uint32 if vec else np.uint8
-        sinv_t = np.uint8 if isinstance(recipe, MXFP8) else np.float32
-        col_t = np.uint32 if (isinstance(recipe, MXFP8) and vec) or (
-            not isinstance(recipe, MXFP8) and spec.col_vec) else np.uint8
-        self.arg_dtypes = (in_t, data_t, sinv_t, col_t, sinv_t)
+        # element types of the five pointer arguments (the simulator's views need them)
+        self.arg_dtypes = tuple(np.dtype(t.dtype.name) for t in qk.argtypes(spec)[:5])
 
 
 _plans = {}

@@ -4,7 +4,7 @@
 
 For each alternative (a set of module-level knobs of fp8blk.kernels._quantize_kernel:
 FUSED_BLOCK1D_THREADS, ROW_SCATTER, PACKED_AMAX, MIN_BLOCKS_PER_SM) it clears the kernel
-caches, then for Block1D row+col and MXFP8 row+col on bf16 input:
+caches, then for Block1D, MXFP8 and Block2D row+col on bf16 input:
   * checks the bytes against fp8blk.reference on a 1024x1024 random input that also holds NaN,
     -NaN, +-inf, subnormals, -0 and the bf16 max inside blocks (a mismatch is reported, and
     the timing is still taken);
@@ -52,7 +52,7 @@ ALTERNATIVES = [
     ("minblk3", {"MIN_BLOCKS_PER_SM": 3}),         # MXFP8 ~71 regs, 3 CTAs/SM
     ("v3_like", {"FUSED_BLOCK1D_THREADS": 256, "ROW_SCATTER": False, "PACKED_AMAX": False}),
 ]
-CASES = [("b1d_both", fb.Block1D()), ("mx_both", fb.MXFP8())]
+CASES = [("b1d_both", fb.Block1D()), ("mx_both", fb.MXFP8()), ("b2d_both", fb.Block2D())]
 
 
 def log(*a):

@@ -37,12 +37,12 @@ def family_of(x) -> str:
     """Which array library `x` belongs to; TypeError for anything else."""
     if isinstance(x, np.ndarray):
         return NUMPY
-    torch = _torch()
-    if torch is not None and isinstance(x, torch.Tensor):
-        return TORCH
     cupy = _cupy()
     if cupy is not None and isinstance(x, cupy.ndarray):
         return CUPY
+    torch = _torch()
+    if torch is not None and isinstance(x, torch.Tensor):
+        return TORCH
     raise TypeError(f"expected a numpy.ndarray, cupy.ndarray or torch.Tensor, got "
                     f"{type(x).__module__}.{type(x).__name__}")
 

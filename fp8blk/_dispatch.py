@@ -10,9 +10,15 @@ from __future__ import annotations
 from . import _arrays, reference
 
 
-def backend_for(arr):
-    if _arrays.is_device(arr):
-        from . import kernels
+_kernels = None  # fp8blk.kernels, imported on first device use (it imports numba)
 
-        return kernels
+
+def backend_for(arr):
+    global _kernels
+    if _arrays.is_device(arr):
+        if _kernels is None:
+            from . import kernels
+
+            _kernels = kernels
+        return _kernels
     return reference

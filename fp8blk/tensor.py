@@ -46,7 +46,7 @@ class BlockTensor:
     def __init__(self, shape, recipe, rowwise_data=None, rowwise_scale_inv=None,
                  columnwise_data=None, columnwise_scale_inv=None, dtype=np.float32,
                  family=_arrays.NUMPY):
-        self.shape = tuple(int(d) for d in shape)
+        self.shape = tuple(map(int, shape))
         self.recipe = recipe
         self.dtype = np.dtype(dtype)  # the high-precision dtype that was quantized
         self._family = family

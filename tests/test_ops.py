@@ -237,3 +237,49 @@ def test_empty_inputs(shape, recipe, family):
         q1 = fb.quantize(x, recipe, rowwise=rowwise, columnwise=columnwise)
         assert tuple(q1.dequantize().shape) == shape
     assert tuple(q.dequantize().shape) == shape
+
+
+# -- GPU: stream ordering (run on the H200 with -m gpu) --------------------------------------
+
+def _host_buffers(q):
+    return tuple(None if b is None else (b.get() if hasattr(b, "get") else b.cpu().numpy())
+                 for b in buffers(q))
+
+
+@pytest.mark.gpu
+def test_cupy_side_stream_orders_input_and_outputs(rng):
+    """On a non-default CuPy stream the kernel runs after the work that wrote the input on that
+    stream (a long chain of copies, so a kernel on another stream would read stale data)."""
+    import cupy
+
+    x_h = rng.standard_normal((2048, 4096)).astype(np.float32) * 3
+    want = fb.quantize(x_h, fb.Block1D(), rowwise=True, columnwise=True)
+    with cupy.cuda.Stream(non_blocking=True) as s:
+        x = cupy.zeros(x_h.shape, np.float32)
+        src = cupy.asarray(x_h)
+        for _ in range(50):  # ~ms of work queued on s before the input holds its values
+            x[...] = src * np.float32(1.0)
+        q = fb.quantize(x, fb.Block1D(), rowwise=True, columnwise=True)
+        s.synchronize()
+    assert_same_buffers(_host_buffers(q), buffers(want))
+
+
+@pytest.mark.gpu
+@needs_torch
+def test_torch_side_stream_orders_input_and_outputs(rng):
+    """A torch CUDA tensor written on a torch side stream (after a 20 ms GPU spin) and
+    quantized under that stream gives the reference bytes, and the outputs can be read on it."""
+    x_h = rng.standard_normal((1024, 2048)).astype(np.float32)
+    want = fb.quantize(x_h, fb.Block2D(), rowwise=True, columnwise=True)
+    src = torch.from_numpy(x_h).cuda()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        x = torch.zeros_like(src)
+        torch.cuda._sleep(40_000_000)  # ~20 ms of GPU time before x is written
+        x.copy_(src)
+        q = fb.quantize(x, fb.Block2D(), rowwise=True, columnwise=True)
+        row_sum = q.rowwise_data.to(torch.int64).sum()  # consumed on the side stream
+    torch.cuda.synchronize()
+    assert_same_buffers(_host_buffers(q), buffers(want))
+    assert int(row_sum) == int(buffers(want)[0].astype(np.int64).sum())

@@ -54,7 +54,8 @@ class _Plan:
         self.kernel, spec = _kernel_for(recipe, kind, rowwise, columnwise, vec, rows % 16 == 0)
         self.grid = qk.grid(spec, rows, cols)
         self.block = qk.block(spec)
-        self.shapes = buffer_layouts(recipe, rows, cols, rowwise, columnwise)
+        self.shapes = [None if s is None else (s[0], np.dtype(s[1]))
+                       for s in buffer_layouts(recipe, rows, cols, rowwise, columnwise)]
         # each output starts on a 256-byte boundary (the kernels' vector stores need 16)
         self.offsets, total = [], 0
         for s in self.shapes:

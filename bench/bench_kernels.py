@@ -129,7 +129,6 @@ KERNEL_CASES = [
 def bench_ours(shapes, copy_bps):
     for shape in shapes:
         inputs = bf16_inputs(shape)
-        in_bytes = inputs[0].nbytes
         for name, recipe, rw, cw in KERNEL_CASES:
             s = shape
             if isinstance(recipe, fb.MXFP8) and s[0] % 32:

@@ -78,6 +78,21 @@ def main():
                                                    dtype=x.dtype, family="cupy"),
         "hash(recipe)": lambda: hash(rec),
     }
+    try:  # the torch CUDA path: DLPack import of the input, export of each output
+        import torch
+
+        xt = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+        qt = fb.quantize(xt, rec)
+        stages.update({
+            "fb.quantize torch bf16": lambda: fb.quantize(xt, rec),
+            "torch: _arrays.to_backend (DLPack in)": lambda: _arrays.to_backend(xt),
+            "torch: cupy.from_dlpack alone": lambda: cupy.from_dlpack(xt.view(torch.int16)),
+            "torch: output buffer (DLPack out)": lambda: qt.rowwise_data,
+            "torch: current_stream().cuda_stream":
+                lambda: torch.cuda.current_stream().cuda_stream,
+        })
+    except ImportError:
+        pass
     res = {}
     for name, fn in stages.items():
         lo, med = timed(fn, args.n if "quantize" in name or "launch" in name else args.n)

@@ -1,26 +1,351 @@
 """GPU ``dequantize``: ``fl32(decode(byte) * scale_inv)`` rounded once to fp32/bf16/fp16, from
-rowwise buffers if given, else columnwise ones (same contract as the reference).
+rowwise buffers if given, else columnwise ones (same contract and bytes as the reference).
 
-One element-wise kernel specialized per (recipe, direction, format, output dtype). Thread
-(x, y) of the 2-D grid handles output element (m, k); for the transposed columnwise sources
-(Block1D, Block2D, data (K, M)) x runs along M so the byte reads are coalesced, otherwise along
-K. FP8 decoding is bit arithmetic (exact). A NaN result is written as the quiet NaN NumPy
-produces (0x7FC00000, bf16 0x7FC0, fp16 0x7E00), not the GPU's canonical 0x7FFFFFFF.
+Three kernels, each specialized per (recipe, direction, format, output dtype):
+
+* ``rows`` -- sources in the (M, K) layout of the output (every rowwise buffer, MXFP8
+  columnwise). The unit of work is a *piece*: E consecutive elements of one row whose output
+  is 16 bytes (E = 4 for fp32, 8 for bf16/fp16). A lane loads the piece's E bytes (one 4- or
+  8-byte non-coherent load) and its scale once (one fp32 scale_inv or E8M0 code; MXFP8
+  columnwise: the piece's E codes in one load), decodes with the hardware FP8 -> f16x2
+  conversion, multiplies in fp32, rounds once and writes one 16-byte store. Consecutive lanes
+  take consecutive pieces of a row (2**lpr_shift lanes per row, chosen from K so narrow
+  tensors keep the lanes busy), so every load and store instruction of a warp is contiguous.
+  A thread handles ROWS_PER_THREAD rows, all loads issued before any use.
+  Needs K % E == 0 and E-aligned pointers. (Pieces are sized by the output, not the input:
+  a 16-byte input load per lane would need two 16-byte stores 32 bytes apart per lane for
+  bf16, each warp store instruction then half-filling twice as many sectors.)
+* ``tiles`` -- the transposed (K, M) columnwise sources of Block1D / Block2D. A CTA of 256
+  threads owns a 128 x 128 byte tile (128 source rows k, 128 columns m): each thread loads
+  four 16-byte chunks of 4 consecutive rows, transposes the 4 x 16 bytes in registers with
+  ``prmt`` into words of 4 consecutive k, and writes them to a shared tile [m][k/4] (+1 word of
+  padding per row; the lane mapping makes both the shared writes and the reads conflict-free).
+  After one barrier, each thread converts pieces of output rows as above; its k range is the
+  same in every row it visits, so it fetches its scales once per tile (Block1D: E per-column
+  scale_inv; Block2D: the tile's one scale_inv). Needs M % 16 == 0, K % E == 0, 16-byte
+  aligned data.
+* ``scalar`` -- the general fallback: one thread per output element, bit-arithmetic decoding.
+
+NaN results are written as the quiet NaN NumPy produces (0x7FC00000, bf16 0x7FC0, fp16
+0x7E00), not the GPU's canonical one; E5M2 +-inf stays +-inf. Index arithmetic is 64-bit for
+global offsets (M*K may exceed 2**31); per-thread coordinates are small.
 """
 from __future__ import annotations
 
+from collections import namedtuple
 from functools import lru_cache
 
 import numpy as np
 
 from .._arrays import BF16
 from ..formats import Block1D, Block2D, E4M3, MXFP8
-from ._host import i64, module_of, pointer_arg
-from ._numba import (bits_f32, compile_kernel, cuda, device, f32_bf16_bits, f32_f16_bits,
-                     ptr, types)
+from ._host import SIM, data_ptr, i64, module_of, pointer_arg
+from ._numba import (bf16x2_pack, bits_f32, compile_kernel, cuda, device, f16x2_pack,
+                     f32_bf16_bits, f32_bits, f32_f16_bits, fp8x4_f32, ld_u32_at, ld_v2_at,
+                     ld_v4_at, prmt, ptr, st_v4_at, types)
 
-BX, BY = 32, 8
-_OUT = {np.dtype(np.float32): 0, BF16: 1, np.dtype(np.float16): 2}
+THREADS = 256           # threads per CTA of the rows and tiles kernels
+# Rows each thread of the rows kernel converts (loads of all of them in flight at once;
+# benchmark knob, read at kernel build time).
+ROWS_PER_THREAD = 4
+T = 128                 # tile edge (bytes) of the tiles kernel
+BX, BY = 32, 8          # CTA shape of the scalar kernel
+MAX_GRID_Y = 65535      # CUDA's limit; the kernels loop over grid rows beyond it
+
+F32_OUT, BF16_OUT, F16_OUT = 0, 1, 2
+_OUT = {np.dtype(np.float32): F32_OUT, BF16: BF16_OUT, np.dtype(np.float16): F16_OUT}
+OUT_SIZE = {F32_OUT: 4, BF16_OUT: 2, F16_OUT: 2}
+# elements per piece: one 16-byte store of output
+PIECE = {F32_OUT: 4, BF16_OUT: 8, F16_OUT: 8}
+
+BLOCK1D, BLOCK2D, MX = "block1d", "block2d", "mxfp8"
+ROWS, TILES, SCALAR = "rows", "tiles", "scalar"
+
+DequantSpec = namedtuple("DequantSpec", [
+    "recipe",       # BLOCK1D | BLOCK2D | MX
+    "columnwise",   # bool: source buffers are the columnwise ones
+    "e4m3",         # bool
+    "out_kind",     # F32_OUT | BF16_OUT | F16_OUT
+    "path",         # ROWS | TILES | SCALAR
+])
+
+
+def transposed(spec):
+    """Whether the source data is (K, M) (Block1D / Block2D columnwise)."""
+    return spec.columnwise and spec.recipe != MX
+
+
+# ------------------------------------------------------------------------------------------
+# Device helpers
+
+_QNAN = np.float32(np.nan)  # 0x7FC00000
+
+
+@device
+def qnan_f32(y):
+    """y, or the quiet NaN 0x7FC00000 when y is any NaN."""
+    if y != y:
+        return _QNAN
+    return y
+
+
+@device
+def e8m0_factor(c):
+    """``2**(c-127)`` of E8M0 code c (0..255): exponent field c, except 0 -> 2**-127
+    (0x00400000) and 255 -> NaN (0x7FC00000), both the code's bits plus bit 22."""
+    u32 = types.uint32
+    c = u32(c)
+    b = c << u32(23)
+    if c == u32(0) or c == u32(255):
+        b = b | u32(0x400000)
+    return bits_f32(b)
+
+
+@device
+def e8m0_specials(c):
+    """Non-zero iff one of the four E8M0 codes in uint32 c is 0 or 255 (SWAR: a code's low 7
+    bits xor its top bit replicated is zero exactly for those two codes)."""
+    u32 = types.uint32
+    s = c & u32(0x80808080)
+    z = (c & u32(0x7F7F7F7F)) ^ u32(s - (s >> u32(7)))       # bytes <= 0x7F, no borrows
+    return u32(z - u32(0x01010101)) & ~z & u32(0x80808080)   # any zero byte
+
+
+@device
+def e8m0x4_factors(c):
+    """The four factors ``2**(code-127)`` of the E8M0 codes in uint32 c (byte 0 first)."""
+    u32 = types.uint32
+    return (e8m0_factor(c & u32(0xFF)), e8m0_factor((c >> u32(8)) & u32(0xFF)),
+            e8m0_factor((c >> u32(16)) & u32(0xFF)), e8m0_factor(c >> u32(24)))
+
+
+@device
+def e8m0x4_factors_plain(c):
+    """e8m0x4_factors for codes known to be 1..254: just the exponent fields."""
+    u32 = types.uint32
+    m = u32(0x7F800000)
+    return (bits_f32((c << u32(23)) & m), bits_f32((c << u32(15)) & m),
+            bits_f32((c << u32(7)) & m), bits_f32((c >> u32(1)) & m))
+
+
+@lru_cache(maxsize=None)
+def piece_converter(e4m3, out_kind):
+    """``convert(w0, w1, f0..f7) -> (u0, u1, u2, u3)``: the 16 output bytes of one piece
+    (E FP8 bytes in words w0[, w1], byte 0 first) with per-element factors f0..f(E-1); unused
+    arguments are ignored (fp32: w1 and f4..f7)."""
+    dec = fp8x4_f32(e4m3)
+    if out_kind == F32_OUT:
+        @device
+        def convert(w0, w1, f0, f1, f2, f3, f4, f5, f6, f7):
+            v0, v1, v2, v3 = dec(w0)
+            return (f32_bits(qnan_f32(v0 * f0)), f32_bits(qnan_f32(v1 * f1)),
+                    f32_bits(qnan_f32(v2 * f2)), f32_bits(qnan_f32(v3 * f3)))
+        return convert
+    pack = bf16x2_pack if out_kind == BF16_OUT else f16x2_pack
+
+    @device
+    def convert(w0, w1, f0, f1, f2, f3, f4, f5, f6, f7):
+        v0, v1, v2, v3 = dec(w0)
+        v4, v5, v6, v7 = dec(w1)
+        return (pack(v0 * f0, v1 * f1), pack(v2 * f2, v3 * f3),
+                pack(v4 * f4, v5 * f5), pack(v6 * f6, v7 * f7))
+    return convert
+
+
+# ------------------------------------------------------------------------------------------
+# rows kernel: (M, K) sources
+
+
+def _make_rows_pyfunc(spec):
+    u32 = types.uint32
+    E = PIECE[spec.out_kind]
+    NWD = E // 4                    # FP8 data words per piece
+    OSZ = OUT_SIZE[spec.out_kind]
+    PR = ROWS_PER_THREAD
+    RK = spec.recipe
+    MX_COL = RK == MX and spec.columnwise
+    convert = piece_converter(spec.e4m3, spec.out_kind)
+
+    def kernel(data, sinv, out, M, K, ld, lpr_shift):
+        """data: (M, K) bytes (uint32 pointer); sinv: scale_inv / E8M0 codes; out: (M, K)
+        output (uint32 pointer); ld: sinv row length; lpr_shift: log2(lanes per row)."""
+        tid = cuda.threadIdx.x
+        k = ((cuda.blockIdx.x << lpr_shift) + (tid & ((1 << lpr_shift) - 1))) * E
+        if k >= K:
+            return
+        rows_step = THREADS >> lpr_shift        # rows one pass of the CTA covers
+        m_base = cuda.blockIdx.y * (rows_step * PR) + (tid >> lpr_shift)
+        grid_step = cuda.gridDim.y * (rows_step * PR)
+        kb = k >> 7                             # 128-element block of k
+        step_off = rows_step * K                # data offset between a thread's rows
+        # offset between a thread's rows in the row-linear scale layouts
+        step_sidx = rows_step if RK == BLOCK1D else rows_step * ld
+        words = cuda.local.array((PR, 2), u32)
+        codes = cuda.local.array((PR, 2), u32)  # MXFP8 columnwise: the piece's E8M0 codes
+        fac = cuda.local.array(PR, types.float32)
+        while m_base < M:
+            # all loads first
+            m = m_base
+            off = m_base * K + k                # byte offset of the piece in data
+            if RK == BLOCK1D:
+                sidx = kb * ld + m_base
+            else:
+                sidx = m_base * ld + (k >> 5)   # MXFP8 rowwise (unused by the others)
+            for i in range(PR):
+                if m < M:
+                    if NWD == 1:
+                        words[i, 0] = ld_u32_at(data, off)
+                    else:
+                        w0, w1 = ld_v2_at(data, off)
+                        words[i, 0] = w0
+                        words[i, 1] = w1
+                    if RK == BLOCK1D:
+                        fac[i] = sinv[sidx]
+                    elif RK == BLOCK2D:
+                        fac[i] = sinv[(m >> 7) * ld + kb]
+                    elif not MX_COL:
+                        fac[i] = e8m0_factor(sinv[sidx])
+                    elif NWD == 1:
+                        codes[i, 0] = ld_u32_at(sinv, (m >> 5) * ld + k)
+                    else:
+                        c0, c1 = ld_v2_at(sinv, (m >> 5) * ld + k)
+                        codes[i, 0] = c0
+                        codes[i, 1] = c1
+                m += rows_step
+                off += step_off
+                sidx += step_sidx
+            m = m_base
+            off = m_base * K + k
+            for i in range(PR):
+                if m < M:
+                    w0 = words[i, 0]
+                    w1 = words[i, NWD - 1]
+                    if MX_COL:
+                        c0 = codes[i, 0]
+                        c1 = codes[i, NWD - 1]
+                        # codes 0 and 255 are rare: the common case is the exponent field
+                        if e8m0_specials(c0) | e8m0_specials(c1):
+                            f0, f1, f2, f3 = e8m0x4_factors(c0)
+                            f4, f5, f6, f7 = e8m0x4_factors(c1)
+                        else:
+                            f0, f1, f2, f3 = e8m0x4_factors_plain(c0)
+                            f4, f5, f6, f7 = e8m0x4_factors_plain(c1)
+                        u0, u1, u2, u3 = convert(w0, w1, f0, f1, f2, f3, f4, f5, f6, f7)
+                    else:
+                        f = fac[i]
+                        u0, u1, u2, u3 = convert(w0, w1, f, f, f, f, f, f, f, f)
+                    st_v4_at(out, off * OSZ, u0, u1, u2, u3)
+                m += rows_step
+                off += step_off
+            m_base += grid_step
+
+    return kernel
+
+
+def lpr_shift(spec, cols):
+    """log2 of the lanes per row of the rows kernel: enough for a row's pieces, at most 32."""
+    pieces = -(-cols // PIECE[spec.out_kind])
+    s = 0
+    while s < 5 and (1 << s) < pieces:
+        s += 1
+    return s
+
+
+# ------------------------------------------------------------------------------------------
+# tiles kernel: transposed (K, M) sources of Block1D / Block2D
+
+
+def _make_tiles_pyfunc(spec):
+    u32 = types.uint32
+    E = PIECE[spec.out_kind]
+    NWD = E // 4
+    OSZ = OUT_SIZE[spec.out_kind]
+    PPR = T // E                    # pieces per output row of the tile (16 or 32)
+    PPR_SHIFT = PPR.bit_length() - 1
+    RSTEP = THREADS // PPR          # output rows one pass covers
+    B1D = spec.recipe == BLOCK1D
+    convert = piece_converter(spec.e4m3, spec.out_kind)
+    TB_SHAPE = (T, T // 4 + 1)      # [m][k/4] words, +1: conflict-free column reads
+
+    def kernel(data, sinv, out, M, K, ld):
+        """data: (K, M) bytes (uint32 pointer); sinv: fp32 scale_inv; out: (M, K) output
+        (uint32 pointer); ld: sinv row length."""
+        tid = u32(cuda.threadIdx.x)
+        warp = tid >> u32(5)
+        lane = tid & u32(31)
+        # load mapping: chunk column c (16 bytes of m) and row quad q (4 rows of k); a warp
+        # takes 2 adjacent chunks x 16 quads: full 32-byte sectors, conflict-free shared writes.
+        # Shared-tile indices are unsigned (no negative-index wraparound code).
+        c = u32(((warp & u32(3)) << u32(1)) | (lane & u32(1)))
+        q = u32((lane >> u32(1)) | ((warp >> u32(2)) << u32(4)))
+        # store mapping: piece `part` (E values of k, tile words wcol..) of output rows
+        # r, r + RSTEP, ...
+        part = tid & u32(PPR - 1)
+        wcol = u32(part * NWD)
+        r = tid >> u32(PPR_SHIFT)
+        m0 = cuda.blockIdx.x * T
+        mc = m0 + 16 * c
+        tb = cuda.shared.array(TB_SHAPE, u32)
+        rows = cuda.local.array((4, 4), u32)
+        fac = cuda.local.array(8, types.float32)
+        k0 = cuda.blockIdx.y * T
+        while k0 < K:
+            for i in range(4):
+                k = k0 + 4 * q + i
+                if k < K and mc < M:
+                    w0, w1, w2, w3 = ld_v4_at(data, k * M + mc)
+                    rows[i, 0] = w0
+                    rows[i, 1] = w1
+                    rows[i, 2] = w2
+                    rows[i, 3] = w3
+                else:
+                    for w in range(4):
+                        rows[i, w] = u32(0)
+            kp = k0 + part * E
+            if B1D:
+                if kp < K:
+                    for e in range(E):
+                        fac[e] = sinv[cuda.blockIdx.x * ld + kp + e]
+            else:
+                fac[0] = sinv[(k0 >> 7) * ld + cuda.blockIdx.x]
+            for w in range(4):
+                t0 = prmt(rows[0, w], rows[1, w], u32(0x5140))
+                t1 = prmt(rows[0, w], rows[1, w], u32(0x7362))
+                t2 = prmt(rows[2, w], rows[3, w], u32(0x5140))
+                t3 = prmt(rows[2, w], rows[3, w], u32(0x7362))
+                tm = u32(16 * c + 4 * w)
+                tb[tm, q] = prmt(t0, t2, u32(0x5410))
+                tb[u32(tm + 1), q] = prmt(t0, t2, u32(0x7632))
+                tb[u32(tm + 2), q] = prmt(t1, t3, u32(0x5410))
+                tb[u32(tm + 3), q] = prmt(t1, t3, u32(0x7632))
+            cuda.syncthreads()
+            if kp < K:
+                mm = r
+                m = m0 + r
+                off = m * K + kp                # element offset of the piece in out
+                for it in range(T // RSTEP):
+                    if m < M:
+                        w0 = tb[mm, wcol]
+                        w1 = tb[mm, u32(wcol + (NWD - 1))]
+                        if B1D:
+                            u0, u1, u2, u3 = convert(w0, w1, fac[0], fac[1], fac[2], fac[3],
+                                                     fac[4 % E], fac[5 % E], fac[6 % E],
+                                                     fac[7 % E])
+                        else:
+                            f = fac[0]
+                            u0, u1, u2, u3 = convert(w0, w1, f, f, f, f, f, f, f, f)
+                        st_v4_at(out, off * OSZ, u0, u1, u2, u3)
+                    mm = u32(mm + RSTEP)
+                    m += RSTEP
+                    off += RSTEP * K
+            cuda.syncthreads()      # the next tile overwrites tb
+            k0 += cuda.gridDim.y * T
+
+    return kernel
+
+
+# ------------------------------------------------------------------------------------------
+# scalar kernel: any shape and alignment
 
 
 @lru_cache(maxsize=None)
@@ -54,89 +379,170 @@ def fp8_decoder(e4m3):
     return decode
 
 
-@lru_cache(maxsize=None)
-def e8m0_decoder():
-    """``2**(c-127)`` for E8M0 code c; 0 -> 2**-127, 255 -> NaN."""
-    NAN = np.float32(np.nan)
-    TINY = np.float32(2.0 ** -127)
+def _make_scalar_pyfunc(spec):
+    decode = fp8_decoder(spec.e4m3)
+    TRANSPOSED = transposed(spec)
+    RK = spec.recipe
+    columnwise = spec.columnwise
+    out_kind = spec.out_kind
 
-    @device
-    def decode(c):
-        c = int(c)
-        if c == 255:
-            return NAN
-        if c == 0:
-            return TINY
-        return bits_f32(c << 23)
-    return decode
-
-
-def make_kernel_pyfunc(recipe_kind, columnwise, e4m3, out_kind):
-    decode = fp8_decoder(e4m3)
-    e8m0 = e8m0_decoder()
-    TRANSPOSED = columnwise and recipe_kind != "mxfp8"
-    QNAN = np.float32(np.nan)
-
-    def kernel(data, sinv, out, M, K, ld_sinv):
+    def kernel(data, sinv, out, M, K, ld):
+        """Thread (x, y) of the grid handles output element (m, k); x runs along M for the
+        transposed sources (coalesced byte reads), else along K; grid rows loop past
+        MAX_GRID_Y."""
         a = cuda.blockIdx.x * BX + cuda.threadIdx.x
         b = cuda.blockIdx.y * BY + cuda.threadIdx.y
-        if TRANSPOSED:
-            m, k = a, b
-        else:
-            m, k = b, a
-        if m >= M or k >= K:
+        along = M if TRANSPOSED else K
+        across = K if TRANSPOSED else M
+        if a >= along:
             return
-        if TRANSPOSED:
-            v = decode(data[k * M + m])
-        else:
-            v = decode(data[m * K + k])
-        if recipe_kind == "block1d":
-            if columnwise:
-                f = sinv[(m // 128) * ld_sinv + k]
+        while b < across:
+            if TRANSPOSED:
+                m, k = a, b
+                v = decode(data[k * M + m])
             else:
-                f = sinv[(k // 128) * ld_sinv + m]
-        elif recipe_kind == "block2d":
-            if columnwise:
-                f = sinv[(k // 128) * ld_sinv + m // 128]
+                m, k = b, a
+                v = decode(data[m * K + k])
+            if RK == BLOCK1D:
+                if columnwise:
+                    f = sinv[(m >> 7) * ld + k]
+                else:
+                    f = sinv[(k >> 7) * ld + m]
+            elif RK == BLOCK2D:
+                if columnwise:
+                    f = sinv[(k >> 7) * ld + (m >> 7)]
+                else:
+                    f = sinv[(m >> 7) * ld + (k >> 7)]
             else:
-                f = sinv[(m // 128) * ld_sinv + k // 128]
-        else:
-            if columnwise:
-                f = e8m0(sinv[(m // 32) * ld_sinv + k])
+                if columnwise:
+                    f = e8m0_factor(sinv[(m >> 5) * ld + k])
+                else:
+                    f = e8m0_factor(sinv[m * ld + (k >> 5)])
+            y = qnan_f32(v * f)
+            if out_kind == F32_OUT:
+                out[m * K + k] = y
+            elif out_kind == BF16_OUT:
+                out[m * K + k] = f32_bf16_bits(y)
             else:
-                f = e8m0(sinv[m * ld_sinv + k // 32])
-        y = v * f
-        if y != y:
-            y = QNAN
-        if out_kind == 0:
-            out[m * K + k] = y
-        elif out_kind == 1:
-            out[m * K + k] = f32_bf16_bits(y)
-        else:
-            out[m * K + k] = f32_f16_bits(y)
+                out[m * K + k] = f32_f16_bits(y)
+            b += cuda.gridDim.y * BY
 
     return kernel
 
 
-def argtypes(recipe_kind, out_kind):
-    sinv_t = types.uint8 if recipe_kind == "mxfp8" else types.float32
-    out_t = types.float32 if out_kind == 0 else types.uint16
-    return (ptr(types.uint8), ptr(sinv_t), ptr(out_t), types.int64, types.int64, types.int64)
+# ------------------------------------------------------------------------------------------
+# Specializations
+
+
+def make_kernel_pyfunc(spec):
+    """The Python kernel function for `spec` (compile it with :func:`argtypes`)."""
+    if spec.path == ROWS:
+        return _make_rows_pyfunc(spec)
+    if spec.path == TILES:
+        return _make_tiles_pyfunc(spec)
+    return _make_scalar_pyfunc(spec)
+
+
+def argtypes(spec):
+    """Numba argument types of the kernel for `spec`: data, sinv, out pointers, M, K, ld[,
+    lpr_shift]."""
+    i64t = types.int64
+    if spec.path == SCALAR:
+        sinv_t = types.uint8 if spec.recipe == MX else types.float32
+        out_t = types.float32 if spec.out_kind == F32_OUT else types.uint16
+        return (ptr(types.uint8), ptr(sinv_t), ptr(out_t), i64t, i64t, i64t)
+    if spec.recipe != MX:
+        sinv_t = types.float32
+    else:
+        sinv_t = types.uint32 if spec.columnwise else types.uint8
+    args = (ptr(types.uint32), ptr(sinv_t), ptr(types.uint32), i64t, i64t, i64t)
+    return args + ((i64t,) if spec.path == ROWS else ())
+
+
+def launch_bounds(spec):
+    return BX * BY if spec.path == SCALAR else THREADS
 
 
 @lru_cache(maxsize=None)
-def get_kernel(recipe_kind, columnwise, e4m3, out_kind):
-    return compile_kernel(make_kernel_pyfunc(recipe_kind, columnwise, e4m3, out_kind),
-                          argtypes(recipe_kind, out_kind), launch_bounds=BX * BY)
+def get_kernel(spec):
+    return compile_kernel(make_kernel_pyfunc(spec), argtypes(spec),
+                          launch_bounds=launch_bounds(spec))
 
 
-_KIND = {Block1D: "block1d", Block2D: "block2d", MXFP8: "mxfp8"}
+def choose_path(spec, rows, cols, ld, data_align, sinv_align):
+    """ROWS / TILES when the shape and alignment allow the vector kernels, else SCALAR.
+    ``data_align`` / ``sinv_align``: the buffers' addresses modulo 16; `spec.path` is ignored."""
+    E = PIECE[spec.out_kind]
+    if cols % E:
+        return SCALAR
+    if transposed(spec):
+        return TILES if rows % 16 == 0 and data_align == 0 else SCALAR
+    if data_align % E:
+        return SCALAR
+    if spec.recipe == MX and spec.columnwise and (sinv_align % E or ld % E):
+        return SCALAR
+    return ROWS
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+class _Plan:
+    """Everything about a dequantize call that depends only on its key: the kernel, launch
+    shape, scalar arguments and the element types of the pointer arguments (for the
+    simulator's views). Built once per key, so a call does one dict lookup, one allocation
+    and one launch."""
+
+    __slots__ = ("spec", "kernel", "grid", "block", "scalars", "arg_dtypes")
+
+    def __init__(self, recipe_kind, columnwise, e4m3, out_kind, rows, cols, ld, data_align,
+                 sinv_align):
+        spec = DequantSpec(recipe_kind, columnwise, e4m3, out_kind, None)
+        spec = self.spec = spec._replace(
+            path=choose_path(spec, rows, cols, ld, data_align, sinv_align))
+        self.kernel = get_kernel(spec)
+        scalars = (i64(rows), i64(cols), i64(ld))
+        if spec.path == ROWS:
+            s = lpr_shift(spec, cols)
+            rows_per_cta = (THREADS >> s) * ROWS_PER_THREAD
+            self.grid = (_cdiv(cols, PIECE[out_kind] << s),
+                         min(_cdiv(rows, rows_per_cta), MAX_GRID_Y), 1)
+            self.block = (THREADS, 1, 1)
+            scalars += (i64(s),)
+        elif spec.path == TILES:
+            self.grid = (_cdiv(rows, T), min(_cdiv(cols, T), MAX_GRID_Y), 1)
+            self.block = (THREADS, 1, 1)
+        else:
+            along, across = (rows, cols) if transposed(spec) else (cols, rows)
+            self.grid = (_cdiv(along, BX), min(_cdiv(across, BY), MAX_GRID_Y), 1)
+            self.block = (BX, BY, 1)
+        self.scalars = scalars
+        self.arg_dtypes = tuple(np.dtype(t.dtype.name) for t in argtypes(spec)[:3])
+
+
+# (recipe kind, columnwise, e4m3, out kind, M, K, ld, data address % 16, sinv address % 16)
+_plans = {}
+_KIND = {Block1D: BLOCK1D, Block2D: BLOCK2D, MXFP8: MX}
+
+
+def plan_for(recipe, columnwise, out_kind, rows, cols, data, sinv):
+    """The cached :class:`_Plan` of a call (public for tests and benchmarks)."""
+    key = (_KIND[type(recipe)], columnwise, recipe.fmt is E4M3, out_kind, rows, cols,
+           sinv.shape[1], data_ptr(data) % 16, data_ptr(sinv) % 16)
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) > 4096:
+            _plans.clear()
+        plan = _plans[key] = _Plan(*key)
+    return plan
 
 
 def dequantize(recipe, shape2d, rowwise_data=None, rowwise_scale_inv=None,
                columnwise_data=None, columnwise_scale_inv=None, dtype=np.float32):
     """(M, K) device array of `dtype` (bf16 returned as uint16 bit patterns) from rowwise
-    buffers if given, else columnwise ones."""
+    buffers if given, else columnwise ones (DESIGN §4 layouts, C-contiguous), without
+    synchronizing."""
     rows, cols = shape2d
     if rowwise_data is not None:
         data, sinv, columnwise = rowwise_data, rowwise_scale_inv, False
@@ -145,24 +551,22 @@ def dequantize(recipe, shape2d, rowwise_data=None, rowwise_scale_inv=None,
     else:
         raise ValueError("nothing to dequantize: the tensor holds neither rowwise nor "
                          "columnwise data")
-    out_dtype = np.dtype(dtype)
-    if out_dtype not in _OUT:
+    out_kind = _OUT.get(np.dtype(dtype))
+    if out_kind is None:
         raise TypeError(f"dequantize dtype must be float32, bfloat16 or float16, got {dtype}")
-    out_kind = _OUT[out_dtype]
     xp = module_of(data)
-    holder = np.float32 if out_kind == 0 else np.uint16
-    out = xp.empty((rows, cols), dtype=holder)
+    out = xp.empty((rows, cols), dtype=np.float32 if out_kind == F32_OUT else np.uint16)
     if rows and cols:
-        rk = _KIND[type(recipe)]
-        kernel = get_kernel(rk, columnwise, recipe.fmt is E4M3, out_kind)
-        along = rows if (columnwise and rk != "mxfp8") else cols
-        across = cols if (columnwise and rk != "mxfp8") else rows
-        grid = (-(-along // BX), -(-across // BY), 1)
-        args = (pointer_arg(data, np.uint8), pointer_arg(sinv, sinv.dtype),
-                pointer_arg(out, holder), i64(rows), i64(cols), i64(sinv.shape[1]))
-        kernel(grid, (BX, BY, 1), args)
-    if out_kind == 2:
+        if not (data.flags.c_contiguous and sinv.flags.c_contiguous):
+            raise ValueError("dequantize needs C-contiguous data and scale_inv buffers")
+        plan = plan_for(recipe, columnwise, out_kind, rows, cols, data, sinv)
+        if SIM:
+            ptrs = tuple(pointer_arg(a, t) for a, t in zip((data, sinv, out), plan.arg_dtypes))
+        else:  # CuPy passes an array as its data pointer
+            ptrs = (data, sinv, out)
+        plan.kernel(plan.grid, plan.block, ptrs + plan.scalars)
+    if out_kind == F16_OUT:
         return out.view(np.float16)
-    if out_kind == 1 and xp is np:
+    if out_kind == BF16_OUT and xp is np:
         return out.view(BF16)
     return out

@@ -66,3 +66,27 @@ RECIPES = {
     "mx": fb.MXFP8(),
     "mx-e5m2": fb.MXFP8(fmt=fb.E5M2),
 }
+
+
+def plant_fp8_specials(rng, bufs, recipe):
+    """Copies of quantize's (row_data, row_sinv, col_data, col_sinv) (None stays None) holding
+    what quantize never writes but dequantize must decode: a run of all 256 FP8 codes in random
+    order inside each data buffer (E5M2 +-inf, -NaN 0xFF, -0, subnormals), and for MXFP8 the
+    E8M0 codes 0 (2**-127: subnormal results), 1, 254 (2**127: overflow to inf) and 255 (NaN)
+    at random scale entries of the valid region. fp32 scale_inv entries are left alone (a zero
+    or infinite one makes inf * 0, whose NaN sign the reference takes from the host CPU)."""
+    out = [None if b is None else np.array(b, copy=True) for b in bufs]
+    for d in (0, 2):
+        data, sinv = out[d], out[d + 1]
+        if data is None or data.size == 0:
+            continue
+        flat = data.reshape(-1)
+        n = min(flat.size, 256)
+        start = int(rng.integers(0, flat.size - n + 1))
+        flat[start:start + n] = rng.permutation(256)[:n].astype(np.uint8)
+        if isinstance(recipe, fb.MXFP8):
+            rows, cols = data.shape
+            valid = (rows, cols // 32) if d == 0 else (rows // 32, cols)
+            for code in (0, 0, 1, 254, 255, 255):
+                sinv[int(rng.integers(valid[0])), int(rng.integers(valid[1]))] = code
+    return out

@@ -17,7 +17,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
 
-from _cases import DTYPES, RECIPES, make_input, same_bytes  # noqa: E402
+from _cases import (DTYPES, RECIPES, make_input, plant_fp8_specials,  # noqa: E402
+                    same_bytes)
 from sim_cases import DEQUANT_CASES, QUANTIZE_CASES, TRANSPOSE_CASES  # noqa: E402
 from fp8blk import reference as ref  # noqa: E402
 from fp8blk.kernels import quantize as kquantize  # noqa: E402
@@ -49,7 +50,8 @@ def run(seed):
     for rname, cw, oname, shape in DEQUANT_CASES:
         def dq(rname=rname, cw=cw, oname=oname, shape=shape):
             x = make_input(rng, shape, np.float32)
-            bufs = ref.quantize(x, RECIPES[rname], not cw, cw)
+            bufs = plant_fp8_specials(rng, ref.quantize(x, RECIPES[rname], not cw, cw),
+                                      RECIPES[rname])
             got = kdq(RECIPES[rname], shape, *bufs, dtype=DTYPES[oname])
             return same_bytes(got, ref.dequantize(RECIPES[rname], shape, *bufs,
                                                   dtype=DTYPES[oname]))

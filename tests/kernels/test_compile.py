@@ -66,12 +66,44 @@ def test_transpose_kernel_compiles_for_sm90(vec_in, vec_out):
         assert "ld.global.nc.v4.u32" in ptx
 
 
-@pytest.mark.parametrize("recipe", ["block1d", "block2d", "mxfp8"])
-@pytest.mark.parametrize("columnwise", [False, True])
-@pytest.mark.parametrize("out_kind", [0, 1, 2])
-def test_dequantize_kernel_compiles_for_sm90(recipe, columnwise, out_kind):
-    e4m3 = out_kind != 2
-    ptx = compile_ptx_sm90(dq.make_kernel_pyfunc(recipe, columnwise, e4m3, out_kind),
-                           dq.argtypes(recipe, out_kind), launch_bounds=256)
+def _dequant_specs():
+    """Every vector-path variant (rows: (M, K) sources; tiles: transposed (K, M) ones) for the
+    three output kinds, formats alternating; the scalar fallback once per source layout."""
+    specs = []
+    for path, recipe, cw in ((dq.ROWS, dq.BLOCK1D, False), (dq.ROWS, dq.BLOCK2D, False),
+                             (dq.ROWS, dq.MX, False), (dq.ROWS, dq.MX, True),
+                             (dq.TILES, dq.BLOCK1D, True), (dq.TILES, dq.BLOCK2D, True)):
+        for out_kind in (dq.F32_OUT, dq.BF16_OUT, dq.F16_OUT):
+            specs.append(dq.DequantSpec(recipe, cw, out_kind != dq.F16_OUT, out_kind, path))
+    for i, (recipe, cw) in enumerate(((dq.BLOCK1D, False), (dq.BLOCK1D, True),
+                                      (dq.BLOCK2D, False), (dq.BLOCK2D, True),
+                                      (dq.MX, False), (dq.MX, True))):
+        specs.append(dq.DequantSpec(recipe, cw, i % 2 == 0, i % 3, dq.SCALAR))
+    return specs
+
+
+def _dq_id(spec):
+    return (f"{spec.path}-{spec.recipe}-c{int(spec.columnwise)}-o{spec.out_kind}-"
+            f"{'e4m3' if spec.e4m3 else 'e5m2'}")
+
+
+@pytest.mark.parametrize("spec", _dequant_specs(), ids=_dq_id)
+def test_dequantize_kernel_compiles_for_sm90(spec):
+    ptx = compile_ptx_sm90(dq.make_kernel_pyfunc(spec), dq.argtypes(spec),
+                           launch_bounds=dq.launch_bounds(spec))
     assert ".target sm_90" in ptx
-    assert not LOCAL.search(ptx)
+    assert not LOCAL.search(ptx), "registers spilled to local memory"
+    assert "mul.ftz" not in ptx, "fp32 products must keep subnormals"
+    if spec.path == dq.SCALAR:
+        return
+    fmt = "e4m3x2" if spec.e4m3 else "e5m2x2"
+    assert f"cvt.rn.f16x2.{fmt}" in ptx, "hardware FP8 decoding"
+    assert "st.global.v4.u32" in ptx, "16-byte stores"
+    if spec.out_kind != dq.F32_OUT:
+        half = "bf16x2" if spec.out_kind == dq.BF16_OUT else "f16x2"
+        assert f"cvt.rn.{half}.f32" in ptx and f"set.nan.u32.{half}" in ptx
+    if spec.path == dq.TILES:
+        assert "ld.global.nc.v4.u32" in ptx and "bar.sync" in ptx and "prmt.b32" in ptx
+    else:
+        wide = "ld.global.nc.u32" if spec.out_kind == dq.F32_OUT else "ld.global.nc.v2.u32"
+        assert wide in ptx

@@ -14,7 +14,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from ._numba import bf16x2_f32, bits_f32, device, f16x2_f32, f32_bits, st_b32, types
+from ._numba import (addr_of, bf16x2_f32, bits_f32, device, f16x2_f32, f32_bits, prmt,
+                     st8_u8, st8_u16, st8_u32, st8_v2, st8_v4, types)
 
 F32, BF16, F16 = 0, 1, 2  # input kinds
 ELEMS_PER_CHUNK = {F32: 4, BF16: 8, F16: 8}
@@ -168,49 +169,118 @@ def fill_padding(p, rows_valid, cols_valid, rows_total, cols_total, value, gtid,
         i = u32(i + step)
 
 
-@device
-def store_tile_rows_unaligned(tb, dst, k0, m0, K, M, TKT, TMT, tid, nthreads):
-    """Write a shared tile of transposed bytes to an (K, M) byte array whose rows are not
-    16-byte aligned (M % 16 != 0).
+@lru_cache(maxsize=None)
+def tile_row_storer(tile_rows, row_bytes, nthreads):
+    """``store(tb, dst, k0, m0, K, M, tid)``: write a shared tile of transposed bytes to a
+    (K, M) byte array whose rows need not be 16-byte aligned (M % 16 != 0, or any address).
 
-    ``tb[kk, w]`` (uint32, >= TMT/4 + 1 words per row) holds bytes m0 + 4w .. m0 + 4w + 3 of
-    output row k0 + kk; `dst` is a uint8 pointer to the whole (K, M) output. Each warp takes a
-    row; its lanes store the row's aligned 4-byte words (consecutive lanes on consecutive words:
-    coalesced), shifting bytes across two shared words when the row starts mid-word, and up to
-    3 bytes at each end with byte stores. Columns >= M and rows >= K are skipped.
+    ``tb[kk, w]`` (uint32, >= 33 words per row; word 32 is padding) holds bytes m0 + 4w ..
+    m0 + 4w + 3 of output row k0 + kk (kk < `tile_rows`; `row_bytes` must be 128); `dst` is a
+    uint8 pointer to the whole (K, M) output; all `nthreads` threads of the CTA call it with
+    their `tid`. Columns >= M and rows >= K are skipped, and bytes of other tiles are never
+    written (neighbouring tiles share the 16-byte chunks at their row ends).
+
+    Row k's bytes start at ``dst + k * M + m0``, whose offset d = address % 16 varies per row
+    (each row is one constant shift of the tile's words, so there is no per-word division):
+      * main pass: 8 lanes per row; lane p stores the 16-byte aligned chunk p of the row
+        (tile bytes 16p - d .. 16p - d + 15) with one 16-byte store if it lies wholly inside
+        the row, building its 4 words from 5 shared words with ``prmt`` (one selector per row);
+      * edge pass: one thread per row end; the partial chunk at the head (tile bytes
+        0 .. 15 - d) and the one at the tail (the last (n + d) % 16 bytes) are written with
+        at most 4 stores each, of 1, 2, 4 and 8 bytes, each at its natural alignment;
+      * a tile narrower than 16 bytes (the last one when M % 128 < 16) is stored byte by byte.
+    All index arithmetic inside the tile is 32-bit; only the row offset k * M is 64-bit.
     """
-    warp = tid // 32
-    lane = tid % 32
-    mend = min(m0 + TMT, M)
-    kk = warp
-    while kk < TKT:
-        k = k0 + kk
-        if k < K:
-            base = k * M + m0
-            end = k * M + mend
-            w0 = (base + 3) // 4
-            w1 = end // 4
-            w = w0 + lane
-            while w < w1:
-                off = 4 * w - base
-                q = off // 4
-                h = off % 4
-                v = types.uint32(tb[kk, q])
-                if h != 0:
-                    v = types.uint32(((v >> (8 * h)) | (tb[kk, q + 1] << (32 - 8 * h)))
-                                     & 0xFFFFFFFF)
-                st_b32(dst, 4 * w, v)
-                w += 32
-            head_end = min(4 * w0, end)
-            tail_start = max(4 * w1, head_end)
-            if lane < 3:
-                a = base + lane
-                if a < head_end:
-                    off = a - base
-                    dst[a] = (tb[kk, off // 4] >> (8 * (off % 4))) & 0xFF
-            elif lane < 6:
-                a = tail_start + lane - 3
-                if a < end:
-                    off = a - base
-                    dst[a] = (tb[kk, off // 4] >> (8 * (off % 4))) & 0xFF
-        kk += nthreads // 32
+    TR = tile_rows
+    NT = nthreads
+    RPP = NT // 8                       # rows per main pass (8 lanes per row)
+    assert row_bytes == 128, "the chunk arithmetic assumes 128-byte tile rows"
+    assert NT % 32 == 0 and TR % RPP == 0 and TR & (TR - 1) == 0
+    PASSES = TR // RPP
+    NEDGE = -(-2 * TR // NT)            # edge-pass iterations (one row end per thread)
+    NNARROW = -(-16 * TR // NT)         # narrow-tile iterations (one byte per thread)
+    u32 = types.uint32
+    i32 = types.int32
+
+    @device
+    def bytes4(tb, kk, o):
+        """Bytes o .. o + 3 of tile row kk as a word (byte o lowest); 0 <= o <= 127 (bytes
+        past the row are garbage: word 32 of a row is padding)."""
+        o = u32(o)
+        q = o >> 2
+        return prmt(tb[kk, q], tb[kk, q + 1], u32(0x3210 + 0x1111 * (o & 3)))
+
+    @device
+    def store(tb, dst, k0, m0, K, M, tid):
+        n = i32(min(M - m0, 128))       # bytes of each tile row inside the output
+        nrows = i32(min(K - k0, TR))    # tile rows inside the output
+        base = u32(addr_of(dst) & 15)
+        t32 = u32(tid)
+        if n >= 16:
+            p = t32 & 7
+            g = t32 >> 3
+            row = (k0 + g) * M + m0     # byte offset of tile row kk (the thread's first)
+            step = RPP * M
+            for it in range(PASSES):
+                kk = u32(it * RPP) + g
+                d = (base + u32(row)) & 15              # the row's address % 16
+                lo = i32(i32(16 * p) - i32(d))          # tile byte of chunk p's first byte
+                # row inside the output, chunk wholly inside the row (0 <= lo <= n - 16)
+                if (i32(kk) < nrows) & (u32(lo) <= u32(n - 16)):
+                    o = u32(lo)
+                    q = o >> 2
+                    sel = u32(0x3210 + 0x1111 * (o & 3))
+                    w0 = tb[kk, q]
+                    w1 = tb[kk, q + 1]
+                    w2 = tb[kk, q + 2]
+                    w3 = tb[kk, q + 3]
+                    w4 = tb[kk, q + 4]
+                    st8_v4(dst, row + lo, prmt(w0, w1, sel), prmt(w1, w2, sel),
+                           prmt(w2, w3, sel), prmt(w3, w4, sel))
+                row += step
+            for it in range(NEDGE):
+                e = u32(it * NT) + t32
+                kk = e & (TR - 1)
+                if e < 2 * TR and i32(kk) < nrows:
+                    row = (k0 + kk) * M + m0
+                    d = (base + u32(row)) & 15
+                    if e < TR:
+                        # head: chunk bytes d .. 15 = tile bytes 0 .. 15 - d, rising sizes
+                        cb = row - d                    # the chunk's offset (16-byte aligned)
+                        x = d
+                        if x & 1:
+                            st8_u8(dst, cb + x, tb[kk, 0])
+                            x = u32(x + 1)
+                        if x & 2:
+                            st8_u16(dst, cb + x, bytes4(tb, kk, x - d))
+                            x = u32(x + 2)
+                        if x & 4:
+                            st8_u32(dst, cb + x, bytes4(tb, kk, x - d))
+                            x = u32(x + 4)
+                        if x & 8:
+                            st8_v2(dst, cb + x, bytes4(tb, kk, x - d), bytes4(tb, kk, x - d + 4))
+                    else:
+                        # tail: chunk bytes 0 .. t - 1 = the row's last t bytes, falling sizes
+                        t = (u32(n) + d) & 15
+                        ob = u32(n) - t                 # tile byte at chunk byte 0
+                        cb = row + ob
+                        x = u32(0)
+                        if t & 8:
+                            st8_v2(dst, cb, bytes4(tb, kk, ob), bytes4(tb, kk, ob + 4))
+                            x = u32(8)
+                        if t & 4:
+                            st8_u32(dst, cb + x, bytes4(tb, kk, ob + x))
+                            x = u32(x + 4)
+                        if t & 2:
+                            st8_u16(dst, cb + x, bytes4(tb, kk, ob + x))
+                            x = u32(x + 2)
+                        if t & 1:
+                            st8_u8(dst, cb + x, bytes4(tb, kk, ob + x))
+        else:
+            for it in range(NNARROW):
+                e = u32(it * NT) + t32
+                kk = e >> 4
+                o = e & 15
+                if kk < TR and i32(kk) < nrows and i32(o) < n:
+                    st8_u8(dst, (k0 + kk) * M + m0 + o, bytes4(tb, kk, o))
+    return store

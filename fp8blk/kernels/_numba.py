@@ -31,10 +31,10 @@ from numba import cuda, types  # noqa: E402
 
 SIM = bool(_numba_config.ENABLE_CUDASIM)
 
-__all__ = ["cuda", "types", "SIM", "device", "f32_bits", "bits_f32", "ld_v4", "st_v4",
+__all__ = ["cuda", "types", "SIM", "device", "f32_bits", "bits_f32", "ld_v4",
            "fmax32", "pack4_e4m3", "pack4_e5m2", "pack4_fp8", "bf16x2_f32", "f16x2_f32",
            "f32_bf16_bits", "f32_f16_bits", "group_fmax", "ptr", "compile_kernel",
-           "compile_ptx_sm90", "FULL_MASK", "prmt", "st_b32"]
+           "compile_ptx_sm90", "FULL_MASK", "prmt"]
 
 FULL_MASK = 0xFFFFFFFF
 
@@ -70,16 +70,6 @@ if SIM:
     def ld_v4(p, i):
         """Four uint32 words p[i..i+3] (one 16-byte load on the GPU; i % 4 == 0)."""
         return _U32(p[i]), _U32(p[i + 1]), _U32(p[i + 2]), _U32(p[i + 3])
-
-    def st_v4(p, i, a, b, c, d):
-        """Store four uint32 words at p[i..i+3] (one 16-byte store; i % 4 == 0)."""
-        p[i], p[i + 1], p[i + 2], p[i + 3] = a, b, c, d
-
-    def st_b32(p, i, v):
-        """Store uint32 `v` at byte offset i (i % 4 == 0) of a uint8 pointer, little-endian."""
-        v = int(v)
-        p[i], p[i + 1], p[i + 2], p[i + 3] = (v & 0xFF, (v >> 8) & 0xFF, (v >> 16) & 0xFF,
-                                              (v >> 24) & 0xFF)
 
     def fmax32(a, b):
         """NaN-ignoring max of two float32 (fmaxf: NaN only if both are NaN)."""
@@ -263,10 +253,6 @@ else:
 
     # four uint32 words p[i..i+3] in one ld.global.nc.v4.u32 (16-byte aligned)
     ld_v4 = _ld_v4_intrinsic(_index_addr)
-    # store four uint32 words at p[i..i+3] in one st.global.v4.u32
-    st_v4 = _st_vec_intrinsic(_index_addr, 4)
-    # store uint32 v at byte offset i (i % 4 == 0) of a uint8 pointer
-    st_b32 = _st_u32_intrinsic(_index_addr)
 
     def _pack4(kind):
         text = ("{\n.reg .b16 lo, hi;\n"
@@ -563,3 +549,219 @@ else:
     st_v2_at = _st_vec_intrinsic(_byte_addr, 2)
     st_v4_at = _st_vec_intrinsic(_byte_addr, 4)
     st_u32_at = _st_u32_intrinsic(_byte_addr)
+
+
+# ------------------------------------------------------------------------------------------
+# FP8 decoding and 2 x 16-bit packing for dequantize (hardware conversions on sm_89+), and
+# narrower non-coherent loads addressed by byte offset.
+#   * e4m3x4_f32 / e5m2x4_f32(w): the four FP8 bytes of uint32 `w` (byte 0 first) as float32,
+#     exact for every finite code; NaN codes give NaN (any payload), E5M2 +-inf stays +-inf;
+#   * bf16x2_pack / f16x2_pack(a, b): uint32 holding round-to-nearest-even bf16 / fp16 of
+#     float32 a (low half) and b (high half), a NaN half written as the quiet NaN NumPy and
+#     ml_dtypes produce (bf16 0x7FC0, fp16 0x7E00), not the GPU's canonical 0x7FFF;
+#   * ld_u32_at / ld_v2_at(p, off): one / two uint32 words at byte offset `off` (4- / 8-byte
+#     aligned) of pointer p, through the non-coherent (read-only) path.
+
+if SIM:
+    def _decode_fp8(b, mbits, bias):
+        """float32 value of FP8 byte b (E4M3: mbits 3, bias 7; E5M2: 2, 15), bit arithmetic."""
+        b = int(b) & 0xFF
+        emax = (1 << (7 - mbits)) - 1
+        e = (b >> mbits) & emax
+        m = b & ((1 << mbits) - 1)
+        sign = -1.0 if b & 0x80 else 1.0
+        if e == emax and mbits == 3 and m == 7:
+            return np.float32(np.nan)
+        if e == emax and mbits == 2:
+            return np.float32(sign * np.inf) if m == 0 else np.float32(np.nan)
+        if e == 0:
+            return np.float32(sign * m * 2.0 ** (1 - bias - mbits))
+        return np.float32(sign * (1.0 + m / 2.0 ** mbits) * 2.0 ** (e - bias))
+
+    def e4m3x4_f32(w):
+        """The four E4M3 bytes of uint32 w (byte 0 first) as float32."""
+        w = int(w)
+        return tuple(_decode_fp8(w >> (8 * i), 3, 7) for i in range(4))
+
+    def e5m2x4_f32(w):
+        """The four E5M2 bytes of uint32 w (byte 0 first) as float32."""
+        w = int(w)
+        return tuple(_decode_fp8(w >> (8 * i), 2, 15) for i in range(4))
+
+    def bf16x2_pack(a, b):
+        """bf16 bits of a (low half) and b (high half); NaN -> 0x7FC0."""
+        return _U32(int(f32_bf16_bits(a)) | (int(f32_bf16_bits(b)) << 16))
+
+    def f16x2_pack(a, b):
+        """fp16 bits of a (low half) and b (high half); NaN -> 0x7E00."""
+        return _U32(int(f32_f16_bits(a)) | (int(f32_f16_bits(b)) << 16))
+
+    def ld_u32_at(p, off):
+        """One uint32 word at byte offset `off` (4-byte aligned) of pointer p."""
+        return _U32(p[_word_index(p, off)])
+
+    def ld_v2_at(p, off):
+        """Two uint32 words at byte offset `off` (8-byte aligned) of pointer p."""
+        i = _word_index(p, off)
+        return _U32(p[i]), _U32(p[i + 1])
+else:
+    def _fp8x4_intrinsic(kind):
+        # cvt.rn.f16x2.<fp8>x2 puts the low byte of its 16-bit source in the low half; every
+        # FP8 value is exact in fp16, and fp16 -> fp32 is exact.
+        text = ("{\n.reg .b16 l, h, e0, e1, e2, e3;\n.reg .b32 p, q;\n"
+                "mov.b32 {l, h}, $4;\n"
+                f"cvt.rn.f16x2.{kind}x2 p, l;\n"
+                f"cvt.rn.f16x2.{kind}x2 q, h;\n"
+                "mov.b32 {e0, e1}, p;\n"
+                "mov.b32 {e2, e3}, q;\n"
+                "cvt.f32.f16 $0, e0;\ncvt.f32.f16 $1, e1;\n"
+                "cvt.f32.f16 $2, e2;\ncvt.f32.f16 $3, e3;\n}")
+
+        @intrinsic
+        def fp8x4(typingctx, w):
+            sig = types.UniTuple(types.float32, 4)(types.uint32)
+
+            def codegen(context, builder, sig, args):
+                st = ir.LiteralStructType([_F32] * 4)
+                r = _asm(builder, st, [args[0]], text, "=f,=f,=f,=f,r")
+                return context.make_tuple(builder, sig.return_type,
+                                          [builder.extract_value(r, k) for k in range(4)])
+            return sig, codegen
+        return fp8x4
+
+    e4m3x4_f32 = _fp8x4_intrinsic("e4m3")
+    e5m2x4_f32 = _fp8x4_intrinsic("e5m2")
+
+    def _pack16x2_qnan_intrinsic(kind, qnan_word):
+        # cvt.rn.<kind>x2.f32 d, hi, lo; then every NaN half (set.nan gives 0xFFFF there) is
+        # replaced by the quiet-NaN half: d ^ ((d ^ Q) & mask).
+        text = ("{\n.reg .b32 d, m, t;\n"
+                f"cvt.rn.{kind}x2.f32 d, $2, $1;\n"
+                f"set.nan.u32.{kind}x2 m, d, d;\n"
+                f"xor.b32 t, d, {qnan_word};\n"
+                "and.b32 t, t, m;\n"
+                "xor.b32 $0, d, t;\n}")
+
+        @intrinsic
+        def pack(typingctx, a, b):
+            sig = types.uint32(types.float32, types.float32)
+
+            def codegen(context, builder, sig, args):
+                return _asm(builder, _I32, list(args), text, "=r,f,f")
+            return sig, codegen
+        return pack
+
+    bf16x2_pack = _pack16x2_qnan_intrinsic("bf16", "0x7FC07FC0")
+    f16x2_pack = _pack16x2_qnan_intrinsic("f16", "0x7E007E00")
+
+    def _ld_at_intrinsic(n):
+        if n == 1:
+            text, constraints = "ld.global.nc.u32 $0, [$1];", "=r,l"
+        else:
+            text, constraints = "ld.global.nc.v2.u32 {$0, $1}, [$2];", "=r,=r,l"
+
+        @intrinsic
+        def ld_at(typingctx, p, off):
+            ret = types.uint32 if n == 1 else types.UniTuple(types.uint32, n)
+            sig = ret(p, off)
+
+            def codegen(context, builder, sig, args):
+                addr = _byte_addr(builder, args[0], args[1])
+                if n == 1:
+                    return _asm(builder, _I32, [addr], text, constraints)
+                r = _asm(builder, ir.LiteralStructType([_I32] * n), [addr], text, constraints)
+                return context.make_tuple(builder, sig.return_type,
+                                          [builder.extract_value(r, k) for k in range(n)])
+            return sig, codegen
+        return ld_at
+
+    ld_u32_at = _ld_at_intrinsic(1)
+    ld_v2_at = _ld_at_intrinsic(2)
+
+
+def fp8x4_f32(fmt_is_e4m3):
+    """The FP8 word decoder of a format: e4m3x4_f32 or e5m2x4_f32."""
+    return e4m3x4_f32 if fmt_is_e4m3 else e5m2x4_f32
+
+
+__all__ += ["e4m3x4_f32", "e5m2x4_f32", "fp8x4_f32", "bf16x2_pack", "f16x2_pack", "ld_u32_at",
+            "ld_v2_at"]
+
+
+# ------------------------------------------------------------------------------------------
+# Stores of 1..16 bytes at byte offsets of a uint8 pointer, and a pointer's address: the rows
+# of a (K, M) byte array with M % 16 != 0 start at every alignment, so a kernel writing them
+# finds each row's alignment from the address and uses the widest store that fits
+# (_device.tile_row_storer).
+#   * addr_of(p): the address of pointer p as uint64 (simulator: of the simulated buffer);
+#   * st8_u8 / st8_u16 / st8_u32(p, off, v): the low 1 / 2 / 4 bytes of uint32 v at byte
+#     offset `off` of uint8 pointer p (address aligned to the size);
+#   * st8_v2 / st8_v4(p, off, a, b[, c, d]): 8 / 16 bytes, the uint32 words a, b, ... in
+#     little-endian order (a at the lowest address), at an 8- / 16-byte aligned address.
+# The simulator twins check the alignment of the address (a misaligned store faults on the GPU).
+
+if SIM:
+    def addr_of(p):
+        """Address of pointer p (the simulated array's buffer)."""
+        return np.uint64(p.ctypes.data)
+
+    def _st8(p, off, words, nbytes):
+        off = int(off)
+        assert (int(p.ctypes.data) + off) % nbytes == 0, f"misaligned {nbytes}-byte store"
+        v = 0
+        for i, w in enumerate(words):
+            v |= (int(w) & 0xFFFFFFFF) << (32 * i)
+        for i in range(nbytes):
+            p[off + i] = (v >> (8 * i)) & 0xFF
+
+    def st8_u8(p, off, v):
+        """Store the low byte of v at byte offset off of uint8 pointer p."""
+        _st8(p, off, (v,), 1)
+
+    def st8_u16(p, off, v):
+        """Store the low 2 bytes of v at byte offset off (2-byte aligned address)."""
+        _st8(p, off, (v,), 2)
+
+    def st8_u32(p, off, v):
+        """Store uint32 v at byte offset off (4-byte aligned address)."""
+        _st8(p, off, (v,), 4)
+
+    def st8_v2(p, off, a, b):
+        """Store words a, b at byte offset off (8-byte aligned address)."""
+        _st8(p, off, (a, b), 8)
+
+    def st8_v4(p, off, a, b, c, d):
+        """Store words a, b, c, d at byte offset off (16-byte aligned address)."""
+        _st8(p, off, (a, b, c, d), 16)
+else:
+    @intrinsic
+    def addr_of(typingctx, p):
+        """Address of pointer p as uint64."""
+        def codegen(context, builder, sig, args):
+            return builder.ptrtoint(args[0], ir.IntType(64))
+        return types.uint64(p), codegen
+
+    def _st8_scalar_intrinsic(bits):
+        text = f"st.global.u{bits} [$0], $1;"
+        constraints = "l," + ("h" if bits < 32 else "r") + ",~{memory}"
+
+        @intrinsic
+        def st8(typingctx, p, off, v):
+            sig = types.void(p, off, types.uint32)
+
+            def codegen(context, builder, sig, args):
+                v = args[2] if bits == 32 else builder.trunc(args[2], _I16)
+                _asm(builder, ir.VoidType(), [_index_addr(builder, args[0], args[1]), v],
+                     text, constraints, True)
+                return context.get_dummy_value()
+            return sig, codegen
+        return st8
+
+    st8_u8 = _st8_scalar_intrinsic(8)
+    st8_u16 = _st8_scalar_intrinsic(16)
+    st8_u32 = _st8_scalar_intrinsic(32)
+    # on a uint8 pointer, the element index of st_v2 / st_v4 is a byte offset
+    st8_v2 = _st_vec_intrinsic(_index_addr, 2)
+    st8_v4 = _st_vec_intrinsic(_index_addr, 4)
+
+__all__ += ["addr_of", "st8_u8", "st8_u16", "st8_u32", "st8_v2", "st8_v4"]

@@ -160,7 +160,7 @@ def make_kernel_pyfunc(spec):
         rule = dev.fp32_scale_rule(448.0 if spec.e4m3 else 57344.0, spec.pow2, spec.eps,
                                    spec.vmax)
     fill_padding = dev.fill_padding
-    store_unaligned = dev.store_tile_rows_unaligned
+    store_unaligned = dev.tile_row_storer(TK, TM, NT) if TRANS and not COLVEC else None
     float32, uint32 = types.float32, types.uint32
 
     @device
@@ -440,8 +440,9 @@ def make_kernel_pyfunc(spec):
                         st_v4_at(cdata, k * M + mm, tb[kk, part * 4], tb[kk, part * 4 + 1],
                                  tb[kk, part * 4 + 2], tb[kk, part * 4 + 3])
             else:
-                # rows of (K, M) are not 16-byte aligned: 4-byte words, bytes at the ends
-                store_unaligned(tb, cdata, k0, m0, K, M, TK, TM, tid, NT)
+                # rows of (K, M) are not 16-byte aligned: aligned 16-byte chunks, the
+                # partial chunks at the row ends with 1/2/4/8-byte stores
+                store_unaligned(tb, cdata, k0, m0, K, M, tid)
 
     return kernel
 

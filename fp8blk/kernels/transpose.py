@@ -6,9 +6,10 @@ Kernel: a CTA of 256 threads owns a 128 x 128 byte tile. Thread (quad q = t // 8
 c = t % 8) loads 16 bytes from each of rows 4q..4q+3 (four 16-byte loads in flight),
 transposes the 4 x 16 bytes in registers with ``prmt`` into 16 words (one per column, 4 rows
 each), writes them to a shared tile of words [128 cols][32 + 1], and after one barrier each
-thread stores 4 x 16 bytes of output rows. CTA (0, 0) also transposes the (tiny) scale
-tensor's entry for its tile; every CTA writes its own tile's scale, and all CTAs share the
-padding fill.
+thread stores 4 x 16 bytes of output rows (rows that are not 16-byte aligned, R % 16 != 0:
+``_device.tile_row_storer``). Addresses are byte offsets (no 64-bit division). CTA (0, 0)
+also transposes the (tiny) scale tensor's entry for its tile; every CTA writes its own tile's
+scale, and all CTAs share the padding fill.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import numpy as np
 
 from . import _device as dev
 from ._host import cdiv, data_ptr, i64, module_of, pointer_arg, round_up
-from ._numba import compile_kernel, cuda, ld_v4, prmt, ptr, st_v4, types
+from ._numba import compile_kernel, cuda, ld_v4_at, prmt, ptr, st_v4_at, types
 
 THREADS = 256
 T = 128  # tile edge (bytes)
@@ -29,7 +30,7 @@ def make_kernel_pyfunc(vec_in, vec_out):
     uint32 = types.uint32
     ONE = np.float32(1.0)
     fill_padding = dev.fill_padding
-    store_unaligned = dev.store_tile_rows_unaligned
+    store_unaligned = dev.tile_row_storer(T, T, THREADS)
     TB_SHAPE = (T, T // 4 + 1)  # +1 word per row: conflict-free 16-byte reads
 
     def kernel(src, dst, ssinv, dsinv, R, C, ld_ssinv):
@@ -54,7 +55,7 @@ def make_kernel_pyfunc(vec_in, vec_out):
             r = r0 + 4 * q + i
             if vec_in:
                 if r < R and col < C:
-                    w0, w1, w2, w3 = ld_v4(src, (r * C + col) // 4)
+                    w0, w1, w2, w3 = ld_v4_at(src, r * C + col)     # byte offset
                     rows[i, 0] = w0
                     rows[i, 1] = w1
                     rows[i, 2] = w2
@@ -87,11 +88,12 @@ def make_kernel_pyfunc(vec_in, vec_out):
                 k = c0 + kk
                 mm = r0 + part * 16
                 if k < C and mm < R:
-                    st_v4(dst, (k * R + mm) // 4, tb[kk, part * 4], tb[kk, part * 4 + 1],
-                          tb[kk, part * 4 + 2], tb[kk, part * 4 + 3])
+                    st_v4_at(dst, k * R + mm, tb[kk, part * 4], tb[kk, part * 4 + 1],
+                             tb[kk, part * 4 + 2], tb[kk, part * 4 + 3])
         else:
-            # unaligned output rows: 4-byte words, bytes at the ends
-            store_unaligned(tb, dst, c0, r0, C, R, T, T, tid, THREADS)
+            # output rows not 16-byte aligned: aligned 16-byte chunks, the partial chunks at
+            # the row ends with 1/2/4/8-byte stores
+            store_unaligned(tb, dst, c0, r0, C, R, tid)
 
     return kernel
 

@@ -18,16 +18,34 @@ QUANTIZE_CASES = [
     ("mx-e5m2", "f32", True, True, (64, 96)),
     ("mx", "f16", False, True, (32, 288)),
     ("mx", "bf16", True, True, (64, 256)),
+    # transposed (K, M) outputs with M % 16 != 0 (_device.tile_row_storer): an odd M starts
+    # rows at every address % 16; tile rows of 128 bytes, of 16..127, and narrower than 16
+    ("b1d", "bf16", False, True, (201, 128)),      # 16-byte loads; tiles of 128 + 73 bytes
+    ("b2d", "bf16", True, True, (142, 96)),        # 128 + 14 bytes; rows k >= K skipped
+    ("b1d-e5m2-nopow2", "f16", False, True, (148, 64)),  # M % 16 == 4: rows start on words
 ]
-DEQUANT_CASES = [  # (recipe, columnwise, out dtype, shape)
-    ("b1d", False, "f32", (20, 136)),
-    ("b1d", True, "bf16", (130, 40)),
-    ("b2d-e5m2-nopow2", False, "f16", (20, 136)),
-    ("b2d", True, "f32", (130, 130)),
-    ("mx", False, "bf16", (32, 96)),
-    ("mx-e5m2", True, "f16", (64, 64)),
+# (recipe, columnwise, out dtype, shape). Paths (fp8blk.kernels.dequant): "rows" for (M, K)
+# sources with K % E == 0 (E = 4 fp32 / 8 bf16, fp16 elements per lane), CTA = 32 rows x 32
+# lanes (fewer lanes per row, more rows for narrow K); "tiles" for transposed (K, M) sources
+# with M % 16 == 0 and K % E == 0, CTA = 128 x 128; "scalar" otherwise. The runner plants all
+# 256 FP8 codes and E8M0 codes 0/1/254/255 (_cases.plant_fp8_specials).
+DEQUANT_CASES = [
+    ("b1d", False, "bf16", (37, 136)),              # rows: 2 row groups, edge k-block
+    ("b1d-e5m2-nopow2", False, "f32", (20, 132)),   # rows: 2 CTAs along K (128 + 4)
+    ("b2d-e5m2-nopow2", False, "f16", (136, 40)),   # rows: 8 lanes per row, edge M tile
+    ("mx", False, "bf16", (32, 96)),                # rows: 16 lanes per row
+    ("mx-e5m2", True, "f16", (64, 64)),             # rows: per-element E8M0 codes
+    ("mx", True, "f32", (64, 96)),                  # rows: 4 codes per lane, 2 row groups
+    ("b1d", True, "bf16", (144, 112)),              # tiles: 128 + 16 rows m, K < 128
+    ("b2d-e5m2-nopow2", True, "f32", (112, 200)),   # tiles: 2 k-tiles (128 + 72)
+    ("b1d-eps", True, "f16", (48, 136)),            # tiles: 2 k-tiles (128 + 8)
+    ("b1d", False, "bf16", (9, 132)),               # scalar: K % 8 != 0
+    ("b2d", True, "f32", (40, 130)),                # scalar: M % 16 != 0, transposed
+    ("b1d-e5m2-nopow2", True, "f16", (130, 20)),    # scalar: M % 16 != 0, 2 m-blocks
 ]
-TRANSPOSE_CASES = [(130, 136), (129, 141), (256, 128)]
+# (R, C); (K, M) = (C, R) outputs: 16-byte loads with R odd (128 + 73-byte tile rows), and
+# R % 16 == 2 (128 + 18 bytes)
+TRANSPOSE_CASES = [(130, 136), (129, 141), (256, 128), (201, 128), (146, 48)]
 
 
 def names():

@@ -41,7 +41,7 @@ class BlockTensor:
     torch), on its device.
     """
 
-    __slots__ = ("shape", "recipe", "dtype", "_family", "_buffers")
+    __slots__ = ("shape", "recipe", "dtype", "_family", "_buffers", "_exported")
 
     def __init__(self, shape, recipe, rowwise_data=None, rowwise_scale_inv=None,
                  columnwise_data=None, columnwise_scale_inv=None, dtype=np.float32,
@@ -51,10 +51,19 @@ class BlockTensor:
         self.dtype = np.dtype(dtype)  # the high-precision dtype that was quantized
         self._family = family
         self._buffers = [rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv]
+        # torch views of the buffers handed out so far, as (buffer, view) pairs: a DLPack export
+        # costs ~8 us on the GPU, so each buffer is exported once, not once per access
+        self._exported = [None, None, None, None]
 
     # -- buffers in the caller's family ------------------------------------------------------
     def _out(self, i):
-        return _arrays.from_backend(self._buffers[i], self._family)
+        buf = self._buffers[i]
+        if buf is None or self._family != _arrays.TORCH:
+            return buf
+        hit = self._exported[i]
+        if hit is None or hit[0] is not buf:  # first access, or the buffer was replaced
+            hit = self._exported[i] = (buf, _arrays.from_backend(buf, self._family))
+        return hit[1]
 
     @property
     def rowwise_data(self):

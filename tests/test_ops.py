@@ -130,6 +130,24 @@ def test_torch_requires_grad_1d_and_block2d_create_columnwise(rng):
     assert_same_buffers([to_numpy(b) for b in buffers(q)][2:], buffers(want)[2:])
 
 
+@needs_torch
+def test_torch_buffers_are_exported_once_and_follow_replacement(rng):
+    """A buffer is handed out as the same torch tensor on every access (one DLPack export),
+    and a direction dropped or rebuilt gives None or a new tensor, never a stale one."""
+    w = from_numpy(O.random_input(rng, (200, 260), np.float32))
+    q = fb.quantize(w, fb.Block2D(), rowwise=True, columnwise=True)
+    row, col = q.rowwise_data, q.columnwise_data
+    assert q.rowwise_data is row and q.columnwise_data is col
+    q.update_usage(columnwise=False)
+    assert q.columnwise_data is None and q.rowwise_data is row
+    q.update_usage(columnwise=True)          # rebuilt by FP8 transpose: new buffers
+    assert q.columnwise_data is not col
+    assert torch.equal(q.columnwise_data, col)
+    q.update_usage(rowwise=False)
+    q.update_usage(rowwise=True)             # rebuilt from columnwise
+    assert q.rowwise_data is not row and torch.equal(q.rowwise_data, row)
+
+
 # --------------------------------------------------------------------------------------------
 # bad input
 

@@ -765,3 +765,25 @@ else:
     st8_v4 = _st_vec_intrinsic(_index_addr, 4)
 
 __all__ += ["addr_of", "st8_u8", "st8_u16", "st8_u32", "st8_v2", "st8_v4"]
+
+
+# ------------------------------------------------------------------------------------------
+# 16-byte non-coherent load at a byte offset of a uint8 pointer (dequantize's transposed
+# sources whose rows start at any alignment): ``ld8_v4(p, off)`` -> four uint32 words, the
+# 16 bytes at p + off in little-endian order (byte p[off] lowest in word 0); the address
+# p + off must be 16-byte aligned and all 16 bytes inside the buffer. The simulator twin
+# checks both (a misaligned vector load faults on the GPU).
+
+if SIM:
+    def ld8_v4(p, off):
+        """Words of the 16 bytes at byte offset off of uint8 pointer p (16-byte aligned)."""
+        off = int(off)
+        assert (int(p.ctypes.data) + off) % 16 == 0, "misaligned 16-byte load"
+        assert 0 <= off and off + 16 <= p.size, "16-byte load outside the buffer"
+        w = p[off:off + 16].view(np.uint32)
+        return _U32(w[0]), _U32(w[1]), _U32(w[2]), _U32(w[3])
+else:
+    # on a uint8 pointer, the element index of ld_v4 is a byte offset
+    ld8_v4 = _ld_v4_intrinsic(_index_addr)
+
+__all__ += ["ld8_v4"]

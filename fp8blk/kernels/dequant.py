@@ -12,9 +12,11 @@ Three kernels, each specialized per (recipe, direction, format, output dtype):
   take consecutive pieces of a row (2**lpr_shift lanes per row, chosen from K so narrow
   tensors keep the lanes busy), so every load and store instruction of a warp is contiguous.
   A thread handles ROWS_PER_THREAD rows, all loads issued before any use.
-  Needs K % E == 0 and E-aligned pointers. (Pieces are sized by the output, not the input:
-  a 16-byte input load per lane would need two 16-byte stores 32 bytes apart per lane for
-  bf16, each warp store instruction then half-filling twice as many sectors.)
+  Needs K % E == 0 and E-aligned pointers; 16-bit outputs with only K % 4 == 0 and 4-aligned
+  data use pieces of E = 4 elements (4-byte loads, 8-byte stores) instead. (Pieces are sized
+  by the output, not the input: a 16-byte input load per lane would need two 16-byte stores
+  32 bytes apart per lane for bf16, each warp store instruction then half-filling twice as
+  many sectors.)
 * ``tiles`` -- the transposed (K, M) columnwise sources of Block1D / Block2D. A CTA of 256
   threads owns a 128 x 128 byte tile (128 source rows k, 128 columns m): each thread loads
   four 16-byte chunks of 4 consecutive rows, transposes the 4 x 16 bytes in registers with
@@ -22,9 +24,17 @@ Three kernels, each specialized per (recipe, direction, format, output dtype):
   padding per row; the lane mapping makes both the shared writes and the reads conflict-free).
   After one barrier, each thread converts pieces of output rows as above; its k range is the
   same in every row it visits, so it fetches its scales once per tile (Block1D: E per-column
-  scale_inv; Block2D: the tile's one scale_inv). Needs M % 16 == 0, K % E == 0, 16-byte
-  aligned data.
-* ``scalar`` -- the general fallback: one thread per output element, bit-arithmetic decoding.
+  scale_inv; Block2D: the tile's one scale_inv). Needs K % E == 0 (or 4-element pieces as
+  above). When the source rows are not 16-byte aligned (M % 16 != 0 or an unaligned
+  buffer; ``aligned=False``), row k's 16 bytes at offset a start d = address % 16 into an
+  aligned chunk: the thread loads that chunk and the next (two 16-byte loads per row, issued
+  before any shift; rows / chunks past the edges load the tile's last row / first chunk
+  instead, never stored) and shifts them by d (word selects, then ``prmt``). Tiles whose
+  chunks could reach outside the buffer (at its first or last bytes) check each row and load
+  the second chunk only when needed, or the row's bytes one by one.
+* ``scalar`` -- the general fallback: one thread per output element, bit-arithmetic decoding
+  (K % 4 != 0; (M, K) sources whose address is not a multiple of the piece size;
+  MXFP8 columnwise scales not aligned likewise).
 
 NaN results are written as the quiet NaN NumPy produces (0x7FC00000, bf16 0x7FC0, fp16
 0x7E00), not the GPU's canonical one; E5M2 +-inf stays +-inf. Index arithmetic is 64-bit for
@@ -40,9 +50,9 @@ import numpy as np
 from .._arrays import BF16
 from ..formats import Block1D, Block2D, E4M3, MXFP8
 from ._host import SIM, data_ptr, i64, module_of, pointer_arg
-from ._numba import (bf16x2_pack, bits_f32, compile_kernel, cuda, device, f16x2_pack,
-                     f32_bf16_bits, f32_bits, f32_f16_bits, fp8x4_f32, ld_u32_at, ld_v2_at,
-                     ld_v4_at, prmt, ptr, st_v4_at, types)
+from ._numba import (addr_of, bf16x2_pack, bits_f32, compile_kernel, cuda, device,
+                     f16x2_pack, f32_bf16_bits, f32_bits, f32_f16_bits, fp8x4_f32, ld8_v4,
+                     ld_u32_at, ld_v2_at, ld_v4_at, prmt, ptr, st_v2_at, st_v4_at, types)
 
 THREADS = 256           # threads per CTA of the rows and tiles kernels
 # Rows each thread of the rows kernel converts (loads of all of them in flight at once;
@@ -67,7 +77,15 @@ DequantSpec = namedtuple("DequantSpec", [
     "e4m3",         # bool
     "out_kind",     # F32_OUT | BF16_OUT | F16_OUT
     "path",         # ROWS | TILES | SCALAR
-])
+    "piece",        # elements per piece of the vector paths: 0 = PIECE[out_kind] (16-byte
+                    # stores), or half of it for 16-bit outputs (8-byte stores; K % 8 == 4)
+    "aligned",      # TILES: source rows 16-byte aligned (M % 16 == 0, aligned data)
+], defaults=(0, True))
+
+
+def piece_of(spec):
+    """Elements per piece of a vector-path spec."""
+    return spec.piece or PIECE[spec.out_kind]
 
 
 def transposed(spec):
@@ -129,11 +147,21 @@ def e8m0x4_factors_plain(c):
 
 
 @lru_cache(maxsize=None)
-def piece_converter(e4m3, out_kind):
-    """``convert(w0, w1, f0..f7) -> (u0, u1, u2, u3)``: the 16 output bytes of one piece
-    (E FP8 bytes in words w0[, w1], byte 0 first) with per-element factors f0..f(E-1); unused
-    arguments are ignored (fp32: w1 and f4..f7)."""
+def piece_converter(e4m3, out_kind, elems=0):
+    """``convert(w0, w1, f0..f7) -> (u0, u1, u2, u3)``: the output bytes of one piece of
+    `elems` elements (default PIECE[out_kind]; 16 bytes, or 8 bytes in u0, u1 for a 4-element
+    16-bit piece) from E FP8 bytes in words w0[, w1] (byte 0 first) with per-element factors
+    f0..f(E-1); unused arguments are ignored (fp32 and 4-element pieces: w1 and f4..f7)."""
     dec = fp8x4_f32(e4m3)
+    if out_kind != F32_OUT and elems == 4:
+        pack4 = bf16x2_pack if out_kind == BF16_OUT else f16x2_pack
+        zero = np.uint32(0)
+
+        @device
+        def convert(w0, w1, f0, f1, f2, f3, f4, f5, f6, f7):
+            v0, v1, v2, v3 = dec(w0)
+            return pack4(v0 * f0, v1 * f1), pack4(v2 * f2, v3 * f3), zero, zero
+        return convert
     if out_kind == F32_OUT:
         @device
         def convert(w0, w1, f0, f1, f2, f3, f4, f5, f6, f7):
@@ -152,19 +180,35 @@ def piece_converter(e4m3, out_kind):
     return convert
 
 
+@lru_cache(maxsize=None)
+def piece_storer(nbytes):
+    """``store(out, off, u0, u1, u2, u3)``: the first `nbytes` (16 or 8) of a converted piece
+    at byte offset `off` of uint32 pointer out (aligned to `nbytes`)."""
+    if nbytes == 16:
+        @device
+        def store(out, off, u0, u1, u2, u3):
+            st_v4_at(out, off, u0, u1, u2, u3)
+    else:
+        @device
+        def store(out, off, u0, u1, u2, u3):
+            st_v2_at(out, off, u0, u1)
+    return store
+
+
 # ------------------------------------------------------------------------------------------
 # rows kernel: (M, K) sources
 
 
 def _make_rows_pyfunc(spec):
     u32 = types.uint32
-    E = PIECE[spec.out_kind]
+    E = piece_of(spec)
     NWD = E // 4                    # FP8 data words per piece
     OSZ = OUT_SIZE[spec.out_kind]
     PR = ROWS_PER_THREAD
     RK = spec.recipe
     MX_COL = RK == MX and spec.columnwise
-    convert = piece_converter(spec.e4m3, spec.out_kind)
+    convert = piece_converter(spec.e4m3, spec.out_kind, E)
+    store = piece_storer(E * OSZ)
 
     def kernel(data, sinv, out, M, K, ld, lpr_shift):
         """data: (M, K) bytes (uint32 pointer); sinv: scale_inv / E8M0 codes; out: (M, K)
@@ -234,7 +278,7 @@ def _make_rows_pyfunc(spec):
                     else:
                         f = fac[i]
                         u0, u1, u2, u3 = convert(w0, w1, f, f, f, f, f, f, f, f)
-                    st_v4_at(out, off * OSZ, u0, u1, u2, u3)
+                    store(out, off * OSZ, u0, u1, u2, u3)
                 m += rows_step
                 off += step_off
             m_base += grid_step
@@ -244,7 +288,7 @@ def _make_rows_pyfunc(spec):
 
 def lpr_shift(spec, cols):
     """log2 of the lanes per row of the rows kernel: enough for a row's pieces, at most 32."""
-    pieces = -(-cols // PIECE[spec.out_kind])
+    pieces = -(-cols // piece_of(spec))
     s = 0
     while s < 5 and (1 << s) < pieces:
         s += 1
@@ -255,21 +299,77 @@ def lpr_shift(spec, cols):
 # tiles kernel: transposed (K, M) sources of Block1D / Block2D
 
 
+@device
+def shifted_chunk(x0, x1, x2, x3, x4, x5, x6, x7, d):
+    """Bytes d .. d + 15 (0 <= d <= 15) of the 32 bytes in words x0..x7 (byte 0 lowest in
+    x0), as four words: a word shift by d >> 2 through selects (no dynamically indexed
+    registers), then a byte shift by d & 3 with prmt."""
+    u32 = types.uint32
+    d = u32(d)
+    two = u32(d & u32(8)) != u32(0)
+    one = u32(d & u32(4)) != u32(0)
+    t0 = x2 if two else x0
+    t1 = x3 if two else x1
+    t2 = x4 if two else x2
+    t3 = x5 if two else x3
+    t4 = x6 if two else x4
+    t5 = x7 if two else x5
+    v0 = t1 if one else t0
+    v1 = t2 if one else t1
+    v2 = t3 if one else t2
+    v3 = t4 if one else t3
+    v4 = t5 if one else t4
+    sel = u32(u32(0x3210) + u32(0x1111) * u32(d & u32(3)))
+    return prmt(v0, v1, sel), prmt(v1, v2, sel), prmt(v2, v3, sel), prmt(v3, v4, sel)
+
+
+@device
+def ld_edge16(data, a, d, nvalid, total):
+    """Bytes a .. a + nvalid - 1 of the `total`-byte buffer at uint8 pointer `data` (any
+    alignment; d = the address of byte a % 16) as four words, the rest 0: the aligned chunk
+    holding byte a (and the next one when the bytes reach into it) shifted when they lie
+    inside the buffer, else byte by byte (tiles at the buffer's two ends)."""
+    u32 = types.uint32
+    a16 = a - types.int64(d)
+    two = d + nvalid > u32(16)
+    if a16 >= 0 and a16 + (32 if two else 16) <= total:
+        x0, x1, x2, x3 = ld8_v4(data, a16)
+        x4 = x5 = x6 = x7 = u32(0)
+        if two:
+            x4, x5, x6, x7 = ld8_v4(data, a16 + 16)
+        return shifted_chunk(x0, x1, x2, x3, x4, x5, x6, x7, d)
+    w0 = w1 = w2 = w3 = u32(0)
+    for j in range(16):
+        if u32(j) < nvalid:
+            b = u32(data[a + j]) << u32(8 * (j & 3))
+            if j < 4:
+                w0 |= b
+            elif j < 8:
+                w1 |= b
+            elif j < 12:
+                w2 |= b
+            else:
+                w3 |= b
+    return w0, w1, w2, w3
+
+
 def _make_tiles_pyfunc(spec):
     u32 = types.uint32
-    E = PIECE[spec.out_kind]
+    E = piece_of(spec)
     NWD = E // 4
     OSZ = OUT_SIZE[spec.out_kind]
     PPR = T // E                    # pieces per output row of the tile (16 or 32)
     PPR_SHIFT = PPR.bit_length() - 1
     RSTEP = THREADS // PPR          # output rows one pass covers
     B1D = spec.recipe == BLOCK1D
-    convert = piece_converter(spec.e4m3, spec.out_kind)
+    ALIGNED = spec.aligned
+    convert = piece_converter(spec.e4m3, spec.out_kind, E)
+    store = piece_storer(E * OSZ)
     TB_SHAPE = (T, T // 4 + 1)      # [m][k/4] words, +1: conflict-free column reads
 
     def kernel(data, sinv, out, M, K, ld):
-        """data: (K, M) bytes (uint32 pointer); sinv: fp32 scale_inv; out: (M, K) output
-        (uint32 pointer); ld: sinv row length."""
+        """data: (K, M) bytes (uint32 pointer if `aligned`, else uint8 pointer); sinv: fp32
+        scale_inv; out: (M, K) output (uint32 pointer); ld: sinv row length."""
         tid = u32(cuda.threadIdx.x)
         warp = tid >> u32(5)
         lane = tid & u32(31)
@@ -289,18 +389,78 @@ def _make_tiles_pyfunc(spec):
         rows = cuda.local.array((4, 4), u32)
         fac = cuda.local.array(8, types.float32)
         k0 = cuda.blockIdx.y * T
+        interior = False
+        if not ALIGNED:
+            raw = cuda.local.array((4, 8), u32)     # two aligned chunks per row
+            shift = cuda.local.array(4, u32)
+            base = u32(addr_of(data)) & u32(15)     # the buffer's address % 16
+            total = K * M
+            # bytes of the thread's chunk inside a row (the rest belongs to the next row)
+            nvalid = u32(min(M - mc, 16))
         while k0 < K:
-            for i in range(4):
-                k = k0 + 4 * q + i
-                if k < K and mc < M:
-                    w0, w1, w2, w3 = ld_v4_at(data, k * M + mc)
+            if not ALIGNED:
+                # whether both aligned chunks of every row of the tile lie inside the buffer:
+                # the first one of its first byte (offset lo) and the second one of its last
+                # chunk (offset hi); the aligned chunk of offset a is at address
+                # floor16(base + a) relative to the buffer's floor16 address
+                lo = k0 * M + m0
+                hi = (min(k0 + T, K) - 1) * M + m0 + 16 * min(7, (M - 1 - m0) >> 4)
+                hi_end = ((hi + base) >> 4 << 4) + 32      # end of its second chunk
+                interior = (base == u32(0) or lo + base >= 16) and hi_end <= total + base
+            if ALIGNED:
+                for i in range(4):
+                    k = k0 + 4 * q + i
+                    if k < K and mc < M:
+                        w0, w1, w2, w3 = ld_v4_at(data, k * M + mc)
+                        rows[i, 0] = w0
+                        rows[i, 1] = w1
+                        rows[i, 2] = w2
+                        rows[i, 3] = w3
+                    else:
+                        for w in range(4):
+                            rows[i, w] = u32(0)
+            elif interior:
+                # row k's 16 bytes start at any alignment d: the aligned chunk holding the
+                # first byte and the next one, all loads in flight before the shifts. Rows
+                # k >= K and chunks m >= M load bytes of the tile's last row / first chunk
+                # instead (never stored), so the loads need no predicates.
+                k_last = min(k0 + T, K) - 1
+                mcl = mc if mc < M else m0
+                for i in range(4):
+                    a = min(k0 + 4 * q + i, k_last) * M + mcl
+                    d = u32(u32(base + u32(a)) & u32(15))
+                    a16 = a - types.int64(d)
+                    x0, x1, x2, x3 = ld8_v4(data, a16)
+                    x4, x5, x6, x7 = ld8_v4(data, a16 + 16)
+                    raw[i, 0] = x0
+                    raw[i, 1] = x1
+                    raw[i, 2] = x2
+                    raw[i, 3] = x3
+                    raw[i, 4] = x4
+                    raw[i, 5] = x5
+                    raw[i, 6] = x6
+                    raw[i, 7] = x7
+                    shift[i] = d
+                for i in range(4):
+                    w0, w1, w2, w3 = shifted_chunk(raw[i, 0], raw[i, 1], raw[i, 2], raw[i, 3],
+                                                   raw[i, 4], raw[i, 5], raw[i, 6], raw[i, 7],
+                                                   shift[i])
                     rows[i, 0] = w0
                     rows[i, 1] = w1
                     rows[i, 2] = w2
                     rows[i, 3] = w3
-                else:
-                    for w in range(4):
-                        rows[i, w] = u32(0)
+            else:
+                for i in range(4):
+                    k = k0 + 4 * q + i
+                    w0 = w1 = w2 = w3 = u32(0)
+                    if k < K and mc < M:
+                        a = k * M + mc
+                        d = u32(u32(base + u32(a)) & u32(15))
+                        w0, w1, w2, w3 = ld_edge16(data, a, d, nvalid, total)
+                    rows[i, 0] = w0
+                    rows[i, 1] = w1
+                    rows[i, 2] = w2
+                    rows[i, 3] = w3
             kp = k0 + part * E
             if B1D:
                 if kp < K:
@@ -334,7 +494,7 @@ def _make_tiles_pyfunc(spec):
                         else:
                             f = fac[0]
                             u0, u1, u2, u3 = convert(w0, w1, f, f, f, f, f, f, f, f)
-                        st_v4_at(out, off * OSZ, u0, u1, u2, u3)
+                        store(out, off * OSZ, u0, u1, u2, u3)
                     mm = u32(mm + RSTEP)
                     m += RSTEP
                     off += RSTEP * K
@@ -455,7 +615,8 @@ def argtypes(spec):
         sinv_t = types.float32
     else:
         sinv_t = types.uint32 if spec.columnwise else types.uint8
-    args = (ptr(types.uint32), ptr(sinv_t), ptr(types.uint32), i64t, i64t, i64t)
+    data_t = types.uint8 if spec.path == TILES and not spec.aligned else types.uint32
+    args = (ptr(data_t), ptr(sinv_t), ptr(types.uint32), i64t, i64t, i64t)
     return args + ((i64t,) if spec.path == ROWS else ())
 
 
@@ -470,18 +631,30 @@ def get_kernel(spec):
 
 
 def choose_path(spec, rows, cols, ld, data_align, sinv_align):
-    """ROWS / TILES when the shape and alignment allow the vector kernels, else SCALAR.
-    ``data_align`` / ``sinv_align``: the buffers' addresses modulo 16; `spec.path` is ignored."""
+    """`spec` with path, piece and aligned set: ROWS / TILES when the shape and alignment
+    allow the vector kernels, else SCALAR. Pieces are full (16-byte stores) when K allows,
+    else half (8-byte stores) for Block1D / Block2D 16-bit outputs with K % 4 == 0 (and,
+    rows kernel, 4-aligned data; MXFP8 has K % 32 == 0). The TILES kernel reads
+    rows of any alignment (``aligned=False``: shifted 16-byte loads). ``data_align`` /
+    ``sinv_align``: the buffers' addresses modulo 16; the given path / piece are ignored."""
     E = PIECE[spec.out_kind]
-    if cols % E:
-        return SCALAR
+    scalar = spec._replace(path=SCALAR, piece=0, aligned=True)
+    # the rows kernel's loads need the data aligned to the piece; the tiles kernel's don't
+    align = 0 if transposed(spec) else data_align
+    if cols % E == 0 and align % E == 0:
+        piece = 0
+    elif (spec.out_kind != F32_OUT and spec.recipe != MX and cols % 4 == 0
+          and align % 4 == 0):
+        piece = 4
+    else:
+        return scalar
+    E = piece or E
     if transposed(spec):
-        return TILES if rows % 16 == 0 and data_align == 0 else SCALAR
-    if data_align % E:
-        return SCALAR
+        return spec._replace(path=TILES, piece=piece,
+                             aligned=rows % 16 == 0 and data_align == 0)
     if spec.recipe == MX and spec.columnwise and (sinv_align % E or ld % E):
-        return SCALAR
-    return ROWS
+        return scalar
+    return spec._replace(path=ROWS, piece=piece, aligned=True)
 
 
 def _cdiv(a, b):
@@ -498,15 +671,14 @@ class _Plan:
 
     def __init__(self, recipe_kind, columnwise, e4m3, out_kind, rows, cols, ld, data_align,
                  sinv_align):
-        spec = DequantSpec(recipe_kind, columnwise, e4m3, out_kind, None)
-        spec = self.spec = spec._replace(
-            path=choose_path(spec, rows, cols, ld, data_align, sinv_align))
+        spec = self.spec = choose_path(DequantSpec(recipe_kind, columnwise, e4m3, out_kind, None),
+                                       rows, cols, ld, data_align, sinv_align)
         self.kernel = get_kernel(spec)
         scalars = (i64(rows), i64(cols), i64(ld))
         if spec.path == ROWS:
             s = lpr_shift(spec, cols)
             rows_per_cta = (THREADS >> s) * ROWS_PER_THREAD
-            self.grid = (_cdiv(cols, PIECE[out_kind] << s),
+            self.grid = (_cdiv(cols, piece_of(spec) << s),
                          min(_cdiv(rows, rows_per_cta), MAX_GRID_Y), 1)
             self.block = (THREADS, 1, 1)
             scalars += (i64(s),)

@@ -25,10 +25,12 @@ QUANTIZE_CASES = [
     ("b1d-e5m2-nopow2", "f16", False, True, (148, 64)),  # M % 16 == 4: rows start on words
 ]
 # (recipe, columnwise, out dtype, shape). Paths (fp8blk.kernels.dequant): "rows" for (M, K)
-# sources with K % E == 0 (E = 4 fp32 / 8 bf16, fp16 elements per lane), CTA = 32 rows x 32
-# lanes (fewer lanes per row, more rows for narrow K); "tiles" for transposed (K, M) sources
-# with M % 16 == 0 and K % E == 0, CTA = 128 x 128; "scalar" otherwise. The runner plants all
-# 256 FP8 codes and E8M0 codes 0/1/254/255 (_cases.plant_fp8_specials).
+# sources with K % E == 0 (E = 4 fp32 / 8 bf16, fp16 elements per lane; 16-bit outputs also
+# K % 8 == 4 with 4-element pieces), CTA = 32 rows x 32 lanes (fewer lanes per row, more rows
+# for narrow K); "tiles" for transposed (K, M) sources with K % E == 0 (likewise), CTA =
+# 128 x 128, 16-byte loads when M % 16 == 0, else shifted pairs of aligned chunks (tiles
+# touching the buffer's last chunks load byte by byte); "scalar" otherwise. The runner plants
+# all 256 FP8 codes and E8M0 codes 0/1/254/255 (_cases.plant_fp8_specials).
 DEQUANT_CASES = [
     ("b1d", False, "bf16", (37, 136)),              # rows: 2 row groups, edge k-block
     ("b1d-e5m2-nopow2", False, "f32", (20, 132)),   # rows: 2 CTAs along K (128 + 4)
@@ -36,12 +38,25 @@ DEQUANT_CASES = [
     ("mx", False, "bf16", (32, 96)),                # rows: 16 lanes per row
     ("mx-e5m2", True, "f16", (64, 64)),             # rows: per-element E8M0 codes
     ("mx", True, "f32", (64, 96)),                  # rows: 4 codes per lane, 2 row groups
+    ("b1d", False, "bf16", (9, 132)),               # rows, 4-element pieces: K % 8 == 4
+    ("b2d", False, "f16", (40, 260)),               # rows, 4-element pieces, 3 k-blocks
     ("b1d", True, "bf16", (144, 112)),              # tiles: 128 + 16 rows m, K < 128
     ("b2d-e5m2-nopow2", True, "f32", (112, 200)),   # tiles: 2 k-tiles (128 + 72)
     ("b1d-eps", True, "f16", (48, 136)),            # tiles: 2 k-tiles (128 + 8)
-    ("b1d", False, "bf16", (9, 132)),               # scalar: K % 8 != 0
-    ("b2d", True, "f32", (40, 130)),                # scalar: M % 16 != 0, transposed
-    ("b1d-e5m2-nopow2", True, "f16", (130, 20)),    # scalar: M % 16 != 0, 2 m-blocks
+    ("b1d", True, "bf16", (48, 140)),               # tiles, 4-element pieces, aligned rows
+    # tiles with rows at any alignment: M % 16 in {1, 3, 8, 15}; first tile interior
+    # (shifted chunk pairs), second one at the buffer's end (edge loads)
+    ("b1d", True, "bf16", (99, 200)),               # M % 16 == 3, 2 k-tiles
+    ("b2d", True, "f32", (145, 96)),                # M % 16 == 1, 2 m-tiles (128 + 17)
+    ("b2d-e5m2-nopow2", True, "bf16", (120, 136)),  # M % 16 == 8, 2 k-tiles (128 + 8)
+    ("b1d-e5m2-nopow2", True, "f16", (47, 256)),    # M % 16 == 15, 2 full k-tiles
+    ("b1d", True, "f16", (130, 20)),                # M % 16 == 2, 4-element pieces, edge only
+    # K * M <= 256: all bytes planted (quantize's last data row is zero), so the byte-wise
+    # loads of rows whose chunks would reach past the buffer's end see real codes
+    ("b1d", True, "bf16", (13, 12)),                # 13 bytes of row 11 byte by byte
+    ("b2d-e5m2-nopow2", True, "f32", (11, 20)),     # 11 bytes of row 19 byte by byte
+    ("b1d", False, "bf16", (9, 131)),               # scalar: K odd
+    ("b2d", True, "f32", (40, 130)),                # scalar: fp32 with K % 4 != 0, transposed
 ]
 # (R, C); (K, M) = (C, R) outputs: 16-byte loads with R odd (128 + 73-byte tile rows), and
 # R % 16 == 2 (128 + 18 bytes)

@@ -92,12 +92,15 @@ def _check_dequantize(recipe, shape, bufs, oname, misalign=False):
 
 
 # (shape, misaligned data). Paths of fp8blk.kernels.dequant: (M, K) sources take the vector
-# "rows" kernel when K % E == 0 (E = 4 for fp32, 8 for bf16/fp16 output) and the data is
-# E-aligned; transposed (K, M) sources the "tiles" kernel when M % 16 == 0 and K % E == 0;
-# everything else the scalar kernel. 1008 x 1104 has edge tiles in both dims (7*128 + 112,
-# 8*128 + 80); 1000 x 1100 is vector for fp32 rowwise only.
-_DQ_SHAPES = [((1000, 1100), False), ((1008, 1104), False), ((129, 141), False),
-              ((1024, 1024), True)]
+# "rows" kernel when K % E == 0 (E = 4 for fp32, 8 for bf16/fp16 output; 4 for 16-bit outputs
+# with K % 8 == 4) and the data is E-aligned; transposed (K, M) sources the "tiles" kernel for
+# the same K (16-byte loads when M % 16 == 0 and the data is aligned, else shifted aligned
+# chunks); everything else the scalar kernel. 1008 x 1104 has edge tiles in both dims
+# (7*128 + 112, 8*128 + 80); 1000 x 1100: 4-element pieces for 16-bit outputs; 1001 x 1096:
+# odd M, rows at every alignment; 129 x 141: scalar (K odd); misaligned 999 x 1100: rows
+# kernel only for fp32 (4-aligned), tiles at any alignment.
+_DQ_SHAPES = [((1000, 1100), False), ((1008, 1104), False), ((1001, 1096), False),
+              ((129, 141), False), ((1024, 1024), True), ((999, 1100), True)]
 _DQ_SHAPES_MX = [((1056, 1120), False), ((96, 160), False), ((1024, 1056), True)]
 
 
@@ -134,8 +137,11 @@ def _random_buffers(rng, recipe, shape):
     return out
 
 
-@pytest.mark.parametrize("rname", ["b1d", "b2d", "mx", "b1d-e5m2-nopow2", "mx-e5m2"])
-@pytest.mark.parametrize("shape", [(4096, 4096), (8192, 8192)])
+@pytest.mark.parametrize("rname,shape", [
+    (r, s) for r in ("b1d", "b2d", "mx", "b1d-e5m2-nopow2", "mx-e5m2")
+    for s in ((4096, 4096), (8192, 8192))
+] + [(r, s) for r in ("b1d", "b2d", "b1d-e5m2-nopow2")   # transposed rows at any alignment
+     for s in ((8191, 8320), (8200, 8196))])                # 8196: 4-element bf16 pieces
 def test_dequantize_large(rng, rname, shape):
     """The vector paths at large shapes, rowwise and columnwise, to bf16 and fp32."""
     recipe = RECIPES[rname]

@@ -1,10 +1,12 @@
-"""Sweep of the fused row+col quantize kernels' build-time knobs, in one process on the GPU.
+"""Sweep of the build-time knobs of the fused row+col quantize kernels (and of Block2D
+rowwise), in one process on the GPU.
 
     python3 bench/sweep_fused.py --out results/sweep_fused.json [--shape 16384 16384]
 
 For each alternative (a set of module-level knobs of fp8blk.kernels._quantize_kernel:
-FUSED_BLOCK1D_THREADS, ROW_SCATTER, PACKED_AMAX, MIN_BLOCKS_PER_SM) it clears the kernel
-caches, then for Block1D, MXFP8 and Block2D row+col on bf16 input:
+FUSED_BLOCK1D_THREADS, BLOCK2D_ROW_THREADS, ROW_SCATTER, PACKED_AMAX, MIN_BLOCKS_PER_SM) it
+clears the kernel caches, then for Block1D, MXFP8 and Block2D row+col, and Block2D rowwise, on
+bf16 input:
   * checks the bytes against fp8blk.reference on a 1024x1024 random input that also holds NaN,
     -NaN, +-inf, subnormals, -0 and the bf16 max inside blocks (a mismatch is reported, and
     the timing is still taken);
@@ -16,6 +18,7 @@ A failing alternative is reported and the others still run. Prints a table and w
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import sys
@@ -38,7 +41,8 @@ from fp8blk.kernels import _quantize_kernel as qk  # noqa: E402
 from fp8blk.kernels import quant  # noqa: E402
 from bench_kernels import copy_bandwidth, time_cupy  # noqa: E402
 
-KNOBS = ("FUSED_BLOCK1D_THREADS", "ROW_SCATTER", "PACKED_AMAX", "MIN_BLOCKS_PER_SM")
+KNOBS = ("FUSED_BLOCK1D_THREADS", "BLOCK2D_ROW_THREADS", "ROW_SCATTER", "PACKED_AMAX",
+         "MIN_BLOCKS_PER_SM")
 DEFAULTS = {k: getattr(qk, k) for k in KNOBS}
 
 # name -> knob overrides (the rest keep the module defaults)
@@ -51,8 +55,11 @@ ALTERNATIVES = [
     ("minblk4", {"MIN_BLOCKS_PER_SM": 4}),         # MXFP8 capped at 64 regs (Block1D: 32, spills)
     ("minblk3", {"MIN_BLOCKS_PER_SM": 3}),         # MXFP8 ~71 regs, 3 CTAs/SM
     ("v3_like", {"FUSED_BLOCK1D_THREADS": 256, "ROW_SCATTER": False, "PACKED_AMAX": False}),
+    ("b2d_row_512thr", {"BLOCK2D_ROW_THREADS": 512}),                   # 49 regs, 2 CTAs/SM
+    ("b2d_row_512thr_minblk3", {"BLOCK2D_ROW_THREADS": 512, "MIN_BLOCKS_PER_SM": 3}),
 ]
-CASES = [("b1d_both", fb.Block1D()), ("mx_both", fb.MXFP8()), ("b2d_both", fb.Block2D())]
+CASES = [("b1d_both", fb.Block1D(), True), ("mx_both", fb.MXFP8(), True),
+         ("b2d_both", fb.Block2D(), True), ("b2d_row", fb.Block2D(), False)]
 
 
 def log(*a):
@@ -87,11 +94,16 @@ def special_input(rng, shape=(1024, 1024)):
     return x
 
 
-def check(recipe, x):
-    got = kernels.quantize(cupy.asarray(x.view(np.uint16)), recipe, True, True, dtype=BF16)
-    want = ref.quantize(x, recipe, True, True)
+def check(recipe, x, columnwise=True):
+    got = kernels.quantize(cupy.asarray(x.view(np.uint16)), recipe, True, columnwise,
+                           dtype=BF16)
+    want = ref.quantize(x, recipe, True, columnwise)
     errs = []
     for i, (g, w) in enumerate(zip(got, want)):
+        if g is None or w is None:
+            if (g is None) != (w is None):
+                errs.append(f"buffer {i}: {'missing' if g is None else 'unexpected'}")
+            continue
         g = g.get()
         gb = np.ascontiguousarray(g).view(np.uint8).reshape(-1)
         wb = np.ascontiguousarray(w).view(np.uint8).reshape(-1)
@@ -119,6 +131,7 @@ def main():
     ap.add_argument("--out", required=True, help="JSON output path")
     ap.add_argument("--shape", type=int, nargs=2, default=(16384, 16384))
     ap.add_argument("--only", nargs="*", help="alternative names to run (default: all)")
+    ap.add_argument("--cases", nargs="*", help="case names to run (default: all)")
     args = ap.parse_args()
     shape = tuple(args.shape)
     rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
@@ -134,17 +147,19 @@ def main():
     for name, overrides in ALTERNATIVES:
         if args.only and name not in args.only:
             continue
-        for cname, recipe in CASES:
+        for cname, recipe, cw in CASES:
+            if args.cases and cname not in args.cases:
+                continue
             row = {"alt": name, "knobs": {k: overrides.get(k, DEFAULTS[k]) for k in KNOBS},
                    "case": cname, "shape": list(shape)}
             try:
                 set_knobs(overrides)
-                row["exact_1024"] = check(recipe, xcheck) or "ok"
+                row["exact_1024"] = check(recipe, xcheck, cw) or "ok"
                 row.update(kernel_attrs())
-                bufs = kernels.quantize(xs[0], recipe, True, True, dtype=BF16)
-                nbytes = xs[0].nbytes + sum(int(b.nbytes) for b in bufs)
+                bufs = kernels.quantize(xs[0], recipe, True, cw, dtype=BF16)
+                nbytes = xs[0].nbytes + sum(int(b.nbytes) for b in bufs if b is not None)
                 del bufs
-                t, ts = time_cupy(lambda x: kernels.quantize(x, recipe, True, True,
+                t, ts = time_cupy(lambda x: kernels.quantize(x, recipe, True, cw,
                                                               dtype=BF16), xs)
                 row.update(us=t * 1e6, tb_s=nbytes / t / 1e12,
                            pct_copy=100 * nbytes / t / copy_bps, all_us=[v * 1e6 for v in ts])
@@ -168,8 +183,10 @@ def main():
             log(f"| {r['alt']} | {r['case']} | error | | | | | {r.get('exact_1024')} |")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"copy_tb_s": copy_bps / 1e12, "device": cupy.cuda.runtime.getDeviceProperties(
-            0)["name"].decode(), "rows": rows}, f, indent=1)
+        json.dump({"machine": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+                   "date": datetime.date.today().isoformat(),
+                   "command": "python3 bench/sweep_fused.py " + " ".join(sys.argv[1:]),
+                   "copy_tb_s": copy_bps / 1e12, "rows": rows}, f, indent=1)
     log(f"wrote {args.out}")
 
 

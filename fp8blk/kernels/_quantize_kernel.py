@@ -46,6 +46,9 @@ WARPS = THREADS // 32
 # but the H200 sweep (bench/NOTES.md, bench/sweep_fused.py) measured 256 threads with 3 CTAs
 # per SM (80 registers, 40 B spilled outside the hot loop) faster: 84.5% of copy against 79.3%.
 FUSED_BLOCK1D_THREADS = 256
+# Threads per CTA of the Block2D rowwise-only kernel on 2-byte inputs (benchmark knob, read at
+# kernel build time; 512 halves the tile share each thread holds).
+BLOCK2D_ROW_THREADS = 256
 # Reduce-scatter the per-row block amaxes across the lanes of a block so that each lane runs
 # the scale rule once instead of once per chunk (benchmark knob, read at kernel build time).
 ROW_SCATTER = True
@@ -87,6 +90,8 @@ def threads(spec):
     """Threads per CTA of the kernel for `spec`."""
     if spec.recipe == BLOCK1D and spec.rowwise and spec.columnwise and spec.kind != dev.F32:
         return FUSED_BLOCK1D_THREADS
+    if spec.recipe == BLOCK2D and not spec.columnwise and spec.kind != dev.F32:
+        return BLOCK2D_ROW_THREADS
     return THREADS
 
 
@@ -465,11 +470,12 @@ def get_kernel(spec):
     """Compiled, launchable kernel for `spec` (see ``_numba.compile_kernel``)."""
     min_blocks = MIN_BLOCKS_PER_SM if MIN_BLOCKS_PER_SM is not None else \
         default_min_blocks(spec)
-    return _get_kernel(spec, min_blocks, FUSED_BLOCK1D_THREADS, ROW_SCATTER, PACKED_AMAX)
+    return _get_kernel(spec, min_blocks, FUSED_BLOCK1D_THREADS, BLOCK2D_ROW_THREADS, ROW_SCATTER,
+                       PACKED_AMAX)
 
 
 @lru_cache(maxsize=None)
-def _get_kernel(spec, min_blocks, fused_threads, row_scatter, packed_amax):
+def _get_kernel(spec, min_blocks, fused_threads, b2d_row_threads, row_scatter, packed_amax):
     # the knobs are part of the cache key: make_kernel_pyfunc reads them
     nt = threads(spec)
     bounds = nt if min_blocks is None else (nt, min_blocks)

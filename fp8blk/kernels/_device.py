@@ -14,14 +14,35 @@ from functools import lru_cache
 
 import numpy as np
 
-from ._numba import (addr_of, bf16x2_f32, bits_f32, device, f16x2_f32, f32_bits, prmt,
-                     st8_u8, st8_u16, st8_u32, st8_v2, st8_v4, types)
+from ._numba import (addr_of, bf16x2_f32, bits_f32, device, f16x2_f32, f32_bits, ld_v4_at,
+                     prmt, st8_u8, st8_u16, st8_u32, st8_v2, st8_v4, types)
 
 F32, BF16, F16 = 0, 1, 2  # input kinds
 ELEMS_PER_CHUNK = {F32: 4, BF16: 8, F16: 8}
 ITEMSIZE = {F32: 4, BF16: 2, F16: 2}
 NAN_WORD = {F32: 0x7FC00000, BF16: 0x7FC07FC0, F16: 0x7E007E00}
 NAN_HALF = {BF16: 0x7FC0, F16: 0x7E00}
+
+
+@device
+def ld_v4_at_or(p, off, ok, fill):
+    """Four uint32 words at byte offset `off` of `p` (one 16-byte load, `off` 16-byte aligned)
+    if `ok`, else four `fill` words (a chunk outside the tensor)."""
+    if ok:
+        return ld_v4_at(p, off)
+    return fill, fill, fill, fill
+
+
+@device
+def transpose_bytes_4x4(r0, r1, r2, r3):
+    """Transpose a 4x4 block of bytes held as 4 row words (byte j of word i = element (i, j),
+    little-endian): returns the 4 column words (byte i of word j = element (i, j))."""
+    t0 = prmt(r0, r1, types.uint32(0x5140))
+    t1 = prmt(r0, r1, types.uint32(0x7362))
+    t2 = prmt(r2, r3, types.uint32(0x5140))
+    t3 = prmt(r2, r3, types.uint32(0x7362))
+    return (prmt(t0, t2, types.uint32(0x5410)), prmt(t0, t2, types.uint32(0x7632)),
+            prmt(t1, t3, types.uint32(0x5410)), prmt(t1, t3, types.uint32(0x7632)))
 
 
 @lru_cache(maxsize=None)

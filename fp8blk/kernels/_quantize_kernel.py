@@ -35,7 +35,7 @@ import numpy as np
 
 from . import _device as dev
 from ._numba import (SIM, absmax_bf16x2, absmax_f16x2, compile_kernel, cuda, device, fmax32,
-                     group_fmax, ld_v4_at, pack4_fp8, ptr, shfl_idx_f32, shfl_xor_f32, st_u32_at,
+                     group_fmax, pack4_fp8, ptr, shfl_idx_f32, shfl_xor_f32, st_u32_at,
                      st_v2_at, st_v4_at, types)
 
 THREADS = 256          # threads per CTA unless threads(spec) says otherwise
@@ -165,6 +165,7 @@ def make_kernel_pyfunc(spec):
         rule = dev.fp32_scale_rule(448.0 if spec.e4m3 else 57344.0, spec.pow2, spec.eps,
                                    spec.vmax)
     fill_padding = dev.fill_padding
+    ld_v4_at_or = dev.ld_v4_at_or
     store_unaligned = dev.tile_row_storer(TK, TM, NT) if TRANS and not COLVEC else None
     float32, uint32 = types.float32, types.uint32
 
@@ -261,15 +262,11 @@ def make_kernel_pyfunc(spec):
             r = r0 + roff(j)
             ej = e0 + roff(j) * K
             if VEC:
-                if r < M and kc < K:
-                    w0, w1, w2, w3 = ld_v4_at(x, ej * ISZ)
-                    raw[j, 0] = w0
-                    raw[j, 1] = w1
-                    raw[j, 2] = w2
-                    raw[j, 3] = w3
-                else:
-                    for w in range(4):
-                        raw[j, w] = NAN_WORD
+                w0, w1, w2, w3 = ld_v4_at_or(x, ej * ISZ, r < M and kc < K, NAN_WORD)
+                raw[j, 0] = w0
+                raw[j, 1] = w1
+                raw[j, 2] = w2
+                raw[j, 3] = w3
             else:
                 if KIND == dev.F32:
                     for e in range(4):

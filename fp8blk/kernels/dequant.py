@@ -49,6 +49,7 @@ import numpy as np
 
 from .._arrays import BF16
 from ..formats import Block1D, Block2D, E4M3, MXFP8
+from ._device import transpose_bytes_4x4
 from ._host import SIM, data_ptr, i64, module_of, pointer_arg
 from ._numba import (addr_of, bf16x2_pack, bits_f32, compile_kernel, cuda, device,
                      f16x2_pack, f32_bf16_bits, f32_bits, f32_f16_bits, fp8x4_f32, ld8_v4,
@@ -469,15 +470,13 @@ def _make_tiles_pyfunc(spec):
             else:
                 fac[0] = sinv[(k0 >> 7) * ld + cuda.blockIdx.x]
             for w in range(4):
-                t0 = prmt(rows[0, w], rows[1, w], u32(0x5140))
-                t1 = prmt(rows[0, w], rows[1, w], u32(0x7362))
-                t2 = prmt(rows[2, w], rows[3, w], u32(0x5140))
-                t3 = prmt(rows[2, w], rows[3, w], u32(0x7362))
+                t0, t1, t2, t3 = transpose_bytes_4x4(rows[0, w], rows[1, w], rows[2, w],
+                                                     rows[3, w])
                 tm = u32(16 * c + 4 * w)
-                tb[tm, q] = prmt(t0, t2, u32(0x5410))
-                tb[u32(tm + 1), q] = prmt(t0, t2, u32(0x7632))
-                tb[u32(tm + 2), q] = prmt(t1, t3, u32(0x5410))
-                tb[u32(tm + 3), q] = prmt(t1, t3, u32(0x7632))
+                tb[tm, q] = t0
+                tb[u32(tm + 1), q] = t1
+                tb[u32(tm + 2), q] = t2
+                tb[u32(tm + 3), q] = t3
             cuda.syncthreads()
             if kp < K:
                 mm = r

@@ -19,7 +19,7 @@ import numpy as np
 
 from . import _device as dev
 from ._host import cdiv, data_ptr, i64, module_of, pointer_arg, round_up
-from ._numba import compile_kernel, cuda, ld_v4_at, prmt, ptr, st_v4_at, types
+from ._numba import compile_kernel, cuda, ptr, st_v4_at, types
 
 THREADS = 256
 T = 128  # tile edge (bytes)
@@ -31,6 +31,8 @@ def make_kernel_pyfunc(vec_in, vec_out):
     ONE = np.float32(1.0)
     fill_padding = dev.fill_padding
     store_unaligned = dev.tile_row_storer(T, T, THREADS)
+    ld_v4_at_or = dev.ld_v4_at_or
+    transpose_bytes_4x4 = dev.transpose_bytes_4x4
     TB_SHAPE = (T, T // 4 + 1)  # +1 word per row: conflict-free 16-byte reads
 
     def kernel(src, dst, ssinv, dsinv, R, C, ld_ssinv):
@@ -54,15 +56,11 @@ def make_kernel_pyfunc(vec_in, vec_out):
         for i in range(4):
             r = r0 + 4 * q + i
             if vec_in:
-                if r < R and col < C:
-                    w0, w1, w2, w3 = ld_v4_at(src, r * C + col)     # byte offset
-                    rows[i, 0] = w0
-                    rows[i, 1] = w1
-                    rows[i, 2] = w2
-                    rows[i, 3] = w3
-                else:
-                    for w in range(4):
-                        rows[i, w] = uint32(0)
+                w0, w1, w2, w3 = ld_v4_at_or(src, r * C + col, r < R and col < C, uint32(0))
+                rows[i, 0] = w0
+                rows[i, 1] = w1
+                rows[i, 2] = w2
+                rows[i, 3] = w3
             else:
                 for w in range(4):
                     word = uint32(0)
@@ -71,14 +69,11 @@ def make_kernel_pyfunc(vec_in, vec_out):
                             word |= uint32(src[r * C + col + 4 * w + b]) << (8 * b)
                     rows[i, w] = word
         for w in range(4):
-            t0 = prmt(rows[0, w], rows[1, w], uint32(0x5140))
-            t1 = prmt(rows[0, w], rows[1, w], uint32(0x7362))
-            t2 = prmt(rows[2, w], rows[3, w], uint32(0x5140))
-            t3 = prmt(rows[2, w], rows[3, w], uint32(0x7362))
-            tb[16 * c + 4 * w, q] = prmt(t0, t2, uint32(0x5410))
-            tb[16 * c + 4 * w + 1, q] = prmt(t0, t2, uint32(0x7632))
-            tb[16 * c + 4 * w + 2, q] = prmt(t1, t3, uint32(0x5410))
-            tb[16 * c + 4 * w + 3, q] = prmt(t1, t3, uint32(0x7632))
+            t0, t1, t2, t3 = transpose_bytes_4x4(rows[0, w], rows[1, w], rows[2, w], rows[3, w])
+            tb[16 * c + 4 * w, q] = t0
+            tb[16 * c + 4 * w + 1, q] = t1
+            tb[16 * c + 4 * w + 2, q] = t2
+            tb[16 * c + 4 * w + 3, q] = t3
         cuda.syncthreads()
         if vec_out:
             for it in range(T * T // 16 // THREADS):

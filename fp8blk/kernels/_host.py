@@ -71,6 +71,24 @@ def alloc_views(xp, nbytes, shapes, offsets):
                   for s, o in zip(shapes, offsets)])
 
 
+def cached_plan(cache, key, build):
+    """``cache[key]``, built with ``build(*key)`` on a miss: the per-call lookup of the
+    kernels' launch plans. The cache is emptied when it passes 4096 entries (a program that
+    cycles through that many shapes pays a rebuild, never unbounded memory)."""
+    plan = cache.get(key)
+    if plan is None:
+        if len(cache) > 4096:
+            cache.clear()
+        plan = cache[key] = build(*key)
+    return plan
+
+
+def pointer_dtypes(argtypes):
+    """NumPy element dtypes of the raw-pointer kernel argument types in `argtypes` (the
+    simulator's flat views of the pointer arguments need them)."""
+    return tuple(np.dtype(t.dtype.name) for t in argtypes)
+
+
 def i64(v):
     return np.int64(v)
 

@@ -14,8 +14,8 @@ from ..formats import Block1D, Block2D, E4M3, MXFP8
 from ..tensor import buffer_layouts
 from . import _device as dev
 from . import _quantize_kernel as qk
-from ._host import (SIM, alloc_views, data_ptr, i64, kind_of, module_of,
-                    pointer_arg, round_up, unused_pointer)
+from ._host import (SIM, alloc_views, cached_plan, data_ptr, i64, kind_of, module_of,
+                    pointer_arg, pointer_dtypes, round_up, unused_pointer)
 
 _RECIPE_KIND = {Block1D: qk.BLOCK1D, Block2D: qk.BLOCK2D, MXFP8: qk.MXFP8}
 _VMAX = {dev.F32: scaling.FLT_MAX, dev.BF16: scaling.dtype_max(BF16),
@@ -65,20 +65,14 @@ class _Plan:
         self.nbytes = total
         self.scalars = (i64(rows), i64(cols))
         # element types of the five pointer arguments (the simulator's views need them)
-        self.arg_dtypes = tuple(np.dtype(t.dtype.name) for t in qk.argtypes(spec)[:5])
+        self.arg_dtypes = pointer_dtypes(qk.argtypes(spec)[:5])
 
 
 _plans = {}
 
 
 def _plan_for(recipe, kind, rows, cols, rowwise, columnwise, vec):
-    key = (recipe, kind, rows, cols, rowwise, columnwise, vec)
-    plan = _plans.get(key)
-    if plan is None:
-        if len(_plans) > 4096:
-            _plans.clear()
-        plan = _plans[key] = _Plan(recipe, kind, rows, cols, rowwise, columnwise, vec)
-    return plan
+    return cached_plan(_plans, (recipe, kind, rows, cols, rowwise, columnwise, vec), _Plan)
 
 
 def quantize(x2d, recipe, rowwise=True, columnwise=False, dtype=None):

@@ -15,7 +15,7 @@ from functools import lru_cache
 import numpy as np
 
 from ._numba import (addr_of, bf16x2_f32, bits_f32, device, f16x2_f32, f32_bits, ld_v4_at,
-                     prmt, st8_u8, st8_u16, st8_u32, st8_v2, st8_v4, types)
+                     prmt, st8_u8, st8_u16, st8_u32, st_v2_at, st_v4_at, types)
 
 F32, BF16, F16 = 0, 1, 2  # input kinds
 ELEMS_PER_CHUNK = {F32: 4, BF16: 8, F16: 8}
@@ -31,6 +31,14 @@ def ld_v4_at_or(p, off, ok, fill):
     if ok:
         return ld_v4_at(p, off)
     return fill, fill, fill, fill
+
+
+@device
+def byte_window(lo, hi, o):
+    """Bytes o % 4 .. o % 4 + 3 of the 8 bytes hi:lo (byte 0 = the lowest byte of lo) as one
+    word, byte o % 4 lowest (one ``prmt``): shifts a run of words by a byte offset."""
+    u32 = types.uint32
+    return prmt(lo, hi, u32(u32(0x3210) + u32(0x1111) * u32(u32(o) & u32(3))))
 
 
 @device
@@ -229,7 +237,7 @@ def tile_row_storer(tile_rows, row_bytes, nthreads):
         past the row are garbage: word 32 of a row is padding)."""
         o = u32(o)
         q = o >> 2
-        return prmt(tb[kk, q], tb[kk, q + 1], u32(0x3210 + 0x1111 * (o & 3)))
+        return byte_window(tb[kk, q], tb[kk, q + 1], o)
 
     @device
     def store(tb, dst, k0, m0, K, M, tid):
@@ -250,14 +258,13 @@ def tile_row_storer(tile_rows, row_bytes, nthreads):
                 if (i32(kk) < nrows) & (u32(lo) <= u32(n - 16)):
                     o = u32(lo)
                     q = o >> 2
-                    sel = u32(0x3210 + 0x1111 * (o & 3))
                     w0 = tb[kk, q]
                     w1 = tb[kk, q + 1]
                     w2 = tb[kk, q + 2]
                     w3 = tb[kk, q + 3]
                     w4 = tb[kk, q + 4]
-                    st8_v4(dst, row + lo, prmt(w0, w1, sel), prmt(w1, w2, sel),
-                           prmt(w2, w3, sel), prmt(w3, w4, sel))
+                    st_v4_at(dst, row + lo, byte_window(w0, w1, o), byte_window(w1, w2, o),
+                             byte_window(w2, w3, o), byte_window(w3, w4, o))
                 row += step
             for it in range(NEDGE):
                 e = u32(it * NT) + t32
@@ -279,7 +286,7 @@ def tile_row_storer(tile_rows, row_bytes, nthreads):
                             st8_u32(dst, cb + x, bytes4(tb, kk, x - d))
                             x = u32(x + 4)
                         if x & 8:
-                            st8_v2(dst, cb + x, bytes4(tb, kk, x - d), bytes4(tb, kk, x - d + 4))
+                            st_v2_at(dst, cb + x, bytes4(tb, kk, x - d), bytes4(tb, kk, x - d + 4))
                     else:
                         # tail: chunk bytes 0 .. t - 1 = the row's last t bytes, falling sizes
                         t = (u32(n) + d) & 15
@@ -287,7 +294,7 @@ def tile_row_storer(tile_rows, row_bytes, nthreads):
                         cb = row + ob
                         x = u32(0)
                         if t & 8:
-                            st8_v2(dst, cb, bytes4(tb, kk, ob), bytes4(tb, kk, ob + 4))
+                            st_v2_at(dst, cb, bytes4(tb, kk, ob), bytes4(tb, kk, ob + 4))
                             x = u32(8)
                         if t & 4:
                             st8_u32(dst, cb + x, bytes4(tb, kk, ob + x))

@@ -518,31 +518,37 @@ else:
 
 
 # ------------------------------------------------------------------------------------------
-# Vector loads / stores addressed by a BYTE offset from a typed pointer (saves the index
-# scaling and shifts when the caller's natural offset is in bytes, e.g. FP8 outputs).
+# Vector loads / stores addressed by a BYTE offset from a pointer of any element type (saves
+# the index scaling and shifts when the caller's natural offset is in bytes, e.g. FP8 data).
+# The address must be aligned to the access size; the simulator twins check that (a
+# misaligned access faults on the GPU) and that the bytes lie inside the buffer.
 
 if SIM:
-    def _word_index(p, off):
-        return int(off) // p.itemsize
+    def _words_at(p, off, nwords):
+        """uint32 view of the 4 * nwords bytes at byte offset `off` of the simulated pointer
+        p, checking the access is aligned to its size and inside the buffer."""
+        off = int(off)
+        size = 4 * nwords
+        assert (int(p.ctypes.data) + off) % size == 0, f"misaligned {size}-byte access"
+        assert 0 <= off and off + size <= p.nbytes, f"{size}-byte access outside the buffer"
+        return p.view(np.uint8)[off:off + size].view(np.uint32)
 
     def ld_v4_at(p, off):
         """Four uint32 words at byte offset `off` (16-byte aligned) of pointer p."""
-        i = _word_index(p, off)
-        return _U32(p[i]), _U32(p[i + 1]), _U32(p[i + 2]), _U32(p[i + 3])
+        w = _words_at(p, off, 4)
+        return _U32(w[0]), _U32(w[1]), _U32(w[2]), _U32(w[3])
 
     def st_v2_at(p, off, a, b):
         """Store two uint32 words at byte offset `off` (8-byte aligned) of pointer p."""
-        i = _word_index(p, off)
-        p[i], p[i + 1] = a, b
+        _words_at(p, off, 2)[:] = (a, b)
 
     def st_v4_at(p, off, a, b, c, d):
         """Store four uint32 words at byte offset `off` (16-byte aligned) of pointer p."""
-        i = _word_index(p, off)
-        p[i], p[i + 1], p[i + 2], p[i + 3] = a, b, c, d
+        _words_at(p, off, 4)[:] = (a, b, c, d)
 
     def st_u32_at(p, off, v):
         """Store one uint32 word at byte offset `off` (4-byte aligned) of pointer p."""
-        p[_word_index(p, off)] = v
+        _words_at(p, off, 1)[0] = v
 else:
     # byte-offset versions of the GPU loads / stores above
     ld_v4_at = _ld_v4_intrinsic(_byte_addr)
@@ -598,12 +604,12 @@ if SIM:
 
     def ld_u32_at(p, off):
         """One uint32 word at byte offset `off` (4-byte aligned) of pointer p."""
-        return _U32(p[_word_index(p, off)])
+        return _U32(_words_at(p, off, 1)[0])
 
     def ld_v2_at(p, off):
         """Two uint32 words at byte offset `off` (8-byte aligned) of pointer p."""
-        i = _word_index(p, off)
-        return _U32(p[i]), _U32(p[i + 1])
+        w = _words_at(p, off, 2)
+        return _U32(w[0]), _U32(w[1])
 else:
     def _fp8x4_intrinsic(kind):
         # cvt.rn.f16x2.<fp8>x2 puts the low byte of its 16-bit source in the low half; every
@@ -689,50 +695,34 @@ __all__ += ["e4m3x4_f32", "e5m2x4_f32", "fp8x4_f32", "bf16x2_pack", "f16x2_pack"
 
 
 # ------------------------------------------------------------------------------------------
-# Stores of 1..16 bytes at byte offsets of a uint8 pointer, and a pointer's address: the rows
-# of a (K, M) byte array with M % 16 != 0 start at every alignment, so a kernel writing them
-# finds each row's alignment from the address and uses the widest store that fits
-# (_device.tile_row_storer).
+# Narrow stores at byte offsets of a uint8 pointer, and a pointer's address: the rows of a
+# (K, M) byte array with M % 16 != 0 start at every alignment, so a kernel writing them finds
+# each row's alignment from the address and uses the widest store that fits
+# (_device.tile_row_storer; its 8- and 16-byte stores are st_v2_at / st_v4_at).
 #   * addr_of(p): the address of pointer p as uint64 (simulator: of the simulated buffer);
 #   * st8_u8 / st8_u16 / st8_u32(p, off, v): the low 1 / 2 / 4 bytes of uint32 v at byte
-#     offset `off` of uint8 pointer p (address aligned to the size);
-#   * st8_v2 / st8_v4(p, off, a, b[, c, d]): 8 / 16 bytes, the uint32 words a, b, ... in
-#     little-endian order (a at the lowest address), at an 8- / 16-byte aligned address.
-# The simulator twins check the alignment of the address (a misaligned store faults on the GPU).
+#     offset `off` of uint8 pointer p (address aligned to the size; the simulator checks it).
 
 if SIM:
     def addr_of(p):
         """Address of pointer p (the simulated array's buffer)."""
         return np.uint64(p.ctypes.data)
 
-    def _st8(p, off, words, nbytes):
+    def _st8(p, off, v, nbytes):
         off = int(off)
         assert (int(p.ctypes.data) + off) % nbytes == 0, f"misaligned {nbytes}-byte store"
-        v = 0
-        for i, w in enumerate(words):
-            v |= (int(w) & 0xFFFFFFFF) << (32 * i)
         for i in range(nbytes):
-            p[off + i] = (v >> (8 * i)) & 0xFF
+            p[off + i] = (int(v) >> (8 * i)) & 0xFF
 
     def st8_u8(p, off, v):
         """Store the low byte of v at byte offset off of uint8 pointer p."""
-        _st8(p, off, (v,), 1)
+        _st8(p, off, v, 1)
 
     def st8_u16(p, off, v):
         """Store the low 2 bytes of v at byte offset off (2-byte aligned address)."""
-        _st8(p, off, (v,), 2)
+        _st8(p, off, v, 2)
 
-    def st8_u32(p, off, v):
-        """Store uint32 v at byte offset off (4-byte aligned address)."""
-        _st8(p, off, (v,), 4)
-
-    def st8_v2(p, off, a, b):
-        """Store words a, b at byte offset off (8-byte aligned address)."""
-        _st8(p, off, (a, b), 8)
-
-    def st8_v4(p, off, a, b, c, d):
-        """Store words a, b, c, d at byte offset off (16-byte aligned address)."""
-        _st8(p, off, (a, b, c, d), 16)
+    st8_u32 = st_u32_at
 else:
     @intrinsic
     def addr_of(typingctx, p):
@@ -760,30 +750,5 @@ else:
     st8_u8 = _st8_scalar_intrinsic(8)
     st8_u16 = _st8_scalar_intrinsic(16)
     st8_u32 = _st8_scalar_intrinsic(32)
-    # on a uint8 pointer, the element index of st_v2 / st_v4 is a byte offset
-    st8_v2 = _st_vec_intrinsic(_index_addr, 2)
-    st8_v4 = _st_vec_intrinsic(_index_addr, 4)
 
-__all__ += ["addr_of", "st8_u8", "st8_u16", "st8_u32", "st8_v2", "st8_v4"]
-
-
-# ------------------------------------------------------------------------------------------
-# 16-byte non-coherent load at a byte offset of a uint8 pointer (dequantize's transposed
-# sources whose rows start at any alignment): ``ld8_v4(p, off)`` -> four uint32 words, the
-# 16 bytes at p + off in little-endian order (byte p[off] lowest in word 0); the address
-# p + off must be 16-byte aligned and all 16 bytes inside the buffer. The simulator twin
-# checks both (a misaligned vector load faults on the GPU).
-
-if SIM:
-    def ld8_v4(p, off):
-        """Words of the 16 bytes at byte offset off of uint8 pointer p (16-byte aligned)."""
-        off = int(off)
-        assert (int(p.ctypes.data) + off) % 16 == 0, "misaligned 16-byte load"
-        assert 0 <= off and off + 16 <= p.size, "16-byte load outside the buffer"
-        w = p[off:off + 16].view(np.uint32)
-        return _U32(w[0]), _U32(w[1]), _U32(w[2]), _U32(w[3])
-else:
-    # on a uint8 pointer, the element index of ld_v4 is a byte offset
-    ld8_v4 = _ld_v4_intrinsic(_index_addr)
-
-__all__ += ["ld8_v4"]
+__all__ += ["addr_of", "st8_u8", "st8_u16", "st8_u32"]

@@ -32,8 +32,8 @@ Three kernels, each specialized per (recipe, direction, format, output dtype):
   instead, never stored) and shifts them by d (word selects, then ``prmt``). Tiles whose
   chunks could reach outside the buffer (at its first or last bytes) check each row and load
   the second chunk only when needed, or the row's bytes one by one.
-* ``scalar`` -- the general fallback: one thread per output element, bit-arithmetic decoding
-  (K % 4 != 0; (M, K) sources whose address is not a multiple of the piece size;
+* ``scalar`` -- the general fallback: one thread per output element, the same hardware
+  decoding (K % 4 != 0; (M, K) sources whose address is not a multiple of the piece size;
   MXFP8 columnwise scales not aligned likewise).
 
 NaN results are written as the quiet NaN NumPy produces (0x7FC00000, bf16 0x7FC0, fp16
@@ -49,11 +49,12 @@ import numpy as np
 
 from .._arrays import BF16
 from ..formats import Block1D, Block2D, E4M3, MXFP8
-from ._device import transpose_bytes_4x4
-from ._host import SIM, data_ptr, i64, module_of, pointer_arg
+from ._device import byte_window, transpose_bytes_4x4
+from ._host import (SIM, cached_plan, cdiv, data_ptr, i64, module_of, pointer_arg,
+                    pointer_dtypes)
 from ._numba import (addr_of, bf16x2_pack, bits_f32, compile_kernel, cuda, device,
-                     f16x2_pack, f32_bf16_bits, f32_bits, f32_f16_bits, fp8x4_f32, ld8_v4,
-                     ld_u32_at, ld_v2_at, ld_v4_at, prmt, ptr, st_v2_at, st_v4_at, types)
+                     f16x2_pack, f32_bf16_bits, f32_bits, f32_f16_bits, fp8x4_f32,
+                     ld_u32_at, ld_v2_at, ld_v4_at, ptr, st_v2_at, st_v4_at, types)
 
 THREADS = 256           # threads per CTA of the rows and tiles kernels
 # Rows each thread of the rows kernel converts (loads of all of them in flight at once;
@@ -320,8 +321,8 @@ def shifted_chunk(x0, x1, x2, x3, x4, x5, x6, x7, d):
     v2 = t3 if one else t2
     v3 = t4 if one else t3
     v4 = t5 if one else t4
-    sel = u32(u32(0x3210) + u32(0x1111) * u32(d & u32(3)))
-    return prmt(v0, v1, sel), prmt(v1, v2, sel), prmt(v2, v3, sel), prmt(v3, v4, sel)
+    return (byte_window(v0, v1, d), byte_window(v1, v2, d), byte_window(v2, v3, d),
+            byte_window(v3, v4, d))
 
 
 @device
@@ -334,10 +335,10 @@ def ld_edge16(data, a, d, nvalid, total):
     a16 = a - types.int64(d)
     two = d + nvalid > u32(16)
     if a16 >= 0 and a16 + (32 if two else 16) <= total:
-        x0, x1, x2, x3 = ld8_v4(data, a16)
+        x0, x1, x2, x3 = ld_v4_at(data, a16)
         x4 = x5 = x6 = x7 = u32(0)
         if two:
-            x4, x5, x6, x7 = ld8_v4(data, a16 + 16)
+            x4, x5, x6, x7 = ld_v4_at(data, a16 + 16)
         return shifted_chunk(x0, x1, x2, x3, x4, x5, x6, x7, d)
     w0 = w1 = w2 = w3 = u32(0)
     for j in range(16):
@@ -431,8 +432,8 @@ def _make_tiles_pyfunc(spec):
                     a = min(k0 + 4 * q + i, k_last) * M + mcl
                     d = u32(u32(base + u32(a)) & u32(15))
                     a16 = a - types.int64(d)
-                    x0, x1, x2, x3 = ld8_v4(data, a16)
-                    x4, x5, x6, x7 = ld8_v4(data, a16 + 16)
+                    x0, x1, x2, x3 = ld_v4_at(data, a16)
+                    x4, x5, x6, x7 = ld_v4_at(data, a16 + 16)
                     raw[i, 0] = x0
                     raw[i, 1] = x1
                     raw[i, 2] = x2
@@ -507,39 +508,8 @@ def _make_tiles_pyfunc(spec):
 # scalar kernel: any shape and alignment
 
 
-@lru_cache(maxsize=None)
-def fp8_decoder(e4m3):
-    """``decode(byte) -> float32`` (exact; E4M3 0x7F/0xFF and E5M2 exponent-31 codes with a
-    non-zero mantissa are NaN, E5M2 0x7C/0xFC are +-inf)."""
-    MB = 3 if e4m3 else 2
-    BIAS = 7 if e4m3 else 15
-    EMAX = (1 << (7 - MB)) - 1
-    SUB = np.float32(2.0 ** (1 - BIAS - MB))
-    NAN = np.float32(np.nan)
-    INF = np.float32(np.inf)
-
-    @device
-    def decode(b):
-        b = int(b)
-        sign = (b >> 7) & 1
-        e = (b >> MB) & EMAX
-        m = b & ((1 << MB) - 1)
-        if e == 0:
-            v = np.float32(m) * SUB
-        elif e == EMAX and (e4m3 and m == (1 << MB) - 1):
-            v = NAN
-        elif e == EMAX and not e4m3:
-            v = INF if m == 0 else NAN
-        else:
-            v = bits_f32(((e - BIAS + 127) << 23) | (m << (23 - MB)))
-        if sign:
-            v = -v
-        return v
-    return decode
-
-
 def _make_scalar_pyfunc(spec):
-    decode = fp8_decoder(spec.e4m3)
+    decode4 = fp8x4_f32(spec.e4m3)   # the vector paths' hardware decoder, on one byte
     TRANSPOSED = transposed(spec)
     RK = spec.recipe
     columnwise = spec.columnwise
@@ -558,10 +528,10 @@ def _make_scalar_pyfunc(spec):
         while b < across:
             if TRANSPOSED:
                 m, k = a, b
-                v = decode(data[k * M + m])
+                v = decode4(types.uint32(data[k * M + m]))[0]
             else:
                 m, k = b, a
-                v = decode(data[m * K + k])
+                v = decode4(types.uint32(data[m * K + k]))[0]
             if RK == BLOCK1D:
                 if columnwise:
                     f = sinv[(m >> 7) * ld + k]
@@ -656,10 +626,6 @@ def choose_path(spec, rows, cols, ld, data_align, sinv_align):
     return spec._replace(path=ROWS, piece=piece, aligned=True)
 
 
-def _cdiv(a, b):
-    return -(-a // b)
-
-
 class _Plan:
     """Everything about a dequantize call that depends only on its key: the kernel, launch
     shape, scalar arguments and the element types of the pointer arguments (for the
@@ -677,19 +643,19 @@ class _Plan:
         if spec.path == ROWS:
             s = lpr_shift(spec, cols)
             rows_per_cta = (THREADS >> s) * ROWS_PER_THREAD
-            self.grid = (_cdiv(cols, piece_of(spec) << s),
-                         min(_cdiv(rows, rows_per_cta), MAX_GRID_Y), 1)
+            self.grid = (cdiv(cols, piece_of(spec) << s),
+                         min(cdiv(rows, rows_per_cta), MAX_GRID_Y), 1)
             self.block = (THREADS, 1, 1)
             scalars += (i64(s),)
         elif spec.path == TILES:
-            self.grid = (_cdiv(rows, T), min(_cdiv(cols, T), MAX_GRID_Y), 1)
+            self.grid = (cdiv(rows, T), min(cdiv(cols, T), MAX_GRID_Y), 1)
             self.block = (THREADS, 1, 1)
         else:
             along, across = (rows, cols) if transposed(spec) else (cols, rows)
-            self.grid = (_cdiv(along, BX), min(_cdiv(across, BY), MAX_GRID_Y), 1)
+            self.grid = (cdiv(along, BX), min(cdiv(across, BY), MAX_GRID_Y), 1)
             self.block = (BX, BY, 1)
         self.scalars = scalars
-        self.arg_dtypes = tuple(np.dtype(t.dtype.name) for t in argtypes(spec)[:3])
+        self.arg_dtypes = pointer_dtypes(argtypes(spec)[:3])
 
 
 # (recipe kind, columnwise, e4m3, out kind, M, K, ld, data address % 16, sinv address % 16)
@@ -701,12 +667,7 @@ def plan_for(recipe, columnwise, out_kind, rows, cols, data, sinv):
     """The cached :class:`_Plan` of a call (public for tests and benchmarks)."""
     key = (_KIND[type(recipe)], columnwise, recipe.fmt is E4M3, out_kind, rows, cols,
            sinv.shape[1], data_ptr(data) % 16, data_ptr(sinv) % 16)
-    plan = _plans.get(key)
-    if plan is None:
-        if len(_plans) > 4096:
-            _plans.clear()
-        plan = _plans[key] = _Plan(*key)
-    return plan
+    return cached_plan(_plans, key, _Plan)
 
 
 def dequantize(recipe, shape2d, rowwise_data=None, rowwise_scale_inv=None,

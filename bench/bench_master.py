@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fp8blk as fb  # noqa: E402
 from fp8blk import master  # noqa: E402
-from fp8blk.tensor import buffer_layouts  # noqa: E402
+from fp8blk.layout import buffer_layouts  # noqa: E402
 from fp8blk.kernels import _device as dev  # noqa: E402
 from fp8blk.kernels import partial_amax as pa  # noqa: E402
 from fp8blk.kernels import partial_cast as pc  # noqa: E402
@@ -92,7 +92,7 @@ def make_weight(cp, recipe, rowwise, columnwise, h=None, w=None):
     """An (h, w) BlockTensor (default H x W) with uninitialized CuPy buffers of the DESIGN §4
     layouts."""
     h, w = h or H, w or W
-    bufs = [None if layout is None else cp.empty(*layout)
+    bufs = [None if layout is None else cp.empty(layout.shape, layout.dtype)
             for layout in buffer_layouts(recipe, h, w, rowwise, columnwise)]
     return fb.BlockTensor((h, w), recipe, *bufs, dtype=np.float32, family="cupy")
 

@@ -65,8 +65,8 @@ import numpy as np
 
 from . import _arrays, reference, scaling
 from .formats import Block1D, Block2D, MXFP8
-from .reference import cdiv
-from .tensor import BlockTensor, buffer_layouts
+from .layout import buffer_layouts, cdiv
+from .tensor import BlockTensor
 
 _MODEL_DTYPES = (np.dtype(np.float32), _arrays.BF16, np.dtype(np.float16))
 _MASTER_DTYPES = (np.dtype(np.float32), _arrays.BF16)
@@ -166,7 +166,7 @@ def _check_weight(weight, index, on_device):
                          f"both dims to be multiples of 32")
     for buf, layout, what in zip(weight._buffers, buffer_layouts(recipe, h, w, True, True),
                                  _BUFFER_NAMES):
-        _check_buffer(buf, *layout, what, index, on_device)
+        _check_buffer(buf, layout.shape, layout.dtype, what, index, on_device)
     return h, w
 
 

@@ -7,6 +7,7 @@ import numpy as np
 from . import _arrays
 from ._dispatch import backend_for
 from .formats import MXFP8, check_recipe
+from .layout import shape2d
 from .tensor import BlockTensor
 
 
@@ -23,15 +24,6 @@ def _validate(arr, dtype, family, recipe, rowwise, columnwise):
         fix = "x.contiguous()" if family == _arrays.TORCH else "numpy.ascontiguousarray(x)"
         raise ValueError(f"quantize needs a C-contiguous input (a view of (M, K) without copies); "
                          f"pass {fix}")
-
-
-def shape2d(shape):
-    """(M, K) view of a shape (..., K)."""
-    k = shape[-1]
-    m = 1
-    for d in shape[:-1]:
-        m *= d
-    return m, k
 
 
 def quantize(x, recipe, rowwise: bool = True, columnwise: bool = False) -> BlockTensor:

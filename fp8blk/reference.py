@@ -19,14 +19,9 @@ import numpy as np
 
 from . import scaling
 from .formats import Block1D, Block2D, Format, MXFP8
+from .layout import cdiv, round_up
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def round_up(a: int, b: int) -> int:
-    return cdiv(a, b) * b
 
 
 # --------------------------------------------------------------------------------------------
@@ -167,7 +162,8 @@ def _block1d(x2d, recipe: Block1D, value_for_inf, columnwise: bool):
     return data, _pad2d(scale_inv.T, cdiv(cols, 128), round_up(rows, 4), np.float32(1))
 
 
-def quantize(x2d, recipe, rowwise: bool = True, columnwise: bool = False, dtype=None):
+def quantize(x2d, recipe, rowwise: bool = True, columnwise: bool = False, dtype=None,
+             out=None):
     """Quantize a 2-D (M, K) float32/float16/bfloat16 array.
 
     ``dtype`` (the logical input dtype) is accepted for the kernels' signature and ignored: a
@@ -185,8 +181,11 @@ def quantize(x2d, recipe, rowwise: bool = True, columnwise: bool = False, dtype=
     MXFP8     (M,K) u8 / u8 (round128(M), round4(K/32))  (M,K) u8 / u8 (round4(M/32), round128(K))
     ========  =========================================  ==========================================
 
-    Scale padding is 1.0 (fp32) or 0 (E8M0).
+    Scale padding is 1.0 (fp32) or 0 (E8M0). ``out``: None, or four arrays (None entries
+    allowed) of exactly these layouts that receive the results in place (and are returned).
     """
+    if out is not None:
+        return _into(out, quantize(x2d, recipe, rowwise, columnwise, dtype))
     x2d = np.asarray(x2d)
     value_for_inf = scaling.dtype_max(x2d.dtype)
     rows, cols = x2d.shape
@@ -218,6 +217,18 @@ def quantize(x2d, recipe, rowwise: bool = True, columnwise: bool = False, dtype=
     else:  # pragma: no cover - callers validate
         raise TypeError(f"unknown recipe {recipe!r}")
     return row_data, row_sinv, col_data, col_sinv
+
+
+def _into(out, results):
+    """Copy `results` into the given `out` buffers; a None target keeps the new array."""
+    final = []
+    for target, value in zip(out, results):
+        if target is None or value is None:
+            final.append(value)
+        else:
+            target[...] = value
+            final.append(target)
+    return tuple(final)
 
 
 def block2d_columnwise_from_rowwise(rowwise_data, rowwise_scale_inv, out=(None, None)):

@@ -6,26 +6,7 @@ import numpy as np
 from . import _arrays
 from ._dispatch import backend_for
 from .formats import Block1D, Block2D
-from .reference import cdiv, round_up
-
-
-def buffer_layouts(recipe, rows, cols, rowwise=True, columnwise=False):
-    """[(shape, dtype) or None] of (rowwise_data, rowwise_scale_inv, columnwise_data,
-    columnwise_scale_inv) of an (M, K) = (rows, cols) tensor (DESIGN §4; None for a direction
-    not held). Scale tensors include their padding."""
-    if isinstance(recipe, Block1D):
-        row = [((rows, cols), np.uint8), ((cdiv(cols, 128), round_up(rows, 4)), np.float32)]
-        col = [((cols, rows), np.uint8), ((cdiv(rows, 128), round_up(cols, 4)), np.float32)]
-    elif isinstance(recipe, Block2D):
-        mt, kt = cdiv(rows, 128), cdiv(cols, 128)
-        row = [((rows, cols), np.uint8), ((mt, round_up(kt, 4)), np.float32)]
-        col = [((cols, rows), np.uint8), ((kt, round_up(mt, 4)), np.float32)]
-    else:
-        row = [((rows, cols), np.uint8),
-               ((round_up(rows, 128), round_up(cols // 32, 4)), np.uint8)]
-        col = [((rows, cols), np.uint8),
-               ((round_up(rows // 32, 4), round_up(cols, 128)), np.uint8)]
-    return (row if rowwise else [None, None]) + (col if columnwise else [None, None])
+from .layout import shape2d as _shape2d
 
 
 class BlockTensor:
@@ -84,12 +65,7 @@ class BlockTensor:
     @property
     def shape2d(self):
         """(M, K): the product of the leading dims, and the last dim."""
-        if len(self.shape) == 0:
-            return (1, 1)
-        m = 1
-        for d in self.shape[:-1]:  # plain ints: np.prod costs ~5 us, on the per-step path
-            m *= d
-        return (m, self.shape[-1])
+        return _shape2d(self.shape)
 
     @property
     def has_rowwise(self) -> bool:

@@ -45,6 +45,7 @@ from .. import _arrays
 from ..formats import MXFP8, Block1D, Block2D, check_recipe
 from ..ops import quantize
 from ..tensor import BlockTensor
+from ..layout import all_layouts as buffer_layouts, cdiv as _cdiv, round_up as _round_up
 from .base import xp_of
 from .packed import byte_layout, fingerprint, meta_scope, pack_bytes
 
@@ -65,32 +66,6 @@ def _warn_once(site, message):
         return
     _warned_sites.add(site)
     warnings.warn_explicit(message, GatherFallbackWarning, site[0], site[1])
-
-
-def _cdiv(a, b):
-    return -(-a // b)
-
-
-def _round_up(a, b):
-    return _cdiv(a, b) * b
-
-
-# --------------------------------------------------------------------------------------------
-# Layouts (DESIGN §4) and the parts one rank sends
-
-
-def buffer_layouts(recipe, m, k):
-    """[(shape, dtype, fill)] of rowwise data, rowwise scale_inv, columnwise data and
-    columnwise scale_inv of an (m, k) tensor; ``fill`` is the scale padding value."""
-    u8, f32 = np.dtype(np.uint8), np.dtype(np.float32)
-    if isinstance(recipe, Block1D):
-        return [((m, k), u8, None), ((_cdiv(k, 128), _round_up(m, 4)), f32, 1.0),
-                ((k, m), u8, None), ((_cdiv(m, 128), _round_up(k, 4)), f32, 1.0)]
-    if isinstance(recipe, Block2D):
-        return [((m, k), u8, None), ((_cdiv(m, 128), _round_up(_cdiv(k, 128), 4)), f32, 1.0),
-                ((k, m), u8, None), ((_cdiv(k, 128), _round_up(_cdiv(m, 128), 4)), f32, 1.0)]
-    return [((m, k), u8, None), ((_round_up(m, 128), _round_up(k // 32, 4)), u8, 0),
-            ((m, k), u8, None), ((_round_up(m // 32, 4), _round_up(k, 128)), u8, 0)]
 
 
 class _Part:
@@ -492,5 +467,5 @@ def gather_along_first_dim(x, comm, recipe=None, rowwise=True, columnwise=False,
     return out, None
 
 
-__all__ = ["gather_along_first_dim", "GatherFallbackWarning", "buffer_layouts", "FAST",
+__all__ = ["gather_along_first_dim", "GatherFallbackWarning", "FAST",
            "FALLBACK", "PLAIN"]

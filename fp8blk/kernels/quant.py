@@ -11,7 +11,7 @@ import numpy as np
 from .. import scaling
 from .._arrays import BF16
 from ..formats import Block1D, Block2D, E4M3, MXFP8
-from ..tensor import buffer_layouts
+from ..layout import buffer_layouts
 from . import _device as dev
 from . import _quantize_kernel as qk
 from ._host import (SIM, alloc_views, cached_plan, data_ptr, i64, kind_of, module_of,
@@ -54,7 +54,7 @@ class _Plan:
         self.kernel, spec = _kernel_for(recipe, kind, rowwise, columnwise, vec, rows % 16 == 0)
         self.grid = qk.grid(spec, rows, cols)
         self.block = qk.block(spec)
-        self.shapes = [None if s is None else (s[0], np.dtype(s[1]))
+        self.shapes = [None if s is None else (s.shape, s.dtype)
                        for s in buffer_layouts(recipe, rows, cols, rowwise, columnwise)]
         # each output starts on a 256-byte boundary (the kernels' vector stores need 16)
         self.offsets, total = [], 0
@@ -71,28 +71,45 @@ class _Plan:
 _plans = {}
 
 
+def _check_out(out, shapes):
+    out = tuple(out)
+    for buf, want in zip(out, shapes):
+        if want is None:
+            continue
+        if buf is None or tuple(buf.shape) != want[0] or buf.dtype != want[1] \
+                or not buf.flags.c_contiguous or data_ptr(buf) % 16:
+            raise ValueError(f"quantize out= buffer must be a C-contiguous, 16-byte aligned "
+                             f"{want[1]} array of shape {want[0]}, got "
+                             f"{None if buf is None else (buf.dtype, tuple(buf.shape))}")
+    return out
+
+
 def _plan_for(recipe, kind, rows, cols, rowwise, columnwise, vec):
     return cached_plan(_plans, (recipe, kind, rows, cols, rowwise, columnwise, vec), _Plan)
 
 
-def quantize(x2d, recipe, rowwise=True, columnwise=False, dtype=None):
+def quantize(x2d, recipe, rowwise=True, columnwise=False, dtype=None, out=None):
     """Quantize a C-contiguous 2-D (M, K) device array (float32, float16, or bf16 held as
     uint16 with ``dtype`` = bfloat16). Returns ``(row_data, row_sinv, col_data, col_sinv)``
     (None for a direction not asked for) in DESIGN §4 layouts, without synchronizing.
 
     The outputs are views of one allocation (each 256-byte aligned): it is freed when the last
-    of them is."""
+    of them is. ``out``: None, or four arrays (None for a direction not asked for) of exactly
+    the layouts above, C-contiguous and 16-byte aligned, written in place instead."""
     xp = module_of(x2d)
     kind = kind_of(x2d, dtype)
     rows, cols = x2d.shape
     if isinstance(recipe, MXFP8) and (rows % 32 or cols % 32):
         raise ValueError(f"MXFP8 needs M and K to be multiples of 32, got ({rows}, {cols})")
     if rows == 0 or cols == 0:  # every scale tensor is empty too (DESIGN §4 shapes)
-        return tuple(None if s is None else xp.empty(s[0], dtype=s[1])
+        return tuple(None if s is None else xp.empty(s.shape, dtype=s.dtype)
                      for s in buffer_layouts(recipe, rows, cols, rowwise, columnwise))
     vec = cols % dev.ELEMS_PER_CHUNK[kind] == 0 and data_ptr(x2d) % 16 == 0
     plan = _plan_for(recipe, kind, rows, cols, rowwise, columnwise, vec)
-    out = alloc_views(xp, plan.nbytes, plan.shapes, plan.offsets)
+    if out is None:
+        out = alloc_views(xp, plan.nbytes, plan.shapes, plan.offsets)
+    else:
+        out = _check_out(out, plan.shapes)
     if SIM:
         args = tuple(pointer_arg(a, t) if a is not None else unused_pointer(x2d)
                      for a, t in zip((x2d,) + out, plan.arg_dtypes)) + plan.scalars

@@ -122,10 +122,10 @@ def _random_buffers(rng, recipe, shape):
     """Rowwise and columnwise buffers (DESIGN §4 layouts) of uniformly random FP8 bytes (every
     code, NaN and E5M2 inf included) with a zero 128 x 128 region, random finite scale_inv
     over 2**-40 .. 2**40, or random E8M0 codes 0..255."""
-    from fp8blk.tensor import buffer_layouts
+    from fp8blk.layout import buffer_layouts
 
     out = []
-    for (s, dt) in buffer_layouts(recipe, *shape, rowwise=True, columnwise=True):
+    for (s, dt, _) in buffer_layouts(recipe, *shape, rowwise=True, columnwise=True):
         if dt == np.float32:
             a = (rng.random(s, dtype=np.float32) + np.float32(1)) * np.exp2(
                 rng.integers(-40, 41, size=s)).astype(np.float32)

@@ -18,8 +18,7 @@ import ml_dtypes
 import numpy as np
 
 import fp8blk as fb
-from fp8blk.reference import cdiv
-from fp8blk.tensor import buffer_layouts
+from fp8blk.layout import buffer_layouts, cdiv
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
@@ -182,7 +181,7 @@ def alloc_weight(spec, rng, xp=np):
         if layout is None:
             bufs.append(None)
             continue
-        shape, dtype = layout
+        shape, dtype, _ = layout
         if dtype == np.uint8:
             b = rng.integers(0, 256, size=shape, dtype=np.uint8)
         else:

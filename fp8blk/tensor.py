@@ -9,6 +9,14 @@ from .formats import Block1D, Block2D
 from .layout import shape2d as _shape2d
 
 
+def internal_buffers(q) -> list:
+    """The internal door to a BlockTensor's storage: the list ``[rowwise_data,
+    rowwise_scale_inv, columnwise_data, columnwise_scale_inv]`` of internal arrays (None for a
+    buffer not held), in place (assigning an entry replaces that buffer). For fp8blk's own
+    modules; users read the public properties."""
+    return q._buffers
+
+
 class BlockTensor:
     """A block-scaled FP8 tensor of logical shape ``shape`` (..., K), viewed as (M, K).
 

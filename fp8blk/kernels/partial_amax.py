@@ -38,7 +38,8 @@ import numpy as np
 
 from .. import _arrays
 from ..formats import Block2D, E4M3
-from ..reference import cdiv, round_up
+from ..layout import cdiv, round_up
+from ..tensor import internal_buffers
 from . import _device as dev
 from ._device import e8m0_code
 from ._host import data_ptr, module_of
@@ -236,7 +237,7 @@ class Batch:
 
     def __init__(self, items, have_fragments):
         self.block2d = isinstance(items[0].recipe, Block2D)
-        some = next(b for b in items[0].weight._buffers if b is not None)
+        some = next(b for b in internal_buffers(items[0].weight) if b is not None)
         self.xp = module_of(some)
 
         def with_col(it):
@@ -246,7 +247,7 @@ class Batch:
         arrays, written = [], []
         for it in self.items:
             arrays.append(it.master)
-            for b in it.weight._buffers:
+            for b in internal_buffers(it.weight):
                 arrays.append(b)
                 written.append(b)
             arrays += [it.frag_row, it.frag_col]
@@ -319,7 +320,7 @@ class Batch:
         if self.block2d:
             row[F_POW2] = int(r.pow2_scales)
             row[F_EPS] = int(np.float32(r.amax_epsilon).view(np.int32))
-        row_data, row_sinv, col_data, col_sinv = it.weight._buffers
+        row_data, row_sinv, col_data, col_sinv = internal_buffers(it.weight)
         row[F_HASROW], row[F_HASCOL] = int(it.rowwise), int(it.columnwise)
         if it.rowwise:
             row[F_ROWDATA] = (a.offset(it.frag_row, 1) - o) if it.frag_row is not None else \
@@ -405,7 +406,8 @@ def _item_key(it):
     """Everything of an item a Batch depends on: shapes, recipe, directions, the shard's
     place, and the addresses of every array (not the arrays: a key keeps nothing alive)."""
     return (it.h, it.w, it.recipe, it.rowwise, it.columnwise, it.start, it.count,
-            it.master_dtype, _ptr(it.master), tuple(_ptr(b) for b in it.weight._buffers),
+            it.master_dtype, _ptr(it.master),
+            tuple(_ptr(b) for b in internal_buffers(it.weight)),
             _ptr(it.frag_row), _ptr(it.frag_col))
 
 
@@ -417,7 +419,7 @@ def batch_for(items, have_fragments):
     device table. The simulator copies arrays into a pool per call: never cached there."""
     if SIM:
         return Batch(items, have_fragments)
-    xp = module_of(next(b for b in items[0].weight._buffers if b is not None))
+    xp = module_of(next(b for b in internal_buffers(items[0].weight) if b is not None))
     stream = 0 if xp is np else xp.cuda.get_current_stream().ptr
     key = (stream, have_fragments) + tuple(_item_key(it) for it in items)
     with _table_lock:

@@ -55,6 +55,17 @@ def _nccl_dtype(dtype):
     return table[np.dtype(dtype)]
 
 
+def _ptr(arr):
+    """Device address of a CuPy array or a torch CUDA tensor."""
+    data_ptr = getattr(arr, "data_ptr", None)  # torch
+    return data_ptr() if data_ptr is not None else arr.data.ptr
+
+
+def _host_array(arr):
+    """True for NumPy arrays and torch CPU tensors."""
+    return isinstance(arr, np.ndarray) or not getattr(arr, "is_cuda", True)
+
+
 def _nccl_op(op):
     nccl = _nccl()
     return nccl.NCCL_SUM if op == "sum" else nccl.NCCL_MAX
@@ -205,6 +216,41 @@ class NCCLComm(Communicator):
         self.nccl_comm.bcast(buf.data.ptr, buf.size, _nccl().NCCL_UINT8, root,
                              self._stream().ptr)
         return self._enqueued(async_op)
+
+    _stream_ordered = True
+
+    def _gather_parts(self, items, stream_ptr=None):
+        """All items in ONE NCCL group on ``stream_ptr`` (default: the current CuPy stream):
+        equal counts are an in-place ncclAllGather, unequal ones a broadcast per non-empty
+        rank. Device arrays (CuPy or torch CUDA tensors) are passed by pointer: nothing is
+        converted. Host items go to the MPI host communicator."""
+        if items and not _arrays.is_device(items[0][1]) and _host_array(items[0][1]):
+            return self.host_comm._gather_parts(items)
+        nccl = _nccl()
+        stream = self._stream().ptr if stream_ptr is None else stream_ptr
+        me = self.rank
+        nccl.groupStart()
+        try:
+            for send, recv, counts in items:
+                recv_ptr = _ptr(recv)
+                mine = counts[me]
+                start = sum(counts[:me])
+                send_ptr = recv_ptr + start if send is None else _ptr(send)
+                if all(c == mine for c in counts):
+                    if mine:
+                        self.nccl_comm.allGather(send_ptr, recv_ptr, mine, nccl.NCCL_UINT8,
+                                                 stream)
+                    continue
+                offset = 0
+                for root, count in enumerate(counts):
+                    if count:  # every rank skips the same roots: counts agree
+                        dst = recv_ptr + offset
+                        self.nccl_comm.broadcast(send_ptr if root == me else dst, dst, count,
+                                                 nccl.NCCL_UINT8, root, stream)
+                    offset += count
+        finally:
+            nccl.groupEnd()
+        return None
 
     def _barrier(self):
         self._stream().synchronize()

@@ -482,8 +482,11 @@ def _one_gather(s, recipe, rowwise, columnwise, rows, rest, dtype, kind, held, a
     s.paths[path] = s.paths.get(path, 0) + 1
     s.check(comm.stats.last_gather_path == path,
             f"{label}: path {comm.stats.last_gather_path}, expected {path}")
-    s.check(comm.stats.calls == 1 and comm.stats.meta_calls == 1,
-            f"{label}: one data collective and one metadata exchange {comm.stats}")
+    # one data collective; metadata: none at one rank, else a 16-byte check (+ the exchange
+    # on the first call of a configuration)
+    meta = comm.stats.meta_calls
+    s.check(comm.stats.calls == 1 and (meta == 0 if comm.size == 1 else meta in (1, 2)),
+            f"{label}: one data collective and at most a check + an exchange {comm.stats}")
     _compare(s, fam, out, expected, label)
     return out
 
@@ -529,8 +532,9 @@ def check_gather(s: Suite):
         sum(rows[:me]): sum(rows[:me + 1])])
     comm.reset_stats()
     gather_along_first_dim(x, comm, fb.Block1D())
-    payload = rows[me] * k + 4 * rows[me] * 3
-    s.check(payload <= comm.stats.bytes < payload + 32 and comm.stats.calls == 1,
+    # data, plus the (3, round4(rows)) fp32 scales as quantized (sent whole: no packing copy)
+    payload = rows[me] * k + 4 * 3 * (-(-rows[me] // 4) * 4)
+    s.check(comm.stats.bytes == payload and comm.stats.calls == 1,
             f"Block1D rowwise traffic {comm.stats.bytes} for payload {payload}")
 
     # no recipe: a plain all-gather along dim 0, any dtype

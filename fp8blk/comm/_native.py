@@ -1,0 +1,192 @@
+"""Array operations of the gather in the caller's own array family (NumPy, CuPy or torch),
+so that torch tensors stay torch tensors (torch.empty, views, copy_) and nothing crosses
+DLPack per call except where a backend needs it (see :func:`backend_arrays`).
+
+``ops_for(arr)`` returns the operations object of an array's family:
+
+``empty(shape, dtype)``            a new C-contiguous array (dtype: a NumPy dtype, BF16 too)
+``flat_bytes(arr)``                flat uint8 view of a C-contiguous array
+``window(flat, offset, shape, strides, dtype)``
+                                   a typed view into a flat uint8 array: ``offset`` in bytes,
+                                   ``strides`` in elements of ``dtype`` (the byte offset must
+                                   be a multiple of the itemsize)
+``copy(dst, src)``, ``fill(dst, value)``   in place, on the current stream
+``ptr(arr)``                       the data address (device or host)
+``device``                         True for CUDA arrays
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from .. import _arrays, reference
+from .._dispatch import backend_for
+
+U8 = np.dtype(np.uint8)
+
+
+def _span(shape, strides):
+    """Elements from the first to one past the last element of a strided view."""
+    if not all(shape):
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+
+
+class NumpyOps:
+    family = _arrays.NUMPY
+    device = False
+
+    def empty(self, shape, dtype):
+        return np.empty(shape, dtype)
+
+    def flat_bytes(self, arr):
+        return arr.reshape(-1).view(U8)
+
+    def window(self, flat, offset, shape, strides, dtype):
+        dtype = np.dtype(dtype)
+        item = dtype.itemsize
+        return np.ndarray(shape, dtype, buffer=flat, offset=offset,
+                          strides=tuple(s * item for s in strides))
+
+    def copy(self, dst, src):
+        dst[...] = src
+
+    def fill(self, dst, value):
+        dst[...] = value
+
+    def ptr(self, arr):
+        return arr.ctypes.data
+
+    def nbytes(self, arr):
+        return arr.nbytes
+
+
+class CupyOps(NumpyOps):
+    family = _arrays.CUPY
+    device = True
+
+    def __init__(self):
+        import cupy
+
+        self.cupy = cupy
+        self._as_strided = cupy.lib.stride_tricks.as_strided
+
+    def empty(self, shape, dtype):
+        dtype = np.dtype(dtype)
+        if dtype == _arrays.BF16:
+            dtype = np.dtype(np.uint16)  # CuPy holds bf16 as bit patterns
+        return self.cupy.empty(shape, dtype)
+
+    def window(self, flat, offset, shape, strides, dtype):
+        dtype = np.dtype(dtype)
+        if dtype == _arrays.BF16:
+            dtype = np.dtype(np.uint16)
+        item = dtype.itemsize
+        typed = flat[offset: offset + _span(shape, strides) * item].view(dtype)
+        return self._as_strided(typed, tuple(shape), tuple(s * item for s in strides))
+
+    def ptr(self, arr):
+        return arr.data.ptr
+
+
+class TorchOps:
+    family = _arrays.TORCH
+
+    def __init__(self, device):
+        import torch
+
+        self.torch = torch
+        self.device = device.type == "cuda"
+        self.where = device
+        self._dtypes = {np.dtype(np.uint8): torch.uint8, np.dtype(np.float32): torch.float32,
+                        np.dtype(np.float16): torch.float16, _arrays.BF16: torch.bfloat16,
+                        np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
+                        np.dtype(np.float64): torch.float64, np.dtype(np.int16): torch.int16,
+                        np.dtype(np.uint16): torch.int16}
+
+    def tdtype(self, dtype):
+        return dtype if isinstance(dtype, self.torch.dtype) else self._dtypes[np.dtype(dtype)]
+
+    def empty(self, shape, dtype):
+        return self.torch.empty(shape, dtype=self.tdtype(dtype), device=self.where)
+
+    def flat_bytes(self, arr):
+        return arr.reshape(-1).view(self.torch.uint8)
+
+    def window(self, flat, offset, shape, strides, dtype):
+        tdtype = self.tdtype(dtype)
+        item = tdtype.itemsize
+        typed = flat[offset: offset + _span(shape, strides) * item].view(tdtype)
+        return typed.as_strided(tuple(shape), tuple(strides), typed.storage_offset())
+
+    def copy(self, dst, src):
+        dst.copy_(src)
+
+    def fill(self, dst, value):
+        dst.fill_(value)
+
+    def ptr(self, arr):
+        return arr.data_ptr()
+
+    def nbytes(self, arr):
+        return arr.numel() * arr.element_size()
+
+
+_NUMPY = NumpyOps()
+_cupy_ops = None
+_torch_ops = {}
+
+
+def internal_ops(device):
+    """The operations on internal arrays: CuPy for device data, NumPy for host data."""
+    global _cupy_ops
+    if not device:
+        return _NUMPY
+    if _cupy_ops is None:
+        _cupy_ops = CupyOps()
+    return _cupy_ops
+
+
+def ops_for(arr):
+    """The operations object of ``arr``'s family (NumPy, CuPy, torch on its device)."""
+    global _cupy_ops
+    if isinstance(arr, np.ndarray):
+        return _NUMPY
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(arr, cupy.ndarray):
+        if _cupy_ops is None:
+            _cupy_ops = CupyOps()
+        return _cupy_ops
+    device = arr.device
+    ops = _torch_ops.get(device)
+    if ops is None:
+        ops = _torch_ops[device] = TorchOps(device)
+    return ops
+
+
+def quantize_into(x2d, recipe, rowwise, columnwise, dtype, out):
+    """Quantize the (M, K) array ``x2d`` into ``out`` (four arrays of the exact layouts of
+    ``fp8blk.layout.all_layouts``, None for a direction not asked for), in place.
+
+    The backend is the one ``fp8blk._dispatch.backend_for`` picks. A torch tensor it does not
+    take natively (a CPU tensor: the reference takes NumPy; a CUDA tensor until the kernels
+    take torch) is handed over through DLPack without a copy; the results land in ``out``."""
+    backend = backend_for(x2d)
+    torch = _arrays._torch()
+    if torch is not None and isinstance(x2d, torch.Tensor) and not (
+            x2d.is_cuda and backend is not reference):
+        x2d = _arrays.to_backend(x2d)[0]
+        out = [None if b is None else _arrays.to_backend(b)[0] for b in out]
+        backend = backend_for(x2d)
+    backend.quantize(x2d, recipe, rowwise, columnwise, dtype=dtype, out=list(out))
+
+
+def to_native(arr, like_ops, dtype=None):
+    """An internal (NumPy/CuPy) array as the family of ``like_ops`` (DLPack, no copy)."""
+    if like_ops.family == _arrays.TORCH:
+        return _arrays.from_backend(arr, _arrays.TORCH, dtype)
+    return arr
+
+
+__all__ = ["ops_for", "internal_ops", "quantize_into", "to_native", "NumpyOps", "CupyOps", "TorchOps"]

@@ -112,7 +112,10 @@ class TorchOps:
         return self.torch.empty(shape, dtype=self.tdtype(dtype), device=self.where)
 
     def flat_bytes(self, arr):
-        return arr.reshape(-1).view(self.torch.uint8)
+        flat = arr.reshape(-1)
+        if flat.numel() <= 1 and flat.stride(0) != 1:  # DLPack may give size-0/1 tensors
+            flat = flat.as_strided((flat.numel(),), (1,))  # any stride; view() needs 1
+        return flat.view(self.torch.uint8)
 
     def window(self, flat, offset, shape, strides, dtype):
         tdtype = self.tdtype(dtype)

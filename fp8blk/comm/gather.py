@@ -163,8 +163,13 @@ class _DeviceStreams:
             import torch
 
             self.lib = torch
+            if stream is None:  # the common case: no Stream objects (~5 us each in torch)
+                self.compute = self.comm = None
+                self.ptr = _torch_current_stream_ptr(torch)
+                self.same = True
+                return
             self.compute = torch.cuda.current_stream()
-            self.comm = self.compute if stream is None else _torch_stream(stream)
+            self.comm = _torch_stream(stream)
             self.ptr = self.comm.cuda_stream
             self.same = self.ptr == self.compute.cuda_stream
         else:
@@ -208,8 +213,11 @@ class _DeviceStreams:
             if not self.same:
                 self.compute.wait_event(self._record(self.comm))
             return None
-        event = self._record(self.comm)
         lib = self.lib
+        if self.torch_flavour and self.comm is None:
+            event = lib.cuda.current_stream().record_event()
+        else:
+            event = self._record(self.comm)
         if self.torch_flavour:
             return lambda: lib.cuda.current_stream().wait_event(event)
         return lambda: lib.cuda.get_current_stream().wait_event(event)
@@ -228,6 +236,14 @@ _NULL = _Null()
 
 def _torch():
     return sys.modules["torch"]
+
+
+def _torch_current_stream_ptr(torch):
+    """The raw pointer of torch's current CUDA stream (without building a Stream object)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(torch.cuda.current_device())
+    return torch.cuda.current_stream().cuda_stream
 
 
 def _torch_stream_for_ptr(ptr):

@@ -144,7 +144,7 @@ class TorchComm(Communicator):
         dist = _dist()
         send, _, _ = self._work(inp)
         recv, copy_back, group = self._work(out)
-        work = dist.all_gather_into_tensor(recv, send, group=group, async_op=async_op)
+        work = _all_gather_single(dist)(recv, send, group=group, async_op=async_op)
         return self._handle(work, copy_back or (lambda: None), async_op)
 
     def _reduce_scatter(self, inp, out, dtype, op, async_op):
@@ -168,7 +168,7 @@ class TorchComm(Communicator):
             finish = None
             send, _, _ = self._work(inp, dtype)
             recv, copy_back, group = self._work(out, dtype)
-        work = dist.reduce_scatter_tensor(recv, send, op=self._reduce_op(op), group=group,
+        work = _reduce_scatter_single(dist)(recv, send, op=self._reduce_op(op), group=group,
                                           async_op=async_op)
 
         return self._handle(work, _in_order(copy_back, finish), async_op)
@@ -202,7 +202,7 @@ class TorchComm(Communicator):
                     send_t = send_t.to(recv_t.device)
             if all(c == mine for c in counts):
                 if mine:
-                    works.append(dist.all_gather_into_tensor(recv_t, send_t, group=group,
+                    works.append(_all_gather_single(dist)(recv_t, send_t, group=group,
                                                              async_op=True))
             elif recv_t.is_cuda:
                 works.append(dist.all_gather(list(recv_t.split(list(counts))), send_t,
@@ -212,7 +212,7 @@ class TorchComm(Communicator):
                 padded = recv_t.new_zeros(width)
                 padded[:mine] = send_t
                 staging = recv_t.new_empty(width * self.size)
-                works.append(dist.all_gather_into_tensor(staging, padded, group=group,
+                works.append(_all_gather_single(dist)(staging, padded, group=group,
                                                          async_op=True))
                 posts.append(_compact(recv_t, staging, counts, width))
             if copy_back is not None:
@@ -235,7 +235,7 @@ class TorchComm(Communicator):
         table = np.empty((self.size, row.size), dtype=np.int64)
         with self.metadata():
             self._record("all_gather", row.nbytes)
-            _dist().all_gather_into_tensor(torch.from_numpy(table.reshape(-1)),
+            _all_gather_single(_dist())(torch.from_numpy(table.reshape(-1)),
                                            torch.from_numpy(row), group=group)
         return table
 
@@ -248,6 +248,15 @@ class TorchComm(Communicator):
             _dist().all_reduce(_arrays._torch().from_numpy(row), op=_dist().ReduceOp.MAX,
                                group=group)
         return row
+
+
+def _all_gather_single(dist):
+    """``all_gather_single`` (torch >= 2.13; ``all_gather_into_tensor`` is deprecated there)."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _reduce_scatter_single(dist):
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _is_torch(arr):

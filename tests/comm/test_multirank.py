@@ -23,6 +23,14 @@ def test_mpi_suite(n):
     _expect_suite(mpi(n, "comm_suite.py", "mpi"), n)
 
 
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("module", [True, False], ids=["m-mpi4py", "plain-python"])
+def test_plain_gather_uneven_and_errors(n, module):
+    # issue 16: 1-D inputs, lengths that differ per rank, one rank's invalid input; started
+    # without -m mpi4py nothing may hang either
+    _expect_suite(mpi(n, "comm_suite.py", "mpi", "plain", timeout=90, mpi4py_module=module), n)
+
+
 @pytest.mark.parametrize("mode", ["between", "inside"])
 def test_failing_rank_ends_the_mpi_job(mode):
     code, output, seconds = mpi(3, "fail_in_collective.py", mode, timeout=60)

@@ -619,6 +619,30 @@ def gather_along_first_dim(x, comm, recipe=None, rowwise=True, columnwise=False,
                             f"TorchComm), got {type(comm).__name__}")
     src, plan, local_error = _resolve(comm, x, recipe, rowwise, columnwise, sizes)
     comm.stats.record_gather_path(plan.path)
+    with _on_device_of(src):
+        return _gather(comm, src, plan, local_error, async_op, out, stream, frame)
+
+
+def _on_device_of(src):
+    """CuPy's current device set to the input's GPU for the call (CuPy allocates and launches
+    on its current device, which a torch program's torch.cuda.set_device does not move)."""
+    if not src.is_device() or src.family == _arrays.TORCH and src.kind == 0 and \
+            src.recipe is None:
+        return _NULL  # host data, or a plain torch gather (torch allocates on x's device)
+    import cupy  # the internal arrays of a device gather are CuPy arrays
+
+    if src.kind == 1:
+        device = next(b for b in src.buffers if b is not None).device.id
+    elif src.family == _arrays.TORCH:
+        device = src.x.device.index
+    else:
+        device = src.x.device.id
+    if device == cupy.cuda.runtime.getDevice():
+        return _NULL
+    return cupy.cuda.Device(device)
+
+
+def _gather(comm, src, plan, local_error, async_op, out, stream, frame):
     if local_error is not None:
         _join_with_zeros(comm, plan, src)
         raise local_error

@@ -34,6 +34,9 @@ from .packed import fingerprint
 FAST, FALLBACK, PLAIN = "fast", "fallback", "plain"
 ROW, COL = "rowwise", "columnwise"
 SLOT, STAGED = "slot", "staged"
+_NUMPY = _arrays.NUMPY
+_RECIPE_TYPES = (Block1D, Block2D, MXFP8)
+_HIGH_PRECISION = frozenset(_arrays.HIGH_PRECISION)
 CACHE_SIZE = 64  # plans per communicator; FIFO eviction (the same on every rank)
 
 
@@ -45,7 +48,8 @@ class Source:
     """What this rank holds: an array (kind 0, in its own family) or a BlockTensor (kind 1)."""
 
     __slots__ = ("kind", "x", "family", "dtype", "shape", "recipe", "rowwise", "columnwise",
-                 "buffers", "has_row", "has_col", "dim0", "k", "m", "row_elems", "block")
+                 "buffers", "has_row", "has_col", "dim0", "k", "m", "row_elems", "block",
+                 "device")
 
     def __init__(self, x, recipe, rowwise, columnwise):
         self.rowwise, self.columnwise = bool(rowwise), bool(columnwise)
@@ -74,7 +78,7 @@ class Source:
 
     def _from_array(self, x, recipe):
         self.kind = 0
-        family = _arrays.family_of(x)
+        family = _NUMPY if type(x) is np.ndarray else _arrays.family_of(x)
         self.family = family
         if family == _arrays.TORCH:
             self.dtype = _torch_dtype(x)
@@ -88,13 +92,15 @@ class Source:
             raise ValueError("gather_along_first_dim needs an array with at least one dim "
                              "(it concatenates along dim 0)")
         self.x = x
-        self.shape = tuple(int(d) for d in x.shape)
+        self.shape = tuple(x.shape) if family != _arrays.TORCH else tuple(int(d) for d in x.shape)
         self.recipe = recipe
         self.buffers = self.block = None
         self.has_row = self.has_col = False
+        self.device = family == _arrays.CUPY or (family == _arrays.TORCH and x.is_cuda)
         if recipe is not None:
-            check_recipe(recipe)
-            if self.dtype not in _arrays.HIGH_PRECISION:
+            if type(recipe) not in _RECIPE_TYPES:
+                check_recipe(recipe)
+            if self.dtype not in _HIGH_PRECISION:
                 raise TypeError(f"gather_along_first_dim quantizes float32, bfloat16 or "
                                 f"float16 input, got {self.dtype}")
 
@@ -117,6 +123,7 @@ class Source:
         self.shape = tuple(x.shape)
         self.has_row = self.buffers[0] is not None
         self.has_col = self.buffers[2] is not None
+        self.device = _arrays.is_device(held[0])
         if self.dtype not in _arrays.HIGH_PRECISION:
             raise TypeError(f"the BlockTensor's dtype {self.dtype} is not float32, bfloat16 "
                             f"or float16")
@@ -144,11 +151,7 @@ class Source:
         return self.x
 
     def is_device(self):
-        if self.kind == 1:
-            return _arrays.is_device(self.internal_family_array())
-        if self.family == _arrays.TORCH:
-            return bool(self.x.is_cuda)
-        return self.family == _arrays.CUPY
+        return self.device
 
     def describe(self):
         return (f"shape {self.shape}, dtype {self.dtype}, recipe {self.recipe!r}, "
@@ -238,12 +241,23 @@ class Part:
     target buffer's flat bytes from offset 0 (``SLOT``: the ranks' parts are consecutive
     there) or into a staging buffer, rank-major, and then moved into place (``STAGED``)."""
 
-    __slots__ = ("index", "mode", "counts", "displs", "local_layout")
+    __slots__ = ("index", "mode", "counts", "displs", "local_layout", "total", "strides")
 
     def __init__(self, index, mode, counts, local_layout):
         self.index, self.mode, self.counts = index, mode, counts
         self.displs = [sum(counts[:r]) for r in range(len(counts))]
         self.local_layout = local_layout
+        self.total = sum(counts)
+        self.strides = c_strides(local_layout.shape)
+
+
+def c_strides(shape):
+    """Row-major strides of ``shape``, in elements."""
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= d
+    return tuple(reversed(strides))
 
 
 class Plan:
@@ -275,6 +289,14 @@ class Plan:
         self.derive_columnwise = isinstance(self.recipe, Block2D) and self.columnwise
         self.targets = self._targets()
         self.parts, self.fills = ([], []) if self.path != FAST else self._layout_parts()
+        # per-call constants of the fast path
+        self.out_layouts = all_layouts(self.recipe, self.M, self.K)
+        self.row_q = self.path == FAST and ROW in self.directions
+        self.col_q = self.path == FAST and COL in self.directions
+        self.quantized = [self.row_q, self.row_q, self.col_q, self.col_q]
+        self.direct = comm_size == 1 and self.kind == 0  # the local quantize is the output
+        self.needs_fix_up = not self.direct or self.derive_columnwise
+        self.checked_out = None  # (out, its buffers) last validated as this plan's out=
 
     # -- the path ------------------------------------------------------------------------
     def _aligned(self, block):
@@ -369,6 +391,12 @@ class Plan:
         return parts, fills
 
     def sent_bytes(self):
+        sent = self.__dict__.get("_sent")
+        if sent is None:
+            sent = self._sent = self._sent_bytes()
+        return sent
+
+    def _sent_bytes(self):
         if self.path == PLAIN:
             return self.counts[self.rank]
         if self.path == FAST:
@@ -430,5 +458,5 @@ def local_key(src, sizes):
             src.has_row, src.has_col)
 
 
-__all__ = ["Source", "Plan", "Part", "PlanCache", "exchange", "check_sizes", "local_key",
+__all__ = ["Source", "Plan", "Part", "c_strides", "PlanCache", "exchange", "check_sizes", "local_key",
            "FAST", "FALLBACK", "PLAIN", "SLOT", "STAGED"]

@@ -382,6 +382,9 @@ class Communicator:
         raise NotImplementedError
 
     # -- internal hooks of the quantized gather (fp8blk.comm.gather) --------------------------
+    #: the quantized gather's cache of plans (fp8blk.comm.gather.plan_cache)
+    _gather_plans = None
+
     #: True when ``_gather_parts`` enqueues on a device stream and its ``finish`` (if any)
     #: only orders that stream (never blocks the host): then the gather's post-processing is
     #: enqueued right away and an asynchronous gather's handle is an event.

@@ -244,6 +244,13 @@ class Communicator:
     count and uses ``_all_gather``), ``_reduce_scatter(inp, out, dtype, op, async_op)``,
     ``_broadcast(buf, root, async_op)``, ``_barrier()``. ``inp`` / ``buf`` of all_gather,
     all_gather_v and broadcast arrive as flat uint8 views; reductions keep their dtype.
+
+    Internal hooks of the quantized gather (defaults here; backends override for speed):
+    ``_gather_parts(items, stream_ptr)`` (one grouped, possibly in-place all-gather of several
+    byte buffers; NCCL: one group, MPI: in-place Iallgather(v), torch: in-place
+    all_gather_into_tensor), ``_meta_all_gather(row)`` / ``_meta_all_reduce_max(row)`` (small
+    host int64 metadata, never staged through a device), ``_stream_ordered`` (whether
+    ``_gather_parts`` only enqueues on a stream).
     """
 
     rank: int = 0

@@ -29,7 +29,8 @@ import cupy  # noqa: E402
 
 import fp8blk as fb  # noqa: E402
 from fp8blk import _arrays, kernels, ops  # noqa: E402
-from fp8blk.kernels import _host, quant  # noqa: E402
+from fp8blk.kernels import _host  # noqa: E402
+from fp8blk.kernels.quantize import _plan_for, kind_of  # noqa: E402
 
 
 def timed(fn, n, repeats=7):
@@ -53,7 +54,7 @@ def main():
     args = ap.parse_args()
     x = cupy.random.standard_normal((256, 256), dtype=np.float32)
     rec = fb.Block1D()
-    plan = quant._plan_for(rec, quant.kind_of(x, None), 256, 256, True, False,
+    plan = _plan_for(rec, kind_of(x, None), 256, 256, True, False,
                            _host.data_ptr(x) % 16 == 0)
     outs = _host.alloc_views(cupy, plan.nbytes, plan.shapes, plan.offsets)
     launch_args = (x, outs[0], outs[1], x, x) + plan.scalars
@@ -65,8 +66,8 @@ def main():
         "_arrays.to_backend": lambda: _arrays.to_backend(x),
         "ops._validate": lambda: ops._validate(x, x.dtype, "cupy", rec, True, False),
         "backend_for": lambda: ops.backend_for(x),
-        "plan lookup (_plan_for)": lambda: quant._plan_for(rec, 0, 256, 256, True, False, True),
-        "kind_of": lambda: quant.kind_of(x, None),
+        "plan lookup (_plan_for)": lambda: _plan_for(rec, 0, 256, 256, True, False, True),
+        "kind_of": lambda: kind_of(x, None),
         "data_ptr": lambda: _host.data_ptr(x),
         "alloc_views (1 alloc + 2 views)":
             lambda: _host.alloc_views(cupy, plan.nbytes, plan.shapes, plan.offsets),

@@ -12,21 +12,21 @@ import numpy as np
 
 from .._arrays import BF16
 from ..layout import cdiv, round_up  # noqa: F401  (re-exported for the launchers)
-from . import _device as dev
+from . import _specs as sp
 from ._numba import SIM
 
-_KIND_OF = {np.dtype(np.float32): dev.F32, np.dtype(np.float16): dev.F16}
+_KIND_OF = {np.dtype(np.float32): sp.F32, np.dtype(np.float16): sp.F16}
 
 
 def kind_of(arr, dtype):
-    """Input kind (dev.F32 / BF16 / F16) from the logical dtype (device bf16 is uint16)."""
+    """Input kind (sp.F32 / BF16 / F16) from the logical dtype (device bf16 is uint16)."""
     logical = np.dtype(dtype) if dtype is not None else arr.dtype
     if logical == BF16:
-        return dev.BF16
+        return sp.BF16
     kind = _KIND_OF.get(logical)
     if kind is None:
         raise TypeError(f"quantize takes float32, bfloat16 or float16 input, got {logical}")
-    if arr.dtype.itemsize != dev.ITEMSIZE[kind]:
+    if arr.dtype.itemsize != sp.ITEMSIZE[kind]:
         raise TypeError(f"array of dtype {arr.dtype} does not hold {logical} elements")
     return kind
 

@@ -80,10 +80,25 @@ class LocalBatch:
 
 
 class Config:
-    __slots__ = ("fp", "key", "first")
+    """A verified batch: ``fp`` its fingerprint (the same on every rank), ``key`` this rank's
+    key in it, ``first`` its first bucket's (on_device, unit, entries) or None."""
+
+    __slots__ = ("fp", "key", "first", "_hit")
 
     def __init__(self, fp, key, first):
-        self.fp, self.key, self.first = fp, key, first
+        self.fp, self.key, self.first, self._hit = fp, key, first, None
+
+    def hit_header(self, device=False):
+        """The header every rank sends when all hit -- also what they all get back -- encoded
+        once (and, for device buffers, uploaded once)."""
+        if self._hit is None:
+            host = encode(self.first[1], False, False, self.fp)
+            self._hit = (host, host.tobytes(), None)
+        if device and self._hit[2] is None:
+            import cupy
+
+            self._hit = self._hit[:2] + (cupy.asarray(self._hit[0]),)
+        return self._hit
 
 
 class _State:
@@ -172,23 +187,24 @@ class HeaderedComm:
     buffer with the header appended, and raises :class:`Diverted` (before anything is
     written) unless every rank hit."""
 
-    def __init__(self, comm, header):
-        self.comm, self.header, self.result = comm, header, None
+    def __init__(self, comm, config):
+        self.comm, self.config, self.result = comm, config, None
 
     def all_reduce(self, buf, op="max"):
         n = buf.size
-        if isinstance(buf, np.ndarray):
-            full = np.empty(n + self.header.size, buf.dtype)
-            full[n:] = self.header
+        device = not isinstance(buf, np.ndarray)
+        header, header_bytes, header_dev = self.config.hit_header(device)
+        if device:
+            import cupy as xp
         else:
-            import cupy
-
-            full = cupy.empty(n + self.header.size, buf.dtype)
-            full[n:] = cupy.asarray(self.header)
+            xp = np
+        full = xp.empty(n + header.size, buf.dtype)
         full[:n] = buf
+        full[n:] = header_dev if device else header
         self.comm.all_reduce(full, op="max")
-        self.result = Header(_to_host(full[n:]))
-        if not self.result.steady:
+        reduced = _to_host(full[n:])
+        if reduced.tobytes() != header_bytes:  # all hit <=> the MAX is the hit header itself
+            self.result = Header(reduced)
             raise Diverted()
         buf[...] = full[:n]
 
@@ -226,8 +242,7 @@ def run(comm, batch, error, cast):
         believed = None if error is not None else state.local.get(batch.key)
     try:
         if hit and predicted.first is not None:
-            header = encode(predicted.first[1], False, False, believed)
-            first_comm = HeaderedComm(comm, header)
+            first_comm = HeaderedComm(comm, predicted)
             try:
                 cast(first_comm)
                 state.finish(predicted.fp)

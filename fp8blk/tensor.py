@@ -84,7 +84,7 @@ class BlockTensor:
         if family is None:
             family = families[0] if families else _arrays.NUMPY
         elif families:
-            device = any(_arrays.is_device(b) for b in buffers if b is not None)
+            device = any(_arrays.on_gpu(b) for b in buffers if b is not None)
             if (family == _arrays.CUPY and not device) or (family == _arrays.NUMPY and device):
                 raise ValueError(f"family={family!r} does not match the buffers, which are on "
                                  f"the {'device' if device else 'host'}")
@@ -249,17 +249,17 @@ def _check_buffers(shape, recipe, given):
         if buf is None:
             buffers.append(None)
             continue
-        try:
-            arr, family, dtype = _arrays.to_backend(buf)
+        try:  # internal form: NumPy for host data, CuPy as is, torch CUDA tensors as they are
+            arr, family, dtype = _arrays.to_internal(buf)
         except TypeError as err:
             raise TypeError(f"{name}: {err}") from None
         if dtype != layout.dtype or tuple(arr.shape) != layout.shape:
             raise ValueError(f"{name} must be {layout.dtype}{layout.shape} for shape {shape} "
                              f"and {recipe!r} (fp8blk.layout.all_layouts), got "
                              f"{dtype}{tuple(arr.shape)}")
-        if not arr.flags.c_contiguous:
+        if not _arrays.is_contiguous(arr):
             raise ValueError(f"{name} must be C-contiguous (pass a contiguous copy)")
-        on_device = _arrays.is_device(arr)
+        on_device = _arrays.on_gpu(arr)
         if device is not None and on_device != device:
             raise ValueError("the buffers must all be on the host (NumPy / CPU torch) or all "
                              "on the device (CuPy / CUDA torch); got a mix")

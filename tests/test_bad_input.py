@@ -227,3 +227,14 @@ def test_demo_runs_on_a_shape_mxfp8_cannot_take(capsys):
     out = capsys.readouterr().out
     assert "MXFP8 E4M3    skipped: MXFP8 needs M and K to be multiples of 32" in out
     assert "Block2D E4M3" in out
+
+
+@pytest.mark.gpu
+def test_torch_cuda_sparse_and_meta_say_what_is_wrong():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs torch with CUDA")
+    with pytest.raises(TypeError, match="sparse torch tensor"):
+        fb.quantize(torch.eye(64, device="cuda").to_sparse(), fb.Block1D())
+    with pytest.raises(TypeError, match="meta device"):
+        fb.quantize(torch.empty(64, 64, device="meta"), fb.Block1D())

@@ -59,6 +59,20 @@ def _meta(comm):
     return scope()
 
 
+def _reduce_small(comm, arr):
+    """MAX all-reduce of a small NumPy array as metadata; returns the reduced NumPy array. A
+    communicator that takes device buffers only (NCCLComm built without a host communicator)
+    gets a CuPy copy -- decided by the communicator alone, so every rank does the same."""
+    device_only = type(comm).__name__ == "NCCLComm" and getattr(comm, "host_comm", 0) is None
+    if device_only:
+        import cupy
+
+        arr = cupy.asarray(arr)
+    with _meta(comm):
+        comm.all_reduce(arr, op="max")
+    return _to_host(arr)
+
+
 class Diverted(Exception):
     """Raised inside the first bucket's all-reduce when the header says the ranks are not all
     in the predicted config: nothing has been written yet; the caller takes the branch."""
@@ -254,9 +268,7 @@ def run(comm, batch, error, cast):
             result = _zeros_with_header(comm, predicted.first, header)
         else:
             header = encode(np.int32, error is not None, not hit, believed)
-            with _meta(comm):
-                comm.all_reduce(header, op="max")
-            result = Header(header)
+            result = Header(_reduce_small(comm, header))
             if result.steady:  # every rank passed the predicted empty batch
                 state.finish(predicted.fp)
                 return
@@ -277,8 +289,7 @@ def run(comm, batch, error, cast):
 def _raise_errors(comm, error):
     flags = np.zeros(comm.size, np.int64)
     flags[comm.rank] = error is not None
-    with _meta(comm):
-        comm.all_reduce(flags, op="max")
+    flags = _reduce_small(comm, flags)
     if error is not None:
         raise error
     bad = [int(r) for r in np.flatnonzero(flags)]
@@ -299,9 +310,7 @@ def _gather(comm, row):
     row = np.asarray(row, dtype=np.int64)
     table = np.zeros((comm.size,) + row.shape, np.int64)
     table[comm.rank] = row
-    with _meta(comm):
-        comm.all_reduce(table, op="max")
-    return table
+    return _reduce_small(comm, table)
 
 
 def _recipe_fields(recipe):

@@ -405,10 +405,11 @@ def cast_master_weights(weights, masters, start_offsets, comm, fragments=None,
         the collective).
       start_offsets: per weight, the flat index o of the shard's first element in the row-major
         weight; the shard covers [o, o + len(shard)).
-      comm: a communicator with ``all_reduce(buf, op="max")`` in place (fp8blk.comm.*). Every
-        rank must call with the same weights list; exactly one all-reduce is made per bucket
-        present (Block2D: int32, the bits of the fp32 amax of every 128x128 tile; MXFP8: uint8,
-        1 byte per 1x32 / 32x1 block of every held direction).
+      comm: a communicator with ``rank``, ``size`` and ``all_reduce(buf, op="max")`` in place
+        (fp8blk.comm.*). In the steady state exactly one all-reduce is made per bucket present
+        (Block2D: int32, the bits of the fp32 amax of every 128x128 tile; MXFP8: uint8, 1 byte
+        per 1x32 / 32x1 block of every held direction), the first carrying a 44- / 19-byte
+        rank-agreement header.
       fragments: None, or per weight the flat uint8 destination of the owned bytes (Block2D: one
         array of n bytes; MXFP8: a (rowwise, columnwise) pair, None for a direction not held).
         Data bytes are written there instead of into the weight; scales still go to the weight.
@@ -419,6 +420,22 @@ def cast_master_weights(weights, masters, start_offsets, comm, fragments=None,
     equal ``quantize(model_dtype(full weight), recipe, ...)`` byte for byte and the scales equal
     quantize's on every rank, for any world size and any shard boundaries (with the overflow-scale
     rule described in the module docstring). Returns None.
+
+    Every rank must pass the same batch: the number of weights, each weight's shape, recipe
+    (fmt, pow2_scales, amax_epsilon) and directions held, the model dtype, host or device
+    buffers; and the shards of all ranks must tile each weight exactly (with one rank: cover
+    it). Otherwise -- or when any rank's own arguments are invalid -- every rank raises (a
+    ValueError naming what differs, the rank with invalid arguments its own error) and nothing
+    is written: no hang, no error inside MPI/NCCL. This is checked by metadata collectives the
+    first time a batch (with its shard ranges) is seen on this communicator, then for free
+    (fp8blk._master_agree). On device buffers with several ranks, the first bucket's header is
+    read on the host: one stream synchronize per call.
+
+        import numpy as np, fp8blk as fb
+        from fp8blk.comm import MPIComm            # one rank here; under mpiexec, several
+        w = fb.quantize(np.zeros((256, 256), np.float32), fb.Block2D())
+        shard = np.random.default_rng(0).standard_normal(256 * 256).astype(np.float32)
+        fb.cast_master_weights([w], [shard], [0], MPIComm())  # w now holds fp8(bf16(shard))
     """
     if not all(hasattr(comm, a) for a in ("all_reduce", "rank", "size")):
         raise TypeError(f"comm must be a fp8blk communicator (rank, size and all_reduce(buf, "

@@ -29,6 +29,7 @@ from .. import _arrays
 from ..formats import MXFP8, Block1D, Block2D, check_recipe
 from ..layout import all_layouts, cdiv, round_up
 from ..tensor import BlockTensor, internal_buffers
+from ._native import contiguous, logical_dtype
 from .packed import fingerprint
 
 FAST, FALLBACK, PLAIN = "fast", "fallback", "plain"
@@ -123,7 +124,7 @@ class Source:
         self.shape = tuple(x.shape)
         self.has_row = self.buffers[0] is not None
         self.has_col = self.buffers[2] is not None
-        self.device = _arrays.is_device(held[0])
+        self.device = _arrays.on_gpu(held[0])
         if self.dtype not in _arrays.HIGH_PRECISION:
             raise TypeError(f"the BlockTensor's dtype {self.dtype} is not float32, bfloat16 "
                             f"or float16")
@@ -134,8 +135,8 @@ class Source:
         for i, (buf, layout) in enumerate(zip(self.buffers,
                                               all_layouts(self.recipe, self.m, self.k))):
             if buf is not None and (tuple(buf.shape) != layout.shape
-                                    or buf.dtype != layout.dtype
-                                    or not buf.flags.c_contiguous):
+                                    or logical_dtype(buf) != layout.dtype
+                                    or not contiguous(buf)):
                 name = ("rowwise_data", "rowwise_scale_inv", "columnwise_data",
                         "columnwise_scale_inv")[i]
                 raise ValueError(f"the BlockTensor's {name} is {buf.dtype}{tuple(buf.shape)}, "

@@ -141,6 +141,20 @@ _cupy_ops = None
 _torch_ops = {}
 
 
+def logical_dtype(arr):
+    """The NumPy dtype of an internal array (torch dtypes mapped: torch.bfloat16 -> BF16)."""
+    dtype = arr.dtype
+    if isinstance(dtype, np.dtype):
+        return dtype
+    return _arrays.torch_to_numpy_dtype(dtype)
+
+
+def contiguous(arr):
+    """C-contiguity of a NumPy/CuPy array or a torch tensor."""
+    flags = getattr(arr, "flags", None)
+    return flags.c_contiguous if flags is not None else arr.is_contiguous()
+
+
 def internal_ops(device):
     """The operations on internal arrays: CuPy for device data, NumPy for host data."""
     global _cupy_ops
@@ -172,16 +186,15 @@ def quantize_into(x2d, recipe, rowwise, columnwise, dtype, out):
     """Quantize the (M, K) array ``x2d`` into ``out`` (four arrays of the exact layouts of
     ``fp8blk.layout.all_layouts``, None for a direction not asked for), in place.
 
-    The backend is the one ``fp8blk._dispatch.backend_for`` picks. A torch tensor it does not
-    take natively (a CPU tensor: the reference takes NumPy; a CUDA tensor until the kernels
-    take torch) is handed over through DLPack without a copy; the results land in ``out``."""
+    The backend is the one ``fp8blk._dispatch.backend_for`` picks: the kernels take CuPy
+    arrays and torch CUDA tensors as they are; the reference takes NumPy, so CPU torch tensors
+    are handed to it through DLPack (no copy; the results land in ``out``)."""
     backend = backend_for(x2d)
-    torch = _arrays._torch()
-    if torch is not None and isinstance(x2d, torch.Tensor) and not (
-            x2d.is_cuda and backend is not reference):
-        x2d = _arrays.to_backend(x2d)[0]
-        out = [None if b is None else _arrays.to_backend(b)[0] for b in out]
-        backend = backend_for(x2d)
+    if backend is reference:
+        if _arrays.is_torch(x2d):
+            x2d = _arrays.to_backend(x2d)[0]
+        out = [_arrays.to_backend(b)[0] if b is not None and _arrays.is_torch(b) else b
+               for b in out]
     backend.quantize(x2d, recipe, rowwise, columnwise, dtype=dtype, out=list(out))
 
 
@@ -192,4 +205,4 @@ def to_native(arr, like_ops, dtype=None):
     return arr
 
 
-__all__ = ["ops_for", "internal_ops", "quantize_into", "to_native", "NumpyOps", "CupyOps", "TorchOps"]
+__all__ = ["ops_for", "internal_ops", "logical_dtype", "contiguous", "quantize_into", "to_native", "NumpyOps", "CupyOps", "TorchOps"]

@@ -68,7 +68,7 @@ from ..layout import all_layouts, cdiv, round_up
 from ..tensor import BlockTensor, internal_buffers
 from ._gather_plan import (FALLBACK, FAST, PLAIN, SLOT, STAGED, Plan, PlanCache, Source,
                            check_sizes, exchange, local_key)
-from ._native import U8, internal_ops, ops_for, quantize_into
+from ._native import U8, contiguous, internal_ops, logical_dtype, ops_for, quantize_into
 from .base import Communicator, Handle
 
 ROW, COL = "rowwise", "columnwise"
@@ -311,10 +311,11 @@ def _run(comm, items, post, ops, streams, async_op, result):
     return Handle(waiter=waiter, result=result) if async_op else None
 
 
-def _streams_for(device, torch_flavour, stream):
-    if not device:
+def _streams_for(ops, stream):
+    """The streams of a device gather, in the flavour of its arrays (None on the host)."""
+    if not ops.device:
         return None
-    return _DeviceStreams(torch_flavour, stream)
+    return _DeviceStreams(ops.family == _arrays.TORCH, stream)
 
 
 # --------------------------------------------------------------------------------------------
@@ -322,8 +323,15 @@ def _streams_for(device, torch_flavour, stream):
 
 
 def _internal_ops(src):
-    """Operations on the internal arrays (NumPy/CuPy) the BlockTensor result holds."""
-    return internal_ops(src.device)
+    """Operations on the internal arrays the result holds: NumPy on the host, CuPy for CuPy
+    input, torch for torch CUDA input (the kernels run on torch tensors natively, on torch's
+    current stream, so nothing crosses DLPack)."""
+    if not src.device:
+        return internal_ops(False)
+    some = src.x if src.kind == 0 else next(b for b in src.buffers if b is not None)
+    if _arrays.is_torch(some):
+        return ops_for(some)
+    return internal_ops(True)
 
 
 def _targets(plan, out, ops):
@@ -370,8 +378,8 @@ def _check_out(plan, out, ops):
             continue
         if ops_for(buf).family != ops.family:
             raise ValueError("out is on another device (or array family) than the input")
-        if (tuple(buf.shape) != layouts[i].shape or buf.dtype != layouts[i].dtype
-                or not buf.flags.c_contiguous or (ops.device and ops.ptr(buf) % 16)):
+        if (tuple(buf.shape) != layouts[i].shape or logical_dtype(buf) != layouts[i].dtype
+                or not contiguous(buf) or (ops.device and ops.ptr(buf) % 16)):
             raise ValueError(f"out's buffer {i} must be a C-contiguous, 16-byte aligned "
                              f"{layouts[i].dtype}{layouts[i].shape}")
         targets.append(buf)
@@ -384,7 +392,7 @@ def _result(plan, src, targets, out):
     final = list(targets)
     if not plan.rowwise:
         final[0] = final[1] = None
-    return BlockTensor(plan.out_shape, plan.recipe, *final, dtype=src.dtype, family=src.family)
+    return BlockTensor._wrap(plan.out_shape, plan.recipe, final, src.dtype, src.family)
 
 
 # --------------------------------------------------------------------------------------------
@@ -420,12 +428,12 @@ def _block_sends(src, plan):
 
 
 def _fast(comm, src, plan, out, async_op, stream):
-    ops = internal_ops(src.device)
+    ops = _internal_ops(src)
     targets = _targets(plan, out, ops)
     result = _result(plan, src, targets, out)
     # one rank, synchronous, current stream: everything is plain stream-ordered launches
     quiet = plan.direct and stream is None and not async_op
-    streams = None if quiet else _streams_for(ops.device, False, stream)
+    streams = None if quiet else _streams_for(ops, stream)
     quantized, rank = plan.quantized, plan.rank
     items, stagings = [], {}
     if plan.direct:  # one rank: the output IS the local quantize
@@ -519,9 +527,11 @@ def _fallback(comm, src, plan, out, async_op, stream):
         some = next(b for b in src.buffers if b is not None)
         local = backend_for(some).dequantize(src.recipe, (src.m, src.k), *src.buffers,
                                              dtype=src.dtype)
+    elif src.family == _arrays.TORCH and not src.device:
+        local = _arrays.to_backend(src.x)[0]  # a CPU tensor: its NumPy view (no copy)
     else:
-        local = src.x if src.family != _arrays.TORCH else _arrays.to_backend(src.x)[0]
-    streams = _streams_for(ops.device, False, stream)
+        local = src.x
+    streams = _streams_for(ops, stream)
     full = ops.empty((plan.M, plan.K), plan.dtype)
     row_bytes = plan.K * plan.dtype.itemsize
     counts = [m * row_bytes for m in plan.ms]
@@ -547,7 +557,7 @@ def _plain(comm, src, plan, out, async_op, stream):
                              f"got {type(out).__name__} of shape {tuple(out.shape)}")
         if _arrays.numpy_dtype(out.dtype) != src.dtype or not _arrays.is_contiguous(out):
             raise ValueError(f"out must be C-contiguous with dtype {src.dtype}")
-    streams = _streams_for(ops.device, ops.family == _arrays.TORCH, stream)
+    streams = _streams_for(ops, stream)
     items = [(ops.flat_bytes(src.x), ops.flat_bytes(full), plan.counts)]
     comm._record("all_gather_v", plan.counts[plan.rank])
     return full, _run(comm, items, _nothing, ops, streams, async_op, full)
@@ -573,8 +583,7 @@ def _join_with_zeros(comm, plan, src):
         send = ops.empty(counts[plan.rank], U8)
         ops.fill(send, 0)
         items.append((send, ops.empty(sum(counts), U8), counts))
-    streams = _streams_for(ops.device, ops.family == _arrays.TORCH, None)
-    _run(comm, items, _nothing, ops, streams, False, None)
+    _run(comm, items, _nothing, ops, _streams_for(ops, None), False, None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -621,17 +630,14 @@ def gather_along_first_dim(x, comm, recipe=None, rowwise=True, columnwise=False,
 def _on_device_of(src):
     """CuPy's current device set to the input's GPU for the call (CuPy allocates and launches
     on its current device, which a torch program's torch.cuda.set_device does not move)."""
-    if not src.is_device() or src.family == _arrays.TORCH and src.kind == 0 and \
-            src.recipe is None:
-        return _NULL  # host data, or a plain torch gather (torch allocates on x's device)
-    import cupy  # the internal arrays of a device gather are CuPy arrays
+    if not src.device:
+        return _NULL
+    some = src.x if src.kind == 0 else next(b for b in src.buffers if b is not None)
+    if _arrays.is_torch(some):
+        return _NULL  # torch arrays: torch allocates on the input's device
+    import cupy
 
-    if src.kind == 1:
-        device = next(b for b in src.buffers if b is not None).device.id
-    elif src.family == _arrays.TORCH:
-        device = src.x.device.index
-    else:
-        device = src.x.device.id
+    device = some.device.id
     if device == cupy.cuda.runtime.getDevice():
         return _NULL
     return cupy.cuda.Device(device)

@@ -173,3 +173,37 @@ def test_nccl_plain_and_cache(fake_nccl, rng):
         assert np.array_equal(out, np.concatenate(every))
         assert meta == 2  # the check, then the exchange of a first call
         assert (hits, misses) == (1, 2)
+
+
+TORCH_CASES = [(fb.Block1D(), True, False), (fb.Block1D(), True, True),
+               (fb.MXFP8(), True, True), (fb.Block2D(), True, False)]
+
+
+@pytest.mark.parametrize("recipe,rowwise,columnwise", TORCH_CASES)
+def test_torch_native_arrays(fake_nccl, monkeypatch, recipe, rowwise, columnwise, rng):
+    """The path torch CUDA inputs take (torch output buffers, torch windows and strided
+    copies, pointers from data_ptr), run on CPU tensors standing in for CUDA ones."""
+    torch = pytest.importorskip("torch")
+    from fp8blk.comm import _native, gather as gather_module
+
+    monkeypatch.setattr(gather_module, "_internal_ops", lambda src: _native.ops_for(src.x))
+    monkeypatch.setattr(nccl_module, "_ptr", lambda arr: arr.data_ptr()
+                        if isinstance(arr, torch.Tensor) else arr.ctypes.data)
+    n, k = 3, 96 if isinstance(recipe, fb.MXFP8) else 260
+    for rows in ([128] * n, [256, 128, 96 if not isinstance(recipe, fb.Block2D) else 0]):
+        every = [_data(rng, r, k) for r in rows]
+        expected = fb.quantize(np.concatenate(every), recipe, rowwise, columnwise)
+
+        def body(comm, every=every):
+            out, _ = gather_along_first_dim(torch.from_numpy(every[comm.rank]), comm, recipe,
+                                            rowwise, columnwise)
+            return out
+        results, _ = _run_ranks(n, body)
+        for out in results:
+            for name in ("rowwise_data", "rowwise_scale_inv", "columnwise_data",
+                         "columnwise_scale_inv"):
+                g, e = getattr(out, name), getattr(expected, name)
+                assert (g is None) == (e is None), name
+                if e is not None:
+                    assert isinstance(g, torch.Tensor)
+                    assert np.array_equal(g.numpy().view(np.uint8), e.view(np.uint8)), name

@@ -139,7 +139,7 @@ def breakdown(world, x, recipe, rowwise, columnwise, sizes, out):
 
     comm = world.comm
     src, plan, _ = gather_module._resolve(comm, x, recipe, rowwise, columnwise, sizes)
-    ops = _native.internal_ops(True)
+    ops = gather_module._internal_ops(src)  # torch ops for torch input (no DLPack)
     targets = gather_module._targets(plan, out, ops)
     layouts = all_layouts(recipe, plan.local_rows(), plan.K)
     quantized = [i for i in range(4) if (i < 2 and rowwise) or (i >= 2 and (
@@ -259,7 +259,7 @@ def main():
                     import traceback
 
                     traceback.print_exc()
-        del x, full, gathered
+        x = full = gathered = None  # free before the next size
         torch.cuda.empty_cache()
         cupy.get_default_memory_pool().free_all_blocks()
 

@@ -459,5 +459,5 @@ def local_key(src, sizes):
             src.has_row, src.has_col)
 
 
-__all__ = ["Source", "Plan", "Part", "c_strides", "PlanCache", "exchange", "check_sizes", "local_key",
-           "FAST", "FALLBACK", "PLAIN", "SLOT", "STAGED"]
+__all__ = ["Source", "Plan", "Part", "c_strides", "PlanCache", "exchange", "check_sizes",
+           "local_key", "FAST", "FALLBACK", "PLAIN", "SLOT", "STAGED"]

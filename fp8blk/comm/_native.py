@@ -198,11 +198,5 @@ def quantize_into(x2d, recipe, rowwise, columnwise, dtype, out):
     backend.quantize(x2d, recipe, rowwise, columnwise, dtype=dtype, out=list(out))
 
 
-def to_native(arr, like_ops, dtype=None):
-    """An internal (NumPy/CuPy) array as the family of ``like_ops`` (DLPack, no copy)."""
-    if like_ops.family == _arrays.TORCH:
-        return _arrays.from_backend(arr, _arrays.TORCH, dtype)
-    return arr
-
-
-__all__ = ["ops_for", "internal_ops", "logical_dtype", "contiguous", "quantize_into", "to_native", "NumpyOps", "CupyOps", "TorchOps"]
+__all__ = ["ops_for", "internal_ops", "logical_dtype", "contiguous", "quantize_into",
+           "NumpyOps", "CupyOps", "TorchOps"]

@@ -63,8 +63,8 @@ import numpy as np
 
 from .. import _arrays
 from .._dispatch import backend_for
-from ..formats import Block1D, Block2D, MXFP8
-from ..layout import all_layouts, cdiv, round_up
+from ..formats import Block2D
+from ..layout import cdiv, round_up
 from ..tensor import BlockTensor, internal_buffers
 from ._gather_plan import (FALLBACK, FAST, PLAIN, SLOT, STAGED, Plan, PlanCache, Source,
                            check_sizes, exchange, local_key)

@@ -124,7 +124,10 @@ def _resolve(comm, x, recipe, rowwise, columnwise, sizes):
             f"gather_along_first_dim: {problem}; this rank joined the collectives with zeros "
             f"so that no rank waits forever (the other ranks received zeros for its rows): "
             f"pass the true sizes"))
-    elif sizes is None:
+    else:
+        # The check: MAX of [h, -h] is [h, -h] only when every rank found the same plan. A
+        # miss with sizes= makes it too (then exchanges), so that a miss issues the same two
+        # host collectives whether or not the ranks passed sizes=.
         mark = plan.table_hash if plan is not None else -1 - comm.rank
         probe = comm._meta_all_reduce_max(np.array([mark, -mark], dtype=np.int64))
         if plan is not None and probe[0] == -probe[1]:
@@ -598,7 +601,8 @@ def gather_along_first_dim(x, comm, recipe=None, rowwise=True, columnwise=False,
     ``recipe``: the recipe to quantize with (None: a BlockTensor keeps its own; an array is
     gathered as it is). ``rowwise`` / ``columnwise``: the usages the result holds.
     ``sizes``: dim-0 rows of every rank, if the caller knows them (the same list on every
-    rank); after its first (checked) use no metadata moves at all.
+    rank; pass it on every rank or on none); after its first (checked) use no metadata moves
+    at all.
     ``out``: a BlockTensor (or array, without a recipe) of the gathered shape, recipe and
     usage to write into (reused across calls: no allocation).
     ``stream``: the CuPy or torch CUDA stream the collective and the fix-up run on (device

@@ -392,6 +392,10 @@ class Communicator:
     #: the quantized gather's cache of plans (fp8blk.comm.gather.plan_cache)
     _gather_plans = None
 
+    #: True for backends that order against torch's current stream (torch process groups):
+    #: the gather makes its communication stream torch's current stream around them
+    _orders_torch_stream = False
+
     #: True when ``_gather_parts`` enqueues on a device stream and its ``finish`` (if any)
     #: only orders that stream (never blocks the host): then the gather's post-processing is
     #: enqueued right away and an asynchronous gather's handle is an event.

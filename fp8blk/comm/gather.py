@@ -294,7 +294,7 @@ def _run(comm, items, post, ops, streams, async_op, result):
     streams.begin()
     with streams.context():
         if items:
-            with streams.torch_context():
+            with streams.torch_context() if comm._orders_torch_stream else _NULL:
                 finish = comm._gather_parts(items, streams.ptr)
                 if finish is not None and (stream_ordered or not async_op):
                     finish()  # stream-ordered: only makes this stream wait, host goes on

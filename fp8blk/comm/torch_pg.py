@@ -47,6 +47,7 @@ class TorchComm(Communicator):
         self._cpu_ok = "gloo" in backend or "mpi" in backend
         self._cuda_ok = "nccl" in backend or "cuda" in backend
         self._stream_ordered = self._cuda_ok  # NCCL work only orders streams on wait()
+        self._orders_torch_stream = True
         self._host_pg = None  # a gloo group for host buffers when the group takes CUDA only
 
     # -- conversions --------------------------------------------------------------------------

@@ -82,6 +82,12 @@ def pointer_dtypes(argtypes):
     return tuple(np.dtype(t.dtype.name) for t in argtypes)
 
 
+def scalars(*values):
+    """A kernel's int64 scalar arguments, as a tuple of NumPy int64 (the type CuPy's launch and
+    the simulator need; the raw launch writes each as 8 bytes)."""
+    return tuple(np.int64(v) for v in values)
+
+
 def i64(v):
     """A kernel's int64 scalar argument (a NumPy int64: the simulator needs the type; the raw
     launch on the GPU writes it as 8 bytes)."""

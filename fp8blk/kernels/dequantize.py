@@ -12,7 +12,7 @@ from .._arrays import BF16
 from ..formats import Block1D, Block2D, E4M3, MXFP8
 from . import _specs as sp
 from ._device_arrays import adapter_of
-from ._host import SIM, cached_plan, cdiv, i64, pointer_dtypes
+from ._host import SIM, cached_plan, cdiv, pointer_dtypes, scalars
 from ._specs import (BF16_OUT, BX, BY, DQ_THREADS, DQ_TILE, F16_OUT, F32_OUT, MAX_GRID_Y, PIECE,
                      ROWS, ROWS_PER_THREAD, SCALAR, TILES, DequantSpec, piece_of, transposed)
 
@@ -75,14 +75,14 @@ class _Plan:
         spec = self.spec = choose_path(DequantSpec(recipe_kind, columnwise, e4m3, out_kind, None),
                                        rows, cols, ld, data_align, sinv_align)
         self.kernel = _builder().get_kernel(spec)
-        scalars = (i64(rows), i64(cols), i64(ld))
+        values = [rows, cols, ld]
         if spec.path == ROWS:
             s = lpr_shift(spec, cols)
             rows_per_cta = (DQ_THREADS >> s) * ROWS_PER_THREAD
             self.grid = (cdiv(cols, piece_of(spec) << s),
                          min(cdiv(rows, rows_per_cta), MAX_GRID_Y), 1)
             self.block = (DQ_THREADS, 1, 1)
-            scalars += (i64(s),)
+            values.append(s)
         elif spec.path == TILES:
             self.grid = (cdiv(rows, DQ_TILE), min(cdiv(cols, DQ_TILE), MAX_GRID_Y), 1)
             self.block = (DQ_THREADS, 1, 1)
@@ -90,7 +90,7 @@ class _Plan:
             along, across = (rows, cols) if transposed(spec) else (cols, rows)
             self.grid = (cdiv(along, BX), min(cdiv(across, BY), MAX_GRID_Y), 1)
             self.block = (BX, BY, 1)
-        self.scalars = scalars
+        self.scalars = scalars(*values)
         self.arg_dtypes = pointer_dtypes(_builder().argtypes(spec)[:3]) if SIM else (None,) * 3
 
 
@@ -130,7 +130,6 @@ def dequantize(recipe, shape2d, rowwise_data=None, rowwise_scale_inv=None,
         if not (ad.contiguous(data) and ad.contiguous(sinv)):
             raise ValueError("dequantize needs C-contiguous data and scale_inv buffers")
         plan = plan_for(recipe, columnwise, out_kind, rows, cols, data, sinv)
-        t = plan.arg_dtypes
-        ptrs = (ad.arg(data, t[0]), ad.arg(sinv, t[1]), ad.arg(out, t[2]))
-        ad.launch(plan.kernel, plan.grid, plan.block, ptrs + plan.scalars, data)
+        args = ad.args((data, sinv, out), plan.arg_dtypes, plan.scalars)
+        ad.launch(plan.kernel, plan.grid, plan.block, args, data)
     return out

@@ -14,7 +14,7 @@ from ..formats import Block1D, Block2D, E4M3, MXFP8
 from ..layout import buffer_layouts
 from . import _specs as sp
 from ._device_arrays import adapter_of
-from ._host import SIM, cached_plan, i64, kind_of, pointer_dtypes, round_up
+from ._host import SIM, cached_plan, kind_of, pointer_dtypes, round_up, scalars
 
 _RECIPE_KIND = {Block1D: sp.BLOCK1D, Block2D: sp.BLOCK2D, MXFP8: sp.MXFP8}
 _VMAX = {sp.F32: scaling.FLT_MAX, sp.BF16: scaling.dtype_max(BF16),
@@ -69,7 +69,7 @@ class _Plan:
             if s is not None:
                 total += round_up(int(np.prod(s[0])) * np.dtype(s[1]).itemsize, 256)
         self.nbytes = total
-        self.scalars = (i64(rows), i64(cols))
+        self.scalars = scalars(rows, cols)
         # element types of the pointer arguments: the simulator's views need them
         self.arg_dtypes = pointer_dtypes(_builder().argtypes(spec)[:5]) if SIM else (None,) * 5
 
@@ -119,9 +119,6 @@ def quantize(x2d, recipe, rowwise=True, columnwise=False, dtype=None, out=None):
     else:
         out = _check_out(ad, out, plan.shapes)
     # unused outputs get any valid pointer (the input's)
-    t = plan.arg_dtypes
-    x_arg = ad.arg(x2d, t[0])
-    args = (x_arg,) + tuple(x_arg if a is None else ad.arg(a, dt)
-                            for a, dt in zip(out, t[1:])) + plan.scalars
+    args = ad.args((x2d,) + tuple(out), plan.arg_dtypes, plan.scalars)
     ad.launch(plan.kernel, plan.grid, plan.block, args, x2d)
     return out

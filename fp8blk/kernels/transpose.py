@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._device_arrays import adapter_of
-from ._host import cdiv, i64, round_up
+from ._host import cdiv, round_up, scalars
 from ._specs import TR_THREADS as THREADS
 from ._specs import TR_TILE as T
 
@@ -54,9 +54,8 @@ def block2d_columnwise_from_rowwise(rowwise_data, rowwise_scale_inv, out=(None, 
     vec_in = cols % 16 == 0 and ad.ptr(rowwise_data) % 16 == 0
     vec_out = rows % 16 == 0 and ad.ptr(out_data) % 16 == 0
     kernel = _builder().get_kernel(vec_in, vec_out)
-    args = (ad.arg(rowwise_data, np.uint32 if vec_in else np.uint8),
-            ad.arg(out_data, np.uint32 if vec_out else np.uint8),
-            ad.arg(sinv_in, np.float32), ad.arg(out_sinv, np.float32),
-            i64(rows), i64(cols), i64(sinv_in.shape[1]))
+    args = ad.args((rowwise_data, out_data, sinv_in, out_sinv),
+                   (np.uint32 if vec_in else np.uint8, np.uint32 if vec_out else np.uint8,
+                    np.float32, np.float32), scalars(rows, cols, sinv_in.shape[1]))
     ad.launch(kernel, (nrt, nct, 1), (THREADS, 1, 1), args, rowwise_data)
     return out_data, out_sinv

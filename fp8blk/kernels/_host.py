@@ -13,7 +13,7 @@ import numpy as np
 from .._arrays import BF16
 from ..layout import cdiv, round_up  # noqa: F401  (re-exported for the launchers)
 from . import _specs as sp
-from ._numba import SIM
+from ._sim import SIM
 
 _KIND_OF = {np.dtype(np.float32): sp.F32, np.dtype(np.float16): sp.F16}
 
@@ -82,12 +82,6 @@ def cached_plan(cache, key, build):
             cache.clear()
         plan = cache[key] = build(*key)
     return plan
-
-
-def pointer_dtypes(argtypes):
-    """NumPy element dtypes of the raw-pointer kernel argument types in `argtypes` (the
-    simulator's flat views of the pointer arguments need them)."""
-    return tuple(np.dtype(t.dtype.name) for t in argtypes)
 
 
 def i64(v):

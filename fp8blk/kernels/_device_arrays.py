@@ -87,6 +87,10 @@ class _Cupy:
         return arr.data.ptr
 
     @staticmethod
+    def device(arr):
+        return arr.data.device_id
+
+    @staticmethod
     def empty(shape, dtype, like):
         """A new C-contiguous array; bf16 is held as uint16 bit patterns."""
         import cupy
@@ -136,6 +140,10 @@ class _Torch:
     @staticmethod
     def ptr(arr):
         return arr.data_ptr()
+
+    @staticmethod
+    def device(arr):
+        return arr.get_device()
 
     @staticmethod
     def empty(shape, dtype, like):
@@ -207,6 +215,10 @@ class _Sim:
     @staticmethod
     def ptr(arr):
         return arr.ctypes.data
+
+    @staticmethod
+    def device(arr):
+        return None
 
     @staticmethod
     def empty(shape, dtype, like):

@@ -83,11 +83,11 @@ class _Plan:
     __slots__ = ("spec", "kernel", "grid", "block", "scalars", "arg_dtypes")
 
     def __init__(self, recipe_kind, columnwise, e4m3, out_kind, rows, cols, ld, data_align,
-                 sinv_align):
+                 sinv_align, device):
         spec = DequantizeSpec(recipe_kind, bool(columnwise), bool(e4m3), out_kind, None,
                               rows_per_thread=_settings.rows_per_thread)
         spec = self.spec = choose_path(spec, rows, cols, ld, data_align, sinv_align)
-        self.kernel = _compiled.kernel("dequantize", spec)
+        self.kernel = _compiled.kernel("dequantize", spec, device)
         values = [rows, cols, ld]
         if spec.path == ROWS:
             s = lpr_shift(spec, cols)
@@ -116,7 +116,7 @@ def plan_for(recipe, columnwise, out_kind, rows, cols, data, sinv):
     """The cached :class:`_Plan` of a call (public for tests and benchmarks)."""
     ad = adapter_of(data)
     key = (_KIND[type(recipe)], columnwise, recipe.fmt is E4M3, out_kind, rows, cols,
-           sinv.shape[1], ad.ptr(data) % 16, ad.ptr(sinv) % 16)
+           sinv.shape[1], ad.ptr(data) % 16, ad.ptr(sinv) % 16, ad.device(data))
     return cached_plan(_plans, key, _Plan)
 
 

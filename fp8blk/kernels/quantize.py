@@ -54,12 +54,12 @@ def spec_for(recipe, kind, rowwise, columnwise, vec, col_vec, settings=None):
         settings=_settings if settings is None else settings)
 
 
-def _kernel_for(recipe, kind, rowwise, columnwise, vec, col_vec):
-    key = (recipe, kind, rowwise, columnwise, vec, col_vec)
+def _kernel_for(recipe, kind, rowwise, columnwise, vec, col_vec, device):
+    key = (recipe, kind, rowwise, columnwise, vec, col_vec, device)
     hit = _kernels.get(key)
     if hit is None:
         spec = spec_for(recipe, kind, rowwise, columnwise, vec, col_vec)
-        hit = (_compiled.kernel("quantize", spec), spec)
+        hit = (_compiled.kernel("quantize", spec, device), spec)
         _kernels[key] = hit
     return hit
 
@@ -73,8 +73,9 @@ class _Plan:
     __slots__ = ("kernel", "grid", "block", "shapes", "offsets", "nbytes", "scalars",
                  "arg_dtypes")
 
-    def __init__(self, recipe, kind, rows, cols, rowwise, columnwise, vec):
-        self.kernel, spec = _kernel_for(recipe, kind, rowwise, columnwise, vec, rows % 16 == 0)
+    def __init__(self, recipe, kind, rows, cols, rowwise, columnwise, vec, device):
+        self.kernel, spec = _kernel_for(recipe, kind, rowwise, columnwise, vec, rows % 16 == 0,
+                                        device)
         self.grid = sp.quantize_grid(spec, rows, cols)
         self.block = (spec.threads, 1, 1)
         self.shapes = [None if s is None else (s.shape, s.dtype)
@@ -107,8 +108,11 @@ def _check_out(ad, out, shapes):
     return out
 
 
-def _plan_for(recipe, kind, rows, cols, rowwise, columnwise, vec):
-    return cached_plan(_plans, (recipe, kind, rows, cols, rowwise, columnwise, vec), _Plan)
+def _plan_for(recipe, kind, rows, cols, rowwise, columnwise, vec, device):
+    """The cached :class:`_Plan` of a call; `device` the CUDA device index of the arrays (the
+    compiled kernel belongs to it; None under the simulator)."""
+    return cached_plan(_plans, (recipe, kind, rows, cols, rowwise, columnwise, vec, device),
+                       _Plan)
 
 
 def quantize(x2d, recipe, rowwise=True, columnwise=False, dtype=None, out=None):
@@ -130,7 +134,7 @@ def quantize(x2d, recipe, rowwise=True, columnwise=False, dtype=None, out=None):
                      for s in buffer_layouts(recipe, rows, cols, rowwise, columnwise))
     x_ptr = ad.ptr(x2d)
     vec = cols % sp.ELEMS_PER_CHUNK[kind] == 0 and x_ptr % 16 == 0
-    plan = _plan_for(recipe, kind, rows, cols, rowwise, columnwise, vec)
+    plan = _plan_for(recipe, kind, rows, cols, rowwise, columnwise, vec, ad.device(x2d))
     if out is None:
         out = ad.alloc(x2d, plan.nbytes, plan.shapes, plan.offsets)
     else:

@@ -1,10 +1,11 @@
-"""``python -m fp8blk demo|bench|info``.
+"""``python -m fp8blk demo|bench|info|prebuild``.
 
 demo   quantize random matrices with every recipe (on the GPU when CuPy sees one, else on the
        CPU) and print, per recipe, bytes stored, dequantization error and time; with
        --distributed, under mpiexec: quantized all-gather and master-weight casts over MPI.
 bench  time the CPU reference path on an 8192x8192 float32 matrix (GPU kernels: bench/).
 info   versions and whether a GPU is usable.
+prebuild  compile the common kernel variants into fp8blk's kernel cache (fp8blk/_prebuild.py).
 """
 from __future__ import annotations
 
@@ -153,7 +154,11 @@ def main(argv=None) -> int:
                         help="the multi-rank part; run under `mpiexec -n N python -m mpi4py -m fp8blk`")
     sub.add_parser("bench", help="time the CPU reference path")
     sub.add_parser("info", help="versions and GPU availability")
+    from ._prebuild import add_parser as add_prebuild  # prebuild: compile kernels ahead
+    add_prebuild(sub)
     args = parser.parse_args(argv)
+    if args.command == "prebuild":
+        return args.run(args)
     return {"demo": demo, "bench": bench, "info": info}[args.command](args)
 
 

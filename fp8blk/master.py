@@ -523,11 +523,9 @@ def _device_bucket(bucket, comm, model_dtype, value_for_inf, have_fragments):
     """GPU path of one bucket: zeroed packed buffer, partial-amax kernel(s), the all-reduce,
     scale kernel, cast kernel(s) -- a constant number of launches for any batch size (see
     fp8blk.kernels.partial_amax for the batch table)."""
-    from .kernels import _device as dev
     from .kernels import partial_amax, partial_cast
 
-    model = {np.dtype(np.float32): dev.F32, _arrays.BF16: dev.BF16,
-             np.dtype(np.float16): dev.F16}[model_dtype]
+    model = partial_amax.model_kind(model_dtype)
     batch = partial_amax.batch_for(bucket, have_fragments)
     buf = batch.new_buffer()
     partial_amax.launch_partial_amax(batch, buf, model)

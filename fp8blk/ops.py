@@ -59,7 +59,7 @@ def quantize(x, recipe, rowwise: bool = True, columnwise: bool = False) -> Block
                          f"pad the tensor or use Block1D")
     x2d = arr if len(shape) == 2 else arr.reshape(rows, cols)  # skip a ~2 us no-op reshape
     buffers = backend_for(arr).quantize(x2d, recipe, rowwise, columnwise, dtype=dtype)
-    return BlockTensor(arr.shape, recipe, *buffers, dtype=dtype, family=family)
+    return BlockTensor._wrap(tuple(shape), recipe, list(buffers), dtype, family)
 
 
 def dequantize(q: BlockTensor, dtype=np.float32):

@@ -464,7 +464,7 @@ def test_gpu_steps_on_the_same_arrays_reuse_the_batch(rng):
     each step. The batch table is built once (later calls reuse it) and every step stays
     exact."""
     cp = pytest.importorskip("cupy")
-    from fp8blk.kernels import partial_amax as pa
+    from fp8blk.kernels import master_batch as pa
 
     specs = cases.scenario("batch20")
     fulls = [cases.make_full(rng, s.shape) for s in specs]

@@ -128,7 +128,7 @@ def _dequant(data, sinv, blocks):
         s = s.repeat_interleave(128, dim=1)[:, :k]
     else:
         codes = sinv[:rows, : k // 32].to(torch.int32)
-        s = torch.ldexp(torch.ones((), device=data.device), codes - 127)
+        s = torch.ldexp(torch.ones(codes.shape, device=data.device), codes - 127)
         s = torch.where(codes == 255, torch.full_like(s, float("nan")), s)
         s = s.repeat_interleave(32, dim=1)
     return v * s

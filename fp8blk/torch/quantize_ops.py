@@ -57,7 +57,7 @@ def block_tensor_buffers(q: BlockTensor):
 def block_tensor_from_buffers(shape, recipe, buffers, dtype) -> BlockTensor:
     """A BlockTensor (torch family) over the given torch buffers, without copies; empty
     buffers mean "direction not held". ``dtype`` is the torch dtype that was quantized."""
-    internal = [None if b.numel() == 0 and b.dim() == 1 else _arrays.to_backend(b)[0]
+    internal = [None if b.numel() == 0 and b.dim() == 1 else _arrays.to_internal(b)[0]
                 for b in buffers]
     return BlockTensor(shape, recipe, *internal, dtype=_arrays.numpy_dtype(dtype),
                        family=_arrays.TORCH)

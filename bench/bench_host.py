@@ -99,6 +99,35 @@ def main():
     qc2 = fb.quantize(xc, b2)
     case("cupy 256^2 create_columnwise Block2D", lambda: qc2.create_columnwise(), 15)
 
+    # where a torch call's host time goes (256^2 bf16, Block1D rowwise)
+    from fp8blk import _arrays, _dispatch, kernels as K
+    from fp8blk.kernels import _device_arrays as da
+    xt = torch.randn(256, 256, device=dev, dtype=torch.bfloat16)
+    bf = _arrays.BF16
+    pre = [torch.empty((256, 256), dtype=torch.uint8, device=dev),
+           torch.empty((2, 256), dtype=torch.float32, device=dev), None, None]
+    stages = {
+        "to_internal": lambda: _arrays.to_internal(xt),
+        "backend_for": lambda: _dispatch.backend_for(xt),
+        "kernels.quantize (entry, allocates)": lambda: K.quantize(xt, b1, True, False, dtype=bf),
+        "kernels.quantize (entry, out=)": lambda: K.quantize(xt, b1, True, False, dtype=bf,
+                                                              out=pre),
+        "torch.empty (256,256) u8": lambda: torch.empty((256, 256), dtype=torch.uint8,
+                                                        device=dev),
+        "torch.empty x2 via adapter.alloc": lambda: da.TORCH.alloc(
+            xt, 0, [((256, 256), np.dtype(np.uint8)), ((2, 256), np.dtype(np.float32)), None,
+                    None], None),
+        "_cuda_getCurrentRawStream": lambda: torch._C._cuda_getCurrentRawStream(0),
+        "BlockTensor(...)": lambda: fb.BlockTensor((256, 256), b1, pre[0], pre[1], None, None,
+                                                   dtype=bf, family="torch"),
+    }
+    breakdown = {}
+    for name, fn in stages.items():
+        lo, med = host_us(fn, args.n)
+        breakdown[name] = {"min_us": round(lo, 2), "median_us": round(med, 2)}
+        print(f"  stage {name:44s} min {lo:6.2f}  median {med:6.2f} us", flush=True)
+    results["torch stage breakdown (256^2 bf16 Block1D row)"] = breakdown
+
     # GPU-bound loop at 4096^2: fb.quantize against its kernel alone (the backend entry point
     # writing into preallocated outputs: a few us of host time per launch, far below the
     # kernel's ~13 us, so back-to-back launches measure the kernel)

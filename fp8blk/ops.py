@@ -38,12 +38,13 @@ def quantize(x, recipe, rowwise: bool = True, columnwise: bool = False) -> Block
     contiguous = arr.is_contiguous() if family == _arrays.TORCH and arr is x \
         else arr.flags.c_contiguous
     _validate(arr, dtype, family, recipe, rowwise, columnwise, contiguous)
-    rows, cols = shape2d(arr.shape)
+    shape = arr.shape
+    rows, cols = shape if len(shape) == 2 else shape2d(shape)
     if isinstance(recipe, MXFP8) and (rows % 32 or cols % 32):
         raise ValueError(f"MXFP8 needs M and K to be multiples of 32 (its blocks are 1x32 and "
                          f"32x1); got (M, K) = ({rows}, {cols}) from shape {tuple(arr.shape)}: "
                          f"pad the tensor or use Block1D")
-    x2d = arr if arr.ndim == 2 else arr.reshape(rows, cols)  # skip a ~2 us no-op reshape
+    x2d = arr if len(shape) == 2 else arr.reshape(rows, cols)  # skip a ~2 us no-op reshape
     buffers = backend_for(arr).quantize(x2d, recipe, rowwise, columnwise, dtype=dtype)
     return BlockTensor(arr.shape, recipe, *buffers, dtype=dtype, family=family)
 

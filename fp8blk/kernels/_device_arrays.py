@@ -9,23 +9,62 @@ tensor never crosses into CuPy (DLPack costs ~24 us per import on the GPU):
 * CuPy: CuPy's memory pool and current stream; arrays are passed as themselves (CuPy passes
   the data pointer). bfloat16 data is held as uint16 bit patterns (CuPy has no bf16).
 * torch: outputs from torch's caching allocator on the input's device, in the logical dtype
-  (torch has bf16); arguments are raw pointers (``numpy.uint64``); the launch goes to torch's
-  current stream of that device, read with ``torch._C._cuda_getCurrentRawStream`` (what
-  torch's own generated code uses: ~0.2 us, where ``torch.cuda.current_stream()`` costs ~5 us)
-  and wrapped once per stream as a ``cupy.cuda.ExternalStream``. The compiled kernels are CuPy
-  ``Function`` objects of the current CUDA device: a tensor on another device is launched
-  inside a device switch.
+  (torch has bf16), one tensor per buffer (so that a direction dropped later frees its memory);
+  the launch goes to torch's current stream of that device, read with
+  ``torch._C._cuda_getCurrentRawStream`` (what torch's own generated code uses: ~0.2 us, where
+  ``torch.cuda.current_stream()`` costs ~5 us). The compiled kernels belong to the current CUDA
+  device: a tensor on another device is launched inside a device switch.
 * NumPy (simulator): pointer arguments are flat NumPy views typed as the kernel indexes them.
+
+On the GPU every kernel argument is 8 bytes (a pointer or an int64), so a launch writes the
+arguments as plain ints into a per-thread parameter block and calls ``cuLaunchKernel``
+(``cupy.cuda.driver.launchKernel``) with it: ~1-2 us of host time, where a CuPy ``Function``
+call converting each argument costs ~6 us and a ``numpy.uint64`` per pointer ~1 us more.
+The driver copies the parameters during the call, so the block is reused at once.
 """
 from __future__ import annotations
 
+import ctypes
 import sys
+import threading
 
 import numpy as np
 
 from .._arrays import BF16, torch_to_numpy_dtype, numpy_to_torch_dtype
 
 _U16 = np.dtype(np.uint16)
+
+
+_MAX_ARGS = 16
+
+
+class _Params(threading.local):
+    """A kernel parameter block of this thread: 16 uint64 slots and the array of their
+    addresses that cuLaunchKernel reads."""
+
+    def __init__(self):
+        self.slots = (ctypes.c_uint64 * _MAX_ARGS)()
+        base = ctypes.addressof(self.slots)
+        self.addresses = (ctypes.c_void_p * _MAX_ARGS)(*[base + 8 * i for i in range(_MAX_ARGS)])
+        self.address = ctypes.addressof(self.addresses)
+
+
+_params = _Params()
+
+
+def raw_launch(kernel, grid, block, args, stream_ptr):
+    """Launch compiled `kernel` (a CuPy Function) with `args`, a sequence of ints (pointers
+    and int64 scalars, each passed as 8 bytes), on the stream `stream_ptr`."""
+    from cupy.cuda import driver
+
+    params = _params
+    slots = params.slots
+    i = 0
+    for a in args:
+        slots[i] = a
+        i += 1
+    driver.launchKernel(kernel.ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                        0, stream_ptr, params.address, 0)
 
 
 class _Cupy:
@@ -52,7 +91,7 @@ class _Cupy:
 
     @staticmethod
     def arg(arr, np_dtype):
-        return arr
+        return arr.data.ptr
 
     @staticmethod
     def alloc(like, nbytes, layouts, offsets):
@@ -67,12 +106,13 @@ class _Cupy:
 
     @staticmethod
     def launch(kernel, grid, block, args, like):
-        kernel(grid, block, args)
+        import cupy
+
+        raw_launch(kernel, grid, block, args, cupy.cuda.get_current_stream().ptr)
 
 
 class _Torch:
     name = "torch"
-    _streams = {}  # raw stream handle -> cupy.cuda.ExternalStream
 
     @staticmethod
     def dtype(arr):
@@ -93,7 +133,7 @@ class _Torch:
 
     @staticmethod
     def arg(arr, np_dtype):
-        return np.uint64(arr.data_ptr())
+        return arr.data_ptr()
 
     @staticmethod
     def alloc(like, nbytes, layouts, offsets):
@@ -105,22 +145,19 @@ class _Torch:
                       torch.empty(s[0], dtype=numpy_to_torch_dtype(s[1]), device=device)
                       for s in layouts])
 
-    @classmethod
-    def launch(cls, kernel, grid, block, args, like):
-        import cupy
+    @staticmethod
+    def launch(kernel, grid, block, args, like):
+        from cupy.cuda import runtime
 
         index = like.get_device()
-        raw = sys.modules["torch"]._C._cuda_getCurrentRawStream(index)
-        stream = cls._streams.get(raw)
-        if stream is None:
-            if len(cls._streams) > 256:
-                cls._streams.clear()
-            stream = cls._streams[raw] = cupy.cuda.ExternalStream(raw, index)
-        if cupy.cuda.runtime.getDevice() == index:
-            kernel(grid, block, args, stream=stream)
+        stream = sys.modules["torch"]._C._cuda_getCurrentRawStream(index)
+        if runtime.getDevice() == index:
+            raw_launch(kernel, grid, block, args, stream)
         else:
+            import cupy
+
             with cupy.cuda.Device(index):
-                kernel(grid, block, args, stream=stream)
+                raw_launch(kernel, grid, block, args, stream)
 
 
 class _Sim:

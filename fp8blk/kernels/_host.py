@@ -18,9 +18,19 @@ from ._numba import SIM
 _KIND_OF = {np.dtype(np.float32): dev.F32, np.dtype(np.float16): dev.F16}
 
 
+_KINDS = {}  # (stored dtype, logical dtype) -> kind: the per-call lookup
+
+
 def kind_of(stored, dtype):
     """Input kind (dev.F32 / BF16 / F16) from the logical dtype `dtype` (None: the stored one)
     and the array's stored dtype `stored` (CuPy holds bf16 as uint16)."""
+    kind = _KINDS.get((stored, dtype))
+    if kind is None:
+        kind = _KINDS[(stored, dtype)] = _kind_slow(stored, dtype)
+    return kind
+
+
+def _kind_slow(stored, dtype):
     logical = np.dtype(dtype) if dtype is not None else stored
     if logical == BF16:
         kind = dev.BF16
@@ -73,4 +83,6 @@ def pointer_dtypes(argtypes):
 
 
 def i64(v):
+    """A kernel's int64 scalar argument (a NumPy int64: the simulator needs the type; the raw
+    launch on the GPU writes it as 8 bytes)."""
     return np.int64(v)

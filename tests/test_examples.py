@@ -126,3 +126,25 @@ def test_notebook_executes(monkeypatch):
                    for o in c.outputs)
     assert "every element within its rounding bound" in text
     assert "equals quantize(columnwise=True) byte for byte" in text
+
+
+def _torchrun_example(script, *args, timeout=150):
+    pytest.importorskip("torch.distributed")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node=2", str(EXAMPLES / script), *args]
+    code, output, _ = launch.run(command, timeout, dict(ONE_THREAD,
+                                                        PYTHONWARNINGS="ignore::FutureWarning"))
+    assert code == 0, output[-6000:]
+    assert re.search(r"^checks: PASSED$", output, re.M), output[-3000:]
+    return output
+
+
+@pytest.mark.timeout(180)
+def test_tensor_parallel_on_2_ranks():
+    pytest.importorskip("fp8blk.torch.tensor_parallel")
+    # hidden/2 = 128 (tile-aligned shards), 64 positions x batch 2 = 128 tokens per rank
+    output = _torchrun_example("tensor_parallel.py", "--steps", "1", "--d-model", "128",
+                               "--hidden", "256", "--seq", "128")
+    # every check line printed ok, none FAIL; the activations went over the wire as FP8
+    assert "FAIL" not in output and output.count("  ok   ") == 9, output[-3000:]
+    assert "{'fast': 3}" in output

@@ -239,15 +239,15 @@ def param_group_of(state, module):
 def usage_for(group):
     """(rowwise, columnwise) the gathered weight must provide, from the group's training
     state: PRE_BACKWARD -> columnwise (dgrad); forward with reshard_after_forward -> rowwise;
-    forward without resharding -> both (the backward pass reuses this gather) when autograd
-    is recording, else rowwise."""
+    forward without resharding -> both (the backward pass reuses this gather). (FSDP runs the
+    hooks under no_grad, so an inference-only forward cannot be told apart here.)"""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
     if group._training_state == TrainingState.PRE_BACKWARD:
         return False, True
     if group._reshard_after_forward:
         return True, False
-    return True, torch.is_grad_enabled()
+    return True, True
 
 
 def state_name(group) -> str:

@@ -409,7 +409,9 @@ def _dequantize_rows(state, row_bytes, r0):
 
 def master_grads_(model: torch.nn.Module, masters: list) -> None:
     """Mode "primary": ``master.grad`` = this rank's sharded gradient of each FP8 weight, as
-    fp32 (FSDP2 reduce-scatters the weights' gradients as usual). Call after backward."""
+    fp32 (FSDP2 reduce-scatters the weights' gradients as usual), and the weight's own
+    ``.grad`` cleared (the gradient moves: the next backward starts from none, as
+    ``optimizer.zero_grad`` does for the masters). Call after backward."""
     entries = _primary_entries(model)
     _check_masters(entries, masters)
     for (reg, state, fp), m in zip(entries, masters):
@@ -419,6 +421,7 @@ def master_grads_(model: torch.nn.Module, masters: list) -> None:
             continue
         g = g._local_tensor if _is_dtensor(g) else g
         m.grad = g.reshape(-1).to(torch.float32)
+        fp.sharded_param.grad = None
 
 
 def _check_masters(entries, masters):

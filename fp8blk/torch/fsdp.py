@@ -51,7 +51,7 @@ from .. import _arrays, master, reference, scaling
 from ..formats import Block2D, MXFP8
 from ..layout import cdiv
 from .weight import (Float8BlockCastWeight, Float8BlockPrimaryWeight, WeightState,
-                     _PlaneWeight)
+                     _PlaneWeight, on_torch_stream)
 
 MODES = ("primary", "cast")
 
@@ -296,28 +296,9 @@ def _cast_all(entries, masters, frags, comm):
                              frag_row=_internal(f_row) if count else None,
                              frag_col=_internal(f_col) if count else None)
             items.append(it)
-        with _on_torch_stream(device):
+        with on_torch_stream(device):
             master.cast_batch(items, comm, _arrays.numpy_dtype(model_dtype), have_fragments=True,
                               device=device)
-
-
-class _on_torch_stream:
-    """On CUDA, run CuPy work (the master kernels) on torch's current stream."""
-
-    def __init__(self, device):
-        self.ctx = None
-        if device:
-            import cupy
-
-            self.ctx = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-
-    def __enter__(self):
-        if self.ctx is not None:
-            self.ctx.__enter__()
-
-    def __exit__(self, *exc):
-        if self.ctx is not None:
-            self.ctx.__exit__(*exc)
 
 
 # --------------------------------------------------------------------------------------------

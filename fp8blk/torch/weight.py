@@ -30,6 +30,8 @@ shard boundaries may cut tiles anywhere and the gathered weight equals
 """
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import torch
 from torch.utils._pytree import tree_map_only
@@ -95,7 +97,7 @@ class WeightState:
         self.fsdp = None          # (FSDPParam, FSDPParamGroup) once looked up
         self.frags = None         # mode 2: padded local FP8 bytes per plane (torch uint8)
         self.cast_version = None  # mode 2: sharded param version the bytes were cast from
-        self.gathers = []
+        self.gathers = collections.deque(maxlen=64)  # the latest pre-all-gathers
         self.log_gathers = True
 
     @property
@@ -140,9 +142,6 @@ class _PlaneWeight(torch.Tensor):
         return (f"{type(self).__name__}(shape={tuple(self.shape)}, recipe={self._state.recipe!r}, "
                 f"global shape={self._state.shape}, mode={self._state.mode})")
 
-    def __tensor_flatten__(self):
-        return [f"_p{i}" for i in range(len(self._planes))], {"state": self._state}
-
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -184,11 +183,13 @@ class _PlaneWeight(torch.Tensor):
         updated in place (later gathers; no-grad, version counter kept)."""
         state, planes, usage = metadata
         if out is not None:
-            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out), \
+                    on_torch_stream(out.is_cuda):
                 out._box.update(all_gather_outputs, planes, usage)
             return None
         box = _GatheredBox(state)
-        box.update(all_gather_outputs, planes, usage)
+        with on_torch_stream(state.scales[0].is_cuda):
+            box.update(all_gather_outputs, planes, usage)
         return Float8BlockWeight(box), box.inner_tensors()
 
 
@@ -284,6 +285,29 @@ class Float8BlockCastWeight(_PlaneWeight):
         state = self._state
         fsdp.ensure_cast(state)
         return tuple(state.frags)
+
+
+class on_torch_stream:
+    """On CUDA, run fp8blk's CuPy/Numba work (transposes, the master cast) on torch's current
+    stream, so it is ordered with the torch work around it (FSDP runs its hooks on its own
+    streams). A no-op on the CPU."""
+
+    __slots__ = ("ctx",)
+
+    def __init__(self, cuda: bool):
+        self.ctx = None
+        if cuda:
+            import cupy
+
+            self.ctx = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+
+    def __enter__(self):
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
 
 
 def _padded_rows(plane, chunk):
@@ -443,7 +467,8 @@ class Float8BlockWeight(torch.Tensor):
         return f"Float8BlockWeight(shape={tuple(self.shape)}, {self._box.q!r})"
 
     def fp8blk_block_tensor(self, rowwise: bool = True, columnwise: bool = False):
-        return self._box.block_tensor(rowwise, columnwise)
+        with on_torch_stream(self.is_cuda):
+            return self._box.block_tensor(rowwise, columnwise)
 
     def dequantize(self) -> torch.Tensor:
         q = self._box.q

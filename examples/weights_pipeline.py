@@ -18,7 +18,8 @@ What a data-parallel step with FP8 weights does, phase by phase:
 5. gemm    forward ``y = relu(x W1^T) W2^T`` and the input gradient ``dh = dy W2`` on this rank's
            tokens, as blockwise FP8 GEMMs: activations 1x128 (Block1D), weights 128x128.
            On the CPU (or a GPU without torch) the GEMM is exact emulation: decode FP8, multiply
-           by the block scales, fp32 matmul; on a GPU with torch, ``torch._scaled_mm``.
+           by the block scales, fp32 matmul; on a GPU with torch, ``torch._scaled_mm`` through
+           ``fp8blk.torch.blockwise_scaled_mm``.
 
 Checks (every rank; the script exits 1 on any mismatch): the gathered FP8 weights and their
 transposes equal ``fb.quantize(bf16(full master weight))`` computed on one rank by the NumPy
@@ -119,8 +120,9 @@ def gemm_emulated(xp, a_data, a_sinv, b_data, b_sinv):
 
 
 def make_gemm(xp):
-    """The GEMM to use: torch._scaled_mm on a GPU when torch is installed, else emulation.
-    Same arguments as gemm_emulated; returns an array of the caller's family (fp32 or bf16)."""
+    """The GEMM to use: on a GPU with torch, ``fp8blk.torch.blockwise_scaled_mm`` (or
+    ``torch._scaled_mm`` directly where fp8blk.torch is absent); else the emulation. Same
+    arguments as gemm_emulated; returns fp32, or bf16 bit patterns (uint16) from torch."""
     if xp is np:
         return gemm_emulated, "emulated (decode FP8 x block scales, fp32 matmul)"
     try:
@@ -129,18 +131,28 @@ def make_gemm(xp):
         return (lambda *a: gemm_emulated(xp, *a)), "emulated on the GPU (CuPy; no torch)"
 
     f8 = torch.float8_e4m3fn
+    t = torch.from_dlpack
+    try:
+        from fp8blk.torch import blockwise_scaled_mm
+    except ImportError:
+        blockwise_scaled_mm = None
 
     def scaled_mm(_, a_data, a_sinv, b_data, b_sinv):
-        # FACTS.md: fp8blk's buffers feed torch._scaled_mm with no copy: A scales (M, K/128)
-        # column-major = our (K/128, M) rows read transposed; B scales 128x128 K-major, with the
-        # K-block count padded to a multiple of 4 -- which is our layout already.
-        (m, k) = a_data.shape
-        t = torch.from_dlpack
-        out = torch._scaled_mm(t(a_data).view(f8), t(b_data).view(f8).t(),
-                               t(a_sinv)[:, :m].t(), t(b_sinv)[:, :-(-k // 128)].t(),
-                               out_dtype=torch.bfloat16)
+        if blockwise_scaled_mm is not None:  # checks the layouts; pads K where torch needs it
+            out = blockwise_scaled_mm(t(a_data).view(f8), t(a_sinv), t(b_data).view(f8),
+                                      t(b_sinv), "1x128", "128x128", torch.bfloat16)
+        else:
+            # FACTS.md: fp8blk's buffers feed torch._scaled_mm with no copy: A scales
+            # (M, K/128) column-major = our (K/128, M) read transposed; B scales 128x128,
+            # K-major, K-block count padded to a multiple of 4 -- which is our layout already.
+            m, k = a_data.shape
+            out = torch._scaled_mm(t(a_data).view(f8), t(b_data).view(f8).t(),
+                                   t(a_sinv)[:, :m].t(), t(b_sinv)[:, :-(-k // 128)].t(),
+                                   out_dtype=torch.bfloat16)
         return xp.from_dlpack(out.view(torch.int16)).view(np.uint16)  # bf16 bits in CuPy
-    return scaled_mm, "torch._scaled_mm (blockwise FP8, bf16 out)"
+    name = ("fp8blk.torch.blockwise_scaled_mm" if blockwise_scaled_mm is not None
+            else "torch._scaled_mm") + " (blockwise FP8 on the GPU, bf16 out)"
+    return scaled_mm, name
 
 
 # -- data --------------------------------------------------------------------------------------
@@ -294,7 +306,7 @@ def main(argv=None):
     rank, size = comm.rank, comm.size
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     D, F, T = args.d_model, args.d_ff, args.tokens
-    if xp is not np and "scaled_mm" in gemm_name and (D % 128 or F % 128):
+    if gemm_name.startswith("torch._scaled_mm") and (D % 128 or F % 128):
         raise SystemExit("torch._scaled_mm needs D and F to be multiples of 128")
 
     full = full_weights(args)

@@ -148,3 +148,10 @@ def test_tensor_parallel_on_2_ranks():
     # every check line printed ok, none FAIL; the activations went over the wire as FP8
     assert "FAIL" not in output and output.count("  ok   ") == 9, output[-3000:]
     assert "{'fast': 3}" in output
+
+
+@pytest.mark.timeout(180)
+def test_train_fsdp2_on_2_ranks():
+    pytest.importorskip("fp8blk.torch.fsdp")
+    output = _torchrun_example("train_fsdp2.py", "--steps", "12")
+    assert "FAIL" not in output and output.count("  ok   ") == 3, output[-3000:]

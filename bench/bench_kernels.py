@@ -186,7 +186,7 @@ def _func_attr(fn, code):
 
 def kernel_attributes():
     """Registers / shared / local bytes of every compiled quantize kernel (CuPy Function)."""
-    from fp8blk.kernels import quant
+    quant = sys.modules["fp8blk.kernels.quantize"]
 
     out = {}
     for key, (fn, spec) in quant._kernels.items():
@@ -201,7 +201,7 @@ def kernel_attributes():
 def bench_variants(copy_bps, shape=(16384, 16384)):
     """Re-time the slower kernels with a minimum-CTAs-per-SM launch bound (register cap)."""
     from fp8blk.kernels import _quantize_kernel as qk
-    from fp8blk.kernels import quant
+    quant = sys.modules["fp8blk.kernels.quantize"]
 
     xs = bf16_inputs(shape)
     for min_blocks in (2, 3, 4):

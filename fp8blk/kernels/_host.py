@@ -12,17 +12,17 @@ import numpy as np
 
 from .._arrays import BF16
 from ..layout import cdiv, round_up  # noqa: F401  (re-exported for the launchers)
-from . import _device as dev
+from . import _specs as sp
 from ._numba import SIM
 
-_KIND_OF = {np.dtype(np.float32): dev.F32, np.dtype(np.float16): dev.F16}
+_KIND_OF = {np.dtype(np.float32): sp.F32, np.dtype(np.float16): sp.F16}
 
 
 _KINDS = {}  # (stored dtype, logical dtype) -> kind: the per-call lookup
 
 
 def kind_of(stored, dtype):
-    """Input kind (dev.F32 / BF16 / F16) from the logical dtype `dtype` (None: the stored one)
+    """Input kind (sp.F32 / BF16 / F16) from the logical dtype `dtype` (None: the stored one)
     and the array's stored dtype `stored` (CuPy holds bf16 as uint16)."""
     kind = _KINDS.get((stored, dtype))
     if kind is None:
@@ -33,12 +33,12 @@ def kind_of(stored, dtype):
 def _kind_slow(stored, dtype):
     logical = np.dtype(dtype) if dtype is not None else stored
     if logical == BF16:
-        kind = dev.BF16
+        kind = sp.BF16
     else:
         kind = _KIND_OF.get(logical)
         if kind is None:
             raise TypeError(f"quantize takes float32, bfloat16 or float16 input, got {logical}")
-    if stored.itemsize != dev.ITEMSIZE[kind]:
+    if stored.itemsize != sp.ITEMSIZE[kind]:
         raise TypeError(f"array of dtype {stored} does not hold {logical} elements")
     return kind
 

@@ -28,27 +28,18 @@ col_sinv, M, K. Grid: (cdiv(M, TM), cdiv(K, TK)). Scale padding is written by al
 """
 from __future__ import annotations
 
-from collections import namedtuple
 from functools import lru_cache
 
 import numpy as np
 
 from . import _device as dev
+from ._specs import BLOCK1D, BLOCK2D, MXFP8
+from ._specs import quantize_threads as threads
+from ._specs import quantize_tile as tile_shape
 from ._numba import (SIM, absmax_bf16x2, absmax_f16x2, compile_kernel, cuda, device, fmax32,
                      group_fmax, pack4_fp8, ptr, shfl_idx_f32, shfl_xor_f32, st_u32_at,
                      st_v2_at, st_v4_at, types)
 
-THREADS = 256          # threads per CTA unless threads(spec) says otherwise
-WARPS = THREADS // 32
-
-# Threads per CTA of the fused Block1D row+col kernel on 2-byte inputs (benchmark knob, read at
-# kernel build time). 512 halves the tile each thread holds and avoids spills at 64 registers,
-# but the H200 sweep (bench/NOTES.md, bench/sweep_fused.py) measured 256 threads with 3 CTAs
-# per SM (80 registers, 40 B spilled outside the hot loop) faster: 84.5% of copy against 79.3%.
-FUSED_BLOCK1D_THREADS = 256
-# Threads per CTA of the Block2D rowwise-only kernel on 2-byte inputs (benchmark knob, read at
-# kernel build time; 512 halves the tile share each thread holds).
-BLOCK2D_ROW_THREADS = 256
 # Reduce-scatter the per-row block amaxes across the lanes of a block so that each lane runs
 # the scale rule once instead of once per chunk (benchmark knob, read at kernel build time).
 ROW_SCATTER = True
@@ -56,48 +47,6 @@ ROW_SCATTER = True
 # instruction per 2 elements; exact, NaN-ignoring like fmaxf) instead of one fmaxf per element
 # (benchmark knob, read at kernel build time).
 PACKED_AMAX = True
-
-# recipe kinds
-BLOCK1D, BLOCK2D, MXFP8 = "block1d", "block2d", "mxfp8"
-
-QuantSpec = namedtuple("QuantSpec", [
-    "recipe",       # BLOCK1D | BLOCK2D | MXFP8
-    "kind",         # dev.F32 | dev.BF16 | dev.F16
-    "e4m3",         # bool
-    "rowwise",      # bool
-    "columnwise",   # bool
-    "pow2",         # bool (fp32-scale recipes)
-    "eps",          # float (fp32-scale recipes)
-    "vmax",         # float: the input dtype's max (scale when F/amax overflows)
-    "vec",          # bool: K % VE == 0 (16-byte loads, 8/4-byte stores along K)
-    "col_vec",      # bool: M % 16 == 0 (16-byte stores of transposed bytes along M)
-])
-
-
-def tile_shape(spec):
-    """(TM, TK) of the tile a CTA owns."""
-    ve = dev.ELEMS_PER_CHUNK[spec.kind]
-    if spec.recipe == BLOCK2D or (spec.recipe == BLOCK1D and spec.columnwise):
-        return 128, 128
-    if spec.recipe == BLOCK1D:
-        return (64 if ve == 8 else 32), 128
-    if spec.columnwise:  # MXFP8 with 32x1 blocks: the tile is one block tall
-        return 32, (256 if ve == 8 else 128)
-    return (64 if ve == 8 else 32), 128
-
-
-def threads(spec):
-    """Threads per CTA of the kernel for `spec`."""
-    if spec.recipe == BLOCK1D and spec.rowwise and spec.columnwise and spec.kind != dev.F32:
-        return FUSED_BLOCK1D_THREADS
-    if spec.recipe == BLOCK2D and not spec.columnwise and spec.kind != dev.F32:
-        return BLOCK2D_ROW_THREADS
-    return THREADS
-
-
-def block(spec):
-    """CUDA block shape (threads, 1, 1) of the kernel for `spec`."""
-    return (threads(spec), 1, 1)
 
 
 def argtypes(spec):
@@ -465,10 +414,12 @@ def default_min_blocks(spec):
 
 def get_kernel(spec):
     """Compiled, launchable kernel for `spec` (see ``_numba.compile_kernel``)."""
+    from . import _specs
+
     min_blocks = MIN_BLOCKS_PER_SM if MIN_BLOCKS_PER_SM is not None else \
         default_min_blocks(spec)
-    return _get_kernel(spec, min_blocks, FUSED_BLOCK1D_THREADS, BLOCK2D_ROW_THREADS, ROW_SCATTER,
-                       PACKED_AMAX)
+    return _get_kernel(spec, min_blocks, _specs.FUSED_BLOCK1D_THREADS,
+                       _specs.BLOCK2D_ROW_THREADS, ROW_SCATTER, PACKED_AMAX)
 
 
 @lru_cache(maxsize=None)
@@ -479,7 +430,3 @@ def _get_kernel(spec, min_blocks, fused_threads, b2d_row_threads, row_scatter, p
     return compile_kernel(make_kernel_pyfunc(spec), argtypes(spec),
                           launch_bounds=None if SIM else bounds)
 
-
-def grid(spec, rows, cols):
-    tm, tk = tile_shape(spec)
-    return (-(-rows // tm), -(-cols // tk), 1)

@@ -12,17 +12,23 @@ from .. import scaling
 from .._arrays import BF16
 from ..formats import Block1D, Block2D, E4M3, MXFP8
 from ..layout import buffer_layouts
-from . import _device as dev
-from . import _quantize_kernel as qk
+from . import _specs as sp
 from ._device_arrays import adapter_of
-from ._host import cached_plan, i64, kind_of, pointer_dtypes, round_up
+from ._host import SIM, cached_plan, i64, kind_of, pointer_dtypes, round_up
 
-_RECIPE_KIND = {Block1D: qk.BLOCK1D, Block2D: qk.BLOCK2D, MXFP8: qk.MXFP8}
-_VMAX = {dev.F32: scaling.FLT_MAX, dev.BF16: scaling.dtype_max(BF16),
-         dev.F16: scaling.dtype_max(np.float16)}
+_RECIPE_KIND = {Block1D: sp.BLOCK1D, Block2D: sp.BLOCK2D, MXFP8: sp.MXFP8}
+_VMAX = {sp.F32: scaling.FLT_MAX, sp.BF16: scaling.dtype_max(BF16),
+         sp.F16: scaling.dtype_max(np.float16)}
 
 # (recipe, kind, rowwise, columnwise, vec, col_vec) -> (kernel, spec): the per-call lookup
 _kernels = {}
+
+
+def _builder():
+    """The kernel builder module, imported on first need (it imports numba)."""
+    from . import _quantize_kernel
+
+    return _quantize_kernel
 
 
 def _kernel_for(recipe, kind, rowwise, columnwise, vec, col_vec):
@@ -30,13 +36,13 @@ def _kernel_for(recipe, kind, rowwise, columnwise, vec, col_vec):
     hit = _kernels.get(key)
     if hit is None:
         is_mx = isinstance(recipe, MXFP8)
-        spec = qk.QuantSpec(
+        spec = sp.QuantSpec(
             recipe=_RECIPE_KIND[type(recipe)], kind=kind, e4m3=recipe.fmt is E4M3,
             rowwise=bool(rowwise), columnwise=bool(columnwise),
             pow2=False if is_mx else recipe.pow2_scales,
             eps=0.0 if is_mx else recipe.amax_epsilon, vmax=_VMAX[kind], vec=vec,
             col_vec=col_vec)
-        hit = (qk.get_kernel(spec), spec)
+        hit = (_builder().get_kernel(spec), spec)
         _kernels[key] = hit
     return hit
 
@@ -52,8 +58,8 @@ class _Plan:
 
     def __init__(self, recipe, kind, rows, cols, rowwise, columnwise, vec):
         self.kernel, spec = _kernel_for(recipe, kind, rowwise, columnwise, vec, rows % 16 == 0)
-        self.grid = qk.grid(spec, rows, cols)
-        self.block = qk.block(spec)
+        self.grid = sp.quantize_grid(spec, rows, cols)
+        self.block = (sp.quantize_threads(spec), 1, 1)
         self.shapes = [None if s is None else (s.shape, s.dtype)
                        for s in buffer_layouts(recipe, rows, cols, rowwise, columnwise)]
         # each output starts on a 256-byte boundary (the kernels' vector stores need 16)
@@ -64,8 +70,8 @@ class _Plan:
                 total += round_up(int(np.prod(s[0])) * np.dtype(s[1]).itemsize, 256)
         self.nbytes = total
         self.scalars = (i64(rows), i64(cols))
-        # element types of the five pointer arguments (the simulator's views need them)
-        self.arg_dtypes = pointer_dtypes(qk.argtypes(spec)[:5])
+        # element types of the pointer arguments: the simulator's views need them
+        self.arg_dtypes = pointer_dtypes(_builder().argtypes(spec)[:5]) if SIM else (None,) * 5
 
 
 _plans = {}
@@ -106,7 +112,7 @@ def quantize(x2d, recipe, rowwise=True, columnwise=False, dtype=None, out=None):
         return tuple(None if s is None else ad.empty(s.shape, s.dtype, x2d)
                      for s in buffer_layouts(recipe, rows, cols, rowwise, columnwise))
     x_ptr = ad.ptr(x2d)
-    vec = cols % dev.ELEMS_PER_CHUNK[kind] == 0 and x_ptr % 16 == 0
+    vec = cols % sp.ELEMS_PER_CHUNK[kind] == 0 and x_ptr % 16 == 0
     plan = _plan_for(recipe, kind, rows, cols, rowwise, columnwise, vec)
     if out is None:
         out = ad.alloc(x2d, plan.nbytes, plan.shapes, plan.offsets)

@@ -155,3 +155,30 @@ def test_train_fsdp2_on_2_ranks():
     pytest.importorskip("fp8blk.torch.fsdp")
     output = _torchrun_example("train_fsdp2.py", "--steps", "12")
     assert "FAIL" not in output and output.count("  ok   ") == 3, output[-3000:]
+
+
+def test_run_notebook_runs_cells_saves_figures_and_stops_at_a_failure(tmp_path):
+    """examples/run_notebook.py (the notebook without Jupyter, e.g. on the GPU machine)."""
+    pytest.importorskip("matplotlib")
+
+    def notebook(*sources):
+        cells = [{"cell_type": "markdown", "source": "# t", "metadata": {}}] + [
+            {"cell_type": "code", "source": s, "metadata": {}, "outputs": [],
+             "execution_count": None} for s in sources]
+        path = tmp_path / f"nb{len(list(tmp_path.glob('*.ipynb')))}.ipynb"
+        path.write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4,
+                                    "nbformat_minor": 5}))
+        return str(path)
+
+    script = str(EXAMPLES / "run_notebook.py")
+    good = notebook("import matplotlib.pyplot as plt\nv = 41",
+                    "plt.plot([1, 2]); plt.show()\nprint('value', v + 1)")
+    code, out, _ = launch.run([sys.executable, script, good, "--figures",
+                               str(tmp_path / "figs")], timeout=60)
+    assert code == 0, out
+    assert "value 42" in out and "all 2 code cells ran; 1 figures" in out
+    assert (tmp_path / "figs" / "figure-1.png").read_bytes()[:4] == b"\x89PNG"
+    bad = notebook("x = 1", "assert x == 2, 'planted'", "print('not reached')")
+    code, out, _ = launch.run([sys.executable, script, bad], timeout=60)
+    assert code == 1 and "FAILED in code cell 2" in out and "planted" in out, out
+    assert "not reached" not in out

@@ -69,13 +69,14 @@ def choose_backend(mpi_comm, name):
     """(fp8blk communicator, array module). All ranks take the same choice."""
     cupy = None
     if name != "mpi":
+        local = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks on this node
+        ranks_here = local.Get_size()
+        local.Free()
         try:
             import cupy
 
-            local = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
-            enough = cupy.cuda.runtime.getDeviceCount() >= local.Get_size()
-            local.Free()
-        except Exception:
+            enough = cupy.cuda.runtime.getDeviceCount() >= ranks_here
+        except Exception:  # no CuPy, no driver, no device
             cupy, enough = None, False
         enough = mpi_comm.allreduce(enough, op=MPI.LAND)
         if name == "nccl" and not enough:

@@ -38,7 +38,8 @@ recipe. The two choices coincide whenever ``pow2_scales=True`` (both truncate to
 TE's master path uses FLT_MAX unconditionally, so with bf16 model weights, pow2_scales=False
 and such a tiny tile it differs from TE's master cast (and agrees with TE's quantize).
 
-Storage written per weight (``internal_buffers(weight)``: row_data, row_sinv, col_data, col_sinv):
+Storage written per weight (its buffers row_data, row_sinv, col_data, col_sinv; torch CUDA
+buffers through CuPy views of the same memory, ``tensor.cupy_buffers``):
 
 * Block2D: rowwise data at flat [o, o+n); if the weight holds columnwise (transposed) data, the
   owned elements' bytes at their transposed positions too; every scale_inv buffer held.
@@ -66,7 +67,7 @@ import numpy as np
 from . import _arrays, reference, scaling
 from .formats import Block1D, Block2D, MXFP8
 from .layout import buffer_layouts, cdiv
-from .tensor import BlockTensor, internal_buffers
+from .tensor import BlockTensor, cupy_buffers
 
 _MODEL_DTYPES = (np.dtype(np.float32), _arrays.BF16, np.dtype(np.float16))
 _MASTER_DTYPES = (np.dtype(np.float32), _arrays.BF16)
@@ -155,7 +156,7 @@ def _check_weight(weight, index, on_device):
                         f"Block2D and MXFP8 weights (Block1D's columnwise blocks cross shards "
                         f"and rows; quantize the gathered weight instead)")
     h, w = weight.shape2d
-    row_data, row_sinv, col_data, col_sinv = internal_buffers(weight)
+    row_data, row_sinv, col_data, col_sinv = cupy_buffers(weight)
     if (row_data is None) != (row_sinv is None) or (col_data is None) != (col_sinv is None):
         raise ValueError(f"weights[{index}] holds data without scales (or scales without data) "
                          f"in one direction")
@@ -165,7 +166,7 @@ def _check_weight(weight, index, on_device):
         raise ValueError(f"weights[{index}] is MXFP8 of shape {weight.shape}; MXFP8 needs "
                          f"both dims to be multiples of 32")
     layouts = buffer_layouts(recipe, h, w, True, True)
-    for buf, layout, what in zip(internal_buffers(weight), layouts, _BUFFER_NAMES):
+    for buf, layout, what in zip(cupy_buffers(weight), layouts, _BUFFER_NAMES):
         _check_buffer(buf, layout.shape, layout.dtype, what, index, on_device)
     return h, w
 
@@ -269,8 +270,8 @@ def validate(weights, masters, start_offsets, fragments):
     on_device = False
     for i, weight in enumerate(weights):
         if isinstance(weight, BlockTensor):
-            some = next((b for b in internal_buffers(weight) if b is not None), None)
-            on_device = _arrays.is_device(some)
+            some = next((b for b in cupy_buffers(weight) if b is not None), None)
+            on_device = _arrays.is_device(some) or _arrays.is_torch(some)
             break
     items = []
     for i, weight in enumerate(weights):
@@ -278,8 +279,8 @@ def validate(weights, masters, start_offsets, fragments):
         arr, dtype, start, count = _check_master(masters[i], i, h, w, start_offsets[i],
                                                  on_device)
         item = Item(i, weight, h, w, weight.recipe, arr, dtype, start, count,
-                    rowwise=internal_buffers(weight)[0] is not None,
-                    columnwise=internal_buffers(weight)[2] is not None)
+                    rowwise=cupy_buffers(weight)[0] is not None,
+                    columnwise=cupy_buffers(weight)[2] is not None)
         if fragments is not None:
             _fragments_for(item, fragments[i], on_device)
             if not count:  # an empty fragment has no address to write to
@@ -344,7 +345,7 @@ def _host_finish_block2d(bucket, shards, buf, value_for_inf, have_fragments):
         scale = scaling.fp32_scale_from_amax(amax, r.fmt, r.pow2_scales, r.amax_epsilon,
                                              value_for_inf)
         scale_inv = scaling.scale_inv_from_scale(scale)
-        row_data, row_sinv, col_data, col_sinv = internal_buffers(it.weight)
+        row_data, row_sinv, col_data, col_sinv = cupy_buffers(it.weight)
         if row_sinv is not None:
             row_sinv.fill(1.0)
             row_sinv[:, :kt] = scale_inv
@@ -365,7 +366,7 @@ def _host_finish_mxfp8(bucket, shards, buf):
     for it, shard in zip(bucket, shards):
         nrow, ncol = it.row_blocks, it.col_blocks
         row_codes = col_codes = None
-        row_data, row_sinv, col_data, col_sinv = internal_buffers(it.weight)
+        row_data, row_sinv, col_data, col_sinv = cupy_buffers(it.weight)
         if it.rowwise:
             row_codes = buf[offset: offset + nrow].reshape(it.h, it.w // 32)
             row_sinv.fill(0)

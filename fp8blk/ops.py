@@ -11,7 +11,7 @@ from .layout import shape2d
 from .tensor import BlockTensor
 
 
-def _validate(arr, dtype, family, recipe, rowwise, columnwise):
+def _validate(arr, dtype, family, recipe, rowwise, columnwise, contiguous):
     check_recipe(recipe)
     if not (rowwise or columnwise):
         raise ValueError("quantize needs rowwise=True or columnwise=True (or both)")
@@ -20,7 +20,7 @@ def _validate(arr, dtype, family, recipe, rowwise, columnwise):
                         f"convert it first, e.g. x.astype(numpy.float32) or x.float()")
     if arr.ndim == 0:
         raise ValueError("quantize needs an array with at least one dimension (..., K)")
-    if not arr.flags.c_contiguous:
+    if not contiguous:
         fix = "x.contiguous()" if family == _arrays.TORCH else "numpy.ascontiguousarray(x)"
         raise ValueError(f"quantize needs a C-contiguous input (a view of (M, K) without copies); "
                          f"pass {fix}")
@@ -34,14 +34,17 @@ def quantize(x, recipe, rowwise: bool = True, columnwise: bool = False) -> Block
     M and K to be multiples of 32. NaN inputs give NaN bytes, +-inf saturate to +-max; empty
     inputs give correctly shaped empty buffers.
     """
-    arr, family, dtype = _arrays.to_backend(x)
-    _validate(arr, dtype, family, recipe, rowwise, columnwise)
-    rows, cols = shape2d(arr.shape)
+    arr, family, dtype = _arrays.to_internal(x)
+    contiguous = arr.is_contiguous() if family == _arrays.TORCH and arr is x \
+        else arr.flags.c_contiguous
+    _validate(arr, dtype, family, recipe, rowwise, columnwise, contiguous)
+    shape = arr.shape
+    rows, cols = shape if len(shape) == 2 else shape2d(shape)
     if isinstance(recipe, MXFP8) and (rows % 32 or cols % 32):
         raise ValueError(f"MXFP8 needs M and K to be multiples of 32 (its blocks are 1x32 and "
                          f"32x1); got (M, K) = ({rows}, {cols}) from shape {tuple(arr.shape)}: "
                          f"pad the tensor or use Block1D")
-    x2d = arr if arr.ndim == 2 else arr.reshape(rows, cols)  # skip a ~2 us no-op reshape
+    x2d = arr if len(shape) == 2 else arr.reshape(rows, cols)  # skip a ~2 us no-op reshape
     buffers = backend_for(arr).quantize(x2d, recipe, rowwise, columnwise, dtype=dtype)
     return BlockTensor(arr.shape, recipe, *buffers, dtype=dtype, family=family)
 

@@ -17,6 +17,22 @@ def internal_buffers(q) -> list:
     return q._buffers
 
 
+def cupy_buffers(q) -> list:
+    """``internal_buffers(q)`` with torch CUDA tensors as CuPy views (the same memory), for
+    internal code written for CuPy arrays (the master-weight batch). Each view is made once
+    per buffer (a DLPack import costs ~24 us on the GPU) and reused while the buffer is."""
+    out = []
+    for i, buf in enumerate(q._buffers):
+        if buf is None or not _arrays.is_torch(buf):
+            out.append(buf)
+            continue
+        hit = q._exported[i]  # unused for torch-held buffers: they are handed out as they are
+        if hit is None or hit[0] is not buf:
+            hit = q._exported[i] = (buf, _arrays.as_cupy(buf))
+        out.append(hit[1])
+    return out
+
+
 class BlockTensor:
     """A block-scaled FP8 tensor of logical shape ``shape`` (..., K), viewed as (M, K).
 
@@ -47,7 +63,7 @@ class BlockTensor:
     # -- buffers in the caller's family ------------------------------------------------------
     def _out(self, i):
         buf = self._buffers[i]
-        if buf is None or self._family != _arrays.TORCH:
+        if buf is None or self._family != _arrays.TORCH or _arrays.is_torch(buf):
             return buf
         hit = self._exported[i]
         if hit is None or hit[0] is not buf:  # first access, or the buffer was replaced

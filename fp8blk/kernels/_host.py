@@ -18,16 +18,28 @@ from ._numba import SIM
 _KIND_OF = {np.dtype(np.float32): dev.F32, np.dtype(np.float16): dev.F16}
 
 
-def kind_of(arr, dtype):
-    """Input kind (dev.F32 / BF16 / F16) from the logical dtype (device bf16 is uint16)."""
-    logical = np.dtype(dtype) if dtype is not None else arr.dtype
-    if logical == BF16:
-        return dev.BF16
-    kind = _KIND_OF.get(logical)
+_KINDS = {}  # (stored dtype, logical dtype) -> kind: the per-call lookup
+
+
+def kind_of(stored, dtype):
+    """Input kind (dev.F32 / BF16 / F16) from the logical dtype `dtype` (None: the stored one)
+    and the array's stored dtype `stored` (CuPy holds bf16 as uint16)."""
+    kind = _KINDS.get((stored, dtype))
     if kind is None:
-        raise TypeError(f"quantize takes float32, bfloat16 or float16 input, got {logical}")
-    if arr.dtype.itemsize != dev.ITEMSIZE[kind]:
-        raise TypeError(f"array of dtype {arr.dtype} does not hold {logical} elements")
+        kind = _KINDS[(stored, dtype)] = _kind_slow(stored, dtype)
+    return kind
+
+
+def _kind_slow(stored, dtype):
+    logical = np.dtype(dtype) if dtype is not None else stored
+    if logical == BF16:
+        kind = dev.BF16
+    else:
+        kind = _KIND_OF.get(logical)
+        if kind is None:
+            raise TypeError(f"quantize takes float32, bfloat16 or float16 input, got {logical}")
+    if stored.itemsize != dev.ITEMSIZE[kind]:
+        raise TypeError(f"array of dtype {stored} does not hold {logical} elements")
     return kind
 
 
@@ -52,26 +64,6 @@ def pointer_arg(arr, np_dtype):
     return arr
 
 
-def unused_pointer(like):
-    """A pointer argument for an output a specialization never touches."""
-    if SIM:
-        return np.zeros(16, dtype=np.uint8)
-    return like
-
-
-def alloc_views(xp, nbytes, shapes, offsets):
-    """Arrays of `shapes` [((shape), dtype) or None] at byte `offsets` of ONE new allocation of
-    `nbytes`: one memory-pool call instead of up to four (a few microseconds each on CuPy)."""
-    if xp is np:
-        base = np.empty(nbytes, np.uint8)
-        return tuple([None if s is None else np.ndarray(s[0], s[1], buffer=base, offset=o)
-                      for s, o in zip(shapes, offsets)])
-    mem = xp.cuda.alloc(nbytes)
-    # `mem + o` makes a new MemoryPointer (~0.3 us): skip it for the first buffer
-    return tuple([None if s is None else xp.ndarray(s[0], s[1], memptr=mem + o if o else mem)
-                  for s, o in zip(shapes, offsets)])
-
-
 def cached_plan(cache, key, build):
     """``cache[key]``, built with ``build(*key)`` on a miss: the per-call lookup of the
     kernels' launch plans. The cache is emptied when it passes 4096 entries (a program that
@@ -91,4 +83,6 @@ def pointer_dtypes(argtypes):
 
 
 def i64(v):
+    """A kernel's int64 scalar argument (a NumPy int64: the simulator needs the type; the raw
+    launch on the GPU writes it as 8 bytes)."""
     return np.int64(v)

@@ -50,8 +50,8 @@ import numpy as np
 from .._arrays import BF16
 from ..formats import Block1D, Block2D, E4M3, MXFP8
 from ._device import byte_window, transpose_bytes_4x4
-from ._host import (SIM, cached_plan, cdiv, data_ptr, i64, module_of, pointer_arg,
-                    pointer_dtypes)
+from ._device_arrays import adapter_of
+from ._host import cached_plan, cdiv, i64, pointer_dtypes
 from ._numba import (addr_of, bf16x2_pack, bits_f32, compile_kernel, cuda, device,
                      f16x2_pack, f32_bf16_bits, f32_bits, f32_f16_bits, fp8x4_f32,
                      ld_u32_at, ld_v2_at, ld_v4_at, ptr, st_v2_at, st_v4_at, types)
@@ -665,16 +665,17 @@ _KIND = {Block1D: BLOCK1D, Block2D: BLOCK2D, MXFP8: MX}
 
 def plan_for(recipe, columnwise, out_kind, rows, cols, data, sinv):
     """The cached :class:`_Plan` of a call (public for tests and benchmarks)."""
+    ad = adapter_of(data)
     key = (_KIND[type(recipe)], columnwise, recipe.fmt is E4M3, out_kind, rows, cols,
-           sinv.shape[1], data_ptr(data) % 16, data_ptr(sinv) % 16)
+           sinv.shape[1], ad.ptr(data) % 16, ad.ptr(sinv) % 16)
     return cached_plan(_plans, key, _Plan)
 
 
 def dequantize(recipe, shape2d, rowwise_data=None, rowwise_scale_inv=None,
                columnwise_data=None, columnwise_scale_inv=None, dtype=np.float32):
-    """(M, K) device array of `dtype` (bf16 returned as uint16 bit patterns) from rowwise
-    buffers if given, else columnwise ones (DESIGN §4 layouts, C-contiguous), without
-    synchronizing."""
+    """(M, K) device array of `dtype` from rowwise buffers if given, else columnwise ones
+    (DESIGN §4 layouts, C-contiguous), without synchronizing: a CuPy array (bf16 returned as
+    uint16 bit patterns) or, for torch CUDA buffers, a torch tensor of the dtype itself."""
     rows, cols = shape2d
     if rowwise_data is not None:
         data, sinv, columnwise = rowwise_data, rowwise_scale_inv, False
@@ -686,19 +687,14 @@ def dequantize(recipe, shape2d, rowwise_data=None, rowwise_scale_inv=None,
     out_kind = _OUT.get(np.dtype(dtype))
     if out_kind is None:
         raise TypeError(f"dequantize dtype must be float32, bfloat16 or float16, got {dtype}")
-    xp = module_of(data)
-    out = xp.empty((rows, cols), dtype=np.float32 if out_kind == F32_OUT else np.uint16)
+    ad = adapter_of(data)
+    # the stored dtype: CuPy holds bf16 as uint16 (the adapter does that for BF16)
+    out = ad.empty((rows, cols), np.dtype(dtype), data)
     if rows and cols:
-        if not (data.flags.c_contiguous and sinv.flags.c_contiguous):
+        if not (ad.contiguous(data) and ad.contiguous(sinv)):
             raise ValueError("dequantize needs C-contiguous data and scale_inv buffers")
         plan = plan_for(recipe, columnwise, out_kind, rows, cols, data, sinv)
-        if SIM:
-            ptrs = tuple(pointer_arg(a, t) for a, t in zip((data, sinv, out), plan.arg_dtypes))
-        else:  # CuPy passes an array as its data pointer
-            ptrs = (data, sinv, out)
-        plan.kernel(plan.grid, plan.block, ptrs + plan.scalars)
-    if out_kind == F16_OUT:
-        return out.view(np.float16)
-    if out_kind == BF16_OUT and xp is np:
-        return out.view(BF16)
+        t = plan.arg_dtypes
+        ptrs = (ad.arg(data, t[0]), ad.arg(sinv, t[1]), ad.arg(out, t[2]))
+        ad.launch(plan.kernel, plan.grid, plan.block, ptrs + plan.scalars, data)
     return out

@@ -26,6 +26,7 @@ _TORCH_DTYPE = {"uint8": torch.uint8, "float32": torch.float32}
 FP8_DTYPE = {Format.E4M3: torch.float8_e4m3fn, Format.E5M2: torch.float8_e5m2}
 
 
+@functools.lru_cache(maxsize=None)
 def recipe_key(recipe) -> str:
     """A string naming ``recipe`` exactly (``recipe_from_key`` inverts it)."""
     name = type(recipe).__name__
@@ -57,7 +58,7 @@ def block_tensor_buffers(q: BlockTensor):
 def block_tensor_from_buffers(shape, recipe, buffers, dtype) -> BlockTensor:
     """A BlockTensor (torch family) over the given torch buffers, without copies; empty
     buffers mean "direction not held". ``dtype`` is the torch dtype that was quantized."""
-    internal = [None if b.numel() == 0 and b.dim() == 1 else _arrays.to_backend(b)[0]
+    internal = [None if b.numel() == 0 and b.dim() == 1 else _arrays.to_internal(b)[0]
                 for b in buffers]
     return BlockTensor(shape, recipe, *internal, dtype=_arrays.numpy_dtype(dtype),
                        family=_arrays.TORCH)
@@ -83,16 +84,20 @@ def _quantize_fake(x, recipe, rowwise, columnwise):
     return tuple(out)
 
 
-@torch.library.custom_op("fp8blk::block2d_transpose", mutates_args=())
-def _block2d_transpose(data: torch.Tensor, scale_inv: torch.Tensor, recipe: str
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def _block2d_transpose_impl(data, scale_inv, recipe):
     rows, cols = data.shape
-    q = block_tensor_from_buffers((rows, cols), recipe_from_key(recipe),
+    q = block_tensor_from_buffers((rows, cols), recipe,
                                   (data, scale_inv, _empty(data.device), _empty(data.device)),
                                   torch.float32)
     q.create_columnwise()
     out = block_tensor_buffers(q)
     return out[2], out[3]
+
+
+@torch.library.custom_op("fp8blk::block2d_transpose", mutates_args=())
+def _block2d_transpose(data: torch.Tensor, scale_inv: torch.Tensor, recipe: str
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _block2d_transpose_impl(data, scale_inv, recipe_from_key(recipe))
 
 
 @_block2d_transpose.register_fake
@@ -103,15 +108,25 @@ def _block2d_transpose_fake(data, scale_inv, recipe):
             data.new_empty(lay[3].shape, dtype=torch.float32))
 
 
+# In eager mode the functions below call the implementations directly: a Python custom op's
+# dispatch costs tens of microseconds of host time per call, which the hot path does not need.
+# Under torch.compile they go through the ops, which dynamo and the fake implementations trace.
+_compiling = torch.compiler.is_compiling
+
+
 def quantize_buffers(x2d: torch.Tensor, recipe, rowwise: bool, columnwise: bool):
-    """``fb.quantize(x2d, recipe, rowwise, columnwise)`` through the custom op: 4 tensors."""
-    return torch.ops.fp8blk.quantize(x2d, recipe_key(recipe), rowwise, columnwise)
+    """``fb.quantize(x2d, recipe, rowwise, columnwise)``: 4 tensors (see module docstring)."""
+    if _compiling():
+        return torch.ops.fp8blk.quantize(x2d, recipe_key(recipe), rowwise, columnwise)
+    return block_tensor_buffers(quantize(x2d, recipe, rowwise, columnwise))
 
 
 def block2d_columnwise(data: torch.Tensor, scale_inv: torch.Tensor, recipe):
     """Block2D columnwise buffers (K, M) data and scale_inv from the rowwise (M, K) ones, by
     FP8 transpose (``BlockTensor.create_columnwise``, no requantization)."""
-    return torch.ops.fp8blk.block2d_transpose(data, scale_inv, recipe_key(recipe))
+    if _compiling():
+        return torch.ops.fp8blk.block2d_transpose(data, scale_inv, recipe_key(recipe))
+    return _block2d_transpose_impl(data, scale_inv, recipe)
 
 
 def mxfp8_columnwise_as_rows(data: torch.Tensor, scale_inv: torch.Tensor):

@@ -34,8 +34,8 @@ import fp8blk as fb
 from fp8blk.torch import Float8BlockConfig, convert_to_float8_block
 from fp8blk.torch import fsdp as F
 from fp8blk.torch import weight as W
-from fp8blk.torch import linear as L
-from fp8blk.torch.linear import float8_block_linear
+from fp8blk.torch import functional as L
+from fp8blk.torch.linear import Float8BlockLinear, float8_block_linear
 from fp8blk.torch.quantize_ops import block_tensor_buffers
 from fp8blk.torch.scaled_mm import blockwise_scaled_mm
 
@@ -141,7 +141,7 @@ def run_case(mode, recipe_name, raf, ws, rank, mesh, seed, proto=False):
     convert_to_float8_block(model, cfg)
     if proto:
         for lin in model:
-            if isinstance(lin, L.Float8BlockLinear):
+            if isinstance(lin, Float8BlockLinear):
                 lin.forward = (lambda mod: lambda x: proto_linear(x, mod.weight, None,
                                                                   mod.config))(lin)
     F.prepare_fsdp_fp8(model, mode=mode, model_dtype=model_dtype)

@@ -183,9 +183,11 @@ class _PlaneWeight(torch.Tensor):
         updated in place (later gathers; no-grad, version counter kept)."""
         state, planes, usage = metadata
         if out is not None:
+            # FSDP2 + TP passes the DTensor it built around our tensor the first time
+            inner = out._local_tensor if type(out).__name__ == "DTensor" else out
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out), \
                     on_torch_stream(out.is_cuda):
-                out._box.update(all_gather_outputs, planes, usage)
+                inner._box.update(all_gather_outputs, planes, usage)
             return None
         box = _GatheredBox(state)
         with on_torch_stream(state.scales[0].is_cuda):

@@ -189,7 +189,9 @@ class _PlaneWeight(torch.Tensor):
                     on_torch_stream(out.is_cuda):
                 inner._box.update(all_gather_outputs, planes, usage)
             return None
-        box = _GatheredBox(state)
+        # the unsharded weight claims FSDP's compute dtype (mp_policy.param_dtype, else the
+        # parameter's): the Linear produces the weight gradient in it
+        box = _GatheredBox(state, param_dtype or state.dtype)
         with on_torch_stream(state.scales[0].is_cuda):
             box.update(all_gather_outputs, planes, usage)
         return Float8BlockWeight(box), box.inner_tensors()
@@ -362,8 +364,9 @@ class _GatheredBox:
     (NumPy/CuPy) arrays keyed by address, so a re-gather into the same memory re-imports
     nothing (a DLPack import costs ~24 us on the GPU)."""
 
-    def __init__(self, state):
+    def __init__(self, state, dtype):
         self.state = state
+        self.dtype = dtype
         rows, cols = state.shape
         recipe = state.recipe
         lay = all_layouts(recipe, rows, cols)
@@ -459,7 +462,7 @@ class Float8BlockWeight(torch.Tensor):
     def __new__(cls, box, requires_grad=False):
         state = box.state
         return torch.Tensor._make_wrapper_subclass(
-            cls, state.shape, dtype=state.dtype, device=state.scales[0].device,
+            cls, state.shape, dtype=box.dtype, device=state.scales[0].device,
             requires_grad=requires_grad)
 
     def __init__(self, box, requires_grad=False):

@@ -89,10 +89,11 @@ class WeightState:
                 lay = layouts[i]
                 self.scales[slot] = torch.full(lay.shape, lay.fill,
                                                dtype=_torch_dtype(lay.dtype), device=device)
-        internal = [None if t is None else _arrays.to_backend(t)[0] for t in self.scales]
-        self.scale_tensor = BlockTensor(self.shape, recipe, None, internal[0], None,
-                                        internal[1], dtype=_arrays.numpy_dtype(model_dtype),
-                                        family=_arrays.TORCH)
+        internal = [None if t is None else _arrays.to_internal(t)[0] for t in self.scales]
+        # scales only: the master cast writes data bytes into fragments (the local rows)
+        self.scale_tensor = BlockTensor._wrap(self.shape, recipe,
+                                              [None, internal[0], None, internal[1]],
+                                              _arrays.numpy_dtype(model_dtype), _arrays.TORCH)
         self.registry = None      # the Registry of the model this weight was converted in
         self.fsdp = None          # (FSDPParam, FSDPParamGroup) once looked up
         self.frags = None         # mode 2: padded local FP8 bytes per plane (torch uint8)
@@ -347,9 +348,11 @@ class _GatheredBlockTensor(BlockTensor):
 
     __slots__ = ("_torch",)
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    @classmethod
+    def empty(cls, shape, recipe, dtype):
+        self = cls._wrap(tuple(shape), recipe, [None, None, None, None], dtype, _arrays.TORCH)
         self._torch = [None, None, None, None]
+        return self
 
     def _out(self, i):
         pair = self._torch[i]
@@ -378,9 +381,8 @@ class _GatheredBox:
             self.col_data = torch.empty(lay[2].shape, dtype=torch.uint8, device=dev)
             self.col_sinv = torch.empty(lay[3].shape, dtype=torch.float32, device=dev)
         self._internal = {}
-        self.q = _GatheredBlockTensor(state.shape, recipe,
-                                      dtype=_arrays.numpy_dtype(state.model_dtype),
-                                      family=_arrays.TORCH)
+        self.q = _GatheredBlockTensor.empty(state.shape, recipe,
+                                            _arrays.numpy_dtype(state.model_dtype))
 
     def inner_tensors(self):
         return [self.col_data] if self.col_data is not None else []
@@ -391,7 +393,8 @@ class _GatheredBox:
         hit = self._internal.get(key)
         sig = (t.data_ptr(), tuple(t.shape), t.dtype)
         if hit is None or hit[0] != sig:
-            hit = self._internal[key] = (sig, _arrays.to_backend(t)[0])
+            # NumPy on the CPU; on the GPU the torch tensor itself (torch-native buffers)
+            hit = self._internal[key] = (sig, _arrays.to_internal(t)[0])
         self.q._torch[slot] = (hit[1], t)
         return hit[1]
 

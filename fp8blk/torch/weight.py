@@ -98,6 +98,7 @@ class WeightState:
         self.fsdp = None          # (FSDPParam, FSDPParamGroup) once looked up
         self.frags = None         # mode 2: padded local FP8 bytes per plane (torch uint8)
         self.cast_version = None  # mode 2: sharded param version the bytes were cast from
+        self.internal_cache = {}  # fsdp.py: internal arrays of the master cast's tensors
         self.gathers = collections.deque(maxlen=64)  # the latest pre-all-gathers
         self.log_gathers = True
 

@@ -37,7 +37,8 @@ import torch  # noqa: E402
 
 import fp8blk as fb  # noqa: E402
 from fp8blk.torch import Float8BlockLinear, blockwise_scaled_mm  # noqa: E402
-from fp8blk.torch import linear as fl  # noqa: E402
+from fp8blk.torch import Float8BlockConfig, convert_to_float8_block  # noqa: E402
+from fp8blk.torch import functional as fl  # noqa: E402
 from fp8blk.torch.quantize_ops import block2d_columnwise, quantize_buffers  # noqa: E402
 
 SHAPES = [(16384, 8192, 8192), (16384, 4096, 14336), (8192, 4096, 4096)]
@@ -132,7 +133,7 @@ def accuracy(width, tokens=8192):
 
 def breakdown(m, k, n):
     """GPU ms of the three GEMMs alone and of the quantize kernels alone."""
-    cfg = fl.Float8BlockConfig()
+    cfg = Float8BlockConfig()
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
     w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
     dy = torch.randn(m, n, device=DEV, dtype=torch.bfloat16)
@@ -212,7 +213,7 @@ def compile_check():
     model = torch.nn.Sequential(torch.nn.Linear(1024, 2048, device=DEV, dtype=torch.bfloat16),
                                 torch.nn.GELU(),
                                 torch.nn.Linear(2048, 1024, device=DEV, dtype=torch.bfloat16))
-    fl.convert_to_float8_block(model)
+    convert_to_float8_block(model)
     x = torch.randn(4096, 1024, device=DEV, dtype=torch.bfloat16)
     try:
         eager = model(x)

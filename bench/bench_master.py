@@ -31,8 +31,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fp8blk as fb  # noqa: E402
 from fp8blk import master  # noqa: E402
 from fp8blk.layout import buffer_layouts  # noqa: E402
-from fp8blk.kernels import _partial_amax_kernel as pak  # noqa: E402
-from fp8blk.kernels import _partial_cast_kernel as pck  # noqa: E402
 from fp8blk.kernels import _specs as dev  # noqa: E402
 from fp8blk.kernels import master_batch as mb  # noqa: E402
 from fp8blk.kernels import partial_amax as pa  # noqa: E402
@@ -179,9 +177,9 @@ def batch_rows(cp, reps):
     without columnwise, MXFP8 bidirectional and row-only, in turn; this rank owns a quarter of
     every weight)."""
     counters = {"amax": Counter(), "scale": Counter(), "cast": Counter()}
-    pak.get_amax_kernel = counting(pak.get_amax_kernel, counters["amax"])
-    pck.get_scale_kernel = counting(pck.get_scale_kernel, counters["scale"])
-    pck.get_cast_kernel = counting(pck.get_cast_kernel, counters["cast"])
+    pa.kernel_for = counting(pa.kernel_for, counters["amax"])
+    pc.scale_kernel = counting(pc.scale_kernel, counters["scale"])
+    pc.cast_kernel = counting(pc.cast_kernel, counters["cast"])
     uploads = Counter()
     orig_table = mb._device_table
 
@@ -287,12 +285,17 @@ def main():
     kernels = kernel_rows(cp, copy_bw, reps, inner)
     sweep = {}
     if args.sweep:
+        saved = pa.use_settings(dev.MasterSettings()), pc.use_settings(dev.MasterSettings())
         for min_blocks in (3, 4):
-            pak.FAST_MIN_BLOCKS[False] = pck.FAST_MIN_BLOCKS[False] = min_blocks
+            sweep_settings = dev.MasterSettings(amax_fast_min_blocks_mxfp8=min_blocks,
+                                                cast_fast_min_blocks_mxfp8=min_blocks)
+            pa.use_settings(sweep_settings)
+            pc.use_settings(sweep_settings)
             print(f"MXFP8 fast-path kernels with minBlocksPerSM={min_blocks}:", flush=True)
             sweep[min_blocks] = kernel_rows(cp, copy_bw, reps, inner, aligned_only=True,
                                             only=("MXFP8 row-only", "MXFP8 bidirectional"))
-        pak.FAST_MIN_BLOCKS[False] = pck.FAST_MIN_BLOCKS[False] = None
+        pa.use_settings(saved[0])
+        pc.use_settings(saved[1])
     print("MXFP8 cast specialization (16384x6144, aligned):", flush=True)
     spec = specialization_rows(cp, reps, inner)
     payload = payload_rows()

@@ -10,7 +10,7 @@ target is a fixed random function of the token):
 * bf16: FSDP2 (``fully_shard`` per block, then the model) with bf16 compute
   (``MixedPrecisionPolicy(param_dtype=bfloat16)``); its all-gathers send 2 bytes per weight
   element.
-* FP8: the same (fp32 parameters and non-GEMM compute), after ``fp8blk.torch.convert_to_float8_block`` (every block's linears run their
+* FP8: the same, after ``fp8blk.torch.convert_to_float8_block`` (every block's linears run their
   forward and backward GEMMs in block-scaled FP8: 1x128 activations and gradients, 128x128
   weights; the head stays bf16 through ``module_filter_fn``) and
   ``fp8blk.torch.fsdp.prepare_fsdp_fp8(model, mode="cast")``: the parameters stay high
@@ -93,9 +93,9 @@ def shard(model, fp8):
 
         convert_to_float8_block(model, module_filter_fn=lambda m, fqn: fqn != "head")
         fsdp.prepare_fsdp_fp8(model, mode="cast")
-    # bf16: bf16 compute everywhere. FP8: the linears' GEMMs in FP8 from fp32 parameters; the
-    # rest (embedding, norms, GELU, head) in fp32 -- FP8 weights are not cast to a param_dtype
-    policy = MixedPrecisionPolicy(param_dtype=None if fp8 else torch.bfloat16,
+    # fp32 parameters for the optimizer, bf16 compute; in the FP8 model the blocks' linears
+    # quantize their bf16 inputs and gather their weights' FP8 bytes (from bf16 values)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                   reduce_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, mp_policy=policy)

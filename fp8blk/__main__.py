@@ -1,4 +1,4 @@
-"""``python -m fp8blk demo|bench|info``.
+"""``python -m fp8blk demo|bench|info|prebuild``.
 
 demo   quantize random matrices with every recipe (on the GPU when CuPy sees one, else on the
        CPU) and print, per recipe, bytes stored, dequantization error and time; with
@@ -6,6 +6,7 @@ demo   quantize random matrices with every recipe (on the GPU when CuPy sees one
 bench  GPU: kernel bandwidth over sizes vs copy, torch.compile, torchao (--out DIR: JSON + PNG);
        CPU: the reference path's timings (8192x8192 float32 by default).
 info   versions and whether a GPU is usable.
+prebuild  compile the common kernel variants into fp8blk's kernel cache (fp8blk/_prebuild.py).
 """
 from __future__ import annotations
 
@@ -138,7 +139,11 @@ def main(argv=None) -> int:
     _bench.add_arguments(sub.add_parser("bench", help="kernel bandwidth table and plot (GPU), "
                                         "reference-path timings (CPU)"))
     sub.add_parser("info", help="versions and GPU availability")
+    from ._prebuild import add_parser as add_prebuild  # prebuild: compile kernels ahead
+    add_prebuild(sub)
     args = parser.parse_args(argv)
+    if args.command == "prebuild":
+        return args.run(args)
     return {"demo": demo, "bench": _bench.run, "info": info}[args.command](args)
 
 

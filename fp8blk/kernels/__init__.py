@@ -12,10 +12,14 @@ Same functions, signatures and return conventions as ``fp8blk.reference`` (see
 Modules come in pairs named by operation: a launcher (``quantize``, ``dequantize``,
 ``transpose``, ``partial_amax``, ``partial_cast``: launch plans, allocation, launch) and its
 builder (``_quantize_kernel``, ...: the Numba kernel code, compiled on first use per
-specialization). ``master_batch`` is the master-weight kernels' batch table; ``_specs`` the
-numba-free kinds, specs and launch geometry both sides share; ``_host`` the launchers' helpers;
-``_device`` the device helpers the builders share. ``_numba`` is the only module importing
-numba.cuda, and only builders and ``_device`` import ``_numba``.
+variant). ``master_batch`` is the master-weight kernels' batch table; ``_specs`` the numba-free
+kinds, specs (every setting that changes generated code is a spec field) and launch geometry
+both sides share; ``_host`` the launchers' helpers; ``_device`` the device helpers the builders
+share. ``_compiled`` gives launchers their kernels: from fp8blk's disk cache (``_cache``;
+``FP8BLK_CACHE_DIR``, ``FP8BLK_KERNEL_CACHE=0`` to turn it off; ``python -m fp8blk prebuild``
+fills it ahead of time), else compiled once per cache folder. ``_numba`` is the only module
+importing numba.cuda, only builders and ``_device`` import ``_numba``, and launchers import
+builders only on a cache miss: a process whose kernels are cached never imports numba.
 
 Note: the package attributes ``quantize`` and ``dequantize`` are the functions; the launcher
 modules of the same names are ``sys.modules["fp8blk.kernels.quantize"]`` (or ``from

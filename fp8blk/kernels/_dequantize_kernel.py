@@ -1,5 +1,6 @@
-"""GPU ``dequantize``: ``fl32(decode(byte) * scale_inv)`` rounded once to fp32/bf16/fp16, from
-rowwise buffers if given, else columnwise ones (same contract and bytes as the reference).
+"""Builder of the GPU ``dequantize`` kernels (launcher: ``dequantize``):
+``fl32(decode(byte) * scale_inv)`` rounded once to fp32/bf16/fp16 (same bytes as the
+reference). Each kernel is generated from a ``_specs.DequantizeSpec`` alone.
 
 Three kernels, each specialized per (recipe, direction, format, output dtype):
 
@@ -11,7 +12,7 @@ Three kernels, each specialized per (recipe, direction, format, output dtype):
   conversion, multiplies in fp32, rounds once and writes one 16-byte store. Consecutive lanes
   take consecutive pieces of a row (2**lpr_shift lanes per row, chosen from K so narrow
   tensors keep the lanes busy), so every load and store instruction of a warp is contiguous.
-  A thread handles ROWS_PER_THREAD rows, all loads issued before any use.
+  A thread handles ``spec.rows_per_thread`` rows, all loads issued before any use.
   Needs K % E == 0 and E-aligned pointers; 16-bit outputs with only K % 4 == 0 and 4-aligned
   data use pieces of E = 4 elements (4-byte loads, 8-byte stores) instead. (Pieces are sized
   by the output, not the input: a 16-byte input load per lane would need two 16-byte stores
@@ -48,10 +49,9 @@ import numpy as np
 
 from ._device import byte_window, transpose_bytes_4x4
 from ._specs import (BF16_OUT, BLOCK1D, BLOCK2D, BX, BY, DQ_THREADS, DQ_TILE,
-                     F32_OUT, MXFP8, OUT_SIZE, ROWS, ROWS_PER_THREAD, SCALAR, TILES, piece_of,
-                     transposed)
+                     F32_OUT, MXFP8, OUT_SIZE, ROWS, SCALAR, TILES, piece_of, transposed)
 from ._specs import dequantize_launch_bounds as launch_bounds
-from ._numba import (addr_of, bf16x2_pack, bits_f32, compile_kernel, cuda, device,
+from ._numba import (addr_of, bf16x2_pack, bits_f32, cuda, device,
                      f16x2_pack, f32_bf16_bits, f32_bits, f32_f16_bits, fp8x4_f32,
                      ld_u32_at, ld_v2_at, ld_v4_at, ptr, st_v2_at, st_v4_at, types)
 
@@ -171,7 +171,7 @@ def _make_rows_pyfunc(spec):
     E = piece_of(spec)
     NWD = E // 4                    # FP8 data words per piece
     OSZ = OUT_SIZE[spec.out_kind]
-    PR = ROWS_PER_THREAD
+    PR = spec.rows_per_thread
     RK = spec.recipe
     MX_COL = RK == MX and spec.columnwise
     convert = piece_converter(spec.e4m3, spec.out_kind, E)
@@ -545,9 +545,6 @@ def argtypes(spec):
     return args + ((i64t,) if spec.path == ROWS else ())
 
 
-@lru_cache(maxsize=None)
-def get_kernel(spec):
-    return compile_kernel(make_kernel_pyfunc(spec), argtypes(spec),
-                          launch_bounds=launch_bounds(spec))
-
-
+def build(spec):
+    """(pyfunc, argtypes, launch_bounds) of the kernel for `spec` (``_compiled`` compiles it)."""
+    return make_kernel_pyfunc(spec), argtypes(spec), launch_bounds(spec)

@@ -23,12 +23,12 @@ import numpy as np
 
 from . import _device as dev
 from ._device import e8m0_code
-from ._numba import (SIM, bf16x2_f32, bits_f32, compile_kernel, cuda, device, f16x2_f32,
+from ._numba import (bf16x2_f32, bits_f32, cuda, device, f16x2_f32,
                      f32_bf16_bits, f32_f16_bits, fmax32, group_fmax, ld_v4, ptr,
                      shfl_xor_f32, types)
-from .master_batch import (AMAX2D_THREADS, F_AMAX0, F_AMAXF0, F_BAND0, F_COLBUF, F_E4M3,
+from ._specs import (AMAX2D_THREADS, F_AMAX0, F_AMAXF0, F_BAND0, F_COLBUF, F_E4M3,
                            F_FASTROW0, F_FASTROW1, F_H, F_HASCOL, F_HASROW, F_MBF16, F_MOFF,
-                           F_N, F_NCB, F_O, F_ROWBUF, F_VEC2D, F_W, INV_F, MX_COLS,
+                           F_N, F_NCB, F_O, F_ROWBUF, F_VEC2D, F_W, MX_COLS,
                            MXAMAX_THREADS, NF)
 
 # ---- device helpers -----------------------------------------------------------------------------
@@ -244,7 +244,7 @@ def _mxfp8_amax_pyfunc(model, with_col, fast_path):
     THREADS = MXAMAX_THREADS
     HALF = 16  # rows loaded before use (two halves of the 32-row band)
     ZERO = np.float32(0.0)
-    INV_E4M3, INV_E5M2 = np.float32(INV_F[True]), np.float32(INV_F[False])
+    INV_E4M3, INV_E5M2 = np.float32(1) / np.float32(448.0), np.float32(1) / np.float32(57344.0)
     uint32, float32 = types.uint32, types.float32
 
     def kernel(tab, first, count, codes, codes32, mem32, mem16):
@@ -337,21 +337,9 @@ def amax_pyfunc(block2d, model, with_col, fast_path=False):
     return _mxfp8_amax_pyfunc(model, with_col, fast_path)
 
 
-# minimum CTAs per SM asked of the compiler for the fast-path kernels (None: its choice),
-# by block2d; read when a kernel is built (bench/bench_master.py --sweep varies it). MXFP8:
-# 4 CTAs of 128 threads (<= 128 registers, no spills) measured 4-10% faster than the
-# compiler's 131 registers / 3 CTAs on the H200 (bench/NOTES.md).
-FAST_MIN_BLOCKS = {True: None, False: 4}
-
-
-def get_amax_kernel(block2d, model, with_col, fast_path):
-    return _get_amax_kernel(block2d, model, with_col, fast_path,
-                            FAST_MIN_BLOCKS[block2d] if fast_path else None)
-
-
-@lru_cache(maxsize=None)
-def _get_amax_kernel(block2d, model, with_col, fast_path, min_blocks):
-    threads = AMAX2D_THREADS if block2d else MXAMAX_THREADS
-    bounds = threads if min_blocks is None else (threads, min_blocks)
-    return compile_kernel(amax_pyfunc(block2d, model, with_col, fast_path),
-                          amax_argtypes(block2d), launch_bounds=None if SIM else bounds)
+def build(spec):
+    """(pyfunc, argtypes, launch_bounds) of the kernel for a ``_specs.PartialAmaxSpec``."""
+    threads = AMAX2D_THREADS if spec.block2d else MXAMAX_THREADS
+    bounds = threads if spec.min_blocks is None else (threads, spec.min_blocks)
+    return (amax_pyfunc(spec.block2d, spec.model, spec.with_col, spec.fast_path),
+            amax_argtypes(spec.block2d), bounds)

@@ -22,15 +22,12 @@ Kernels
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 
 from ._device import e8m0_multiplier, fp32_scale
-from ._numba import (SIM, bits_f32, compile_kernel, cuda, device, pack4_e4m3, pack4_e5m2,
-                     ptr, types)
+from ._numba import bits_f32, cuda, device, pack4_e4m3, pack4_e5m2, ptr, types
 from ._partial_amax_kernel import decode4, load_group, model_rounder, shard_of, weight_of
-from .master_batch import (CAST_CHUNK, CAST_GROUPS, CAST_THREADS, F_CAST0, F_CASTF0, F_COLBUF,
+from ._specs import (CAST_CHUNK, CAST_GROUPS, CAST_THREADS, F_CAST0, F_CASTF0, F_COLBUF,
                            F_COLDATA, F_COLSINV, F_E4M3, F_EPS, F_HASCOL, F_HASROW, F_MVEC,
                            F_NCB, F_NFC, F_POW2, F_ROWBUF, F_ROWDATA, F_ROWSINV, F_SCALE0,
                            SCALE_THREADS)
@@ -129,10 +126,9 @@ def scale_pyfunc(block2d, vinf):
     return _block2d_scale_pyfunc(vinf) if block2d else _mxfp8_scale_pyfunc()
 
 
-@lru_cache(maxsize=None)
-def get_scale_kernel(block2d, vinf):
-    return compile_kernel(scale_pyfunc(block2d, vinf), scale_argtypes(block2d),
-                          launch_bounds=None if SIM else SCALE_THREADS)
+def build_scale(spec):
+    """(pyfunc, argtypes, launch_bounds) of the kernel for a ``_specs.PartialScaleSpec``."""
+    return scale_pyfunc(spec.block2d, spec.vinf), scale_argtypes(spec.block2d), SCALE_THREADS
 
 
 # ---- cast ---------------------------------------------------------------------------------------
@@ -316,18 +312,8 @@ def cast_pyfunc(block2d, model, with_col, fast_path=False):
     return _cast_pyfunc(block2d, model, with_col, fast_path)
 
 
-# minimum CTAs per SM asked of the compiler for the fast-path kernels (None: its choice);
-# read when a kernel is built (bench/bench_master.py --sweep varies it)
-FAST_MIN_BLOCKS = {True: None, False: None}  # by block2d
-
-
-def get_cast_kernel(block2d, model, with_col, fast_path):
-    return _get_cast_kernel(block2d, model, with_col, fast_path,
-                            FAST_MIN_BLOCKS[block2d] if fast_path else None)
-
-
-@lru_cache(maxsize=None)
-def _get_cast_kernel(block2d, model, with_col, fast_path, min_blocks):
-    bounds = CAST_THREADS if min_blocks is None else (CAST_THREADS, min_blocks)
-    return compile_kernel(cast_pyfunc(block2d, model, with_col, fast_path),
-                          cast_argtypes(block2d), launch_bounds=None if SIM else bounds)
+def build_cast(spec):
+    """(pyfunc, argtypes, launch_bounds) of the kernel for a ``_specs.PartialCastSpec``."""
+    bounds = CAST_THREADS if spec.min_blocks is None else (CAST_THREADS, spec.min_blocks)
+    return (cast_pyfunc(spec.block2d, spec.model, spec.with_col, spec.fast_path),
+            cast_argtypes(spec.block2d), bounds)

@@ -14,12 +14,10 @@ length. Grid: (cdiv(R, 128), cdiv(C, 128)).
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 
 from . import _device as dev
-from ._numba import compile_kernel, cuda, ptr, st_v4_at, types
+from ._numba import cuda, ptr, st_v4_at, types
 from ._specs import TR_THREADS as THREADS
 from ._specs import TR_TILE as T
 
@@ -98,7 +96,7 @@ def argtypes(vec_in, vec_out):
             ptr(types.float32), ptr(types.float32), types.int64, types.int64, types.int64)
 
 
-@lru_cache(maxsize=None)
-def get_kernel(vec_in, vec_out):
-    return compile_kernel(make_kernel_pyfunc(vec_in, vec_out), argtypes(vec_in, vec_out),
-                          launch_bounds=THREADS)
+def build(spec):
+    """(pyfunc, argtypes, launch_bounds) of the kernel for a ``_specs.TransposeSpec``."""
+    return (make_kernel_pyfunc(spec.vec_in, spec.vec_out), argtypes(spec.vec_in, spec.vec_out),
+            THREADS)

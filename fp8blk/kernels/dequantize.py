@@ -1,29 +1,41 @@
 """GPU ``dequantize``: ``fl32(decode(byte) * scale_inv)`` rounded once to fp32/bf16/fp16, from
 rowwise buffers if given, else columnwise ones (same contract and bytes as the reference).
 
-The launcher: picks the kernel path (:func:`choose_path`; kernels in ``_dequantize_kernel``),
-builds a launch plan per call signature, allocates the output and launches.
+The launcher: picks the kernel path (:func:`choose_path`; kernels in ``_dequantize_kernel``,
+loaded through ``_compiled``: from the disk cache without importing numba, or compiled on a
+miss), builds a launch plan per call signature, allocates the output and launches. Tuning:
+:func:`use_settings`.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 
 from .._arrays import BF16
 from ..formats import Block1D, Block2D, E4M3, MXFP8
 from . import _specs as sp
+from . import _compiled
 from ._device_arrays import adapter_of
-from ._host import SIM, cached_plan, cdiv, i64, pointer_dtypes
+from ._host import SIM, cached_plan, cdiv, scalars
 from ._specs import (BF16_OUT, BX, BY, DQ_THREADS, DQ_TILE, F16_OUT, F32_OUT, MAX_GRID_Y, PIECE,
-                     ROWS, ROWS_PER_THREAD, SCALAR, TILES, DequantSpec, piece_of, transposed)
+                     ROWS, SCALAR, TILES, DequantizeSpec, piece_of, transposed)
 
 _OUT = {np.dtype(np.float32): F32_OUT, BF16: BF16_OUT, np.dtype(np.float16): F16_OUT}
 
 
-def _builder():
-    """The kernel builder module, imported on first need (it imports numba)."""
-    from . import _dequantize_kernel
+_settings = sp.DequantizeSettings()
 
-    return _dequantize_kernel
+
+def use_settings(settings):
+    """Make `settings` (a ``_specs.DequantizeSettings``) the tuning of later calls; returns
+    the previous settings. Every setting is a spec field (part of the cache key)."""
+    global _settings
+    if not isinstance(settings, sp.DequantizeSettings):
+        raise TypeError(f"settings must be a DequantizeSettings, got {type(settings).__name__}")
+    previous, _settings = _settings, settings
+    _plans.clear()
+    return previous
 
 
 def lpr_shift(spec, cols):
@@ -43,7 +55,7 @@ def choose_path(spec, rows, cols, ld, data_align, sinv_align):
     rows of any alignment (``aligned=False``: shifted 16-byte loads). ``data_align`` /
     ``sinv_align``: the buffers' addresses modulo 16; the given path / piece are ignored."""
     E = PIECE[spec.out_kind]
-    scalar = spec._replace(path=SCALAR, piece=0, aligned=True)
+    scalar = replace(spec, path=SCALAR, piece=0, aligned=True)
     # the rows kernel's loads need the data aligned to the piece; the tiles kernel's don't
     align = 0 if transposed(spec) else data_align
     if cols % E == 0 and align % E == 0:
@@ -55,11 +67,11 @@ def choose_path(spec, rows, cols, ld, data_align, sinv_align):
         return scalar
     E = piece or E
     if transposed(spec):
-        return spec._replace(path=TILES, piece=piece,
+        return replace(spec, path=TILES, piece=piece,
                              aligned=rows % 16 == 0 and data_align == 0)
     if spec.recipe == sp.MXFP8 and spec.columnwise and (sinv_align % E or ld % E):
         return scalar
-    return spec._replace(path=ROWS, piece=piece, aligned=True)
+    return replace(spec, path=ROWS, piece=piece, aligned=True)
 
 
 class _Plan:
@@ -71,18 +83,19 @@ class _Plan:
     __slots__ = ("spec", "kernel", "grid", "block", "scalars", "arg_dtypes")
 
     def __init__(self, recipe_kind, columnwise, e4m3, out_kind, rows, cols, ld, data_align,
-                 sinv_align):
-        spec = self.spec = choose_path(DequantSpec(recipe_kind, columnwise, e4m3, out_kind, None),
-                                       rows, cols, ld, data_align, sinv_align)
-        self.kernel = _builder().get_kernel(spec)
-        scalars = (i64(rows), i64(cols), i64(ld))
+                 sinv_align, device):
+        spec = DequantizeSpec(recipe_kind, bool(columnwise), bool(e4m3), out_kind, None,
+                              rows_per_thread=_settings.rows_per_thread)
+        spec = self.spec = choose_path(spec, rows, cols, ld, data_align, sinv_align)
+        self.kernel = _compiled.kernel("dequantize", spec, device)
+        values = [rows, cols, ld]
         if spec.path == ROWS:
             s = lpr_shift(spec, cols)
-            rows_per_cta = (DQ_THREADS >> s) * ROWS_PER_THREAD
+            rows_per_cta = (DQ_THREADS >> s) * spec.rows_per_thread
             self.grid = (cdiv(cols, piece_of(spec) << s),
                          min(cdiv(rows, rows_per_cta), MAX_GRID_Y), 1)
             self.block = (DQ_THREADS, 1, 1)
-            scalars += (i64(s),)
+            values.append(s)
         elif spec.path == TILES:
             self.grid = (cdiv(rows, DQ_TILE), min(cdiv(cols, DQ_TILE), MAX_GRID_Y), 1)
             self.block = (DQ_THREADS, 1, 1)
@@ -90,8 +103,8 @@ class _Plan:
             along, across = (rows, cols) if transposed(spec) else (cols, rows)
             self.grid = (cdiv(along, BX), min(cdiv(across, BY), MAX_GRID_Y), 1)
             self.block = (BX, BY, 1)
-        self.scalars = scalars
-        self.arg_dtypes = pointer_dtypes(_builder().argtypes(spec)[:3]) if SIM else (None,) * 3
+        self.scalars = scalars(*values)
+        self.arg_dtypes = _compiled.arg_dtypes("dequantize", spec, 3) if SIM else (None,) * 3
 
 
 # (recipe kind, columnwise, e4m3, out kind, M, K, ld, data address % 16, sinv address % 16)
@@ -103,7 +116,7 @@ def plan_for(recipe, columnwise, out_kind, rows, cols, data, sinv):
     """The cached :class:`_Plan` of a call (public for tests and benchmarks)."""
     ad = adapter_of(data)
     key = (_KIND[type(recipe)], columnwise, recipe.fmt is E4M3, out_kind, rows, cols,
-           sinv.shape[1], ad.ptr(data) % 16, ad.ptr(sinv) % 16)
+           sinv.shape[1], ad.ptr(data) % 16, ad.ptr(sinv) % 16, ad.device(data))
     return cached_plan(_plans, key, _Plan)
 
 
@@ -130,7 +143,6 @@ def dequantize(recipe, shape2d, rowwise_data=None, rowwise_scale_inv=None,
         if not (ad.contiguous(data) and ad.contiguous(sinv)):
             raise ValueError("dequantize needs C-contiguous data and scale_inv buffers")
         plan = plan_for(recipe, columnwise, out_kind, rows, cols, data, sinv)
-        t = plan.arg_dtypes
-        ptrs = (ad.arg(data, t[0]), ad.arg(sinv, t[1]), ad.arg(out, t[2]))
-        ad.launch(plan.kernel, plan.grid, plan.block, ptrs + plan.scalars, data)
+        args = ad.args((data, sinv, out), plan.arg_dtypes, plan.scalars)
+        ad.launch(plan.kernel, plan.grid, plan.block, args, data)
     return out

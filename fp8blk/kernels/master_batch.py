@@ -27,46 +27,10 @@ from ..formats import Block2D, E4M3
 from ..layout import cdiv, round_up
 from ..tensor import cupy_buffers
 from ._host import SIM, data_ptr, module_of
-
-# ---- table fields -----------------------------------------------------------------------------
-F_H, F_W, F_O, F_N = 0, 1, 2, 3
-F_MOFF = 4      # master offset from the base, in elements of the master's dtype
-F_MBF16 = 5     # 1: the master is bf16 (else fp32)
-F_MVEC = 6      # 1: master offset aligned for vector loads (fp32: 16 B, bf16: 4 B)
-F_VEC2D = 7     # 1: F_MVEC and o % 4 == 0 and w % 4 == 0 (every row segment aligned)
-F_E4M3 = 8      # 1: E4M3, 0: E5M2
-F_POW2 = 9
-F_EPS = 10      # float32 bits of amax_epsilon
-F_ROWBUF = 11   # offset of the weight's rowwise (Block2D: tile) entries in the packed buffer
-F_COLBUF = 12   # offset of its MXFP8 columnwise entries (multiple of 4), or -1
-F_ROWDATA = 13  # byte offset of the rowwise destination of flat index f is F_ROWDATA + f
-F_COLDATA = 14  # same for MXFP8 columnwise data; Block2D transposed data starts here
-F_ROWSINV = 15  # offset of rowwise scale_inv (fp32 elements / bytes), -1 if not held
-F_COLSINV = 16
-F_HASROW = 17
-F_HASCOL = 18
-F_AMAX0 = 19    # first CUDA block of this weight in its partial-amax launch
-F_BAND0 = 20    # first tile row (Block2D) / 32-row band (MXFP8) the shard touches
-F_NCB = 21      # CUDA blocks per band: cdiv(w, 128) (Block2D), cdiv(w, 512) (MXFP8)
-F_CAST0 = 22    # first CUDA block in its cast launch
-F_SCALE0 = 23   # first entry in the scale launch
-F_AMAXF0 = 24   # first CUDA block of this weight in its fast-path partial-amax launch
-F_FASTROW0 = 25  # band rows [F_FASTROW0, F_FASTROW1) lie inside the shard (fast path); the
-F_FASTROW1 = 26  # touched rows before and after them take the general path
-F_CASTF0 = 27   # first CUDA block in its fast-path cast launch
-F_NFC = 28      # chunks 0 .. F_NFC-1 of the shard take the fast-path cast, the rest the general
-NF = 29
-
-AMAX2D_THREADS = 256
-MXAMAX_THREADS = 128
-MX_COLS = 512          # columns per MXFP8 amax block
-CAST_THREADS = 256
-CAST_GROUPS = 4        # groups of 4 elements per thread
-CAST_CHUNK = CAST_THREADS * CAST_GROUPS * 4
-SCALE_THREADS = 256
-
-INV_F = {True: float(np.float32(1) / np.float32(448.0)),
-         False: float(np.float32(1) / np.float32(57344.0))}
+from ._specs import (CAST_CHUNK, F_AMAX0, F_AMAXF0, F_BAND0, F_CAST0, F_CASTF0, F_COLBUF,
+                     F_COLDATA, F_COLSINV, F_E4M3, F_EPS, F_FASTROW0, F_FASTROW1, F_H, F_HASCOL,
+                     F_HASROW, F_MBF16, F_MOFF, F_MVEC, F_N, F_NCB, F_NFC, F_O, F_POW2, F_ROWBUF,
+                     F_ROWDATA, F_ROWSINV, F_SCALE0, F_VEC2D, F_W, MX_COLS, NF)
 
 
 # ---- pointer arguments -------------------------------------------------------------------------

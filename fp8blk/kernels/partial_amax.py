@@ -8,9 +8,10 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _arrays
+from . import _compiled
 from . import _specs as sp
-from .master_batch import (AMAX2D_THREADS, MXAMAX_THREADS, batch_for,  # noqa: F401
-                           ptr_arg)
+from ._specs import AMAX2D_THREADS, MXAMAX_THREADS
+from .master_batch import batch_for, ptr_arg  # noqa: F401  (batch_for: master's door)
 
 _MODEL_KIND = {np.dtype(np.float32): sp.F32, _arrays.BF16: sp.BF16,
                np.dtype(np.float16): sp.F16}
@@ -26,11 +27,29 @@ def model_kind(dtype):
     return kind
 
 
-def _builder():
-    """The kernel builder module, imported on first need (it imports numba)."""
-    from . import _partial_amax_kernel
+_settings = sp.MasterSettings()
+_kernels = {}  # (block2d, model, with_col, fast_path) -> kernel
 
-    return _partial_amax_kernel
+
+def use_settings(settings):
+    """Make `settings` (a ``_specs.MasterSettings``) the tuning of later partial-amax launches
+    (``partial_cast.use_settings`` sets the cast's); returns the previous settings."""
+    global _settings
+    if not isinstance(settings, sp.MasterSettings):
+        raise TypeError(f"settings must be a MasterSettings, got {type(settings).__name__}")
+    previous, _settings = _settings, settings
+    _kernels.clear()
+    return previous
+
+
+def kernel_for(block2d, model, with_col, fast_path):
+    """The partial-amax kernel of a specialization (see ``_partial_amax_kernel``)."""
+    key = (block2d, model, with_col, fast_path)
+    k = _kernels.get(key)
+    if k is None:
+        spec = sp.partial_amax_spec(block2d, model, with_col, fast_path, _settings)
+        k = _kernels[key] = _compiled.kernel("partial_amax", spec)
+    return k
 
 
 def launch_partial_amax(batch, buf, model):
@@ -44,8 +63,7 @@ def launch_partial_amax(batch, buf, model):
     launches = 0
     for ln in batch.amax_launches:
         launches += ln.launch(
-            lambda fast_path: _builder().get_amax_kernel(batch.block2d, model, bool(ln.with_col),
-                                              fast_path),
+            lambda fast_path: kernel_for(batch.block2d, model, bool(ln.with_col), fast_path),
             threads, (ptr_arg(batch.table_dev, np.int64), np.int64(ln.first),
                       np.int64(ln.count), ptr_arg(buf, buf.dtype), codes32, mem32, mem16))
     return launches

@@ -7,16 +7,47 @@ from __future__ import annotations
 
 import numpy as np
 
-from .master_batch import CAST_THREADS, SCALE_THREADS, ptr_arg
+from . import _compiled
+from . import _specs as sp
+from ._specs import CAST_THREADS, SCALE_THREADS
+from .master_batch import ptr_arg
 
 __all__ = ["launch_scales", "launch_cast"]
 
 
-def _builder():
-    """The kernel builder module, imported on first need (it imports numba)."""
-    from . import _partial_cast_kernel
+_settings = sp.MasterSettings()
+_kernels = {}  # ("scale", block2d, vinf) / ("cast", block2d, model, with_col, fast) -> kernel
 
-    return _partial_cast_kernel
+
+def use_settings(settings):
+    """Make `settings` (a ``_specs.MasterSettings``) the tuning of later cast launches;
+    returns the previous settings."""
+    global _settings
+    if not isinstance(settings, sp.MasterSettings):
+        raise TypeError(f"settings must be a MasterSettings, got {type(settings).__name__}")
+    previous, _settings = _settings, settings
+    _kernels.clear()
+    return previous
+
+
+def scale_kernel(block2d, vinf):
+    """The scale kernel of a specialization (see ``_partial_cast_kernel``)."""
+    key = ("scale", block2d, vinf)
+    k = _kernels.get(key)
+    if k is None:
+        spec = sp.PartialScaleSpec(bool(block2d), float(vinf))
+        k = _kernels[key] = _compiled.kernel("partial_scale", spec)
+    return k
+
+
+def cast_kernel(block2d, model, with_col, fast_path):
+    """The cast kernel of a specialization (see ``_partial_cast_kernel``)."""
+    key = ("cast", block2d, model, with_col, fast_path)
+    k = _kernels.get(key)
+    if k is None:
+        spec = sp.partial_cast_spec(block2d, model, with_col, fast_path, _settings)
+        k = _kernels[key] = _compiled.kernel("partial_cast", spec)
+    return k
 
 
 def launch_scales(batch, buf, vinf):
@@ -25,7 +56,7 @@ def launch_scales(batch, buf, vinf):
     scales = batch.xp.empty(batch.buf_entries, np.float32) if batch.block2d else None
     if batch.scale_entries:
         _, _, mem8, memf = batch.arena.pointers()
-        kernel = _builder().get_scale_kernel(batch.block2d, float(vinf) if batch.block2d else 0.0)
+        kernel = scale_kernel(batch.block2d, float(vinf) if batch.block2d else 0.0)
         grid = ((batch.scale_entries + SCALE_THREADS - 1) // SCALE_THREADS, 1, 1)
         head = (ptr_arg(batch.table_dev, np.int64), np.int64(0), np.int64(batch.n_items),
                 np.int64(batch.scale_entries))
@@ -47,8 +78,7 @@ def launch_cast(batch, sbuf, model):
     launches = 0
     for ln in batch.cast_launches:
         launches += ln.launch(
-            lambda fast_path: _builder().get_cast_kernel(batch.block2d, model, bool(ln.with_col),
-                                              fast_path),
+            lambda fast_path: cast_kernel(batch.block2d, model, bool(ln.with_col), fast_path),
             CAST_THREADS, (ptr_arg(batch.table_dev, np.int64), np.int64(ln.first),
                            np.int64(ln.count), ptr_arg(sbuf, sbuf.dtype), codes32, mem32,
                            mem16, mem8))

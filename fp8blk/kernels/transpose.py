@@ -1,23 +1,29 @@
 """Block2D FP8 transpose (``BlockTensor.create_columnwise``): (R, C) bytes -> (C, R) bytes and
 the tile scales (cdiv(R,128), >= cdiv(C,128)) -> (cdiv(C,128), round4(cdiv(R,128))), padding
-1.0, in one kernel (``_transpose_kernel``). The same call turns columnwise buffers back into
+1.0, in one kernel (``_transpose_kernel``, loaded through ``_compiled``). The same call turns columnwise buffers back into
 rowwise ones.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from . import _compiled
 from ._device_arrays import adapter_of
-from ._host import cdiv, i64, round_up
+from ._host import cdiv, round_up, scalars
 from ._specs import TR_THREADS as THREADS
 from ._specs import TR_TILE as T
+from ._specs import TransposeSpec
 
 
-def _builder():
-    """The kernel builder module, imported on first need (it imports numba)."""
-    from . import _transpose_kernel
+_kernels = {}  # (vec_in, vec_out, device) -> kernel
 
-    return _transpose_kernel
+
+def _kernel_for(vec_in, vec_out, device):
+    k = _kernels.get((vec_in, vec_out, device))
+    if k is None:
+        k = _kernels[(vec_in, vec_out, device)] = _compiled.kernel(
+            "transpose", TransposeSpec(vec_in, vec_out), device)
+    return k
 
 
 def _check_out(ad, buf, shape, dtype, what):
@@ -53,10 +59,9 @@ def block2d_columnwise_from_rowwise(rowwise_data, rowwise_scale_inv, out=(None, 
         return out_data, out_sinv
     vec_in = cols % 16 == 0 and ad.ptr(rowwise_data) % 16 == 0
     vec_out = rows % 16 == 0 and ad.ptr(out_data) % 16 == 0
-    kernel = _builder().get_kernel(vec_in, vec_out)
-    args = (ad.arg(rowwise_data, np.uint32 if vec_in else np.uint8),
-            ad.arg(out_data, np.uint32 if vec_out else np.uint8),
-            ad.arg(sinv_in, np.float32), ad.arg(out_sinv, np.float32),
-            i64(rows), i64(cols), i64(sinv_in.shape[1]))
+    kernel = _kernel_for(vec_in, vec_out, ad.device(rowwise_data))
+    args = ad.args((rowwise_data, out_data, sinv_in, out_sinv),
+                   (np.uint32 if vec_in else np.uint8, np.uint32 if vec_out else np.uint8,
+                    np.float32, np.float32), scalars(rows, cols, sinv_in.shape[1]))
     ad.launch(kernel, (nrt, nct, 1), (THREADS, 1, 1), args, rowwise_data)
     return out_data, out_sinv

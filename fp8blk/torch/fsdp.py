@@ -269,8 +269,20 @@ def _shard_place(fsdp_param, rows, cols):
     return r0 * cols, (r1 - r0) * cols, chunk
 
 
-def _internal(t):
-    return None if t is None or t.numel() == 0 else _arrays.to_backend(t.reshape(-1))[0]
+def _internal(t, cache=None, key=None):
+    """The flat internal (NumPy / CuPy) array of torch tensor `t` (None if empty). With a
+    `cache` dict, the array made for `key` is reused while `t`'s address, size and dtype are
+    the same (masters and local rows persist across steps; a DLPack import costs ~24 us on
+    the GPU)."""
+    if t is None or t.numel() == 0:
+        return None
+    if cache is None:
+        return _arrays.to_backend(t.reshape(-1))[0]
+    sig = (t.data_ptr(), t.numel(), t.dtype)
+    hit = cache.get(key)
+    if hit is None or hit[0] != sig:
+        hit = cache[key] = (sig, _arrays.to_backend(t.reshape(-1))[0])
+    return hit[1]
 
 
 def _cast_all(entries, masters, frags, comm):
@@ -287,14 +299,15 @@ def _cast_all(entries, masters, frags, comm):
             rows, cols = state.shape
             start, count, _ = _shard_place(fp, rows, cols)
             m = masters[i]
-            arr = _internal(m) if count else None
+            cache = state.internal_cache
+            arr = _internal(m, cache, "master") if count else None
             mdtype = _arrays.numpy_dtype(m.dtype) if arr is not None else None
             f_row, f_col = frags[i]
             it = master.Item(j, state.scale_tensor, rows, cols, state.recipe, arr, mdtype,
                              start if count else 0, count if arr is not None else 0,
                              rowwise=True, columnwise=isinstance(state.recipe, MXFP8),
-                             frag_row=_internal(f_row) if count else None,
-                             frag_col=_internal(f_col) if count else None)
+                             frag_row=_internal(f_row, cache, "row") if count else None,
+                             frag_col=_internal(f_col, cache, "col") if count else None)
             items.append(it)
         with on_torch_stream(device):
             master.cast_batch(items, comm, _arrays.numpy_dtype(model_dtype), have_fragments=True,

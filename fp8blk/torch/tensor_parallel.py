@@ -44,68 +44,17 @@ Two ways in:
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..comm import TorchComm, gather_along_first_dim
 from ..formats import MXFP8
-from .linear import (Float8BlockLinear, _forward_operands, _transposed, _weight_block_tensor,
-                     float8_block_linear, fp8_gemms_backward, quantize_input)
+from .dtensor import dtensor_forward  # noqa: F401 (re-exported)
+from .functional import (_forward_operands, _transposed, _weight_block_tensor,
+                         fp8_gemms_backward, quantize_input)
+from .linear import Float8BlockLinear
 from .quantize_ops import block_tensor_buffers
 from .scaled_mm import blockwise_scaled_mm
-
-
-def _shard_dim(placement, ndim):
-    if not placement.is_shard():
-        return None
-    return placement.dim % ndim
-
-
-def _local(x, want, mesh, what):
-    """x's local tensor, checking a DTensor input has the placement the layer needs."""
-    if not isinstance(x, DTensor):
-        return x, False
-    if len(x.placements) != 1 or x.device_mesh != mesh:
-        raise ValueError(f"Float8BlockLinear ({what}): the input must be a DTensor on the "
-                         f"weight's 1-D mesh, got placements {x.placements}")
-    p = x.placements[0]
-    ok = p.is_replicate() if want == "replicate" else _shard_dim(p, x.ndim) == x.ndim - 1
-    if not ok:
-        raise ValueError(f"Float8BlockLinear ({what}): the input must be "
-                         f"{'Replicate' if want == 'replicate' else 'Shard(-1)'}, got {p}")
-    return x, True
-
-
-def dtensor_forward(layer, x):
-    """Forward of a Float8BlockLinear whose weight is a DTensor (torch's TP plans)."""
-    w = layer.weight
-    mesh = w.device_mesh
-    if len(w.placements) != 1:
-        raise NotImplementedError("Float8BlockLinear supports DTensor weights on 1-D meshes "
-                                  f"(tensor parallelism), got placements {w.placements}")
-    p, b, cfg = w.placements[0], layer.bias, layer.config
-    dim = _shard_dim(p, 2)
-    if dim == 0:                                   # column-wise
-        x, is_dt = _local(x, "replicate", mesh, "column-wise")
-        # the input gradient computed from this rank's output columns is a partial sum
-        x_local = x.to_local(grad_placements=[Partial()]) if is_dt else x
-        y = float8_block_linear(x_local, w.to_local(),
-                                None if b is None else b.to_local(), cfg)
-        return DTensor.from_local(y, mesh, [Shard(y.dim() - 1)], run_check=False)
-    if dim == 1:                                   # row-wise
-        x, is_dt = _local(x, "shard", mesh, "row-wise")
-        x_local = x.to_local() if is_dt else x
-        y = float8_block_linear(x_local, w.to_local(), None, cfg)
-        y = DTensor.from_local(y, mesh, [Partial()], run_check=False)
-        if b is not None:
-            y = y.redistribute(mesh, [Replicate()]) + b
-        return y
-    if p.is_replicate():
-        x_local = x.to_local() if isinstance(x, DTensor) else x
-        y = float8_block_linear(x_local, w.to_local(), None if b is None else b.to_local(),
-                                cfg)
-        return DTensor.from_local(y, mesh, [Replicate()], run_check=False)
-    raise NotImplementedError(f"Float8BlockLinear: weight placement {p} is not supported")
 
 
 # ---------------------------------------------------------------------------------------------

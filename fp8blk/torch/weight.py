@@ -89,14 +89,16 @@ class WeightState:
                 lay = layouts[i]
                 self.scales[slot] = torch.full(lay.shape, lay.fill,
                                                dtype=_torch_dtype(lay.dtype), device=device)
-        internal = [None if t is None else _arrays.to_backend(t)[0] for t in self.scales]
-        self.scale_tensor = BlockTensor(self.shape, recipe, None, internal[0], None,
-                                        internal[1], dtype=_arrays.numpy_dtype(model_dtype),
-                                        family=_arrays.TORCH)
+        internal = [None if t is None else _arrays.to_internal(t)[0] for t in self.scales]
+        # scales only: the master cast writes data bytes into fragments (the local rows)
+        self.scale_tensor = BlockTensor._wrap(self.shape, recipe,
+                                              [None, internal[0], None, internal[1]],
+                                              _arrays.numpy_dtype(model_dtype), _arrays.TORCH)
         self.registry = None      # the Registry of the model this weight was converted in
         self.fsdp = None          # (FSDPParam, FSDPParamGroup) once looked up
         self.frags = None         # mode 2: padded local FP8 bytes per plane (torch uint8)
         self.cast_version = None  # mode 2: sharded param version the bytes were cast from
+        self.internal_cache = {}  # fsdp.py: internal arrays of the master cast's tensors
         self.gathers = collections.deque(maxlen=64)  # the latest pre-all-gathers
         self.log_gathers = True
 
@@ -183,11 +185,15 @@ class _PlaneWeight(torch.Tensor):
         updated in place (later gathers; no-grad, version counter kept)."""
         state, planes, usage = metadata
         if out is not None:
+            # FSDP2 + TP passes the DTensor it built around our tensor the first time
+            inner = out._local_tensor if type(out).__name__ == "DTensor" else out
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out), \
                     on_torch_stream(out.is_cuda):
-                out._box.update(all_gather_outputs, planes, usage)
+                inner._box.update(all_gather_outputs, planes, usage)
             return None
-        box = _GatheredBox(state)
+        # the unsharded weight claims FSDP's compute dtype (mp_policy.param_dtype, else the
+        # parameter's): the Linear produces the weight gradient in it
+        box = _GatheredBox(state, param_dtype or state.dtype)
         with on_torch_stream(state.scales[0].is_cuda):
             box.update(all_gather_outputs, planes, usage)
         return Float8BlockWeight(box), box.inner_tensors()
@@ -343,9 +349,11 @@ class _GatheredBlockTensor(BlockTensor):
 
     __slots__ = ("_torch",)
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    @classmethod
+    def empty(cls, shape, recipe, dtype):
+        self = cls._wrap(tuple(shape), recipe, [None, None, None, None], dtype, _arrays.TORCH)
         self._torch = [None, None, None, None]
+        return self
 
     def _out(self, i):
         pair = self._torch[i]
@@ -360,8 +368,9 @@ class _GatheredBox:
     (NumPy/CuPy) arrays keyed by address, so a re-gather into the same memory re-imports
     nothing (a DLPack import costs ~24 us on the GPU)."""
 
-    def __init__(self, state):
+    def __init__(self, state, dtype):
         self.state = state
+        self.dtype = dtype
         rows, cols = state.shape
         recipe = state.recipe
         lay = all_layouts(recipe, rows, cols)
@@ -373,9 +382,8 @@ class _GatheredBox:
             self.col_data = torch.empty(lay[2].shape, dtype=torch.uint8, device=dev)
             self.col_sinv = torch.empty(lay[3].shape, dtype=torch.float32, device=dev)
         self._internal = {}
-        self.q = _GatheredBlockTensor(state.shape, recipe,
-                                      dtype=_arrays.numpy_dtype(state.model_dtype),
-                                      family=_arrays.TORCH)
+        self.q = _GatheredBlockTensor.empty(state.shape, recipe,
+                                            _arrays.numpy_dtype(state.model_dtype))
 
     def inner_tensors(self):
         return [self.col_data] if self.col_data is not None else []
@@ -386,7 +394,8 @@ class _GatheredBox:
         hit = self._internal.get(key)
         sig = (t.data_ptr(), tuple(t.shape), t.dtype)
         if hit is None or hit[0] != sig:
-            hit = self._internal[key] = (sig, _arrays.to_backend(t)[0])
+            # NumPy on the CPU; on the GPU the torch tensor itself (torch-native buffers)
+            hit = self._internal[key] = (sig, _arrays.to_internal(t)[0])
         self.q._torch[slot] = (hit[1], t)
         return hit[1]
 
@@ -457,7 +466,7 @@ class Float8BlockWeight(torch.Tensor):
     def __new__(cls, box, requires_grad=False):
         state = box.state
         return torch.Tensor._make_wrapper_subclass(
-            cls, state.shape, dtype=state.dtype, device=state.scales[0].device,
+            cls, state.shape, dtype=box.dtype, device=state.scales[0].device,
             requires_grad=requires_grad)
 
     def __init__(self, box, requires_grad=False):

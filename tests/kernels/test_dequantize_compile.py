@@ -27,17 +27,17 @@ def _dequant_specs():
             (dq.TILES, dq.BLOCK1D, True, True), (dq.TILES, dq.BLOCK2D, True, True),
             (dq.TILES, dq.BLOCK1D, True, False), (dq.TILES, dq.BLOCK2D, True, False)):
         for out_kind in (dq.F32_OUT, dq.BF16_OUT, dq.F16_OUT):
-            specs.append(dq.DequantSpec(recipe, cw, out_kind != dq.F16_OUT, out_kind, path,
+            specs.append(dq.DequantizeSpec(recipe, cw, out_kind != dq.F16_OUT, out_kind, path,
                                         0, aligned))
     for i, (path, recipe, cw, aligned) in enumerate((
             (dq.ROWS, dq.BLOCK1D, False, True), (dq.ROWS, dq.BLOCK2D, False, True),
             (dq.TILES, dq.BLOCK1D, True, True), (dq.TILES, dq.BLOCK2D, True, False))):
         out_kind = dq.BF16_OUT if i % 2 == 0 else dq.F16_OUT
-        specs.append(dq.DequantSpec(recipe, cw, i % 3 != 1, out_kind, path, 4, aligned))
+        specs.append(dq.DequantizeSpec(recipe, cw, i % 3 != 1, out_kind, path, 4, aligned))
     for i, (recipe, cw) in enumerate(((dq.BLOCK1D, False), (dq.BLOCK1D, True),
                                       (dq.BLOCK2D, False), (dq.BLOCK2D, True),
                                       (dq.MXFP8, False), (dq.MXFP8, True))):
-        specs.append(dq.DequantSpec(recipe, cw, i % 2 == 0, i % 3, dq.SCALAR))
+        specs.append(dq.DequantizeSpec(recipe, cw, i % 2 == 0, i % 3, dq.SCALAR))
     return specs
 
 

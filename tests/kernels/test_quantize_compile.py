@@ -18,8 +18,8 @@ LOCAL = re.compile(r"\b(ld|st)\.local\b")
 
 
 def quant_spec(recipe, kind, rw, cw, e4m3=True, vec=True, col_vec=True, pow2=True, eps=0.0):
-    return sp.QuantSpec(recipe=recipe, kind=kind, e4m3=e4m3, rowwise=rw, columnwise=cw,
-                        pow2=pow2, eps=eps, vmax=3.0e38, vec=vec, col_vec=col_vec)
+    return sp.quantize_spec(recipe, kind, e4m3, rw, cw, pow2=pow2, eps=eps, vmax=3.0e38,
+                            vec=vec, col_vec=col_vec)
 
 
 QUANT_SPECS = [
@@ -44,7 +44,7 @@ def _id(spec):
 @pytest.mark.parametrize("spec", QUANT_SPECS, ids=_id)
 def test_quantize_kernel_compiles_for_sm90(spec):
     ptx = compile_ptx_sm90(qk.make_kernel_pyfunc(spec), qk.argtypes(spec),
-                           launch_bounds=sp.quantize_threads(spec))
+                           launch_bounds=spec.threads)
     assert ".target sm_90" in ptx
     assert not LOCAL.search(ptx), "the tile spilled to local memory"
     fmt = "e4m3x2" if spec.e4m3 else "e5m2x2"

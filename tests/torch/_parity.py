@@ -160,7 +160,7 @@ def set_plant(name):
     function. Names: "scale_layout" (1x128 scales read as [m, kb] instead of [kb, m]),
     "dropped_transpose" (dgrad uses W's rowwise instead of its columnwise buffers),
     "wgrad_rowwise" (wgrad uses the rowwise instead of the columnwise buffers)."""
-    from fp8blk.torch import linear, scaled_mm
+    from fp8blk.torch import functional as linear, scaled_mm
 
     if name == "scale_layout":
         target, attr = scaled_mm, "_dequant"

@@ -34,8 +34,8 @@ import fp8blk as fb
 from fp8blk.torch import Float8BlockConfig, convert_to_float8_block
 from fp8blk.torch import fsdp as F
 from fp8blk.torch import weight as W
-from fp8blk.torch import linear as L
-from fp8blk.torch.linear import float8_block_linear
+from fp8blk.torch import functional as L
+from fp8blk.torch.linear import Float8BlockLinear, float8_block_linear
 from fp8blk.torch.quantize_ops import block_tensor_buffers
 from fp8blk.torch.scaled_mm import blockwise_scaled_mm
 
@@ -141,7 +141,7 @@ def run_case(mode, recipe_name, raf, ws, rank, mesh, seed, proto=False):
     convert_to_float8_block(model, cfg)
     if proto:
         for lin in model:
-            if isinstance(lin, L.Float8BlockLinear):
+            if isinstance(lin, Float8BlockLinear):
                 lin.forward = (lambda mod: lambda x: proto_linear(x, mod.weight, None,
                                                                   mod.config))(lin)
     F.prepare_fsdp_fp8(model, mode=mode, model_dtype=model_dtype)
@@ -358,6 +358,81 @@ def check_errors(ws, rank, mesh):
     print(f"rank {rank}: errors OK", flush=True)
 
 
+def check_ffn(world, rank, seed, tp):
+    """Issue 13's FSDP2 parity: the FeedForward of tests/torch/_parity.py (w1, w2, out_proj
+    with biases), fully_shard on each projection and on the parent, FP8 weights (mode cast,
+    fp32 model dtype so the FP8 math is the plain layer's), against the same model unsharded
+    (or, with ``tp``, against tensor parallelism alone on a 2x2 (dp, tp) mesh: torch's
+    ColwiseParallel w1/w2 and RowwiseParallel out_proj, FSDP2 over dp). Each dp rank's
+    micro-batch runs through the reference on every rank; outputs, gradients (float64
+    reduction, as in run_case) and parameters after 2 SGD steps must be equal bit for bit."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    from tests.torch._parity import FeedForward, init_spread_
+
+    gen = torch.Generator().manual_seed(seed)
+    d, hid = 256, 384
+    model = FeedForward(d, hid, bias=True)
+    init_spread_(model, gen)
+    ref = FeedForward(d, hid, bias=True)
+    ref.load_state_dict(model.state_dict())
+    cfg = Float8BlockConfig()
+    convert_to_float8_block(model, cfg)
+    convert_to_float8_block(ref, cfg)
+    if tp:
+        mesh2 = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        dp, tpm = mesh2["dp"], mesh2["tp"]
+        plan = {"w1": ColwiseParallel(), "w2": ColwiseParallel(), "out_proj": RowwiseParallel()}
+        parallelize_module(model, tpm, plan)
+        parallelize_module(ref, tpm, plan)
+    else:
+        dp = init_device_mesh("cpu", (world,))
+    F.prepare_fsdp_fp8(model, mode="cast", model_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(reduce_dtype=torch.float64)
+    for name in ("w1", "w2", "out_proj"):
+        fully_shard(getattr(model, name), mesh=dp, mp_policy=mp)
+    fully_shard(model, mesh=dp, mp_policy=mp)
+    ndp, dprank = dp.size(), dp.get_local_rank()
+    xs = [spread((32, d), gen) for _ in range(ndp)]
+    ts = [spread((32, d), gen, (1.0, 1.0)) for _ in range(ndp)]
+    lr = 2.0 ** -16
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    names = [n for n, _ in ref.named_parameters()]
+    for step in range(2):
+        ref_y, acc = [], {n: None for n in names}
+        for r in range(ndp):
+            ref.zero_grad(set_to_none=True)
+            y = local(ref(xs[r]))
+            (y * ts[r]).sum().backward()
+            ref_y.append(y.detach())
+            for n, p in ref.named_parameters():
+                g = local(p.grad).double()
+                acc[n] = g if acc[n] is None else acc[n] + g
+        opt.zero_grad(set_to_none=True)
+        y = local(model(xs[dprank]))
+        (y * ts[dprank]).sum().backward()
+        check_equal(f"ffn step {step} output", y.detach(), ref_y[dprank])
+        with torch.no_grad():
+            for (n, p), (_, pr) in zip(model.named_parameters(), ref.named_parameters()):
+                mean = (acc[n] / ndp).float()
+                chunks = list(torch.chunk(mean, ndp, dim=0))
+                want = chunks[dprank] if dprank < len(chunks) else mean[:0]
+                check_equal(f"ffn step {step} {n} grad", local(p.grad), want)
+                local(pr).sub_(lr * mean)
+        opt.step()
+        for (n, p), (_, pr) in zip(model.named_parameters(), ref.named_parameters()):
+            lp = local(p)
+            lp = lp.hp if isinstance(lp, W.Float8BlockCastWeight) else lp
+            chunks = list(torch.chunk(local(pr).detach(), ndp, dim=0))
+            check_equal(f"ffn step {step} {n} param", lp.detach(), chunks[dprank])
+    print(f"rank {rank}: ffn parity (tp={tp}) OK", flush=True)
+
+
 def main():
     dist.init_process_group("gloo")
     rank, ws = dist.get_rank(), dist.get_world_size()
@@ -366,6 +441,9 @@ def main():
     for spec in sys.argv[1:]:
         if spec == "errors":
             check_errors(ws, rank, mesh)
+            continue
+        if spec in ("ffn", "ffn_tp"):
+            check_ffn(ws, rank, seed, spec == "ffn_tp")
             continue
         mode, recipe_name, raf, *rest = spec.split(":")
         run_case(mode, recipe_name, raf == "1", ws, rank, mesh, seed, proto=rest == ["proto"])

@@ -73,7 +73,7 @@ def _check_report(tmp_path):
 
 
 def test_bench_cpu_writes_json_and_plot(tmp_path, capsys):
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="matplotlib missing: pip install 'fp8blk[plot]'")
     assert _bench(tmp_path) == 0
     out = capsys.readouterr().out
     assert "CPU REFERENCE PATH" in out
@@ -106,7 +106,7 @@ def test_committed_notebook_has_cpu_outputs():
 
 
 @pytest.mark.timeout(240)
-def test_notebook_executes(monkeypatch):
+def test_notebook_executes(monkeypatch, tmp_path):
     for name in ("nbclient", "nbformat", "ipykernel", "matplotlib"):
         pytest.importorskip(name, reason=f"{name} missing: pip install 'fp8blk[notebook]'")
     import nbformat
@@ -116,6 +116,7 @@ def test_notebook_executes(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path))  # connection files: not in $HOME
     for name, value in ONE_THREAD.items():
         monkeypatch.setenv(name, value)
     nb = nbformat.read(EXAMPLES / "kernels.ipynb", as_version=4)
@@ -159,7 +160,7 @@ def test_train_fsdp2_on_2_ranks():
 
 def test_run_notebook_runs_cells_saves_figures_and_stops_at_a_failure(tmp_path):
     """examples/run_notebook.py (the notebook without Jupyter, e.g. on the GPU machine)."""
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="matplotlib missing: pip install 'fp8blk[plot]'")
 
     def notebook(*sources):
         cells = [{"cell_type": "markdown", "source": "# t", "metadata": {}}] + [

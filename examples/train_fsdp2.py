@@ -49,11 +49,11 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--large", action="store_true",
-                   help="GPU sizes: D=2048, F=8192, 4 layers, vocab 8192, 8192 tokens per rank")
+                   help="GPU sizes: D=2048, F=8192, 4 layers, vocab 2048, 8192 tokens per rank")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.large:
-        args.d_model, args.d_ff, args.layers, args.vocab, args.tokens = 2048, 8192, 4, 8192, 8192
+        args.d_model, args.d_ff, args.layers, args.vocab, args.tokens = 2048, 8192, 4, 2048, 8192
     return args
 
 

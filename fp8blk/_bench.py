@@ -403,11 +403,12 @@ def _gpu_present():
         return False
 
 
-def _versions():
+def _versions(on_gpu):
+    """Versions of the modules this run used (on a GPU also the peers': torch, torchao)."""
     out = {"python": sys.version.split()[0]}
     for name in ("numpy", "numba", "numba_cuda", "cupy", "torch", "triton", "torchao"):
         module = sys.modules.get(name)
-        if module is None and name in ("numpy", "cupy", "torch", "torchao"):
+        if module is None and on_gpu and name in ("cupy", "torch", "torchao"):
             try:
                 module = __import__(name)
             except Exception:
@@ -441,7 +442,7 @@ def run(args) -> int:
     date = datetime.datetime.now(datetime.timezone.utc)
     report = {"device": device, "date": date.isoformat(timespec="seconds"),
               "command": " ".join(["python -m fp8blk"] + sys.argv[1:]),
-              "host": platform.node(), "machine": _machine(on_gpu), "versions": _versions(),
+              "host": platform.node(), "machine": _machine(on_gpu), "versions": _versions(on_gpu),
               "input_dtype": "bfloat16" if on_gpu else "float32", "sizes": list(sizes),
               "copy_bytes_per_s": {}, "results": [], "notes": []}
     if on_gpu:

@@ -64,11 +64,68 @@ def event_us(fn, n=200, repeats=5):
     return statistics.median(out)
 
 
+def profile():
+    """cProfile of the hot paths: where each call's host time goes, by function."""
+    import cProfile
+    import pstats
+    from cupy.cuda import driver
+
+    from fp8blk.kernels import _device_arrays as da
+
+    dev = torch.device("cuda")
+    b1 = fb.Block1D()
+    xt = torch.randn(256, 256, device=dev, dtype=torch.bfloat16)
+    xc = cupy.random.standard_normal((256, 256), dtype=np.float32)
+    q = fb.quantize(xt, b1)
+    cases = {"torch quantize": lambda: fb.quantize(xt, b1),
+             "torch quantize row+col": lambda: fb.quantize(xt, b1, True, True),
+             "cupy quantize": lambda: fb.quantize(xc, b1),
+             "torch dequantize": lambda: q.dequantize(torch.bfloat16)}
+    for name, fn in cases.items():
+        for _ in range(500):
+            fn()
+        torch.cuda.synchronize()
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(20000):
+            fn()
+        pr.disable()
+        torch.cuda.synchronize()
+        print(f"\n==== {name}: top by tottime (20000 calls)")
+        pstats.Stats(pr).sort_stats("tottime").print_stats(14)
+    # primitives
+    kq = sys.modules["fp8blk.kernels.quantize"]  # the module (the package exports the function)
+    key = next(iter(kq._plans))
+    kern = kq._plans[key].kernel
+    p = da._params
+    pre_u8 = torch.empty(1 << 20, dtype=torch.uint8, device=dev)
+    prims = {
+        "ctypes slot write x7 (ints)": lambda: [p.slots.__setitem__(i, 12345) for i in range(7)],
+        "driver.launchKernel (prepared)": lambda: driver.launchKernel(
+            kern.ptr, 1, 1, 1, 32, 1, 1, 0, 0, p.address, 0),
+        "cupy get_current_stream().ptr": lambda: cupy.cuda.get_current_stream().ptr,
+        "torch.empty (2,256) f32": lambda: torch.empty((2, 256), dtype=torch.float32,
+                                                       device=dev),
+        "xt.data_ptr()": lambda: xt.data_ptr(),
+        "kq._plan_for (hit)": lambda: kq._plan_for(*key),
+        "xt.new_empty (2,256) f32": lambda: xt.new_empty((2, 256), dtype=torch.float32),
+        "u8 base.as_strided": lambda: pre_u8.as_strided((256, 256), (256, 1), 512),
+        "u8 base.view(float32)": lambda: pre_u8.view(torch.float32),
+    }
+    for name, fn in prims.items():
+        lo, med = host_us(fn, 3000)
+        print(f"  prim {name:40s} min {lo:6.2f}  median {med:6.2f} us", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--n", type=int, default=5000)
+    ap.add_argument("--profile", action="store_true",
+                    help="only cProfile 20000 calls of each hot path and print the top entries")
     args = ap.parse_args()
+    if args.profile:
+        return profile()
     dev = torch.device("cuda")
     b1, b2, mx = fb.Block1D(), fb.Block2D(), fb.MXFP8()
     results = {}

@@ -186,7 +186,7 @@ def _func_attr(fn, code):
 
 def kernel_attributes():
     """Registers / shared / local bytes of every compiled quantize kernel (CuPy Function)."""
-    from fp8blk.kernels import quant
+    quant = sys.modules["fp8blk.kernels.quantize"]
 
     out = {}
     for key, (fn, spec) in quant._kernels.items():
@@ -200,13 +200,14 @@ def kernel_attributes():
 
 def bench_variants(copy_bps, shape=(16384, 16384)):
     """Re-time the slower kernels with a minimum-CTAs-per-SM launch bound (register cap)."""
-    from fp8blk.kernels import _quantize_kernel as qk
-    from fp8blk.kernels import quant
+    from fp8blk.kernels._specs import QuantizeSettings
+    from fp8blk.kernels.quantize import use_settings
+    quant = sys.modules["fp8blk.kernels.quantize"]
 
     xs = bf16_inputs(shape)
+    saved = use_settings(QuantizeSettings())
     for min_blocks in (2, 3, 4):
-        qk.MIN_BLOCKS_PER_SM = min_blocks
-        quant._kernels.clear(); quant._plans.clear()
+        use_settings(QuantizeSettings(min_blocks_per_sm=min_blocks))  # drops kernels and plans
         for name, recipe, rw, cw in KERNEL_CASES:
             if name not in ("b1d_col", "b1d_both", "mx_both", "mx_col"):
                 continue
@@ -221,9 +222,8 @@ def bench_variants(copy_bps, shape=(16384, 16384)):
             except Exception as exc:
                 RESULTS["notes"].append(f"variant {name} minblk{min_blocks}: {exc!r}")
                 log("  variant failed", name, min_blocks, repr(exc)[:200])
-            quant._kernels.clear(); quant._plans.clear()
-    qk.MIN_BLOCKS_PER_SM = None
-    quant._kernels.clear(); quant._plans.clear()
+            use_settings(QuantizeSettings(min_blocks_per_sm=min_blocks))  # one case's kernel
+    use_settings(saved)
 
 
 # -------------------------------------------------------------------------------------------

@@ -31,7 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fp8blk as fb  # noqa: E402
 from fp8blk import master  # noqa: E402
 from fp8blk.layout import buffer_layouts  # noqa: E402
-from fp8blk.kernels import _device as dev  # noqa: E402
+from fp8blk.kernels import _specs as dev  # noqa: E402
+from fp8blk.kernels import master_batch as mb  # noqa: E402
 from fp8blk.kernels import partial_amax as pa  # noqa: E402
 from fp8blk.kernels import partial_cast as pc  # noqa: E402
 
@@ -123,7 +124,7 @@ def kernel_rows(cp, copy_bw, reps, inner, only=None, aligned_only=False):
             for seed in (1, 2):  # two input sets
                 m = masters_for(cp, seed, n)
                 items, _ = master.validate([weight], [m], [o], None)
-                batch = pa.Batch(items, have_fragments=False)
+                batch = mb.Batch(items, have_fragments=False)
                 buf = batch.new_buffer()
                 times_amax.append(gpu_time(
                     cp, lambda: pa.launch_partial_amax(batch, buf, dev.BF16), reps, inner))
@@ -158,7 +159,7 @@ def specialization_rows(cp, reps, inner):
                                       ("bidirectional weight, general kernel", True, False)):
         weight = make_weight(cp, fb.MXFP8(fb.E4M3), True, col)
         items, _ = master.validate([weight], [m], [0], None)
-        batch = pa.Batch(items, have_fragments=False)
+        batch = mb.Batch(items, have_fragments=False)
         buf = batch.new_buffer()
         pa.launch_partial_amax(batch, buf, dev.BF16)
         pc.launch_scales(batch, buf, 0.0)
@@ -176,18 +177,18 @@ def batch_rows(cp, reps):
     without columnwise, MXFP8 bidirectional and row-only, in turn; this rank owns a quarter of
     every weight)."""
     counters = {"amax": Counter(), "scale": Counter(), "cast": Counter()}
-    pa.get_amax_kernel = counting(pa.get_amax_kernel, counters["amax"])
-    pc.get_scale_kernel = counting(pc.get_scale_kernel, counters["scale"])
-    pc.get_cast_kernel = counting(pc.get_cast_kernel, counters["cast"])
+    pa.kernel_for = counting(pa.kernel_for, counters["amax"])
+    pc.scale_kernel = counting(pc.scale_kernel, counters["scale"])
+    pc.cast_kernel = counting(pc.cast_kernel, counters["cast"])
     uploads = Counter()
-    orig_table = pa._device_table
+    orig_table = mb._device_table
 
     def counted_table(table, xp):
-        before = len(pa._table_cache)
+        before = len(mb._table_cache)
         res = orig_table(table, xp)
-        uploads.n += len(pa._table_cache) != before
+        uploads.n += len(mb._table_cache) != before
         return res
-    pa._device_table = counted_table
+    mb._device_table = counted_table
     result = {}
     rng = np.random.default_rng(7)
     recipes = [(fb.Block2D(fb.E4M3, True), True, False), (fb.MXFP8(fb.E4M3), True, True),
@@ -284,12 +285,17 @@ def main():
     kernels = kernel_rows(cp, copy_bw, reps, inner)
     sweep = {}
     if args.sweep:
+        saved = pa.use_settings(dev.MasterSettings()), pc.use_settings(dev.MasterSettings())
         for min_blocks in (3, 4):
-            pa.FAST_MIN_BLOCKS[False] = pc.FAST_MIN_BLOCKS[False] = min_blocks
+            sweep_settings = dev.MasterSettings(amax_fast_min_blocks_mxfp8=min_blocks,
+                                                cast_fast_min_blocks_mxfp8=min_blocks)
+            pa.use_settings(sweep_settings)
+            pc.use_settings(sweep_settings)
             print(f"MXFP8 fast-path kernels with minBlocksPerSM={min_blocks}:", flush=True)
             sweep[min_blocks] = kernel_rows(cp, copy_bw, reps, inner, aligned_only=True,
                                             only=("MXFP8 row-only", "MXFP8 bidirectional"))
-        pa.FAST_MIN_BLOCKS[False] = pc.FAST_MIN_BLOCKS[False] = None
+        pa.use_settings(saved[0])
+        pc.use_settings(saved[1])
     print("MXFP8 cast specialization (16384x6144, aligned):", flush=True)
     spec = specialization_rows(cp, reps, inner)
     payload = payload_rows()

@@ -18,7 +18,8 @@ import cupy as cp  # noqa: E402
 import fp8blk as fb  # noqa: E402
 from bench_master import H, W, make_weight, masters_for  # noqa: E402
 from fp8blk import master  # noqa: E402
-from fp8blk.kernels import _device as dev  # noqa: E402
+from fp8blk.kernels import _specs as dev  # noqa: E402
+from fp8blk.kernels import master_batch as mb  # noqa: E402
 from fp8blk.kernels import partial_amax as pa  # noqa: E402
 from fp8blk.kernels import partial_cast as pc  # noqa: E402
 
@@ -27,7 +28,7 @@ for recipe, col in ((fb.Block2D(fb.E4M3, False), False), (fb.MXFP8(fb.E4M3), Fal
                     (fb.MXFP8(fb.E4M3), True)):
     weight = make_weight(cp, recipe, True, col)
     items, _ = master.validate([weight], [m], [0], None)
-    batch = pa.Batch(items, have_fragments=False)
+    batch = mb.Batch(items, have_fragments=False)
     buf = batch.new_buffer()
     for _ in range(2):
         pa.launch_partial_amax(batch, buf, dev.BF16)

@@ -3,9 +3,10 @@ rowwise), in one process on the GPU.
 
     python3 bench/sweep_fused.py --out results/sweep_fused.json [--shape 16384 16384]
 
-For each alternative (a set of module-level knobs of fp8blk.kernels._quantize_kernel:
-FUSED_BLOCK1D_THREADS, BLOCK2D_ROW_THREADS, ROW_SCATTER, PACKED_AMAX, MIN_BLOCKS_PER_SM) it
-clears the kernel caches, then for Block1D, MXFP8 and Block2D row+col, and Block2D rowwise, on
+For each alternative (a ``fp8blk.kernels._specs.QuantizeSettings``: fused_block1d_threads,
+block2d_row_threads, row_scatter, packed_amax, min_blocks_per_sm; passed with
+``fp8blk.kernels.quantize.use_settings``, every setting being a field of the kernels' specs and
+of their cache keys) it for Block1D, MXFP8 and Block2D row+col, and Block2D rowwise, on
 bf16 input:
   * checks the bytes against fp8blk.reference on a 1024x1024 random input that also holds NaN,
     -NaN, +-inf, subnormals, -0 and the bf16 max inside blocks (a mismatch is reported, and
@@ -18,6 +19,7 @@ A failing alternative is reported and the others still run. Prints a table and w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -37,26 +39,22 @@ import fp8blk as fb  # noqa: E402
 from fp8blk import kernels  # noqa: E402
 from fp8blk import reference as ref  # noqa: E402
 from fp8blk._arrays import BF16  # noqa: E402
-from fp8blk.kernels import _quantize_kernel as qk  # noqa: E402
-from fp8blk.kernels import quant  # noqa: E402
+from fp8blk.kernels._specs import QuantizeSettings  # noqa: E402
+from fp8blk.kernels.quantize import use_settings  # noqa: E402
 from bench_kernels import copy_bandwidth, time_cupy  # noqa: E402
 
-KNOBS = ("FUSED_BLOCK1D_THREADS", "BLOCK2D_ROW_THREADS", "ROW_SCATTER", "PACKED_AMAX",
-         "MIN_BLOCKS_PER_SM")
-DEFAULTS = {k: getattr(qk, k) for k in KNOBS}
-
-# name -> knob overrides (the rest keep the module defaults)
+# name -> QuantizeSettings overrides (the rest keep the defaults)
 ALTERNATIVES = [
     ("default", {}),
-    ("packed_off", {"PACKED_AMAX": False}),
-    ("scatter_off", {"ROW_SCATTER": False}),
-    ("b1d_256thr", {"FUSED_BLOCK1D_THREADS": 256}),                        # 64 regs, spills
-    ("b1d_256thr_minblk3", {"FUSED_BLOCK1D_THREADS": 256, "MIN_BLOCKS_PER_SM": 3}),
-    ("minblk4", {"MIN_BLOCKS_PER_SM": 4}),         # MXFP8 capped at 64 regs (Block1D: 32, spills)
-    ("minblk3", {"MIN_BLOCKS_PER_SM": 3}),         # MXFP8 ~71 regs, 3 CTAs/SM
-    ("v3_like", {"FUSED_BLOCK1D_THREADS": 256, "ROW_SCATTER": False, "PACKED_AMAX": False}),
-    ("b2d_row_512thr", {"BLOCK2D_ROW_THREADS": 512}),                   # 49 regs, 2 CTAs/SM
-    ("b2d_row_512thr_minblk3", {"BLOCK2D_ROW_THREADS": 512, "MIN_BLOCKS_PER_SM": 3}),
+    ("packed_off", {"packed_amax": False}),
+    ("scatter_off", {"row_scatter": False}),
+    ("b1d_512thr", {"fused_block1d_threads": 512}),                     # 64 regs
+    ("b1d_512thr_minblk2", {"fused_block1d_threads": 512, "min_blocks_per_sm": 2}),
+    ("minblk4", {"min_blocks_per_sm": 4}),         # MXFP8 capped at 64 regs (Block1D: 32, spills)
+    ("minblk3", {"min_blocks_per_sm": 3}),         # MXFP8 ~71 regs, 3 CTAs/SM
+    ("v3_like", {"fused_block1d_threads": 512, "row_scatter": False, "packed_amax": False}),
+    ("b2d_row_512thr", {"block2d_row_threads": 512}),                   # 49 regs, 2 CTAs/SM
+    ("b2d_row_512thr_minblk3", {"block2d_row_threads": 512, "min_blocks_per_sm": 3}),
 ]
 CASES = [("b1d_both", fb.Block1D(), True), ("mx_both", fb.MXFP8(), True),
          ("b2d_both", fb.Block2D(), True), ("b2d_row", fb.Block2D(), False)]
@@ -67,11 +65,7 @@ def log(*a):
 
 
 def set_knobs(overrides):
-    for k in KNOBS:
-        setattr(qk, k, overrides.get(k, DEFAULTS[k]))
-    quant._kernels.clear()
-    getattr(quant, "_plans", {}).clear()    # launch plans hold the kernel too
-    qk._get_kernel.cache_clear()
+    use_settings(QuantizeSettings(**overrides))  # also drops the launcher's kernels and plans
 
 
 def special_input(rng, shape=(1024, 1024)):
@@ -116,11 +110,11 @@ def check(recipe, x, columnwise=True):
 
 def kernel_attrs():
     out = {}
-    for key, (fn, spec) in quant._kernels.items():
+    for key, (fn, spec) in sys.modules["fp8blk.kernels.quantize"]._kernels.items():
         try:
             out["regs"] = int(cupy.cuda.driver.funcGetAttribute(4, fn.ptr))
             out["local_bytes"] = int(cupy.cuda.driver.funcGetAttribute(3, fn.ptr))
-            out["threads"] = qk.threads(spec)
+            out["threads"] = spec.threads
         except Exception as exc:  # attribute query is informational only
             out["attr_error"] = repr(exc)[:80]
     return out
@@ -150,7 +144,7 @@ def main():
         for cname, recipe, cw in CASES:
             if args.cases and cname not in args.cases:
                 continue
-            row = {"alt": name, "knobs": {k: overrides.get(k, DEFAULTS[k]) for k in KNOBS},
+            row = {"alt": name, "knobs": dataclasses.asdict(QuantizeSettings(**overrides)),
                    "case": cname, "shape": list(shape)}
             try:
                 set_knobs(overrides)

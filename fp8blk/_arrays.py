@@ -106,12 +106,21 @@ def to_internal(x):
     family = family_of(x)
     if family == TORCH and x.is_cuda:
         dtype = torch_to_numpy_dtype(x.dtype)
-        if dtype is None:
-            raise TypeError(f"torch dtype {x.dtype} cannot be passed to fp8blk; use float32, "
-                            f"bfloat16 or float16 (e.g. x.float()), or x.view(torch.uint8) for "
-                            f"FP8 bytes")
+        # sparse CUDA tensors would reach the kernels (one identity test, ~40 ns)
+        if dtype is None or x.layout is not _strided():
+            raise TypeError(_torch_rejection(x))
         return x, family, dtype
     return to_backend(x)
+
+
+_STRIDED = []
+
+
+def _strided():
+    """torch.strided, looked up once."""
+    if not _STRIDED:
+        _STRIDED.append(_torch().strided)
+    return _STRIDED[0]
 
 
 def is_contiguous(x) -> bool:
@@ -151,19 +160,34 @@ def to_backend(x):
         return x, family, x.dtype
     torch = _torch()
     bf16 = x.dtype == torch.bfloat16
-    src = x.view(torch.int16) if bf16 else x
-    if x.is_cuda:
-        import cupy
-
-        arr = cupy.from_dlpack(src.detach())
-        return (arr.view(np.uint16) if bf16 else arr), family, (BF16 if bf16 else arr.dtype)
+    # try costs nothing until it raises (zero-cost exceptions); the message is built then
     try:
+        src = x.view(torch.int16) if bf16 else x
+        if x.is_cuda:
+            import cupy
+
+            arr = cupy.from_dlpack(src.detach())
+            return (arr.view(np.uint16) if bf16 else arr), family, (BF16 if bf16 else arr.dtype)
         arr = np.from_dlpack(src.detach())
-    except (RuntimeError, BufferError, TypeError) as err:  # e.g. float8 has no DLPack code
-        raise TypeError(f"torch dtype {x.dtype} cannot be passed to fp8blk; use float32, "
-                        f"bfloat16 or float16 (e.g. x.float()), or x.view(torch.uint8) for "
-                        f"FP8 bytes") from err
+    except (RuntimeError, BufferError, TypeError, NotImplementedError) as err:
+        raise TypeError(_torch_rejection(x)) from err
     return (arr.view(BF16) if bf16 else arr), family, arr.dtype if not bf16 else BF16
+
+
+def _torch_rejection(x) -> str:
+    """Why a CPU torch tensor cannot cross DLPack, naming what is wrong and the fix (error path
+    only: these checks cost nothing on the hot path)."""
+    if x.is_meta:
+        return ("a torch tensor on the meta device holds no data: create it on the CPU or a "
+                "CUDA device (e.g. torch.empty(..., device='cuda'))")
+    if x.layout != _torch().strided:
+        return (f"a sparse torch tensor (layout {x.layout}) cannot be passed to fp8blk, which "
+                f"takes dense strided tensors: pass x.to_dense()")
+    if x.is_quantized:
+        return (f"a quantized torch tensor ({x.dtype}) cannot be passed to fp8blk: pass "
+                f"x.dequantize() (float32), or the float tensor it was made from")
+    return (f"torch dtype {x.dtype} cannot be passed to fp8blk; use float32, bfloat16 or "
+            f"float16 (e.g. x.float()), or x.view(torch.uint8) for FP8 bytes")
 
 
 def from_backend(arr, family, dtype=None):

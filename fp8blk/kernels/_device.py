@@ -17,11 +17,8 @@ import numpy as np
 from ._numba import (addr_of, bf16x2_f32, bits_f32, device, f16x2_f32, f32_bits, ld_v4_at,
                      prmt, st8_u8, st8_u16, st8_u32, st_v2_at, st_v4_at, types)
 
-F32, BF16, F16 = 0, 1, 2  # input kinds
-ELEMS_PER_CHUNK = {F32: 4, BF16: 8, F16: 8}
-ITEMSIZE = {F32: 4, BF16: 2, F16: 2}
-NAN_WORD = {F32: 0x7FC00000, BF16: 0x7FC07FC0, F16: 0x7E007E00}
-NAN_HALF = {BF16: 0x7FC0, F16: 0x7E00}
+from ._specs import (BF16, ELEMS_PER_CHUNK, F16, F32, ITEMSIZE, NAN_HALF,  # noqa: F401
+                     NAN_WORD)  # input kinds, re-exported for the builders
 
 
 @device

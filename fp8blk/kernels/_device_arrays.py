@@ -16,11 +16,11 @@ tensor never crosses into CuPy (DLPack costs ~24 us per import on the GPU):
   device: a tensor on another device is launched inside a device switch.
 * NumPy (simulator): pointer arguments are flat NumPy views typed as the kernel indexes them.
 
-On the GPU every kernel argument is 8 bytes (a pointer or an int64), so a launch writes the
-arguments as plain ints into a per-thread parameter block and calls ``cuLaunchKernel``
-(``cupy.cuda.driver.launchKernel``) with it: ~1-2 us of host time, where a CuPy ``Function``
-call converting each argument costs ~6 us and a ``numpy.uint64`` per pointer ~1 us more.
-The driver copies the parameters during the call, so the block is reused at once.
+On the GPU every kernel argument is 8 bytes (a pointer or an int64), so a torch launch writes
+the arguments as ints into a per-thread parameter block and calls ``cuLaunchKernel``
+(``cupy.cuda.driver.launchKernel``) with it, on torch's stream handle: no CuPy stream object,
+no ``numpy.uint64`` per pointer (~1 us each). The driver copies the parameters during the
+call, so the block is reused at once. CuPy arrays go through CuPy's own ``Function`` call.
 """
 from __future__ import annotations
 
@@ -50,19 +50,23 @@ class _Params(threading.local):
 
 
 _params = _Params()
+_cuda = []  # [cupy.cuda.driver, cupy.cuda.runtime], imported on first launch
+
+
+def _cupy_cuda():
+    if not _cuda:
+        from cupy.cuda import driver, runtime
+
+        _cuda.extend((driver, runtime))
+    return _cuda
 
 
 def raw_launch(kernel, grid, block, args, stream_ptr):
-    """Launch compiled `kernel` (a CuPy Function) with `args`, a sequence of ints (pointers
-    and int64 scalars, each passed as 8 bytes), on the stream `stream_ptr`."""
-    from cupy.cuda import driver
-
+    """Launch compiled `kernel` (a CuPy Function) with `args`, a list of ints (pointers and
+    int64 scalars, each passed as 8 bytes), on the stream `stream_ptr`."""
+    driver = (_cuda or _cupy_cuda())[0]
     params = _params
-    slots = params.slots
-    i = 0
-    for a in args:
-        slots[i] = a
-        i += 1
+    params.slots[:len(args)] = args
     driver.launchKernel(kernel.ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
                         0, stream_ptr, params.address, 0)
 
@@ -83,6 +87,10 @@ class _Cupy:
         return arr.data.ptr
 
     @staticmethod
+    def device(arr):
+        return arr.data.device_id
+
+    @staticmethod
     def empty(shape, dtype, like):
         """A new C-contiguous array; bf16 is held as uint16 bit patterns."""
         import cupy
@@ -92,6 +100,13 @@ class _Cupy:
     @staticmethod
     def arg(arr, np_dtype):
         return arr.data.ptr
+
+    @staticmethod
+    def args(arrays, np_dtypes, scalars):
+        """Kernel arguments: the arrays (None: the first array; CuPy passes each array's
+        pointer), then `scalars`."""
+        first = arrays[0]
+        return tuple([first if a is None else a for a in arrays]) + scalars
 
     @staticmethod
     def alloc(like, nbytes, layouts, offsets):
@@ -106,9 +121,9 @@ class _Cupy:
 
     @staticmethod
     def launch(kernel, grid, block, args, like):
-        import cupy
-
-        raw_launch(kernel, grid, block, args, cupy.cuda.get_current_stream().ptr)
+        # CuPy's own launch (a Cython call converting CuPy arrays to pointers, on CuPy's
+        # current stream) is as fast as the raw one here and needs no stream lookup
+        kernel(grid, block, args)
 
 
 class _Torch:
@@ -127,6 +142,10 @@ class _Torch:
         return arr.data_ptr()
 
     @staticmethod
+    def device(arr):
+        return arr.get_device()
+
+    @staticmethod
     def empty(shape, dtype, like):
         torch = sys.modules["torch"]
         return torch.empty(shape, dtype=numpy_to_torch_dtype(dtype), device=like.device)
@@ -136,21 +155,25 @@ class _Torch:
         return arr.data_ptr()
 
     @staticmethod
+    def args(arrays, np_dtypes, scalars):
+        first = arrays[0].data_ptr()
+        return [first if a is None else a.data_ptr() for a in arrays] + list(scalars)
+
+    @staticmethod
     def alloc(like, nbytes, layouts, offsets):
         """One torch tensor per buffer from the caching allocator (its blocks are 512-byte
-        aligned; views of one allocation would cost more torch calls than they save)."""
-        torch = sys.modules["torch"]
-        device = like.device
-        return tuple([None if s is None else
-                      torch.empty(s[0], dtype=numpy_to_torch_dtype(s[1]), device=device)
+        aligned), so that a direction dropped later frees its memory (a saved FP8 activation
+        must not pin the other direction)."""
+        empty = like.new_empty
+        dtypes = _TORCH_DTYPES or _torch_dtypes()
+        return tuple([None if s is None else empty(s[0], dtype=dtypes[s[1]])
                       for s in layouts])
 
     @staticmethod
     def launch(kernel, grid, block, args, like):
-        from cupy.cuda import runtime
-
+        runtime = (_cuda or _cupy_cuda())[1]
         index = like.get_device()
-        stream = sys.modules["torch"]._C._cuda_getCurrentRawStream(index)
+        stream = _raw_stream()(index)
         if runtime.getDevice() == index:
             raw_launch(kernel, grid, block, args, stream)
         else:
@@ -158,6 +181,24 @@ class _Torch:
 
             with cupy.cuda.Device(index):
                 raw_launch(kernel, grid, block, args, stream)
+
+
+_TORCH_DTYPES = {}  # logical NumPy dtype -> torch dtype, filled on first use
+_RAW_STREAM = []
+
+
+def _torch_dtypes():
+    torch = sys.modules["torch"]
+    _TORCH_DTYPES.update({np.dtype(np.uint8): torch.uint8, np.dtype(np.float32): torch.float32,
+                          np.dtype(np.float16): torch.float16, BF16: torch.bfloat16})
+    return _TORCH_DTYPES
+
+
+def _raw_stream():
+    """``torch._C._cuda_getCurrentRawStream`` (device index -> the current stream's handle)."""
+    if not _RAW_STREAM:
+        _RAW_STREAM.append(sys.modules["torch"]._C._cuda_getCurrentRawStream)
+    return _RAW_STREAM[0]
 
 
 class _Sim:
@@ -176,12 +217,22 @@ class _Sim:
         return arr.ctypes.data
 
     @staticmethod
+    def device(arr):
+        return None
+
+    @staticmethod
     def empty(shape, dtype, like):
         return np.empty(shape, dtype=dtype)
 
     @staticmethod
     def arg(arr, np_dtype):
         return arr.reshape(-1).view(np_dtype)
+
+    @staticmethod
+    def args(arrays, np_dtypes, scalars):
+        first = arrays[0]
+        return tuple([(first if a is None else a).reshape(-1).view(t)
+                      for a, t in zip(arrays, np_dtypes)]) + tuple(scalars)
 
     @staticmethod
     def alloc(like, nbytes, layouts, offsets):

@@ -9,9 +9,11 @@ numba-cuda-mlir (or a new Numba release) touches one file:
   vector stores, ``cvt.rn.satfinite`` FP8 packs, bf16/fp16 conversions, bit casts); under the
   simulator they are plain Python on NumPy scalars with the same results (bit arithmetic for
   FP8, shared-memory exchange instead of warp shuffles);
-* ``compile_kernel(pyfunc, argtypes)``: compile a kernel for the current device and return a
-  CuPy ``Function`` (raw-pointer launch on CuPy's current stream, ~5 us of host time), or under
-  the simulator a callable running the simulated kernel; ``compile_ptx_sm90`` for CPU tests.
+* ``compile_cubin(pyfunc, argtypes, launch_bounds, cc, name)``: the one compile route of the
+  kernel cache (``_compiled``): LTO-IR, then nvJitLink for the target architecture, with or
+  without a GPU; ``sim_kernel`` the simulator's stand-in; ``compile_ptx_sm90`` for CPU tests;
+  ``compile_kernel``: Numba's own launch route (a CUDA dispatcher), kept for comparisons and
+  one-off benchmark kernels.
 
 Conventions used by every primitive:
   * pointers are ``CPointer(uint32)`` / ``CPointer(uint8)`` / ... on the GPU and 1-D NumPy
@@ -23,18 +25,28 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._sim import SIM as _SIM_ENV
+
 if not hasattr(np, "row_stack"):  # numba-cuda 0.30.4 overloads it; NumPy 2.5 removed it
     np.row_stack = np.vstack
+
+import threading  # noqa: E402
 
 from numba import config as _numba_config  # noqa: E402
 from numba import cuda, types  # noqa: E402
 
 SIM = bool(_numba_config.ENABLE_CUDASIM)
+if SIM != _SIM_ENV:
+    raise RuntimeError(
+        f"Numba's CUDA simulator is {'on' if SIM else 'off'} but NUMBA_ENABLE_CUDASIM in the "
+        f"environment says {'on' if _SIM_ENV else 'off'} (a Numba config file?): set the "
+        f"variable to match, before Python starts")
 
 __all__ = ["cuda", "types", "SIM", "device", "f32_bits", "bits_f32", "ld_v4",
            "fmax32", "pack4_e4m3", "pack4_e5m2", "pack4_fp8", "bf16x2_f32", "f16x2_f32",
            "f32_bf16_bits", "f32_f16_bits", "group_fmax", "ptr", "compile_kernel",
-           "compile_ptx_sm90", "FULL_MASK", "prmt"]
+           "compile_ptx_sm90", "compile_cubin", "cubin_entries", "sim_kernel", "FULL_MASK",
+           "prmt"]
 
 FULL_MASK = 0xFFFFFFFF
 
@@ -55,7 +67,6 @@ def device(fn):
 if SIM:
     # ---------------------------------------------------------------------------------------
     # Simulator twins: NumPy scalar arithmetic with the hardware's results.
-    import threading
 
     _U32 = np.uint32
 
@@ -411,6 +422,98 @@ def compile_kernel(pyfunc, argtypes, launch_bounds=None):
     module.load(bytes(image))
     function = module.get_function(overload.entry_name)
     return function
+
+
+def _cuda_arch(cc):
+    """nvJitLink architecture of compute capability (major, minor): sm_90a for 9.0 and later
+    (the architecture-specific variant, as a Numba launch on such a device uses), else sm_XY."""
+    major, minor = int(cc[0]), int(cc[1])
+    return f"sm_{major}{minor}{'a' if (major, minor) >= (9, 0) else ''}"
+
+
+def cubin_entries(cubin):
+    """Names of the kernel entry functions in an ELF cubin (FUNC symbols marked as CUDA
+    entries: ``st_other`` bit 0x10)."""
+    import struct
+
+    if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
+        raise ValueError("not a 64-bit ELF cubin")
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    shentsize, shnum = struct.unpack_from("<HH", cubin, 0x3A)
+    secs = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize)
+            for i in range(shnum)]
+    names = []
+    for _, sh_type, _, _, off, size, link, _, _, entsize in secs:
+        if sh_type != 2:  # SHT_SYMTAB
+            continue
+        strtab = secs[link][4]
+        for j in range(size // entsize):
+            st_name, st_info, st_other, _, _, _ = struct.unpack_from("<IBBHQQ", cubin,
+                                                                     off + j * entsize)
+            if st_info & 0xF == 2 and st_other & 0x10:
+                end = cubin.index(b"\0", strtab + st_name)
+                names.append(cubin[strtab + st_name:end].decode())
+    return names
+
+
+_compile_lock = threading.Lock()
+
+
+def compile_cubin(pyfunc, argtypes, launch_bounds, cc, name):
+    """(entry name, cubin bytes) of kernel `pyfunc` with raw-pointer / scalar `argtypes` for
+    compute capability `cc` ((major, minor)), with or without a GPU: Numba compiles it to
+    LTO-IR, nvJitLink links it for :func:`_cuda_arch` (the route a Numba launch takes, which
+    links LTO-IR by default, so the code is the same).
+
+    The cubin is a function of its inputs only: the kernel is named `name` (its mangled name
+    also carries the module and Numba's per-process function counter, which is pinned to 0
+    for the kernel here), and Numba sees a device of compute capability `cc` while it
+    compiles (device helpers ask for it)."""
+    import numba.cuda.dispatcher as dispatcher
+    from cuda.core import Linker, LinkerOptions, ObjectCode
+    from numba.cuda.core import bytecode
+
+    class _Device:
+        compute_capability = (int(cc[0]), int(cc[1]))
+
+    pyfunc.__qualname__ = name
+    identity = bytecode.FunctionIdentity
+    descriptor = identity.__dict__["from_function"]     # the classmethod object
+    from_function = identity.from_function
+
+    def pinned(cls, func):
+        ident = from_function.__func__(cls, func)
+        if func is pyfunc:
+            ident.unique_id = 0
+            ident.unique_name = f"{ident.func_qualname}$0"
+        return ident
+
+    with _compile_lock:
+        saved = dispatcher.get_current_device
+        dispatcher.get_current_device = lambda: _Device()
+        identity.from_function = classmethod(pinned)
+        try:
+            ltoir, _ = cuda.compile(pyfunc, types.void(*argtypes), device=False, abi="numba",
+                                    cc=_Device.compute_capability, output="ltoir",
+                                    launch_bounds=launch_bounds)
+        finally:
+            identity.from_function = descriptor
+            dispatcher.get_current_device = saved
+    linker = Linker(ObjectCode.from_ltoir(ltoir),
+                    options=LinkerOptions(arch=_cuda_arch(cc), link_time_optimization=True))
+    cubin = bytes(linker.link("cubin").code)
+    linker.close()
+    entries = cubin_entries(cubin)
+    if len(entries) != 1:
+        raise RuntimeError(f"expected one kernel entry in the cubin of {name}, got {entries}")
+    return entries[0], cubin
+
+
+def sim_kernel(pyfunc):
+    """The simulated kernel of `pyfunc` (``NUMBA_ENABLE_CUDASIM=1`` only)."""
+    if not SIM:
+        raise RuntimeError("sim_kernel needs NUMBA_ENABLE_CUDASIM=1")
+    return _SimKernel(pyfunc)
 
 
 # ------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """One tiled quantize kernel, specialized per recipe, direction, input dtype and alignment.
 
-A CTA of NT threads (256; 512 for the fused Block1D row+col kernel on 2-byte inputs, see
-``threads``) owns a TM x TK tile of the (M, K) input and reads it once, in 16-byte
+Builder (launcher: ``quantize``): the kernel is generated from a ``_specs.QuantizeSpec`` alone
+(every tuning value is a spec field). A CTA of NT = ``spec.threads`` threads (256 by default;
+the fused Block1D row+col kernel on 2-byte inputs and the Block2D row kernel can take 512) owns a TM x TK tile of the (M, K) input and reads it once, in 16-byte
 chunks (VE elements: 4 fp32 or 8 bf16/fp16). Thread t owns chunk column ``c = t % CPR``
 (CPR = TK / VE chunks per tile row) in NJ rows: rows come in quads of 4 consecutive rows,
 ``row(j) = (j // 4) * 4 * RPI + 4 * s + j % 4`` with ``s = t // CPR`` and RPI = NT / CPR, so
@@ -28,77 +29,14 @@ col_sinv, M, K. Grid: (cdiv(M, TM), cdiv(K, TK)). Scale padding is written by al
 """
 from __future__ import annotations
 
-from collections import namedtuple
-from functools import lru_cache
-
 import numpy as np
 
 from . import _device as dev
-from ._numba import (SIM, absmax_bf16x2, absmax_f16x2, compile_kernel, cuda, device, fmax32,
+from ._specs import BLOCK2D, MXFP8
+from ._specs import quantize_tile as tile_shape
+from ._numba import (absmax_bf16x2, absmax_f16x2, cuda, device, fmax32,
                      group_fmax, pack4_fp8, ptr, shfl_idx_f32, shfl_xor_f32, st_u32_at,
                      st_v2_at, st_v4_at, types)
-
-THREADS = 256          # threads per CTA unless threads(spec) says otherwise
-WARPS = THREADS // 32
-
-# Threads per CTA of the fused Block1D row+col kernel on 2-byte inputs (benchmark knob, read at
-# kernel build time). 512 halves the tile each thread holds and avoids spills at 64 registers,
-# but the H200 sweep (bench/NOTES.md, bench/sweep_fused.py) measured 256 threads with 3 CTAs
-# per SM (80 registers, 40 B spilled outside the hot loop) faster: 84.5% of copy against 79.3%.
-FUSED_BLOCK1D_THREADS = 256
-# Threads per CTA of the Block2D rowwise-only kernel on 2-byte inputs (benchmark knob, read at
-# kernel build time; 512 halves the tile share each thread holds).
-BLOCK2D_ROW_THREADS = 256
-# Reduce-scatter the per-row block amaxes across the lanes of a block so that each lane runs
-# the scale rule once instead of once per chunk (benchmark knob, read at kernel build time).
-ROW_SCATTER = True
-# 2-byte inputs: row and column amaxes with packed max.xorsign.abs.bf16x2 / .f16x2 (one
-# instruction per 2 elements; exact, NaN-ignoring like fmaxf) instead of one fmaxf per element
-# (benchmark knob, read at kernel build time).
-PACKED_AMAX = True
-
-# recipe kinds
-BLOCK1D, BLOCK2D, MXFP8 = "block1d", "block2d", "mxfp8"
-
-QuantSpec = namedtuple("QuantSpec", [
-    "recipe",       # BLOCK1D | BLOCK2D | MXFP8
-    "kind",         # dev.F32 | dev.BF16 | dev.F16
-    "e4m3",         # bool
-    "rowwise",      # bool
-    "columnwise",   # bool
-    "pow2",         # bool (fp32-scale recipes)
-    "eps",          # float (fp32-scale recipes)
-    "vmax",         # float: the input dtype's max (scale when F/amax overflows)
-    "vec",          # bool: K % VE == 0 (16-byte loads, 8/4-byte stores along K)
-    "col_vec",      # bool: M % 16 == 0 (16-byte stores of transposed bytes along M)
-])
-
-
-def tile_shape(spec):
-    """(TM, TK) of the tile a CTA owns."""
-    ve = dev.ELEMS_PER_CHUNK[spec.kind]
-    if spec.recipe == BLOCK2D or (spec.recipe == BLOCK1D and spec.columnwise):
-        return 128, 128
-    if spec.recipe == BLOCK1D:
-        return (64 if ve == 8 else 32), 128
-    if spec.columnwise:  # MXFP8 with 32x1 blocks: the tile is one block tall
-        return 32, (256 if ve == 8 else 128)
-    return (64 if ve == 8 else 32), 128
-
-
-def threads(spec):
-    """Threads per CTA of the kernel for `spec`."""
-    if spec.recipe == BLOCK1D and spec.rowwise and spec.columnwise and spec.kind != dev.F32:
-        return FUSED_BLOCK1D_THREADS
-    if spec.recipe == BLOCK2D and not spec.columnwise and spec.kind != dev.F32:
-        return BLOCK2D_ROW_THREADS
-    return THREADS
-
-
-def block(spec):
-    """CUDA block shape (threads, 1, 1) of the kernel for `spec`."""
-    return (threads(spec), 1, 1)
-
 
 def argtypes(spec):
     """Numba argument types of the kernel for `spec`."""
@@ -115,7 +53,7 @@ def make_kernel_pyfunc(spec):
     """The Python kernel function for `spec` (compile it with :func:`argtypes`)."""
     VE = dev.ELEMS_PER_CHUNK[spec.kind]
     KIND = spec.kind
-    NT = threads(spec)
+    NT = spec.threads
     NW = NT // 32
     TM, TK = tile_shape(spec)
     CPR = TK // VE
@@ -136,7 +74,7 @@ def make_kernel_pyfunc(spec):
     LOG_G = G.bit_length() - 1
     LOG_NJ = NJ.bit_length() - 1
     # reduce-scatter of the NJ row amaxes over the G lanes of a block (needs NJ <= G)
-    SCATTER = ROWRED and ROW_SCATTER and NJ <= G
+    SCATTER = ROWRED and spec.row_scatter and NJ <= G
     COLRED = COL and not IS_2D                   # per-column amax over the tile's rows
     TRANS = COL and not IS_MX                    # (K, M) transposed columnwise output
     TKT, TMW = (TK, TM // 4 + 1) if TRANS else (1, 1)   # +1 word: conflict-free 16B reads
@@ -148,7 +86,7 @@ def make_kernel_pyfunc(spec):
     ONE = np.float32(1.0)
     ZERO = np.float32(0.0)  # amax is fmaxf from 0 (NaN ignored; an all-NaN block gives 0)
     ISZ = dev.ITEMSIZE[KIND]                     # bytes per input element
-    PACKED = PACKED_AMAX and KIND != dev.F32 and (ROWRED or COLRED)
+    PACKED = spec.packed_amax and KIND != dev.F32 and (ROWRED or COLRED)
     habsmax2 = absmax_bf16x2 if KIND == dev.BF16 else absmax_f16x2   # max(|a|, |b|) per half
     word_f32 = dev.word_decoder(KIND)
 
@@ -449,37 +387,12 @@ def make_kernel_pyfunc(spec):
     return kernel
 
 
-# Benchmark knob: minimum resident CTAs per SM passed to the compiler (None: let it choose).
-MIN_BLOCKS_PER_SM = None
+def launch_bounds(spec):
+    """Launch bounds of the kernel: max threads per CTA, and min resident CTAs per SM when the
+    spec caps registers."""
+    return spec.threads if spec.min_blocks is None else (spec.threads, spec.min_blocks)
 
 
-def default_min_blocks(spec):
-    """Minimum CTAs per SM for the register allocator, chosen from the H200 sweep
-    (bench/NOTES.md): capping registers pays for the Block1D kernels with columnwise output."""
-    if spec.recipe == BLOCK1D and spec.columnwise and spec.kind != dev.F32:
-        # col only: 3 x 256 threads (80 registers); row+col: 3 CTAs at 256 threads (80
-        # registers), 2 at 512 (64 registers)
-        return 3 if threads(spec) == 256 else 1024 // threads(spec)
-    return None
-
-
-def get_kernel(spec):
-    """Compiled, launchable kernel for `spec` (see ``_numba.compile_kernel``)."""
-    min_blocks = MIN_BLOCKS_PER_SM if MIN_BLOCKS_PER_SM is not None else \
-        default_min_blocks(spec)
-    return _get_kernel(spec, min_blocks, FUSED_BLOCK1D_THREADS, BLOCK2D_ROW_THREADS, ROW_SCATTER,
-                       PACKED_AMAX)
-
-
-@lru_cache(maxsize=None)
-def _get_kernel(spec, min_blocks, fused_threads, b2d_row_threads, row_scatter, packed_amax):
-    # the knobs are part of the cache key: make_kernel_pyfunc reads them
-    nt = threads(spec)
-    bounds = nt if min_blocks is None else (nt, min_blocks)
-    return compile_kernel(make_kernel_pyfunc(spec), argtypes(spec),
-                          launch_bounds=None if SIM else bounds)
-
-
-def grid(spec, rows, cols):
-    tm, tk = tile_shape(spec)
-    return (-(-rows // tm), -(-cols // tk), 1)
+def build(spec):
+    """(pyfunc, argtypes, launch_bounds) of the kernel for `spec` (``_compiled`` compiles it)."""
+    return make_kernel_pyfunc(spec), argtypes(spec), launch_bounds(spec)

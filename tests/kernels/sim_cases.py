@@ -24,7 +24,7 @@ QUANTIZE_CASES = [
     ("b2d", "bf16", True, True, (142, 96)),        # 128 + 14 bytes; rows k >= K skipped
     ("b1d-e5m2-nopow2", "f16", False, True, (148, 64)),  # M % 16 == 4: rows start on words
 ]
-# (recipe, columnwise, out dtype, shape). Paths (fp8blk.kernels.dequant): "rows" for (M, K)
+# (recipe, columnwise, out dtype, shape). Paths (fp8blk.kernels.dequantize): "rows" for (M, K)
 # sources with K % E == 0 (E = 4 fp32 / 8 bf16, fp16 elements per lane; 16-bit outputs also
 # K % 8 == 4 with 4-element pieces), CTA = 32 rows x 32 lanes (fewer lanes per row, more rows
 # for narrow K); "tiles" for transposed (K, M) sources with K % E == 0 (likewise), CTA =

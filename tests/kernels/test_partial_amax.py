@@ -1,4 +1,5 @@
-"""Partial-amax kernels of the master-weight path (fp8blk/kernels/partial_amax.py): PTX for
+"""Partial-amax kernels of the master-weight path (fp8blk/kernels/partial_amax.py, _partial_amax_kernel.py,
+master_batch.py): PTX for
 sm_90 without a GPU, byte-exact results under the simulator (subprocess), the batch table
 (constant launches for 100 weights), and the same on the GPU (-m gpu, see tests/test_master.py).
 """
@@ -11,9 +12,10 @@ import pytest
 
 import fp8blk as fb
 from fp8blk import master
-from fp8blk.kernels import _device as dev
 from fp8blk.kernels import _numba
-from fp8blk.kernels import partial_amax as pa
+from fp8blk.kernels import _partial_amax_kernel as pak
+from fp8blk.kernels import _specs as dev
+from fp8blk.kernels import master_batch as mb
 from tests.master_scripts import cases
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,8 +40,8 @@ def run_sim(what, timeout=300):
                                                     (False, dev.BF16, True),
                                                     (False, dev.F32, False)])
 def test_amax_kernel_compiles_for_sm90(block2d, model, with_col, fast_path):
-    ptx = _numba.compile_ptx_sm90(pa.amax_pyfunc(block2d, model, with_col, fast_path),
-                                  pa.amax_argtypes(block2d))
+    ptx = _numba.compile_ptx_sm90(pak.amax_pyfunc(block2d, model, with_col, fast_path),
+                                  pak.amax_argtypes(block2d))
     assert ".target sm_90" in ptx
     assert "ld.global.nc.v4.u32" in ptx       # 16-byte loads on the aligned path
     assert "shfl.sync.bfly" in ptx            # warp reductions, not shared-memory loops
@@ -70,29 +72,29 @@ def test_batch_is_reused_while_shapes_and_addresses_stay(rng):
     import gc
     import weakref
 
-    pa._batch_cache.clear()
+    mb._batch_cache.clear()
     items = _batch_of(6, rng)
     bucket = [it for it in items if isinstance(it.recipe, fb.MXFP8)]
-    first = pa.batch_for(bucket, have_fragments=False)
-    fresh = pa.Batch(bucket, have_fragments=False)
+    first = mb.batch_for(bucket, have_fragments=False)
+    fresh = mb.Batch(bucket, have_fragments=False)
     assert np.array_equal(first.table, fresh.table) and first.n_items == len(bucket)
     again, _ = master.validate([it.weight for it in items], [it.master for it in items],
                                [it.start for it in items], None)
-    assert pa.batch_for([it for it in again if isinstance(it.recipe, fb.MXFP8)], False) is first
-    assert pa.batch_for(bucket, have_fragments=True) is not first
+    assert mb.batch_for([it for it in again if isinstance(it.recipe, fb.MXFP8)], False) is first
+    assert mb.batch_for(bucket, have_fragments=True) is not first
     moved = [it for it in items]
     owner = next(i for i, it in enumerate(bucket) if it.master is not None)
     new_master = bucket[owner].master.copy()  # same values, another address
     shifted, _ = master.validate([it.weight for it in moved],
                                  [new_master if it is bucket[owner] else it.master
                                   for it in moved], [it.start for it in moved], None)
-    other = pa.batch_for([it for it in shifted if isinstance(it.recipe, fb.MXFP8)], False)
+    other = mb.batch_for([it for it in shifted if isinstance(it.recipe, fb.MXFP8)], False)
     assert other is not first
     ref = weakref.ref(new_master)
     del new_master, shifted, other
     gc.collect()
     assert ref() is None, "the batch cache kept a master array alive"
-    pa._batch_cache.clear()
+    mb._batch_cache.clear()
 
 
 @pytest.mark.parametrize("n_weights", [4, 100])
@@ -101,12 +103,12 @@ def test_launches_do_not_grow_with_the_batch(n_weights, rng):
     items = _batch_of(n_weights, rng)
     for block2d in (True, False):
         bucket = [it for it in items if isinstance(it.recipe, fb.Block2D) == block2d]
-        batch = pa.Batch(bucket, have_fragments=False)
+        batch = mb.Batch(bucket, have_fragments=False)
         assert len(batch.amax_launches) <= (1 if block2d else 2)
         assert len(batch.cast_launches) <= 2
         # every weight's first block / entry is inside its launch's prefix order
-        t = batch.table.reshape(-1, pa.NF)
-        assert np.all(np.diff(t[:, pa.F_SCALE0]) >= 0)
+        t = batch.table.reshape(-1, mb.NF)
+        assert np.all(np.diff(t[:, mb.F_SCALE0]) >= 0)
         # the packed buffer: 4-byte tile amaxes (Block2D) or 1-byte codes (MXFP8)
         want = sum(it.row_blocks + it.col_blocks for it in bucket)
         assert batch.buf_entries == want
@@ -119,7 +121,7 @@ def test_table_rejects_weights_too_large_for_32_bit_indexing():
     items[0].h = 1 << 16
     items[0].w = 1 << 15
     with pytest.raises(ValueError, match="32 bits"):
-        pa.Batch(items, have_fragments=False)
+        mb.Batch(items, have_fragments=False)
 
 
 @pytest.mark.gpu

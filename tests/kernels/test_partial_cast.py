@@ -1,11 +1,12 @@
-"""Scale and partial-cast kernels of the master-weight path (fp8blk/kernels/partial_cast.py):
+"""Scale and partial-cast kernels of the master-weight path (fp8blk/kernels/partial_cast.py and
+_partial_cast_kernel.py):
 PTX for sm_90 without a GPU, and the whole device path (amax, all-reduce, scales, cast) under
 the simulator against quantize, byte for byte, including fragments and in-range writes."""
 import pytest
 
-from fp8blk.kernels import _device as dev
 from fp8blk.kernels import _numba
-from fp8blk.kernels import partial_cast as pc
+from fp8blk.kernels import _partial_cast_kernel as pc
+from fp8blk.kernels import _specs as dev
 from tests.kernels.test_partial_amax import needs_compiler, run_sim
 
 

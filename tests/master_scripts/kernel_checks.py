@@ -6,7 +6,8 @@ import numpy as np
 
 import fp8blk as fb
 from fp8blk import master, reference, scaling
-from fp8blk.kernels import _device as dev
+from fp8blk.kernels import _specs as dev
+from fp8blk.kernels import master_batch as mb
 from fp8blk.kernels import partial_amax as pa
 from tests.master_scripts import cases
 from tests.master_scripts.fake_comm import run_ranks
@@ -68,12 +69,12 @@ def _check_amax_batch(rng, specs, ranges, misalign, model_dtype, xp, make_full=N
     masters = [_shard(f, s, o, n, m, xp) if n else None
                for f, s, (o, n), m in zip(fulls, specs, ranges, misalign)]
     items, _ = master.validate(weights, masters, [o for o, _ in ranges], None)
-    batch = pa.Batch(items, have_fragments=False)
+    batch = mb.Batch(items, have_fragments=False)
     buf = batch.new_buffer()
     pa.launch_partial_amax(batch, buf, MODEL[np.dtype(model_dtype)])
     for it in batch.items:
         o, n = it.start, it.count
-        row_off = int(batch.table.reshape(-1, pa.NF)[batch.items.index(it), pa.F_ROWBUF])
+        row_off = int(batch.table.reshape(-1, mb.NF)[batch.items.index(it), mb.F_ROWBUF])
         host = None if not n else cases._host(it.master)
         if host is not None and it.master_dtype == cases.BF16:
             host = host.view(cases.BF16)

@@ -3,6 +3,9 @@ the input for any combination of rowwise and columnwise outputs).
 
 Same signature and return convention as ``fp8blk.reference.quantize``, plus ``dtype``: the
 logical input dtype, needed because device bf16 arrays are uint16 bit patterns.
+
+Launcher (kernel: ``_quantize_kernel``, loaded through ``_compiled``: from the disk cache
+without importing numba, or compiled on a miss). Tuning: :func:`use_settings`.
 """
 from __future__ import annotations
 
@@ -12,31 +15,51 @@ from .. import scaling
 from .._arrays import BF16
 from ..formats import Block1D, Block2D, E4M3, MXFP8
 from ..layout import buffer_layouts
-from . import _device as dev
-from . import _quantize_kernel as qk
+from . import _compiled
+from . import _specs as sp
 from ._device_arrays import adapter_of
-from ._host import cached_plan, i64, kind_of, pointer_dtypes, round_up
+from ._host import SIM, cached_plan, kind_of, round_up, scalars
 
-_RECIPE_KIND = {Block1D: qk.BLOCK1D, Block2D: qk.BLOCK2D, MXFP8: qk.MXFP8}
-_VMAX = {dev.F32: scaling.FLT_MAX, dev.BF16: scaling.dtype_max(BF16),
-         dev.F16: scaling.dtype_max(np.float16)}
+_RECIPE_KIND = {Block1D: sp.BLOCK1D, Block2D: sp.BLOCK2D, MXFP8: sp.MXFP8}
+_VMAX = {sp.F32: scaling.FLT_MAX, sp.BF16: scaling.dtype_max(BF16),
+         sp.F16: scaling.dtype_max(np.float16)}
 
 # (recipe, kind, rowwise, columnwise, vec, col_vec) -> (kernel, spec): the per-call lookup
 _kernels = {}
+_settings = sp.QuantizeSettings()
 
 
-def _kernel_for(recipe, kind, rowwise, columnwise, vec, col_vec):
-    key = (recipe, kind, rowwise, columnwise, vec, col_vec)
+def use_settings(settings):
+    """Make `settings` (a ``_specs.QuantizeSettings``) the tuning of later calls (benchmarks
+    and sweeps); returns the previous settings. Every setting is a field of the kernels'
+    specs, so variants of different settings are different cache entries."""
+    global _settings
+    if not isinstance(settings, sp.QuantizeSettings):
+        raise TypeError(f"settings must be a QuantizeSettings, got {type(settings).__name__}")
+    previous, _settings = _settings, settings
+    _kernels.clear()
+    _plans.clear()
+    return previous
+
+
+def spec_for(recipe, kind, rowwise, columnwise, vec, col_vec, settings=None):
+    """The ``_specs.QuantizeSpec`` of a call: `recipe` a Block1D / Block2D / MXFP8 recipe,
+    `kind` the input kind (``_specs.F32`` / ``BF16`` / ``F16``), `vec` K % VE == 0 with an
+    aligned input, `col_vec` M % 16 == 0; `settings` default: the current ones."""
+    is_mx = isinstance(recipe, MXFP8)
+    return sp.quantize_spec(
+        _RECIPE_KIND[type(recipe)], kind, recipe.fmt is E4M3, rowwise, columnwise,
+        pow2=False if is_mx else recipe.pow2_scales,
+        eps=0.0 if is_mx else recipe.amax_epsilon, vmax=_VMAX[kind], vec=vec, col_vec=col_vec,
+        settings=_settings if settings is None else settings)
+
+
+def _kernel_for(recipe, kind, rowwise, columnwise, vec, col_vec, device):
+    key = (recipe, kind, rowwise, columnwise, vec, col_vec, device)
     hit = _kernels.get(key)
     if hit is None:
-        is_mx = isinstance(recipe, MXFP8)
-        spec = qk.QuantSpec(
-            recipe=_RECIPE_KIND[type(recipe)], kind=kind, e4m3=recipe.fmt is E4M3,
-            rowwise=bool(rowwise), columnwise=bool(columnwise),
-            pow2=False if is_mx else recipe.pow2_scales,
-            eps=0.0 if is_mx else recipe.amax_epsilon, vmax=_VMAX[kind], vec=vec,
-            col_vec=col_vec)
-        hit = (qk.get_kernel(spec), spec)
+        spec = spec_for(recipe, kind, rowwise, columnwise, vec, col_vec)
+        hit = (_compiled.kernel("quantize", spec, device), spec)
         _kernels[key] = hit
     return hit
 
@@ -50,10 +73,11 @@ class _Plan:
     __slots__ = ("kernel", "grid", "block", "shapes", "offsets", "nbytes", "scalars",
                  "arg_dtypes")
 
-    def __init__(self, recipe, kind, rows, cols, rowwise, columnwise, vec):
-        self.kernel, spec = _kernel_for(recipe, kind, rowwise, columnwise, vec, rows % 16 == 0)
-        self.grid = qk.grid(spec, rows, cols)
-        self.block = qk.block(spec)
+    def __init__(self, recipe, kind, rows, cols, rowwise, columnwise, vec, device):
+        self.kernel, spec = _kernel_for(recipe, kind, rowwise, columnwise, vec, rows % 16 == 0,
+                                        device)
+        self.grid = sp.quantize_grid(spec, rows, cols)
+        self.block = (spec.threads, 1, 1)
         self.shapes = [None if s is None else (s.shape, s.dtype)
                        for s in buffer_layouts(recipe, rows, cols, rowwise, columnwise)]
         # each output starts on a 256-byte boundary (the kernels' vector stores need 16)
@@ -63,9 +87,9 @@ class _Plan:
             if s is not None:
                 total += round_up(int(np.prod(s[0])) * np.dtype(s[1]).itemsize, 256)
         self.nbytes = total
-        self.scalars = (i64(rows), i64(cols))
+        self.scalars = scalars(rows, cols)
         # element types of the five pointer arguments (the simulator's views need them)
-        self.arg_dtypes = pointer_dtypes(qk.argtypes(spec)[:5])
+        self.arg_dtypes = _compiled.arg_dtypes("quantize", spec, 5) if SIM else (None,) * 5
 
 
 _plans = {}
@@ -84,8 +108,11 @@ def _check_out(ad, out, shapes):
     return out
 
 
-def _plan_for(recipe, kind, rows, cols, rowwise, columnwise, vec):
-    return cached_plan(_plans, (recipe, kind, rows, cols, rowwise, columnwise, vec), _Plan)
+def _plan_for(recipe, kind, rows, cols, rowwise, columnwise, vec, device):
+    """The cached :class:`_Plan` of a call; `device` the CUDA device index of the arrays (the
+    compiled kernel belongs to it; None under the simulator)."""
+    return cached_plan(_plans, (recipe, kind, rows, cols, rowwise, columnwise, vec, device),
+                       _Plan)
 
 
 def quantize(x2d, recipe, rowwise=True, columnwise=False, dtype=None, out=None):
@@ -106,16 +133,13 @@ def quantize(x2d, recipe, rowwise=True, columnwise=False, dtype=None, out=None):
         return tuple(None if s is None else ad.empty(s.shape, s.dtype, x2d)
                      for s in buffer_layouts(recipe, rows, cols, rowwise, columnwise))
     x_ptr = ad.ptr(x2d)
-    vec = cols % dev.ELEMS_PER_CHUNK[kind] == 0 and x_ptr % 16 == 0
-    plan = _plan_for(recipe, kind, rows, cols, rowwise, columnwise, vec)
+    vec = cols % sp.ELEMS_PER_CHUNK[kind] == 0 and x_ptr % 16 == 0
+    plan = _plan_for(recipe, kind, rows, cols, rowwise, columnwise, vec, ad.device(x2d))
     if out is None:
         out = ad.alloc(x2d, plan.nbytes, plan.shapes, plan.offsets)
     else:
         out = _check_out(ad, out, plan.shapes)
     # unused outputs get any valid pointer (the input's)
-    t = plan.arg_dtypes
-    x_arg = ad.arg(x2d, t[0])
-    args = (x_arg,) + tuple(x_arg if a is None else ad.arg(a, dt)
-                            for a, dt in zip(out, t[1:])) + plan.scalars
+    args = ad.args((x2d,) + tuple(out), plan.arg_dtypes, plan.scalars)
     ad.launch(plan.kernel, plan.grid, plan.block, args, x2d)
     return out

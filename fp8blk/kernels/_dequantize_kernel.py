@@ -1,5 +1,6 @@
-"""GPU ``dequantize``: ``fl32(decode(byte) * scale_inv)`` rounded once to fp32/bf16/fp16, from
-rowwise buffers if given, else columnwise ones (same contract and bytes as the reference).
+"""Builder of the GPU ``dequantize`` kernels (launcher: ``dequantize``):
+``fl32(decode(byte) * scale_inv)`` rounded once to fp32/bf16/fp16 (same bytes as the
+reference). Each kernel is generated from a ``_specs.DequantizeSpec`` alone.
 
 Three kernels, each specialized per (recipe, direction, format, output dtype):
 
@@ -11,7 +12,7 @@ Three kernels, each specialized per (recipe, direction, format, output dtype):
   conversion, multiplies in fp32, rounds once and writes one 16-byte store. Consecutive lanes
   take consecutive pieces of a row (2**lpr_shift lanes per row, chosen from K so narrow
   tensors keep the lanes busy), so every load and store instruction of a warp is contiguous.
-  A thread handles ROWS_PER_THREAD rows, all loads issued before any use.
+  A thread handles ``spec.rows_per_thread`` rows, all loads issued before any use.
   Needs K % E == 0 and E-aligned pointers; 16-bit outputs with only K % 4 == 0 and 4-aligned
   data use pieces of E = 4 elements (4-byte loads, 8-byte stores) instead. (Pieces are sized
   by the output, not the input: a 16-byte input load per lane would need two 16-byte stores
@@ -42,57 +43,21 @@ global offsets (M*K may exceed 2**31); per-thread coordinates are small.
 """
 from __future__ import annotations
 
-from collections import namedtuple
 from functools import lru_cache
 
 import numpy as np
 
-from .._arrays import BF16
-from ..formats import Block1D, Block2D, E4M3, MXFP8
 from ._device import byte_window, transpose_bytes_4x4
-from ._device_arrays import adapter_of
-from ._host import cached_plan, cdiv, i64, pointer_dtypes
-from ._numba import (addr_of, bf16x2_pack, bits_f32, compile_kernel, cuda, device,
+from ._specs import (BF16_OUT, BLOCK1D, BLOCK2D, BX, BY, DQ_THREADS, DQ_TILE,
+                     F32_OUT, MXFP8, OUT_SIZE, ROWS, SCALAR, TILES, piece_of, transposed)
+from ._specs import dequantize_launch_bounds as launch_bounds
+from ._numba import (addr_of, bf16x2_pack, bits_f32, cuda, device,
                      f16x2_pack, f32_bf16_bits, f32_bits, f32_f16_bits, fp8x4_f32,
                      ld_u32_at, ld_v2_at, ld_v4_at, ptr, st_v2_at, st_v4_at, types)
 
-THREADS = 256           # threads per CTA of the rows and tiles kernels
-# Rows each thread of the rows kernel converts (loads of all of them in flight at once;
-# benchmark knob, read at kernel build time).
-ROWS_PER_THREAD = 4
-T = 128                 # tile edge (bytes) of the tiles kernel
-BX, BY = 32, 8          # CTA shape of the scalar kernel
-MAX_GRID_Y = 65535      # CUDA's limit; the kernels loop over grid rows beyond it
-
-F32_OUT, BF16_OUT, F16_OUT = 0, 1, 2
-_OUT = {np.dtype(np.float32): F32_OUT, BF16: BF16_OUT, np.dtype(np.float16): F16_OUT}
-OUT_SIZE = {F32_OUT: 4, BF16_OUT: 2, F16_OUT: 2}
-# elements per piece: one 16-byte store of output
-PIECE = {F32_OUT: 4, BF16_OUT: 8, F16_OUT: 8}
-
-BLOCK1D, BLOCK2D, MX = "block1d", "block2d", "mxfp8"
-ROWS, TILES, SCALAR = "rows", "tiles", "scalar"
-
-DequantSpec = namedtuple("DequantSpec", [
-    "recipe",       # BLOCK1D | BLOCK2D | MX
-    "columnwise",   # bool: source buffers are the columnwise ones
-    "e4m3",         # bool
-    "out_kind",     # F32_OUT | BF16_OUT | F16_OUT
-    "path",         # ROWS | TILES | SCALAR
-    "piece",        # elements per piece of the vector paths: 0 = PIECE[out_kind] (16-byte
-                    # stores), or half of it for 16-bit outputs (8-byte stores; K % 8 == 4)
-    "aligned",      # TILES: source rows 16-byte aligned (M % 16 == 0, aligned data)
-], defaults=(0, True))
-
-
-def piece_of(spec):
-    """Elements per piece of a vector-path spec."""
-    return spec.piece or PIECE[spec.out_kind]
-
-
-def transposed(spec):
-    """Whether the source data is (K, M) (Block1D / Block2D columnwise)."""
-    return spec.columnwise and spec.recipe != MX
+THREADS = DQ_THREADS
+T = DQ_TILE
+MX = MXFP8
 
 
 # ------------------------------------------------------------------------------------------
@@ -206,7 +171,7 @@ def _make_rows_pyfunc(spec):
     E = piece_of(spec)
     NWD = E // 4                    # FP8 data words per piece
     OSZ = OUT_SIZE[spec.out_kind]
-    PR = ROWS_PER_THREAD
+    PR = spec.rows_per_thread
     RK = spec.recipe
     MX_COL = RK == MX and spec.columnwise
     convert = piece_converter(spec.e4m3, spec.out_kind, E)
@@ -286,15 +251,6 @@ def _make_rows_pyfunc(spec):
             m_base += grid_step
 
     return kernel
-
-
-def lpr_shift(spec, cols):
-    """log2 of the lanes per row of the rows kernel: enough for a row's pieces, at most 32."""
-    pieces = -(-cols // piece_of(spec))
-    s = 0
-    while s < 5 and (1 << s) < pieces:
-        s += 1
-    return s
 
 
 # ------------------------------------------------------------------------------------------
@@ -589,112 +545,6 @@ def argtypes(spec):
     return args + ((i64t,) if spec.path == ROWS else ())
 
 
-def launch_bounds(spec):
-    return BX * BY if spec.path == SCALAR else THREADS
-
-
-@lru_cache(maxsize=None)
-def get_kernel(spec):
-    return compile_kernel(make_kernel_pyfunc(spec), argtypes(spec),
-                          launch_bounds=launch_bounds(spec))
-
-
-def choose_path(spec, rows, cols, ld, data_align, sinv_align):
-    """`spec` with path, piece and aligned set: ROWS / TILES when the shape and alignment
-    allow the vector kernels, else SCALAR. Pieces are full (16-byte stores) when K allows,
-    else half (8-byte stores) for Block1D / Block2D 16-bit outputs with K % 4 == 0 (and,
-    rows kernel, 4-aligned data; MXFP8 has K % 32 == 0). The TILES kernel reads
-    rows of any alignment (``aligned=False``: shifted 16-byte loads). ``data_align`` /
-    ``sinv_align``: the buffers' addresses modulo 16; the given path / piece are ignored."""
-    E = PIECE[spec.out_kind]
-    scalar = spec._replace(path=SCALAR, piece=0, aligned=True)
-    # the rows kernel's loads need the data aligned to the piece; the tiles kernel's don't
-    align = 0 if transposed(spec) else data_align
-    if cols % E == 0 and align % E == 0:
-        piece = 0
-    elif (spec.out_kind != F32_OUT and spec.recipe != MX and cols % 4 == 0
-          and align % 4 == 0):
-        piece = 4
-    else:
-        return scalar
-    E = piece or E
-    if transposed(spec):
-        return spec._replace(path=TILES, piece=piece,
-                             aligned=rows % 16 == 0 and data_align == 0)
-    if spec.recipe == MX and spec.columnwise and (sinv_align % E or ld % E):
-        return scalar
-    return spec._replace(path=ROWS, piece=piece, aligned=True)
-
-
-class _Plan:
-    """Everything about a dequantize call that depends only on its key: the kernel, launch
-    shape, scalar arguments and the element types of the pointer arguments (for the
-    simulator's views). Built once per key, so a call does one dict lookup, one allocation
-    and one launch."""
-
-    __slots__ = ("spec", "kernel", "grid", "block", "scalars", "arg_dtypes")
-
-    def __init__(self, recipe_kind, columnwise, e4m3, out_kind, rows, cols, ld, data_align,
-                 sinv_align):
-        spec = self.spec = choose_path(DequantSpec(recipe_kind, columnwise, e4m3, out_kind, None),
-                                       rows, cols, ld, data_align, sinv_align)
-        self.kernel = get_kernel(spec)
-        scalars = (i64(rows), i64(cols), i64(ld))
-        if spec.path == ROWS:
-            s = lpr_shift(spec, cols)
-            rows_per_cta = (THREADS >> s) * ROWS_PER_THREAD
-            self.grid = (cdiv(cols, piece_of(spec) << s),
-                         min(cdiv(rows, rows_per_cta), MAX_GRID_Y), 1)
-            self.block = (THREADS, 1, 1)
-            scalars += (i64(s),)
-        elif spec.path == TILES:
-            self.grid = (cdiv(rows, T), min(cdiv(cols, T), MAX_GRID_Y), 1)
-            self.block = (THREADS, 1, 1)
-        else:
-            along, across = (rows, cols) if transposed(spec) else (cols, rows)
-            self.grid = (cdiv(along, BX), min(cdiv(across, BY), MAX_GRID_Y), 1)
-            self.block = (BX, BY, 1)
-        self.scalars = scalars
-        self.arg_dtypes = pointer_dtypes(argtypes(spec)[:3])
-
-
-# (recipe kind, columnwise, e4m3, out kind, M, K, ld, data address % 16, sinv address % 16)
-_plans = {}
-_KIND = {Block1D: BLOCK1D, Block2D: BLOCK2D, MXFP8: MX}
-
-
-def plan_for(recipe, columnwise, out_kind, rows, cols, data, sinv):
-    """The cached :class:`_Plan` of a call (public for tests and benchmarks)."""
-    ad = adapter_of(data)
-    key = (_KIND[type(recipe)], columnwise, recipe.fmt is E4M3, out_kind, rows, cols,
-           sinv.shape[1], ad.ptr(data) % 16, ad.ptr(sinv) % 16)
-    return cached_plan(_plans, key, _Plan)
-
-
-def dequantize(recipe, shape2d, rowwise_data=None, rowwise_scale_inv=None,
-               columnwise_data=None, columnwise_scale_inv=None, dtype=np.float32):
-    """(M, K) device array of `dtype` from rowwise buffers if given, else columnwise ones
-    (DESIGN §4 layouts, C-contiguous), without synchronizing: a CuPy array (bf16 returned as
-    uint16 bit patterns) or, for torch CUDA buffers, a torch tensor of the dtype itself."""
-    rows, cols = shape2d
-    if rowwise_data is not None:
-        data, sinv, columnwise = rowwise_data, rowwise_scale_inv, False
-    elif columnwise_data is not None:
-        data, sinv, columnwise = columnwise_data, columnwise_scale_inv, True
-    else:
-        raise ValueError("nothing to dequantize: the tensor holds neither rowwise nor "
-                         "columnwise data")
-    out_kind = _OUT.get(np.dtype(dtype))
-    if out_kind is None:
-        raise TypeError(f"dequantize dtype must be float32, bfloat16 or float16, got {dtype}")
-    ad = adapter_of(data)
-    # the stored dtype: CuPy holds bf16 as uint16 (the adapter does that for BF16)
-    out = ad.empty((rows, cols), np.dtype(dtype), data)
-    if rows and cols:
-        if not (ad.contiguous(data) and ad.contiguous(sinv)):
-            raise ValueError("dequantize needs C-contiguous data and scale_inv buffers")
-        plan = plan_for(recipe, columnwise, out_kind, rows, cols, data, sinv)
-        t = plan.arg_dtypes
-        ptrs = (ad.arg(data, t[0]), ad.arg(sinv, t[1]), ad.arg(out, t[2]))
-        ad.launch(plan.kernel, plan.grid, plan.block, ptrs + plan.scalars, data)
-    return out
+def build(spec):
+    """(pyfunc, argtypes, launch_bounds) of the kernel for `spec` (``_compiled`` compiles it)."""
+    return make_kernel_pyfunc(spec), argtypes(spec), launch_bounds(spec)

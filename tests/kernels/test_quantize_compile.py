@@ -1,0 +1,55 @@
+"""Every quantize kernel variant compiles to PTX for compute capability 9.0 without a GPU, keeps
+its tile in registers (no local-memory traffic), and uses the intended wide loads / FP8
+conversions."""
+import os
+import re
+
+import pytest
+
+if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+    pytest.skip("compile_ptx needs the real Numba CUDA target, not the simulator",
+                allow_module_level=True)
+
+from fp8blk.kernels import _quantize_kernel as qk  # noqa: E402
+from fp8blk.kernels import _specs as sp  # noqa: E402
+from fp8blk.kernels._numba import compile_ptx_sm90  # noqa: E402
+
+LOCAL = re.compile(r"\b(ld|st)\.local\b")
+
+
+def quant_spec(recipe, kind, rw, cw, e4m3=True, vec=True, col_vec=True, pow2=True, eps=0.0):
+    return sp.quantize_spec(recipe, kind, e4m3, rw, cw, pow2=pow2, eps=eps, vmax=3.0e38,
+                            vec=vec, col_vec=col_vec)
+
+
+QUANT_SPECS = [
+    quant_spec(r, k, rw, cw)
+    for r in (sp.BLOCK1D, sp.BLOCK2D, sp.MXFP8)
+    for rw, cw in ((True, False), (False, True), (True, True))
+    for k in (sp.BF16, sp.F32)
+] + [
+    quant_spec(sp.BLOCK1D, sp.F16, True, True, e4m3=False, pow2=False, eps=1e-4),
+    quant_spec(sp.BLOCK2D, sp.F16, True, True, e4m3=False),
+    quant_spec(sp.MXFP8, sp.F16, True, True, e4m3=False),
+    quant_spec(sp.BLOCK1D, sp.BF16, True, True, vec=False, col_vec=False),
+    quant_spec(sp.BLOCK2D, sp.F32, True, True, vec=False, col_vec=False),
+]
+
+
+def _id(spec):
+    return (f"{spec.recipe}-k{spec.kind}-r{int(spec.rowwise)}c{int(spec.columnwise)}"
+            f"-{'e4m3' if spec.e4m3 else 'e5m2'}-v{int(spec.vec)}{int(spec.col_vec)}")
+
+
+@pytest.mark.parametrize("spec", QUANT_SPECS, ids=_id)
+def test_quantize_kernel_compiles_for_sm90(spec):
+    ptx = compile_ptx_sm90(qk.make_kernel_pyfunc(spec), qk.argtypes(spec),
+                           launch_bounds=spec.threads)
+    assert ".target sm_90" in ptx
+    assert not LOCAL.search(ptx), "the tile spilled to local memory"
+    fmt = "e4m3x2" if spec.e4m3 else "e5m2x2"
+    assert f"cvt.rn.satfinite.{fmt}.f32" in ptx
+    if spec.vec:
+        assert "ld.global.nc.v4.u32" in ptx
+    if spec.columnwise and spec.recipe != sp.MXFP8 and spec.col_vec:
+        assert "st.global.v4.u32" in ptx

@@ -163,11 +163,15 @@ def breakdown(m, k, n):
 
 
 def memory(layer, x):
-    """(forward peak bytes above the start, bytes held after forward for backward)."""
+    """(forward peak bytes above the start, bytes held after forward for backward). The layer
+    gets ``x * 1.0``, a fresh activation nothing else keeps (as in a network, where the
+    previous op's output lives on only if the layer saves it; a scalar mul saves nothing):
+    nn.Linear keeps it (2 bytes/element in bf16), Float8BlockLinear keeps x's FP8 columnwise
+    copy (1 byte/element + scales) and W's FP8 tiles (N*K bytes)."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    y = layer(x)
+    y = layer(x * 1.0)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     held = torch.cuda.memory_allocated() - base - y.numel() * y.element_size()

@@ -66,17 +66,9 @@ DIMS = {"tp": (256, 512, 64), "sp_fast": (256, 512, 128), "sp_fallback": (256, 5
         "plant": (256, 256, 128)}
 
 
-def full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def gamma(n):
-    return n * U32 / (1 - n * U32)
-
-
-def order_bound(a_abs, b_abs_t, k):
-    """2 (gamma_K + u) |a| @ |b|: two fp32 sums of the same products in different orders."""
-    return 2 * (gamma(k) + U32) * (a_abs @ b_abs_t)
+full = parity.full_tensor
+gamma = parity.gamma
+order_bound = parity.order_bound
 
 
 def run_case(case, seed, rank, world, mesh, planted=False):
@@ -123,7 +115,7 @@ def run_case(case, seed, rank, world, mesh, planted=False):
     # forward output: out_proj's partial sums over K/2 reduced across ranks
     r = rec.data["out_proj"]
     a = r["x"].reshape(-1, HIDDEN).double()
-    from tests.torch._parity import _deq
+    _deq = parity.dequantized
     a_abs = _deq(a.float(), cfg.activation, "row").abs()
     w_abs = _deq(ref.out_proj.weight.detach(), cfg.weight, "row").abs()
     y_bound = order_bound(a_abs, w_abs.T, HIDDEN) + 2 * U32 * yr.detach().reshape(-1, D).abs()

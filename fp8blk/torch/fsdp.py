@@ -83,6 +83,9 @@ def prepare_fsdp_fp8(model: torch.nn.Module, mode: str = "cast", module_filter_f
 
         def module_filter_fn(module, fqn):
             return isinstance(module, Float8BlockLinear)
+    if any(hasattr(m, "_get_fsdp_state") for m in model.modules()):
+        raise ValueError("prepare_fsdp_fp8 must run before fully_shard (it replaces the "
+                         "weights FSDP2 would shard)")
     registry = Registry(model)
     for fqn, module in model.named_modules():
         if not module_filter_fn(module, fqn):
@@ -94,8 +97,6 @@ def prepare_fsdp_fp8(model: torch.nn.Module, mode: str = "cast", module_filter_f
         if isinstance(weight, _PlaneWeight) or type(weight).__name__ == "DTensor" and \
                 isinstance(weight._local_tensor, _PlaneWeight):
             raise ValueError(f"{fqn or 'model'}.weight is already converted")
-        if type(weight).__name__ == "DTensor" and hasattr(module, "_get_fsdp_state"):
-            raise ValueError("prepare_fsdp_fp8 must run before fully_shard")
         r = recipe if recipe is not None else getattr(getattr(module, "config", None),
                                                       "weight", Block2D())
         module.weight = _convert(weight, r, mode, model_dtype, fqn)

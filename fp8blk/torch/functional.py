@@ -110,7 +110,7 @@ def fp8_gemms_backward(dy2d, qx_t, qw, cfg, need_dgrad, need_wgrad, dx_dtype, dw
 
 class _Float8BlockLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, cfg):
+    def forward(ctx, x, weight, bias, cfg, out_dtype):
         k = x.shape[-1]
         x2d = x.reshape(-1, k)
         if not x2d.is_contiguous():
@@ -118,7 +118,7 @@ class _Float8BlockLinearFn(torch.autograd.Function):
         need_wgrad = weight.requires_grad
         qx = quantize_input(x2d, cfg.activation, need_wgrad)
         qw = _weight_block_tensor(weight, cfg, True, isinstance(cfg.weight, MXFP8))
-        y = blockwise_scaled_mm(*_forward_operands(qx, qw, cfg), out_dtype=x.dtype)
+        y = blockwise_scaled_mm(*_forward_operands(qx, qw, cfg), out_dtype=out_dtype)
         if bias is not None:
             y = y + bias.to(y.dtype)
         qx_t = _transposed(qx, cfg.activation) if need_wgrad else (None, None)
@@ -142,7 +142,7 @@ class _Float8BlockLinearFn(torch.autograd.Function):
         dbias = dy2d.sum(0) if has_bias and ctx.needs_input_grad[2] else None
         if dx is not None:
             dx = dx.reshape(x_shape)
-        return dx, dw, dbias, None
+        return dx, dw, dbias, None, None
 
 
 def check_features(in_features, out_features, config):
@@ -155,7 +155,8 @@ def check_features(in_features, out_features, config):
 
 def float8_block_linear(x, weight, bias=None, config: Float8BlockConfig = None):
     """Functional form: ``F.linear(x, weight, bias)`` with the FP8 GEMMs described above.
-    x (..., K) float32/bfloat16/float16; weight (N, K); bias (N,) or None."""
+    x (..., K) float32/bfloat16/float16; weight (N, K); bias (N,) or None. The output has x's
+    dtype (the autocast dtype under ``torch.autocast``), dx x's dtype, dW the weight's."""
     config = config or Float8BlockConfig()
     if x.dtype not in _HIGH:
         raise TypeError(f"Float8BlockLinear: input dtype must be float32, bfloat16 or float16, "
@@ -163,7 +164,12 @@ def float8_block_linear(x, weight, bias=None, config: Float8BlockConfig = None):
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"Float8BlockLinear: input has {x.shape[-1]} features, the weight "
                          f"expects {weight.shape[-1]}")
-    return _Float8BlockLinearFn.apply(x, weight, bias, config)
+    # under torch.autocast the output takes the autocast dtype, as F.linear's would; the
+    # quantized operands do not care which high-precision dtype they came from
+    device = x.device.type
+    out_dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+                 else x.dtype)
+    return _Float8BlockLinearFn.apply(x, weight, bias, config, out_dtype)
 
 
 __all__ = ["float8_block_linear", "fp8_gemms_backward", "quantize_input", "check_features",

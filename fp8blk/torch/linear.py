@@ -52,7 +52,7 @@ class Float8BlockLinear(torch.nn.Linear):
     Under ``parallelize_module`` with torch's ColwiseParallel/RowwiseParallel (DTensor weights)
     the layer computes on the local shards and returns a DTensor with the placements the
     sharding implies (colwise: Shard(-1); rowwise: Partial, reduced before a bias is added).
-    fp8blk's sequence-parallel styles (``fp8blk.torch.parallel``) set ``_fp8blk_tp``.
+    fp8blk's sequence-parallel styles (``fp8blk.torch.tensor_parallel``) set ``_fp8blk_tp``.
     """
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None,
@@ -88,16 +88,19 @@ class Float8BlockLinear(torch.nn.Linear):
 
 def convert_to_float8_block(model: torch.nn.Module, config: Float8BlockConfig = None,
                             module_filter_fn=None) -> torch.nn.Module:
-    """Swap every ``nn.Linear`` in ``model`` (and ``model`` itself) for a Float8BlockLinear
-    sharing its parameters, in place. ``module_filter_fn(module, fqn) -> bool`` chooses which
-    (default: all whose features the recipe allows; MXFP8 skips layers whose features are not
-    multiples of 32 only if a filter says so, else raises). Returns ``model``."""
+    """Swap every ``nn.Linear`` inside ``model`` for a Float8BlockLinear sharing its
+    parameters, in place, and return ``model``. ``module_filter_fn(module, fqn) -> bool``
+    chooses which (default: all). A layer the recipe cannot take (MXFP8: features not
+    multiples of 32) raises a ValueError naming it; filter it out to keep it in bf16."""
     config = config or Float8BlockConfig()
 
     def swap(module, fqn):
         if type(module) is torch.nn.Linear and (module_filter_fn is None
                                                 or module_filter_fn(module, fqn)):
-            return Float8BlockLinear.from_linear(module, config)
+            try:
+                return Float8BlockLinear.from_linear(module, config)
+            except ValueError as err:
+                raise ValueError(f"convert_to_float8_block: layer {fqn!r}: {err}") from None
         for name, child in list(module.named_children()):
             new = swap(child, f"{fqn}.{name}" if fqn else name)
             if new is not child:

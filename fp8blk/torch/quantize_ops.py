@@ -44,21 +44,32 @@ def recipe_from_key(key: str):
     return _RECIPES[parts[0]](fmt, bool(int(parts[2])), float(parts[3]))
 
 
-def _empty(device):
-    return torch.empty((0,), dtype=torch.uint8, device=device)
+_EMPTIES = {}
 
 
-def block_tensor_buffers(q: BlockTensor):
-    """The 4 buffers of a BlockTensor as torch tensors (empty (0,) tensors where absent)."""
+def _empty(device, fresh=True):
+    if fresh:
+        return torch.empty((0,), dtype=torch.uint8, device=device)
+    hit = _EMPTIES.get(device)     # one shared placeholder per device: host time on CUDA
+    if hit is None:
+        hit = _EMPTIES[device] = torch.empty((0,), dtype=torch.uint8, device=device)
+    return hit
+
+
+def block_tensor_buffers(q: BlockTensor, fresh: bool = False):
+    """The 4 buffers of a BlockTensor as torch tensors (empty (0,) tensors where absent;
+    ``fresh``: new ones, as a custom op's outputs must not alias each other)."""
     bufs = (q.rowwise_data, q.rowwise_scale_inv, q.columnwise_data, q.columnwise_scale_inv)
-    device = next(b for b in bufs if b is not None).device
-    return tuple(_empty(device) if b is None else b for b in bufs)
+    if bufs[0] is not None and bufs[2] is not None:
+        return bufs
+    device = (bufs[0] if bufs[0] is not None else bufs[2]).device
+    return tuple(_empty(device, fresh) if b is None else b for b in bufs)
 
 
 def block_tensor_from_buffers(shape, recipe, buffers, dtype) -> BlockTensor:
     """A BlockTensor (torch family) over the given torch buffers, without copies; empty
     buffers mean "direction not held". ``dtype`` is the torch dtype that was quantized."""
-    internal = [None if b.numel() == 0 and b.dim() == 1 else _arrays.to_internal(b)[0]
+    internal = [None if b.dim() == 1 and b.numel() == 0 else _arrays.to_internal(b)[0]
                 for b in buffers]
     return BlockTensor(shape, recipe, *internal, dtype=_arrays.numpy_dtype(dtype),
                        family=_arrays.TORCH)
@@ -69,7 +80,7 @@ def _quantize(x: torch.Tensor, recipe: str, rowwise: bool, columnwise: bool
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     q = quantize(x, recipe_from_key(recipe), rowwise, columnwise)
     # outputs must not alias each other or the input; fp8blk allocates fresh buffers
-    return block_tensor_buffers(q)
+    return block_tensor_buffers(q, fresh=True)
 
 
 @_quantize.register_fake
@@ -90,8 +101,7 @@ def _block2d_transpose_impl(data, scale_inv, recipe):
                                   (data, scale_inv, _empty(data.device), _empty(data.device)),
                                   torch.float32)
     q.create_columnwise()
-    out = block_tensor_buffers(q)
-    return out[2], out[3]
+    return q.columnwise_data, q.columnwise_scale_inv
 
 
 @torch.library.custom_op("fp8blk::block2d_transpose", mutates_args=())

@@ -41,7 +41,11 @@ round to ``out_dtype``.
 DTensor: no sharding strategy is registered for this op. Tensor parallelism runs it on local
 shards inside :class:`~fp8blk.torch.Float8BlockLinear` (DTensor weights are unwrapped with
 ``to_local`` and the output re-wrapped with the placements the weight's sharding implies) and
-inside fp8blk's sequence-parallel styles (``fp8blk.torch.parallel``).
+inside fp8blk's sequence-parallel styles (``fp8blk.torch.tensor_parallel``). A DTensor
+strategy is not registered because fp8blk's scale layouts pad their fast dim to a multiple
+of 4 (DESIGN §4): a scale tensor sharded along that dim is not the concatenation of the
+shards' scale tensors unless every shard's row count is a multiple of 4 (and, for Block2D,
+of 512 along K), so a generic sharding rule would be wrong for some shapes.
 
     import torch, fp8blk as fb
     from fp8blk.torch import blockwise_scaled_mm
@@ -204,13 +208,23 @@ def cuda_scaled_mm(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype
     if np_ != n:
         b = _pad_rows(b, np_)
     scale_a = _scale_1x128(a_scale_inv, m, m)
+    kt = cdiv(k, 128)
     if b_blocks == "128x128":
-        # (kt, nt) view, K-block count padded to a multiple of 4 in memory (FACTS: torchao
-        # issue 4209 -- without the pad the result is silently wrong)
-        scale_b = b_scale_inv[:, :cdiv(k, 128)].t()
+        # (kt, nt) view of fp8blk's (nt, round4(kt)) buffer: the K-block count padded to a
+        # multiple of 4 in memory, as cuBLAS reads it (FACTS: torchao issue 4209 -- a
+        # contiguous (nt, kt) buffer with kt % 4 != 0 gives silently wrong results)
+        scale_b = b_scale_inv[:, :kt].t()
     else:
         scale_b = _scale_1x128(b_scale_inv, n, np_).t()
-    out = torch._scaled_mm(a, b.t(), scale_a, scale_b, out_dtype=out_dtype)
+    try:
+        out = torch._scaled_mm(a, b.t(), scale_a, scale_b, out_dtype=out_dtype)
+    except RuntimeError as err:
+        # a torch build whose layout check wants the 128x128 scales' row stride to be kt
+        # exactly (seen in some versions' check_size_stride); only differs when kt % 4 != 0
+        if b_blocks != "128x128" or kt % 4 == 0 or "scaling" not in str(err):
+            raise
+        scale_b = b_scale_inv[:, :kt].contiguous().t()
+        out = torch._scaled_mm(a, b.t(), scale_a, scale_b, out_dtype=out_dtype)
     return out[:, :n].contiguous() if np_ != n else out
 
 

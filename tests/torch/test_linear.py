@@ -229,3 +229,21 @@ def test_bad_features_dtypes_and_configs():
         lin(torch.randn(4, 64))
     with pytest.raises(TypeError, match="weight dtype"):
         linear_mod.float8_block_linear(torch.randn(4, 128), torch.randn(64, 128).double())
+
+
+def test_autocast_output_dtype_and_grads(gen):
+    # fp32 parameters under bf16 autocast: bf16 output (as F.linear), fp32 dx and dW
+    lin = Float8BlockLinear(256, 128)
+    x = spread((64, 256), gen).requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lin(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and lin.weight.grad.dtype == torch.float32
+    # the same FP8 math: the GEMM's fp32 result rounded to bf16, the bias rounded to bf16, their
+    # sum rounded to bf16: within 2^-8 (|mm| + |bias| + |y|) of the fp32 layer's output
+    with torch.no_grad():
+        ref = Float8BlockLinear.from_linear(lin)(x.detach()).double()
+        b = lin.bias.double()
+    bound = 2.0 ** -8 * ((ref - b).abs() + b.abs() + ref.abs())
+    assert bool(((y.double() - ref).abs() <= bound).all())

@@ -42,3 +42,19 @@ def test_sequence_parallel_fp8_gather_and_fallback(rng):
         out[-6000:]
     # the script asserts the path and the exact bytes; this keeps them visible in the log
     assert "gather path fast" in out and "gather path fallback" in out
+
+
+@pytest.mark.gpu
+def test_tp_and_sp_parity_on_two_gpus(rng):
+    # NCCL, one GPU per rank, GPU tolerances (see scripts/tp_parity.py); needs 2 GPUs
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (the 2-GPU H200 machine)")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node=2", str(SCRIPT), str(_seed(rng)), "tp", "sp_fast",
+               "sp_fallback"]
+    code, out, _ = run(command, 600, {"OMP_NUM_THREADS": "1", "FP8BLK_TP_DEVICE": "cuda"})
+    assert code == 0, out[-6000:]
+    for case in ("tp", "sp_fast", "sp_fallback"):
+        assert out.count(f"CASE {case} OK") == 2, out[-6000:]

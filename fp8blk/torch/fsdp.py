@@ -32,6 +32,14 @@ Usage follows FSDP's training state, as in TE: forward gathers for the rowwise d
 is made right after the gather; MXFP8 gathers both planes). Needs torch >= 2.6 FSDP2; uses
 FSDP2's private training-state attributes (FACTS.md).
 
+What the layer must do (TransformerEngine's protocol): ask the gathered weight for
+``fp8blk_block_tensor(rowwise=True, columnwise=False)`` in forward, save the weight itself
+(not its buffers) for backward, and ask ``fp8blk_block_tensor(False, True)`` in backward,
+after FSDP2 re-gathered it. A layer that saves the forward's rowwise buffers instead still
+works for Block2D (they are views of FSDP's all-gather storage, which the backward gather
+refills in place) but transposes again; MXFP8 with ``reshard_after_forward=True`` needs the
+protocol (its columnwise plane is gathered in backward only), else a clear RuntimeError.
+
     import torch, fp8blk.torch as fbt
     from fp8blk.torch import fsdp
     from torch.distributed.fsdp import fully_shard
@@ -83,6 +91,9 @@ def prepare_fsdp_fp8(model: torch.nn.Module, mode: str = "cast", module_filter_f
 
         def module_filter_fn(module, fqn):
             return isinstance(module, Float8BlockLinear)
+    if any(hasattr(m, "_get_fsdp_state") for m in model.modules()):
+        raise ValueError("prepare_fsdp_fp8 must run before fully_shard (it replaces the "
+                         "weights FSDP2 would shard)")
     registry = Registry(model)
     for fqn, module in model.named_modules():
         if not module_filter_fn(module, fqn):
@@ -94,8 +105,6 @@ def prepare_fsdp_fp8(model: torch.nn.Module, mode: str = "cast", module_filter_f
         if isinstance(weight, _PlaneWeight) or type(weight).__name__ == "DTensor" and \
                 isinstance(weight._local_tensor, _PlaneWeight):
             raise ValueError(f"{fqn or 'model'}.weight is already converted")
-        if type(weight).__name__ == "DTensor" and hasattr(module, "_get_fsdp_state"):
-            raise ValueError("prepare_fsdp_fp8 must run before fully_shard")
         r = recipe if recipe is not None else getattr(getattr(module, "config", None),
                                                       "weight", Block2D())
         module.weight = _convert(weight, r, mode, model_dtype, fqn)

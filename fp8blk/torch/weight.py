@@ -187,15 +187,15 @@ class _PlaneWeight(torch.Tensor):
         if out is not None:
             # FSDP2 + TP passes the DTensor it built around our tensor the first time
             inner = out._local_tensor if type(out).__name__ == "DTensor" else out
-            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out), \
-                    on_torch_stream(out.is_cuda):
+            # (on the GPU the buffers are torch tensors: the transpose launches on torch's
+            # current stream by itself)
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
                 inner._box.update(all_gather_outputs, planes, usage)
             return None
         # the unsharded weight claims FSDP's compute dtype (mp_policy.param_dtype, else the
         # parameter's): the Linear produces the weight gradient in it
         box = _GatheredBox(state, param_dtype or state.dtype)
-        with on_torch_stream(state.scales[0].is_cuda):
-            box.update(all_gather_outputs, planes, usage)
+        box.update(all_gather_outputs, planes, usage)
         return Float8BlockWeight(box), box.inner_tensors()
 
 
@@ -294,9 +294,9 @@ class Float8BlockCastWeight(_PlaneWeight):
 
 
 class on_torch_stream:
-    """On CUDA, run fp8blk's CuPy/Numba work (transposes, the master cast) on torch's current
-    stream, so it is ordered with the torch work around it (FSDP runs its hooks on its own
-    streams). A no-op on the CPU."""
+    """On CUDA, run fp8blk's CuPy work (the master cast, whose batch works on CuPy arrays) on
+    torch's current stream, so it is ordered with the torch work around it (FSDP runs the
+    pre-all-gather hook on its copy-in stream). A no-op on the CPU."""
 
     __slots__ = ("ctx",)
 
@@ -476,8 +476,7 @@ class Float8BlockWeight(torch.Tensor):
         return f"Float8BlockWeight(shape={tuple(self.shape)}, {self._box.q!r})"
 
     def fp8blk_block_tensor(self, rowwise: bool = True, columnwise: bool = False):
-        with on_torch_stream(self.is_cuda):
-            return self._box.block_tensor(rowwise, columnwise)
+        return self._box.block_tensor(rowwise, columnwise)
 
     def dequantize(self) -> torch.Tensor:
         q = self._box.q

@@ -340,6 +340,13 @@ def check_errors(ws, rank, mesh):
             raise
     else:
         raise AssertionError("no RuntimeError for a module without a parameter group")
+    try:
+        F.prepare_fsdp_fp8(model)
+    except ValueError as err:
+        if "before fully_shard" not in str(err):
+            raise
+    else:
+        raise AssertionError("no error for prepare_fsdp_fp8 after fully_shard")
     for bad, kwargs, text in (
             (torch.nn.Sequential(torch.nn.Linear(100, 64)), {"mode": "both"}, "mode must be"),
             (torch.nn.Sequential(torch.nn.Linear(100, 64)),

@@ -221,9 +221,8 @@ def pipeline(comm, xp, shapes, masters, offsets, cuts, gemm, x_local, dy_local):
         start += s[0] * s[1]
     phase("cast", lambda: fb.cast_master_weights(weights, masters, offsets, comm,
                                                  fragments=fragments))
-    # (n, 1): the ranks' pieces are concatenated along dim 0 into the whole flat buffer
-    flat, _ = phase("gather", lambda: fb.comm.gather_along_first_dim(piece.reshape(-1, 1), comm))
-    flat = flat.reshape(-1)
+    # no recipe: the ranks' (already FP8) pieces are concatenated into the whole flat buffer
+    flat, _ = phase("gather", lambda: fb.comm.gather_along_first_dim(piece, comm))
 
     def unpack_and_transpose():
         start = 0

@@ -1,5 +1,6 @@
 """GPU checks of fp8blk.torch (``python3 -m pytest -m gpu tests/torch``; skipped without CUDA):
-``torch._scaled_mm`` on fp8blk's buffers against the CPU emulation at aligned and unaligned
+``torch._scaled_mm`` on fp8blk's buffers against the float64 product of the dequantized
+operands at aligned and unaligned
 shapes (K % 128 != 0, rows % 4 != 0, N % 16 != 0, K-block counts not a multiple of 4), the
 whole layer against the oracle, and torch.compile fullgraph on the GPU.
 

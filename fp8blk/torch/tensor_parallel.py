@@ -71,8 +71,11 @@ class _ColwiseSPFn(torch.autograd.Function):
         k = x.shape[-1]
         x2d = x.reshape(-1, k).contiguous()
         need_wgrad = weight.requires_grad
+        # every rank holds the same token count (the backward reduce-scatter needs it):
+        # sizes= lets the gather skip its metadata exchange after the first, checked call
         qx, _ = gather_along_first_dim(x2d, comm, cfg.activation, rowwise=True,
-                                       columnwise=need_wgrad)
+                                       columnwise=need_wgrad,
+                                       sizes=[x2d.shape[0]] * comm.size)
         qx = block_tensor_buffers(qx)
         qw = _weight_block_tensor(weight, cfg, True, isinstance(cfg.weight, MXFP8))
         y = blockwise_scaled_mm(*_forward_operands(qx, qw, cfg), out_dtype=x.dtype)
@@ -133,7 +136,8 @@ class _RowwiseSPFn(torch.autograd.Function):
         if need_dgrad or need_wgrad:
             # the FP8 all-gather of dY: rowwise for dgrad, columnwise (128x1) for wgrad
             qdy, _ = gather_along_first_dim(dy2d, comm, cfg.grad, rowwise=need_dgrad,
-                                            columnwise=need_wgrad)
+                                            columnwise=need_wgrad,
+                                            sizes=[dy2d.shape[0]] * comm.size)
             qdy = block_tensor_buffers(qdy)
         dx, dw = fp8_gemms_backward(None, (xt_d, xt_s), qw, cfg, need_dgrad, need_wgrad,
                                     x_dtype, w_dtype, qdy=qdy)

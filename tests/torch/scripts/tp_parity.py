@@ -190,7 +190,8 @@ def report_traffic(case, comm, seq, world, D):
     hp = 3 * m_local * D * 4
     print(f"rank {comm.rank}: {case}: gather path {want_path}, all_gather_v bytes {moved} "
           f"(fp32 would be {hp}), reduce_scatter bytes {stats.ops['reduce_scatter'][1]}, "
-          f"all_reduce bytes {stats.ops.get('all_reduce', [0, 0])[1]}", flush=True)
+          f"all_reduce bytes {stats.ops.get('all_reduce', [0, 0])[1]}, metadata collectives "
+          f"{stats.meta_calls}", flush=True)
 
 
 def main():

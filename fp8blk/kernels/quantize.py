@@ -1,4 +1,4 @@
-"""GPU ``quantize``: allocate the DESIGN §4 buffers and launch one tiled kernel (one pass over
+"""GPU ``quantize``: allocate the docs/layouts.md buffers and launch one tiled kernel (one pass over
 the input for any combination of rowwise and columnwise outputs).
 
 Same signature and return convention as ``fp8blk.reference.quantize``, plus ``dtype``: the
@@ -136,7 +136,7 @@ def quantize(x2d, recipe, rowwise=True, columnwise=False, dtype=None, out=None):
     """Quantize a C-contiguous 2-D (M, K) device array: a CuPy array (float32, float16, or bf16
     held as uint16 with ``dtype`` = bfloat16) or a torch CUDA tensor (outputs are then torch
     tensors and the kernel runs on torch's current stream). Returns ``(row_data, row_sinv, col_data, col_sinv)``
-    (None for a direction not asked for) in DESIGN §4 layouts, without synchronizing.
+    (None for a direction not asked for) in docs/layouts.md layouts, without synchronizing.
 
     The outputs are views of one allocation (each 256-byte aligned): it is freed when the last
     of them is. ``out``: None, or four arrays (None for a direction not asked for) of exactly
@@ -146,7 +146,7 @@ def quantize(x2d, recipe, rowwise=True, columnwise=False, dtype=None, out=None):
     rows, cols = x2d.shape
     if isinstance(recipe, MXFP8) and (rows % 32 or cols % 32):
         raise ValueError(f"MXFP8 needs M and K to be multiples of 32, got ({rows}, {cols})")
-    if rows == 0 or cols == 0:  # every scale tensor is empty too (DESIGN §4 shapes)
+    if rows == 0 or cols == 0:  # every scale tensor is empty too (docs/layouts.md shapes)
         return tuple(None if s is None else ad.empty(s.shape, s.dtype, x2d)
                      for s in buffer_layouts(recipe, rows, cols, rowwise, columnwise))
     x_ptr = ad.ptr(x2d)

@@ -1,4 +1,4 @@
-"""PyTorch adapters (DESIGN §8): ``blockwise_scaled_mm``, ``Float8BlockConfig``,
+"""PyTorch adapters (docs/torch.md): ``blockwise_scaled_mm``, ``Float8BlockConfig``,
 ``Float8BlockLinear``, ``convert_to_float8_block``, and tensor/sequence-parallel styles.
 
 Importing this package needs torch; ``import fp8blk`` does not.

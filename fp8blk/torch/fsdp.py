@@ -1,4 +1,4 @@
-"""PyTorch FSDP2 with FP8 weights on the wire (issue 14; DESIGN §5, §8).
+"""PyTorch FSDP2 with FP8 weights on the wire (issue 14; docs/distributed.md, docs/torch.md).
 
 With bf16 parameters FSDP2 all-gathers 2 bytes per weight element in every forward and again
 in every backward. Here the all-gather carries the rowwise FP8 bytes only (1 byte per element;

@@ -1,7 +1,7 @@
 """Float8BlockLinear: ``nn.Linear`` with its three GEMMs in block-scaled FP8, and
 ``convert_to_float8_block`` to swap a model's ``nn.Linear`` modules in place.
 
-Math (TransformerEngine's block-scaling recipe, DESIGN §8), for x (..., K) viewed as (M, K),
+Math (TransformerEngine's block-scaling recipe, docs/torch.md), for x (..., K) viewed as (M, K),
 W (N, K), dY (M, N):
 
     forward   y  = x[1x128] @ W[128x128].T            (+ bias in high precision)

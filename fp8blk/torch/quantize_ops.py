@@ -2,8 +2,8 @@
 ``torch.compile(fullgraph=True)`` traces a Float8BlockLinear without graph breaks.
 
 Quantized tensors travel between ops as 4 plain tensors ``(rowwise_data, rowwise_scale_inv,
-columnwise_data, columnwise_scale_inv)`` in fp8blk's layouts (``fp8blk/layout.py``, DESIGN
-§4); a direction not held is an empty tensor of shape (0,). Recipes travel as strings
+columnwise_data, columnwise_scale_inv)`` in fp8blk's layouts (``fp8blk/layout.py``,
+docs/layouts.md); a direction not held is an empty tensor of shape (0,). Recipes travel as strings
 (:func:`recipe_key`), since custom ops take no Python objects.
 
     import torch, fp8blk as fb
@@ -145,7 +145,7 @@ def mxfp8_columnwise_as_rows(data: torch.Tensor, scale_inv: torch.Tensor):
     """MXFP8 columnwise (M, K) data with 32x1 blocks and scales (round4(M/32), round128(K))
     re-laid as the rowwise buffers of the transpose: (K, M) data with 1x32 blocks and scales
     (round128(K), round4(M/32)). Copies both (MXFP8's columnwise layout is not transposed,
-    DESIGN §4): a documented cost of the MXFP8 option."""
+    docs/layouts.md): a documented cost of the MXFP8 option."""
     return data.t().contiguous(), scale_inv.t().contiguous()
 
 

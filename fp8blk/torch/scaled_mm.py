@@ -43,7 +43,7 @@ shards inside :class:`~fp8blk.torch.Float8BlockLinear` (DTensor weights are unwr
 ``to_local`` and the output re-wrapped with the placements the weight's sharding implies) and
 inside fp8blk's sequence-parallel styles (``fp8blk.torch.tensor_parallel``). A DTensor
 strategy is not registered because fp8blk's scale layouts pad their fast dim to a multiple
-of 4 (DESIGN §4): a scale tensor sharded along that dim is not the concatenation of the
+of 4 (docs/layouts.md): a scale tensor sharded along that dim is not the concatenation of the
 shards' scale tensors unless every shard's row count is a multiple of 4 (and, for Block2D,
 of 512 along K), so a generic sharding rule would be wrong for some shapes.
 

@@ -1,4 +1,4 @@
-"""FSDP2 weight tensors that all-gather FP8 bytes (issue 14, DESIGN §5 and §8).
+"""FSDP2 weight tensors that all-gather FP8 bytes (issue 14, docs/distributed.md and docs/torch.md).
 
 Three ``torch.Tensor`` wrapper subclasses; each claims the weight's high-precision dtype (so
 autograd treats it as a float parameter), holds its real storage in inner tensors, and shares

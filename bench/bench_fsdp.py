@@ -297,10 +297,10 @@ def main():
     p.add_argument("--out", default=None, help="JSON output path (rank 0 writes it)")
     args = p.parse_args()
     cuda = args.device == "cuda"
+    if cuda:  # before the process group, so NCCL binds each rank to its own GPU
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     mesh = init_device_mesh(args.device, (world,))
     results = [run_case(c, args, device, mesh, rank, world) for c in args.cases.split(",")]

@@ -5,12 +5,22 @@ is imported only when a DTensor weight is first seen.
 """
 from __future__ import annotations
 
+import torch
+
 from .functional import float8_block_linear
 
 
 def is_dtensor(t) -> bool:
     # by type name: importing torch.distributed.tensor costs time and is not always available
     return type(t).__name__ == "DTensor"
+
+
+def _contiguous_strides(shape):
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= d
+    return tuple(reversed(strides))
 
 
 def _shard_dim(placement, ndim):
@@ -53,7 +63,10 @@ def dtensor_forward(layer, x):
         x_local = x.to_local(grad_placements=[Partial()]) if is_dt else x
         y = float8_block_linear(x_local, w.to_local(),
                                 None if b is None else b.to_local(), cfg)
-        return DTensor.from_local(y, mesh, [Shard(y.dim() - 1)], run_check=False)
+        # the global shape given explicitly: out_features need not split evenly
+        shape = (*y.shape[:-1], layer.out_features)
+        return DTensor.from_local(y, mesh, [Shard(y.dim() - 1)], run_check=False,
+                                  shape=torch.Size(shape), stride=_contiguous_strides(shape))
     if dim == 1:                                   # row-wise
         x, is_dt = _local(x, "shard", mesh, "row-wise")
         x_local = x.to_local() if is_dt else x

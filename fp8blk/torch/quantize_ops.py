@@ -6,6 +6,8 @@ columnwise_data, columnwise_scale_inv)`` in fp8blk's layouts (``fp8blk/layout.py
 §4); a direction not held is an empty tensor of shape (0,). Recipes travel as strings
 (:func:`recipe_key`), since custom ops take no Python objects.
 
+    import torch, fp8blk as fb
+    from fp8blk.torch.quantize_ops import quantize_buffers
     x = torch.randn(256, 384)
     rd, rs, cd, cs = quantize_buffers(x, fb.Block1D(), rowwise=True, columnwise=True)
 """

@@ -20,8 +20,12 @@ Two ways in:
      for the forward GEMM and columnwise for the weight gradient, one gather). Where the
      local token count (S/tp * B) is not a multiple of 128, 128x1 columnwise blocks would
      cross ranks and the gather falls back to a high-precision gather itself
-     (``comm.stats.last_gather_path`` says which ran). Output (S, ..., N/tp). Backward: the
-     input gradient (S, ..., K) (a partial sum) is reduce-scattered along dim 0.
+     (``comm.stats.last_gather_path`` says which ran). Output (S, ..., N/tp). The gathered
+     columnwise FP8 x (S*B*K bytes plus scales) is what the layer saves for backward.
+     Backward: the input gradient (S, ..., K) (a partial sum) is reduce-scattered along
+     dim 0. Traffic: the FP8 gather sends rowwise and columnwise bytes, ~2 bytes per element
+     (as much as a bf16 gather, half of fp32); what it saves is the quantization work, done
+     on the local shard only (the fallback sends the input's own dtype).
    * row-wise: input (S, ..., K/tp) -> partial output (S, ..., N) reduce-scattered along dim
      0 to (S/tp, ..., N), then the bias. Backward: the output gradient (S/tp, ..., N) is
      all-gathered in FP8 the same way (rowwise for dgrad, columnwise for wgrad); the bias

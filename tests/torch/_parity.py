@@ -8,7 +8,10 @@
   layout handling, so planted layout bugs fail against it.
 * ``Recorder`` + ``check_against_oracle``: every Float8BlockLinear's input, output, output
   gradient and input gradient captured by hooks and checked against the oracle.
-* ``dot_bound``: the bound on fp32 dot-product error used for every tolerance here.
+* ``gamma``, ``order_bound``: the fp32 summation bounds every tolerance here is built from.
+* ``full_tensor``, ``dequantized``: helpers for sharded-vs-reference comparisons
+  (tests/torch/scripts/tp_parity.py shows a whole parity case: reference model, sharded copy,
+  fixed output gradient g so that dL/dy = g exactly on both, comparisons, one SGD step).
 
 Tolerances (derived, never guessed). A dot product of K terms summed in fp32 in any order has
 |fl(s) - s| <= gamma_K * sum|a_k b_k| with gamma_K = K u / (1 - K u), u = 2^-24 (Higham,
@@ -59,6 +62,28 @@ def init_spread_(model, gen):
         for p in model.parameters():
             shape = p.shape if p.dim() > 1 else (1, p.shape[0])
             p.copy_(spread(shape, gen, p.dtype).reshape(p.shape) / math.sqrt(p.shape[-1]))
+
+
+def gamma(n):
+    """gamma_n = n u / (1 - n u): the relative bound of an n-term fp32 sum (Higham 3.1)."""
+    return n * U32 / (1 - n * U32)
+
+
+def order_bound(a_abs, b_abs_t, k):
+    """2 (gamma_K + u) |a| @ |b|: how far two fp32 sums of the same K products, in different
+    orders (e.g. per-rank partial sums then a reduction), can be apart, elementwise."""
+    return 2 * (gamma(k) + U32) * (a_abs @ b_abs_t)
+
+
+def full_tensor(t):
+    """A DTensor's full value (collective), anything else as it is."""
+    return t.full_tensor() if type(t).__name__ == "DTensor" else t
+
+
+def dequantized(x2d, recipe, direction):
+    """float64 values of x2d's FP8 form, "row" or "col" (fp8blk's NumPy reference on the CPU,
+    its kernels on the GPU)."""
+    return _deq(x2d, recipe, direction)
 
 
 def _deq(x2d, recipe, direction):

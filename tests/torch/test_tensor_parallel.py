@@ -26,9 +26,9 @@ def _seed(rng):
 
 def test_tp_parity_and_planted_bugs(rng):
     plants = ["plant:scale_layout", "plant:dropped_transpose", "plant:wgrad_rowwise"]
-    code, out = _torchrun(_seed(rng), "tp", *plants)
+    code, out = _torchrun(_seed(rng), "tp", "tp_nobias", *plants)
     assert code == 0, out[-6000:]
-    assert out.count("CASE tp OK") == 2, out[-6000:]
+    assert out.count("CASE tp OK") == 2 and out.count("CASE tp_nobias OK") == 2, out[-6000:]
     for plant in plants:
         # every planted bug must fail the parity/oracle checks on both ranks
         assert len(re.findall(rf"PLANT {plant} CAUGHT \(AssertionError\)", out)) == 2, \
@@ -52,8 +52,8 @@ def test_tp_and_sp_parity_on_two_gpus(rng):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs (the 2-GPU H200 machine)")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node=2", str(SCRIPT), str(_seed(rng)), "tp", "sp_fast",
-               "sp_fallback"]
+               "--nproc-per-node=2", str(SCRIPT), str(_seed(rng)), "tp", "tp_nobias",
+               "sp_fast", "sp_fallback"]
     code, out, _ = run(command, 600, {"OMP_NUM_THREADS": "1", "FP8BLK_TP_DEVICE": "cuda"})
     assert code == 0, out[-6000:]
     for case in ("tp", "sp_fast", "sp_fallback"):

@@ -2,6 +2,8 @@
 under torchrun, 2 ranks). Usage: tp_parity.py SEED CASE [CASE ...], CASE one of
 
   tp            torch's ColwiseParallel (w1, w2) / RowwiseParallel (out_proj) on DTensor weights
+  tp_nobias     the same without biases (out_proj returns a Partial DTensor that the plan's
+                output layout reduces)
   sp_fast       fp8blk's sequence-parallel styles, local tokens a multiple of 128 (FP8 gather)
   sp_fallback   the same with local tokens not a multiple of 128 (high-precision fallback)
   plant:NAME    the tp case with a planted bug (see _parity.set_plant): must FAIL
@@ -62,21 +64,13 @@ B = 2
 # fall on 128x128 tiles; the planted-bug runs are square (d = hidden = tokens) so that a
 # dropped transpose or a rowwise-for-columnwise buffer passes every shape check and can only
 # be caught by the numbers
-DIMS = {"tp": (256, 512, 64), "sp_fast": (256, 512, 128), "sp_fallback": (256, 512, 96),
+DIMS = {"tp": (256, 512, 64), "tp_nobias": (256, 512, 64), "sp_fast": (256, 512, 128), "sp_fallback": (256, 512, 96),
         "plant": (256, 256, 128)}
 
 
-def full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def gamma(n):
-    return n * U32 / (1 - n * U32)
-
-
-def order_bound(a_abs, b_abs_t, k):
-    """2 (gamma_K + u) |a| @ |b|: two fp32 sums of the same products in different orders."""
-    return 2 * (gamma(k) + U32) * (a_abs @ b_abs_t)
+full = parity.full_tensor
+gamma = parity.gamma
+order_bound = parity.order_bound
 
 
 def run_case(case, seed, rank, world, mesh, planted=False):
@@ -84,7 +78,7 @@ def run_case(case, seed, rank, world, mesh, planted=False):
     gen = torch.Generator().manual_seed(seed)
     cfg = Float8BlockConfig()
     D, HIDDEN, seq = DIMS["plant" if planted else case]
-    ref = FeedForward(D, HIDDEN)
+    ref = FeedForward(D, HIDDEN, bias=case != "tp_nobias")
     init_spread_(ref, gen)
     convert_to_float8_block(ref, cfg)
     ref.to(DEVICE)
@@ -92,7 +86,7 @@ def run_case(case, seed, rank, world, mesh, planted=False):
     x = spread((seq, B, D), gen).to(DEVICE)      # sequence-first (S, B, D)
     g = spread((seq, B, D), gen).to(DEVICE)      # fixed output gradient: dL/dy = g exactly
     comm = None
-    if case == "tp":
+    if case.startswith("tp"):
         parallelize_module(model, mesh, {"w1": ColwiseParallel(), "w2": ColwiseParallel(),
                                          "out_proj": RowwiseParallel()})
         x_in, rows = x.clone(), slice(None)
@@ -116,14 +110,14 @@ def run_case(case, seed, rank, world, mesh, planted=False):
     y = y.to_local() if isinstance(y, DTensor) else y
     loss_local = (y * g[rows]).sum()
     loss = loss_local.detach().clone()
-    if case != "tp":
+    if not case.startswith("tp"):
         dist.all_reduce(loss)                    # each rank holds a sequence shard
     loss_local.backward()
 
     # forward output: out_proj's partial sums over K/2 reduced across ranks
     r = rec.data["out_proj"]
     a = r["x"].reshape(-1, HIDDEN).double()
-    from tests.torch._parity import _deq
+    _deq = parity.dequantized
     a_abs = _deq(a.float(), cfg.activation, "row").abs()
     w_abs = _deq(ref.out_proj.weight.detach(), cfg.weight, "row").abs()
     y_bound = order_bound(a_abs, w_abs.T, HIDDEN) + 2 * U32 * yr.detach().reshape(-1, D).abs()
@@ -148,7 +142,7 @@ def run_case(case, seed, rank, world, mesh, planted=False):
     # parameter gradients: weights bit-equal; out_proj.bias under SP is an all-reduce of
     # per-rank token sums (order differs)
     tp_params = dict(model.named_parameters())
-    inexact = {"out_proj.bias"} if case != "tp" else set()
+    inexact = {"out_proj.bias"} if not case.startswith("tp") else set()
     for name, p_ref in ref.named_parameters():
         got = full(tp_params[name].grad)
         if name in inexact:

@@ -9,8 +9,8 @@ FSDP2 (every layer and the root ``fully_shard``-ed, reshard_after_forward=True),
 
 Per case: median step time (GPU, CUDA events around the whole step) and the host time to
 issue it, bytes this rank sent through FSDP's all-gathers per step (counted at the
-collective), and the time inside fsdp_pre_all_gather / fsdp_post_all_gather (host
-perf_counter and GPU events, per step). Before timing, one step of each FP8 mode checks
+collective), the time inside fsdp_pre_all_gather / fsdp_post_all_gather (host perf_counter
+and GPU events, per step), and the time of the per-step FP8 cast of all weights. Before timing, one step of each FP8 mode checks
 after every all-gather that the gathered bytes and scales equal
 ``fb.quantize(bf16(full weight))`` (full weight: the gathered parameters, or the masters).
 
@@ -147,17 +147,31 @@ def states_of(model):
             and isinstance(m.weight._local_tensor, W._PlaneWeight)]
 
 
-def step(case, model, opt, masters, x):
+def step(case, model, opt, masters, x, cast_times=None):
+    """One training step. ``cast_times`` (a list) gets (host s, start event, end event) of
+    the per-step FP8 cast: cast_master_weights_ (primary) or precompute_fp8_scales (cast)."""
     opt.zero_grad(set_to_none=True)
     y = model(x)
     y.float().square().mean().backward()
     if case == "primary":
         F.master_grads_(model, masters)
     opt.step()
+    if case == "bf16":
+        return
+    ev = None
+    if cast_times is not None and x.is_cuda:
+        ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        ev[0].record()
+    t0 = time.perf_counter()
     if case == "primary":
         F.cast_master_weights_(model, masters)
-    elif case == "cast":
+    else:
         F.precompute_fp8_scales(model)
+    if cast_times is not None:
+        host = time.perf_counter() - t0
+        if ev is not None:
+            ev[1].record()
+        cast_times.append((host, ev))
 
 
 def full_weights(case, model, masters, rows_cols):
@@ -234,7 +248,7 @@ def run_case(case, args, device, mesh, rank, world):
         if cuda:
             torch.cuda.synchronize()
         gpu, host, sent, pre_h, post_h, pre_g, post_g = [], [], [], [], [], [], []
-        hook_bytes = []
+        hook_bytes, cast_h, cast_g = [], [], []
         for s in states_of(model):
             s.gathers.clear()
         for _ in range(args.steps):
@@ -245,7 +259,8 @@ def run_case(case, args, device, mesh, rank, world):
                     enable_timing=True)
                 start.record()
             t0 = time.perf_counter()
-            step(case, model, opt, masters, x)
+            casts = []
+            step(case, model, opt, masters, x, casts)
             host.append((time.perf_counter() - t0) * 1e3)
             if cuda:
                 end.record()
@@ -254,6 +269,10 @@ def run_case(case, args, device, mesh, rank, world):
                 pre_g.append(timer.gpu_ms("pre"))
                 post_g.append(timer.gpu_ms("post"))
             sent.append(counter.sent)
+            for h, ev in casts:
+                cast_h.append(h * 1e3)
+                if ev is not None:
+                    cast_g.append(ev[0].elapsed_time(ev[1]))
             if case != "bf16":
                 hook_bytes.append(sum(g["bytes"] for s in states_of(model)
                                       for g in s.gathers))
@@ -272,6 +291,10 @@ def run_case(case, args, device, mesh, rank, world):
             "pre_all_gather_host_ms": med(pre_h), "post_all_gather_host_ms": med(post_h),
             "pre_all_gather_gpu_ms": med(pre_g) if pre_g else None,
             "post_all_gather_gpu_ms": med(post_g) if post_g else None,
+            # the per-step FP8 cast of all weights (mode 1: cast_master_weights_, mode 2:
+            # precompute_fp8_scales): one packed all-reduce plus the batched kernels
+            "fp8_cast_host_ms": med(cast_h) if cast_h else None,
+            "fp8_cast_gpu_ms": med(cast_g) if cast_g else None,
             "peak_memory_gib": (torch.cuda.max_memory_allocated() / 2 ** 30) if cuda else None,
         })
     finally:
@@ -297,10 +320,10 @@ def main():
     p.add_argument("--out", default=None, help="JSON output path (rank 0 writes it)")
     args = p.parse_args()
     cuda = args.device == "cuda"
+    if cuda:  # before the process group, so NCCL binds each rank to its own GPU
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     mesh = init_device_mesh(args.device, (world,))
     results = [run_case(c, args, device, mesh, rank, world) for c in args.cases.split(",")]

@@ -175,20 +175,26 @@ class Registry:
         return hit
 
     def _rescan(self):
-        from torch.distributed._composable_state import _get_module_state
+        import torch.distributed._composable_state as composable
         from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
+        # the converted model's modules, and every module FSDP2 manages in this process
+        # (fully_shard may have been applied to a parent of the converted model)
         model = self.model()
-        if model is None:
-            return
-        for module in model.modules():
-            st = _get_module_state(module)
+        modules = list(model.modules()) if model is not None else []
+        modules += list(getattr(composable, "_module_state_mapping", {}).keys())
+        seen = set()
+        for module in modules:
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            st = composable._get_module_state(module)
             if not isinstance(st, FSDPState) or st._fsdp_param_group is None:
                 continue
             group = st._fsdp_param_group
             for fp in group.fsdp_params:
                 local = fp._sharded_local_tensor
-                if isinstance(local, _PlaneWeight):
+                if isinstance(local, _PlaneWeight) and local._state.registry is self:
                     self._fsdp[id(local._state)] = (fp, group)
 
     def entries(self, mode):

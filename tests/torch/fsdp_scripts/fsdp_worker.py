@@ -109,9 +109,11 @@ def check_equal(name, got, want):
         raise AssertionError(f"{name}: got {got is None and 'None' or 'tensor'}, want "
                              f"{want is None and 'None' or 'tensor'}")
     got, want = got.cpu(), want.cpu()
-    if got.shape != want.shape or not torch.equal(got.view(torch.uint8) if got.dtype == torch.uint8 else got, want):
+    # torch.equal on floats: bitwise except that it treats -0 == 0 (NaN never appears here)
+    if got.shape != want.shape or got.dtype != want.dtype or not torch.equal(got, want):
         bad = (got != want).sum().item() if got.shape == want.shape else "shape"
-        raise AssertionError(f"{name}: {bad} mismatches ({tuple(got.shape)} vs {tuple(want.shape)})")
+        raise AssertionError(f"{name}: {bad} mismatches ({got.dtype}{tuple(got.shape)} vs "
+                             f"{want.dtype}{tuple(want.shape)})")
 
 
 def run_case(mode, recipe_name, raf, ws, rank, mesh, seed, proto=False):
@@ -237,8 +239,6 @@ def run_case(mode, recipe_name, raf, ws, rank, mesh, seed, proto=False):
                          for m, w in zip(mean, full))
                 for group in opt.param_groups:
                     group["lr"] = lr
-            if os.environ.get("FP8BLK_DEBUG") and rank == 0:
-                print("step", step, [f"{(lr * m).abs().median().item() / w.abs().median().item():.3g}" for m, w in zip(mean, full)], [l.item() for l in ref_losses])
             # FSDP
             opt.zero_grad(set_to_none=True)
             seen.clear()
@@ -300,8 +300,8 @@ def run_case(mode, recipe_name, raf, ws, rank, mesh, seed, proto=False):
         W._PlaneWeight.fsdp_post_all_gather = orig_post
         for n in names:
             setattr(dist, n, orig_ag[n])
-    print(f"rank {rank}: case {mode} {recipe_name} raf={raf} proto={proto} ws={ws} OK (bytes changed by "
-          f"training: {', '.join(f'{c:.0%}' for c in changed)})", flush=True)
+    print(f"rank {rank}: case {mode} {recipe_name} raf={raf} proto={proto} ws={ws} OK (bytes "
+          f"changed by training: {', '.join(f'{c:.0%}' for c in changed)})", flush=True)
 
 
 def check_usage(seen, raf, recipe_name, step):
@@ -362,6 +362,23 @@ def check_errors(ws, rank, mesh):
                 raise
         else:
             raise AssertionError(f"no error for {kwargs}")
+    # converting a submodule and sharding only its parent works (the weight's FSDP2 group
+    # is found through FSDP's module states, not the converted submodule's)
+    gen = torch.Generator().manual_seed(7)
+    inner = torch.nn.Sequential(torch.nn.Linear(128, 256, bias=False))
+    with torch.no_grad():
+        inner[0].weight.copy_(spread((256, 128), gen) / 16)
+    outer = torch.nn.Sequential(inner, torch.nn.ReLU())
+    w0 = inner[0].weight.detach().clone()
+    convert_to_float8_block(outer)
+    F.prepare_fsdp_fp8(inner, mode="cast")
+    fully_shard(outer, mesh=mesh)
+    x = spread((32, 128), gen)
+    y = outer(x)
+    q0 = fb.quantize(w0.to(torch.bfloat16), fb.Block2D())
+    ref = torch.relu(float8_block_linear(x, RefWeight(q0, (256, 128)), None,
+                                         Float8BlockConfig()))
+    check_equal("submodule conversion output", y.detach(), ref.detach())
     print(f"rank {rank}: errors OK", flush=True)
 
 

@@ -64,6 +64,9 @@ def demo(args) -> int:
     print(f"{'recipe':<14}{'bytes stored':>14}{'vs fp32':>9}{'max rel err':>13}"
           f"{'rms rel err':>13}{'time ms':>10}")
     for name, recipe in RECIPES:
+        if isinstance(recipe, fb.MXFP8) and (rows % 32 or cols % 32):
+            print(f"{name:<14}skipped: MXFP8 needs M and K to be multiples of 32")
+            continue
         fb.quantize(x, recipe, rowwise=True, columnwise=True)  # warm-up (kernel compilation)
         if xp is not np:
             xp.cuda.runtime.deviceSynchronize()
@@ -116,14 +119,37 @@ def info(args) -> int:
     return 0
 
 
+def _positive_int(text):
+    """argparse type: an int >= 1 (a clear usage error instead of a traceback later)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _seed(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fp8blk", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p_demo = sub.add_parser("demo", help="quantize random matrices with every recipe")
-    p_demo.add_argument("--shape", type=int, nargs=2, default=(2048, 2048), metavar=("M", "K"))
+    p_demo.add_argument("--shape", type=_positive_int, nargs=2, default=(2048, 2048),
+                        metavar=("M", "K"), help="matrix shape, both >= 1 (MXFP8 runs when "
+                        "both are multiples of 32)")
     p_demo.add_argument("--cpu", action="store_true", help="stay on the CPU even with a GPU")
-    p_demo.add_argument("--seed", type=int, default=0)
+    p_demo.add_argument("--seed", type=_seed, default=0)
     p_demo.add_argument("--distributed", action="store_true",
                         help="the multi-rank part; run under `mpiexec -n N python -m mpi4py -m fp8blk`")
     sub.add_parser("bench", help="time the CPU reference path")

@@ -1,10 +1,13 @@
 """Array-family dispatch: NumPy (host), CuPy (device) and torch (either), exchanged through
 DLPack without copies.
 
-Internally fp8blk works on NumPy arrays (host) and CuPy arrays (device). bfloat16 is
+Internal arrays: NumPy arrays (host), CuPy arrays (device) and, on the operations' hot path
+(``to_internal``), torch CUDA tensors as they are: the kernels launch on them by raw pointer on
+torch's current stream, so a torch program pays no DLPack crossing per call. bfloat16 is
 ``ml_dtypes.bfloat16`` on the host; torch bf16 tensors cross DLPack as int16 views (NumPy's
 DLPack import has no bf16). FP8 data is always uint8, so no float8 dtype ever crosses a boundary.
-This module is the only place that converts between families.
+This module is the only place that converts between families (``to_backend`` /
+``from_backend``: CPU torch <-> NumPy, CUDA torch <-> CuPy, through DLPack without copies).
 """
 from __future__ import annotations
 
@@ -33,8 +36,21 @@ def _cupy():
     return sys.modules.get("cupy")
 
 
+_FAMILY_OF_TYPE = {np.ndarray: NUMPY}  # exact types seen before -> family (one dict lookup)
+
+
 def family_of(x) -> str:
     """Which array library `x` belongs to; TypeError for anything else."""
+    family = _FAMILY_OF_TYPE.get(type(x))
+    if family is not None:
+        return family
+    family = _family_slow(x)
+    if len(_FAMILY_OF_TYPE) < 64:
+        _FAMILY_OF_TYPE[type(x)] = family
+    return family
+
+
+def _family_slow(x) -> str:
     if isinstance(x, np.ndarray):
         return NUMPY
     cupy = _cupy()
@@ -45,6 +61,66 @@ def family_of(x) -> str:
         return TORCH
     raise TypeError(f"expected a numpy.ndarray, cupy.ndarray or torch.Tensor, got "
                     f"{type(x).__module__}.{type(x).__name__}")
+
+
+def is_torch(x) -> bool:
+    """True for a torch tensor (without importing torch)."""
+    torch = _torch()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+_TORCH_TO_NUMPY = {}  # torch dtype -> logical NumPy dtype, filled on first use
+_NUMPY_TO_TORCH = {}
+
+
+def torch_to_numpy_dtype(dtype):
+    """Logical NumPy dtype of a torch dtype (bfloat16 -> ml_dtypes.bfloat16), or None."""
+    hit = _TORCH_TO_NUMPY.get(dtype)
+    if hit is None and not _TORCH_TO_NUMPY:
+        _fill_torch_tables()
+        hit = _TORCH_TO_NUMPY.get(dtype)
+    return hit
+
+
+def _fill_torch_tables():
+    _TORCH_TO_NUMPY.update({k: np.dtype(v) for k, v in _torch_bf16_dtype_map().items()})
+    _NUMPY_TO_TORCH.update({v: k for k, v in _TORCH_TO_NUMPY.items()})
+
+
+def numpy_to_torch_dtype(dtype):
+    """torch dtype of a logical NumPy dtype (ml_dtypes.bfloat16 -> torch.bfloat16)."""
+    hit = _NUMPY_TO_TORCH.get(dtype)
+    if hit is None:
+        _fill_torch_tables()
+        hit = _NUMPY_TO_TORCH.get(np.dtype(dtype))
+        if hit is None:
+            raise TypeError(f"no torch dtype for {dtype}")
+    return hit
+
+
+def to_internal(x):
+    """``(array, family, logical dtype)`` for the operations (quantize, dequantize): like
+    :func:`to_backend`, except that a torch CUDA tensor is returned as it is (the kernels run
+    on it natively: torch allocates the outputs, the launch uses torch's current stream).
+    Costs well under a microsecond for a torch CUDA tensor."""
+    family = family_of(x)
+    if family == TORCH and x.is_cuda:
+        dtype = torch_to_numpy_dtype(x.dtype)
+        # sparse CUDA tensors would reach the kernels (one identity test, ~40 ns)
+        if dtype is None or x.layout is not _strided():
+            raise TypeError(_torch_rejection(x))
+        return x, family, dtype
+    return to_backend(x)
+
+
+_STRIDED = []
+
+
+def _strided():
+    """torch.strided, looked up once."""
+    if not _STRIDED:
+        _STRIDED.append(_torch().strided)
+    return _STRIDED[0]
 
 
 def is_contiguous(x) -> bool:
@@ -84,19 +160,34 @@ def to_backend(x):
         return x, family, x.dtype
     torch = _torch()
     bf16 = x.dtype == torch.bfloat16
-    src = x.view(torch.int16) if bf16 else x
-    if x.is_cuda:
-        import cupy
-
-        arr = cupy.from_dlpack(src.detach())
-        return (arr.view(np.uint16) if bf16 else arr), family, (BF16 if bf16 else arr.dtype)
+    # try costs nothing until it raises (zero-cost exceptions); the message is built then
     try:
+        src = x.view(torch.int16) if bf16 else x
+        if x.is_cuda:
+            import cupy
+
+            arr = cupy.from_dlpack(src.detach())
+            return (arr.view(np.uint16) if bf16 else arr), family, (BF16 if bf16 else arr.dtype)
         arr = np.from_dlpack(src.detach())
-    except (RuntimeError, BufferError, TypeError) as err:  # e.g. float8 has no DLPack code
-        raise TypeError(f"torch dtype {x.dtype} cannot be passed to fp8blk; use float32, "
-                        f"bfloat16 or float16 (e.g. x.float()), or x.view(torch.uint8) for "
-                        f"FP8 bytes") from err
+    except (RuntimeError, BufferError, TypeError, NotImplementedError) as err:
+        raise TypeError(_torch_rejection(x)) from err
     return (arr.view(BF16) if bf16 else arr), family, arr.dtype if not bf16 else BF16
+
+
+def _torch_rejection(x) -> str:
+    """Why a CPU torch tensor cannot cross DLPack, naming what is wrong and the fix (error path
+    only: these checks cost nothing on the hot path)."""
+    if x.is_meta:
+        return ("a torch tensor on the meta device holds no data: create it on the CPU or a "
+                "CUDA device (e.g. torch.empty(..., device='cuda'))")
+    if x.layout != _torch().strided:
+        return (f"a sparse torch tensor (layout {x.layout}) cannot be passed to fp8blk, which "
+                f"takes dense strided tensors: pass x.to_dense()")
+    if x.is_quantized:
+        return (f"a quantized torch tensor ({x.dtype}) cannot be passed to fp8blk: pass "
+                f"x.dequantize() (float32), or the float tensor it was made from")
+    return (f"torch dtype {x.dtype} cannot be passed to fp8blk; use float32, bfloat16 or "
+            f"float16 (e.g. x.float()), or x.view(torch.uint8) for FP8 bytes")
 
 
 def from_backend(arr, family, dtype=None):
@@ -105,7 +196,7 @@ def from_backend(arr, family, dtype=None):
     ``dtype`` is the logical dtype when it differs from ``arr.dtype`` (device bf16 is held as
     uint16 bit patterns).
     """
-    if arr is None or family != TORCH:
+    if arr is None or family != TORCH or is_torch(arr):  # torch stays torch: no crossing
         return arr
     torch = _torch()
     bf16 = arr.dtype == BF16 or (dtype is not None and np.dtype(dtype) == BF16)
@@ -118,3 +209,16 @@ def is_device(arr) -> bool:
     """True for CuPy arrays (internal device buffers)."""
     cupy = _cupy()
     return cupy is not None and isinstance(arr, cupy.ndarray)
+
+
+def on_gpu(arr) -> bool:
+    """True for internal device arrays: CuPy arrays and torch CUDA tensors."""
+    return is_device(arr) or (is_torch(arr) and arr.is_cuda)
+
+
+def as_cupy(arr):
+    """A CuPy view of an internal device array (a torch CUDA tensor crosses through DLPack;
+    bf16 becomes uint16 bit patterns), for the code that works on CuPy arrays only."""
+    if is_torch(arr):
+        return to_backend(arr)[0]
+    return arr

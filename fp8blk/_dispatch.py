@@ -1,11 +1,13 @@
 """Chooses the backend for an internal array: the NumPy reference for host arrays, the Numba
-CUDA kernels for CuPy arrays.
+CUDA kernels for device arrays (CuPy arrays and torch CUDA tensors).
 
 A backend module provides the functions the reference does, with the same signatures:
 ``quantize(x2d, recipe, rowwise, columnwise)``, ``dequantize(recipe, shape2d, ..., dtype)`` and
 ``block2d_columnwise_from_rowwise(rowwise_data, rowwise_scale_inv)``.
 """
 from __future__ import annotations
+
+import numpy as np
 
 from . import _arrays, reference
 
@@ -15,7 +17,7 @@ _kernels = None  # fp8blk.kernels, imported on first device use (it imports numb
 
 def backend_for(arr):
     global _kernels
-    if _arrays.is_device(arr):
+    if type(arr) is not np.ndarray and _arrays.on_gpu(arr):
         if _kernels is None:
             from . import kernels
 

@@ -51,13 +51,34 @@ def _check_format(fmt) -> None:
         raise TypeError(f"fmt must be fp8blk.E4M3 or fp8blk.E5M2, got {fmt!r}")
 
 
-def _check_fp32_scale_fields(pow2_scales, amax_epsilon) -> None:
-    if not isinstance(pow2_scales, bool):
-        raise TypeError(f"pow2_scales must be a bool, got {pow2_scales!r}")
+# Largest finite float32; the kernels and the reference compute in fp32, so an epsilon above
+# it (finite as a Python float) would become inf there and silently give every block scale 1.
+_FLT_MAX = 3.4028234663852886e38
+
+
+def as_flag(value, name: str) -> bool:
+    """``value`` as a bool: True/False or NumPy's ``np.True_``/``np.False_``; anything else
+    (0/1, strings such as "False", None) is a TypeError naming ``name``. One rule for every
+    on/off argument of fp8blk (``rowwise``, ``columnwise``, ``pow2_scales``, ``update_usage``):
+    ``quantize(x, r, rowwise="False")`` must not be taken as true."""
+    if value is True or value is False:
+        return value
+    if type(value).__name__ == "bool" and type(value).__module__ == "numpy":  # np.bool_
+        return bool(value)
+    raise TypeError(f"{name} must be True or False (a bool or numpy.bool_), got "
+                    f"{value!r} ({type(value).__name__})")
+
+
+def _check_fp32_scale_fields(pow2_scales, amax_epsilon) -> bool:
+    """Checks the fields; returns pow2_scales as a plain bool."""
+    pow2_scales = as_flag(pow2_scales, "pow2_scales")
     if isinstance(amax_epsilon, bool) or not isinstance(amax_epsilon, (int, float)):
         raise TypeError(f"amax_epsilon must be a float, got {amax_epsilon!r}")
-    if not (amax_epsilon >= 0.0) or amax_epsilon == float("inf"):
-        raise ValueError(f"amax_epsilon must be finite and >= 0, got {amax_epsilon!r}")
+    if not (0.0 <= amax_epsilon <= _FLT_MAX):
+        raise ValueError(f"amax_epsilon must be >= 0 and finite in float32 (at most "
+                         f"{_FLT_MAX:.8g}, since scales are computed in float32), got "
+                         f"{amax_epsilon!r}")
+    return pow2_scales
 
 
 @dataclass(frozen=True)
@@ -70,7 +91,8 @@ class _Fp32ScaledRecipe:
 
     def __post_init__(self):
         _check_format(self.fmt)
-        _check_fp32_scale_fields(self.pow2_scales, self.amax_epsilon)
+        object.__setattr__(self, "pow2_scales",
+                           _check_fp32_scale_fields(self.pow2_scales, self.amax_epsilon))
         object.__setattr__(self, "amax_epsilon", float(self.amax_epsilon))
 
 
@@ -95,7 +117,11 @@ class Block2D(_Fp32ScaledRecipe):
 
 @dataclass(frozen=True)
 class MXFP8:
-    """OCP MX: 1x32 rowwise and 32x1 columnwise blocks, E8M0 (power-of-two) scales."""
+    """OCP MX: 1x32 rowwise and 32x1 columnwise blocks, E8M0 (power-of-two) scales.
+
+    Special values follow Transformer Engine: NaN gives the NaN byte; a block holding +-inf
+    gets amax inf, so its finite values become 0 and each inf becomes NaN (no saturation, unlike
+    Block1D/Block2D, where +-inf saturate to +-max)."""
 
     fmt: Format = Format.E4M3
 

@@ -38,7 +38,8 @@ recipe. The two choices coincide whenever ``pow2_scales=True`` (both truncate to
 TE's master path uses FLT_MAX unconditionally, so with bf16 model weights, pow2_scales=False
 and such a tiny tile it differs from TE's master cast (and agrees with TE's quantize).
 
-Storage written per weight (``internal_buffers(weight)``: row_data, row_sinv, col_data, col_sinv):
+Storage written per weight (its buffers row_data, row_sinv, col_data, col_sinv; torch CUDA
+buffers through CuPy views of the same memory, ``tensor.cupy_buffers``):
 
 * Block2D: rowwise data at flat [o, o+n); if the weight holds columnwise (transposed) data, the
   owned elements' bytes at their transposed positions too; every scale_inv buffer held.
@@ -63,10 +64,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _arrays, reference, scaling
+from . import _arrays, _master_agree, reference, scaling
 from .formats import Block1D, Block2D, MXFP8
 from .layout import buffer_layouts, cdiv
-from .tensor import BlockTensor, internal_buffers
+from .tensor import BlockTensor, cupy_buffers
 
 _MODEL_DTYPES = (np.dtype(np.float32), _arrays.BF16, np.dtype(np.float16))
 _MASTER_DTYPES = (np.dtype(np.float32), _arrays.BF16)
@@ -155,7 +156,7 @@ def _check_weight(weight, index, on_device):
                         f"Block2D and MXFP8 weights (Block1D's columnwise blocks cross shards "
                         f"and rows; quantize the gathered weight instead)")
     h, w = weight.shape2d
-    row_data, row_sinv, col_data, col_sinv = internal_buffers(weight)
+    row_data, row_sinv, col_data, col_sinv = cupy_buffers(weight)
     if (row_data is None) != (row_sinv is None) or (col_data is None) != (col_sinv is None):
         raise ValueError(f"weights[{index}] holds data without scales (or scales without data) "
                          f"in one direction")
@@ -165,7 +166,7 @@ def _check_weight(weight, index, on_device):
         raise ValueError(f"weights[{index}] is MXFP8 of shape {weight.shape}; MXFP8 needs "
                          f"both dims to be multiples of 32")
     layouts = buffer_layouts(recipe, h, w, True, True)
-    for buf, layout, what in zip(internal_buffers(weight), layouts, _BUFFER_NAMES):
+    for buf, layout, what in zip(cupy_buffers(weight), layouts, _BUFFER_NAMES):
         _check_buffer(buf, layout.shape, layout.dtype, what, index, on_device)
     return h, w
 
@@ -269,8 +270,8 @@ def validate(weights, masters, start_offsets, fragments):
     on_device = False
     for i, weight in enumerate(weights):
         if isinstance(weight, BlockTensor):
-            some = next((b for b in internal_buffers(weight) if b is not None), None)
-            on_device = _arrays.is_device(some)
+            some = next((b for b in cupy_buffers(weight) if b is not None), None)
+            on_device = _arrays.is_device(some) or _arrays.is_torch(some)
             break
     items = []
     for i, weight in enumerate(weights):
@@ -278,8 +279,8 @@ def validate(weights, masters, start_offsets, fragments):
         arr, dtype, start, count = _check_master(masters[i], i, h, w, start_offsets[i],
                                                  on_device)
         item = Item(i, weight, h, w, weight.recipe, arr, dtype, start, count,
-                    rowwise=internal_buffers(weight)[0] is not None,
-                    columnwise=internal_buffers(weight)[2] is not None)
+                    rowwise=cupy_buffers(weight)[0] is not None,
+                    columnwise=cupy_buffers(weight)[2] is not None)
         if fragments is not None:
             _fragments_for(item, fragments[i], on_device)
             if not count:  # an empty fragment has no address to write to
@@ -344,7 +345,7 @@ def _host_finish_block2d(bucket, shards, buf, value_for_inf, have_fragments):
         scale = scaling.fp32_scale_from_amax(amax, r.fmt, r.pow2_scales, r.amax_epsilon,
                                              value_for_inf)
         scale_inv = scaling.scale_inv_from_scale(scale)
-        row_data, row_sinv, col_data, col_sinv = internal_buffers(it.weight)
+        row_data, row_sinv, col_data, col_sinv = cupy_buffers(it.weight)
         if row_sinv is not None:
             row_sinv.fill(1.0)
             row_sinv[:, :kt] = scale_inv
@@ -365,7 +366,7 @@ def _host_finish_mxfp8(bucket, shards, buf):
     for it, shard in zip(bucket, shards):
         nrow, ncol = it.row_blocks, it.col_blocks
         row_codes = col_codes = None
-        row_data, row_sinv, col_data, col_sinv = internal_buffers(it.weight)
+        row_data, row_sinv, col_data, col_sinv = cupy_buffers(it.weight)
         if it.rowwise:
             row_codes = buf[offset: offset + nrow].reshape(it.h, it.w // 32)
             row_sinv.fill(0)
@@ -404,10 +405,11 @@ def cast_master_weights(weights, masters, start_offsets, comm, fragments=None,
         the collective).
       start_offsets: per weight, the flat index o of the shard's first element in the row-major
         weight; the shard covers [o, o + len(shard)).
-      comm: a communicator with ``all_reduce(buf, op="max")`` in place (fp8blk.comm.*). Every
-        rank must call with the same weights list; exactly one all-reduce is made per bucket
-        present (Block2D: int32, the bits of the fp32 amax of every 128x128 tile; MXFP8: uint8,
-        1 byte per 1x32 / 32x1 block of every held direction).
+      comm: a communicator with ``rank``, ``size`` and ``all_reduce(buf, op="max")`` in place
+        (fp8blk.comm.*). In the steady state exactly one all-reduce is made per bucket present
+        (Block2D: int32, the bits of the fp32 amax of every 128x128 tile; MXFP8: uint8, 1 byte
+        per 1x32 / 32x1 block of every held direction), the first carrying a 44- / 19-byte
+        rank-agreement header.
       fragments: None, or per weight the flat uint8 destination of the owned bytes (Block2D: one
         array of n bytes; MXFP8: a (rowwise, columnwise) pair, None for a direction not held).
         Data bytes are written there instead of into the weight; scales still go to the weight.
@@ -418,32 +420,88 @@ def cast_master_weights(weights, masters, start_offsets, comm, fragments=None,
     equal ``quantize(model_dtype(full weight), recipe, ...)`` byte for byte and the scales equal
     quantize's on every rank, for any world size and any shard boundaries (with the overflow-scale
     rule described in the module docstring). Returns None.
+
+    Every rank must pass the same batch: the number of weights, each weight's shape, recipe
+    (fmt, pow2_scales, amax_epsilon) and directions held, the model dtype, host or device
+    buffers; and the shards of all ranks must tile each weight exactly (with one rank: cover
+    it). Otherwise -- or when any rank's own arguments are invalid -- every rank raises (a
+    ValueError naming what differs, the rank with invalid arguments its own error) and nothing
+    is written: no hang, no error inside MPI/NCCL. This is checked by metadata collectives the
+    first time a batch (with its shard ranges) is seen on this communicator, then for free
+    (fp8blk._master_agree). On device buffers with several ranks, the first bucket's header is
+    read on the host: one stream synchronize per call.
+
+        import numpy as np, fp8blk as fb
+        from fp8blk.comm import MPIComm            # one rank here; under mpiexec, several
+        w = fb.quantize(np.zeros((256, 256), np.float32), fb.Block2D())
+        shard = np.random.default_rng(0).standard_normal(256 * 256).astype(np.float32)
+        fb.cast_master_weights([w], [shard], [0], MPIComm())  # w now holds fp8(bf16(shard))
     """
-    model_dtype = _model_dtype(model_dtype)
-    if not hasattr(comm, "all_reduce"):
-        raise TypeError(f"comm must be a fp8blk communicator with all_reduce(buf, op=...), got "
-                        f"{type(comm).__name__}")
-    items, on_device = validate(weights, masters, start_offsets, fragments)
-    cast_batch(items, comm, model_dtype, have_fragments=fragments is not None, device=on_device)
+    if not all(hasattr(comm, a) for a in ("all_reduce", "rank", "size")):
+        raise TypeError(f"comm must be a fp8blk communicator (rank, size and all_reduce(buf, "
+                        f"op=...)), got {type(comm).__name__}")
+    have_fragments = fragments is not None
+    if comm.size == 1:
+        model_dtype = _model_dtype(model_dtype)
+        items, on_device = validate(weights, masters, start_offsets, fragments)
+        for it in items:
+            if it.count != it.h * it.w:
+                raise ValueError(f"masters[{it.index}] covers [{it.start}, {it.start + it.count})"
+                                 f" of the {it.h}x{it.w} weight; with one rank it must cover "
+                                 f"all {it.h * it.w} elements (the rest would keep stale bytes)")
+        cast_batch(items, comm, model_dtype, have_fragments, on_device)
+        return None
+    # Several ranks: a rank whose arguments are invalid still joins the first collective, so
+    # that every rank raises (fp8blk._master_agree), instead of leaving the others waiting.
+    try:
+        model_dtype = _model_dtype(model_dtype)
+        items, on_device = validate(weights, masters, start_offsets, fragments)
+        batch, error = _local_batch(items, model_dtype, on_device), None
+    except Exception as exc:  # noqa: BLE001 - re-raised on this rank after the exchange
+        batch, error = None, exc
+
+    def cast(first_comm):
+        cast_batch(items, comm, model_dtype, have_fragments, on_device, first_comm=first_comm)
+    _master_agree.run(comm, batch, error, cast)
     return None
 
 
-def cast_batch(items, comm, model_dtype, have_fragments, device):
+def _local_batch(items, model_dtype, on_device):
+    """This rank's view of the batch for the rank agreement: per weight (h, w, recipe,
+    rowwise, columnwise, start, count), empty shards as (0, 0)."""
+    weights = tuple([(it.h, it.w, it.recipe, it.rowwise, it.columnwise,
+                      it.start if it.count else 0, it.count) for it in items])
+
+    def first():
+        """(on_device, unit dtype, entries) of the first bucket's packed buffer, or None."""
+        for bucket_type, unit in ((Block2D, np.int32), (MXFP8, np.uint8)):
+            bucket = [it for it in items if isinstance(it.recipe, bucket_type)]
+            if bucket:
+                return (on_device, np.dtype(unit),
+                        sum(it.row_blocks + it.col_blocks for it in bucket))
+        return None
+    return _master_agree.LocalBatch(weights, _MODEL_DTYPES.index(model_dtype), on_device, first)
+
+
+def cast_batch(items, comm, model_dtype, have_fragments, device, first_comm=None):
     """Steps 1-5 for validated items: per bucket (Block2D, then MXFP8) pack, ONE all-reduce,
     scales, cast. ``device`` selects the CUDA kernels (CuPy buffers, or NumPy buffers under
-    the Numba simulator in tests) instead of the NumPy reference."""
+    the Numba simulator in tests) instead of the NumPy reference. ``first_comm`` (if given)
+    makes the first bucket's all-reduce (the rank agreement's header rides on it)."""
     value_for_inf = scaling.dtype_max(model_dtype)
     for bucket_type in (Block2D, MXFP8):
         bucket = [it for it in items if isinstance(it.recipe, bucket_type)]
         if not bucket:
             continue
+        bucket_comm = comm if first_comm is None else first_comm
+        first_comm = None
         if device:
-            _device_bucket(bucket, comm, model_dtype, value_for_inf, have_fragments)
+            _device_bucket(bucket, bucket_comm, model_dtype, value_for_inf, have_fragments)
             continue
         shards = [_host_shard(it, model_dtype) if it.count else None for it in bucket]
         block2d = bucket_type is Block2D
         buf = _host_pack(bucket, shards, block2d=block2d)
-        _all_reduce_max(comm, buf)
+        _all_reduce_max(bucket_comm, buf)
         if block2d:
             _host_finish_block2d(bucket, shards, buf, value_for_inf, have_fragments)
         else:

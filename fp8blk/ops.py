@@ -6,13 +6,18 @@ import numpy as np
 
 from . import _arrays
 from ._dispatch import backend_for
-from .formats import MXFP8, check_recipe
+from .formats import MXFP8, as_flag, check_recipe
 from .layout import shape2d
 from .tensor import BlockTensor
 
 
-def _validate(arr, dtype, family, recipe, rowwise, columnwise):
+def _validate(arr, dtype, family, recipe, rowwise, columnwise, contiguous):
     check_recipe(recipe)
+    # identity tests first: a plain bool costs two comparisons (np.bool_ and errors go slower)
+    if rowwise is not True and rowwise is not False:
+        rowwise = as_flag(rowwise, "rowwise")
+    if columnwise is not True and columnwise is not False:
+        columnwise = as_flag(columnwise, "columnwise")
     if not (rowwise or columnwise):
         raise ValueError("quantize needs rowwise=True or columnwise=True (or both)")
     if dtype not in _arrays.HIGH_PRECISION:
@@ -20,7 +25,7 @@ def _validate(arr, dtype, family, recipe, rowwise, columnwise):
                         f"convert it first, e.g. x.astype(numpy.float32) or x.float()")
     if arr.ndim == 0:
         raise ValueError("quantize needs an array with at least one dimension (..., K)")
-    if not arr.flags.c_contiguous:
+    if not contiguous:
         fix = "x.contiguous()" if family == _arrays.TORCH else "numpy.ascontiguousarray(x)"
         raise ValueError(f"quantize needs a C-contiguous input (a view of (M, K) without copies); "
                          f"pass {fix}")
@@ -31,19 +36,30 @@ def quantize(x, recipe, rowwise: bool = True, columnwise: bool = False) -> Block
 
     The input is viewed as (M, K) with M the product of the leading dims. Returns a
     :class:`BlockTensor` whose buffers are in x's array family and on x's device. MXFP8 needs
-    M and K to be multiples of 32. NaN inputs give NaN bytes, +-inf saturate to +-max; empty
-    inputs give correctly shaped empty buffers.
+    M and K to be multiples of 32. ``rowwise``/``columnwise`` are bools (``numpy.bool_`` too;
+    0/1 or strings are a TypeError). NaN inputs give NaN bytes. +-inf: Block1D and Block2D
+    saturate them to +-max; MXFP8 follows Transformer Engine, where a block holding +-inf gets
+    amax inf, so the block's finite values become 0 and each inf becomes NaN. Empty inputs give
+    correctly shaped empty buffers.
+
+        import numpy as np, fp8blk as fb
+        q = fb.quantize(np.random.randn(256, 512).astype(np.float32), fb.Block1D(),
+                        rowwise=True, columnwise=True)
+        q.rowwise_data.shape, q.columnwise_data.shape   # (256, 512), (512, 256)
     """
-    arr, family, dtype = _arrays.to_backend(x)
-    _validate(arr, dtype, family, recipe, rowwise, columnwise)
-    rows, cols = shape2d(arr.shape)
+    arr, family, dtype = _arrays.to_internal(x)
+    contiguous = arr.is_contiguous() if family == _arrays.TORCH and arr is x \
+        else arr.flags.c_contiguous
+    _validate(arr, dtype, family, recipe, rowwise, columnwise, contiguous)
+    shape = arr.shape
+    rows, cols = shape if len(shape) == 2 else shape2d(shape)
     if isinstance(recipe, MXFP8) and (rows % 32 or cols % 32):
         raise ValueError(f"MXFP8 needs M and K to be multiples of 32 (its blocks are 1x32 and "
                          f"32x1); got (M, K) = ({rows}, {cols}) from shape {tuple(arr.shape)}: "
                          f"pad the tensor or use Block1D")
-    x2d = arr if arr.ndim == 2 else arr.reshape(rows, cols)  # skip a ~2 us no-op reshape
+    x2d = arr if len(shape) == 2 else arr.reshape(rows, cols)  # skip a ~2 us no-op reshape
     buffers = backend_for(arr).quantize(x2d, recipe, rowwise, columnwise, dtype=dtype)
-    return BlockTensor(arr.shape, recipe, *buffers, dtype=dtype, family=family)
+    return BlockTensor._wrap(tuple(shape), recipe, list(buffers), dtype, family)
 
 
 def dequantize(q: BlockTensor, dtype=np.float32):

@@ -301,3 +301,70 @@ def test_torch_side_stream_orders_input_and_outputs(rng):
     torch.cuda.synchronize()
     assert_same_buffers(_host_buffers(q), buffers(want))
     assert int(row_sum) == int(buffers(want)[0].astype(np.int64).sum())
+
+
+@pytest.mark.gpu
+@needs_torch
+def test_torch_cuda_path_makes_no_dlpack_crossing(rng, monkeypatch):
+    """quantize, dequantize and create_columnwise on torch CUDA tensors run natively: outputs
+    are torch tensors from torch's allocator, and neither CuPy's nor torch's DLPack import is
+    called (each costs ~8-24 us per call on the GPU)."""
+    import cupy
+
+    x_h = (rng.standard_normal((256, 384)) * np.exp(rng.uniform(-8, 8, (256, 1)))
+           ).astype(ml_dtypes.bfloat16)
+    x = torch.from_numpy(x_h.view(np.int16)).view(torch.bfloat16).cuda()
+    want = fb.quantize(x_h, fb.Block2D(), rowwise=True, columnwise=True)
+    fb.quantize(x, fb.Block2D())  # compile outside the patched region
+
+    def forbidden(*a, **k):
+        raise AssertionError("DLPack crossing on the torch CUDA path")
+    monkeypatch.setattr(cupy, "from_dlpack", forbidden)
+    monkeypatch.setattr(torch, "from_dlpack", forbidden)
+    q = fb.quantize(x, fb.Block2D(), rowwise=True)
+    q.create_columnwise()
+    y = q.dequantize(torch.bfloat16)
+    monkeypatch.undo()
+    assert all(isinstance(b, torch.Tensor) and b.is_cuda for b in buffers(q))
+    assert_same_buffers(_host_buffers(q), buffers(want))
+    assert np.array_equal(y.cpu().view(torch.int16).numpy(),
+                          want.dequantize(ml_dtypes.bfloat16).view(np.int16))
+
+
+@pytest.mark.gpu
+@needs_torch
+def test_torch_side_stream_orders_dequantize_and_transpose(rng):
+    """dequantize and create_columnwise of torch buffers run on torch's current stream: after
+    a 20 ms spin on a side stream that then rewrites the rowwise bytes, both see the new bytes."""
+    x_h = (rng.standard_normal((512, 1024)) * np.exp(rng.uniform(-6, 6, (1, 1024)))
+           ).astype(np.float32)
+    want = fb.quantize(x_h, fb.Block2D(), rowwise=True, columnwise=True)
+    q = fb.quantize(torch.from_numpy(x_h).cuda(), fb.Block2D(), rowwise=True)
+    good = q.rowwise_data.clone()
+    q.rowwise_data.zero_()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(40_000_000)
+        q.rowwise_data.copy_(good)
+        q.create_columnwise()
+        y = q.dequantize(torch.float32)
+    torch.cuda.synchronize()
+    assert_same_buffers(_host_buffers(q), buffers(want))
+    assert np.array_equal(y.cpu().numpy().view(np.uint32),
+                          want.dequantize(np.float32).view(np.uint32))
+
+
+@pytest.mark.gpu
+@needs_torch
+def test_torch_tensor_on_another_device(rng):
+    """A tensor on cuda:1 while cuda:0 is current: the kernel runs on the tensor's device."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    x_h = rng.standard_normal((300, 260)).astype(np.float32)
+    want = fb.quantize(x_h, fb.Block1D(), rowwise=True, columnwise=True)
+    torch.cuda.set_device(0)
+    q = fb.quantize(torch.from_numpy(x_h).to("cuda:1"), fb.Block1D(), rowwise=True,
+                    columnwise=True)
+    assert q.rowwise_data.device == torch.device("cuda:1")
+    assert_same_buffers(_host_buffers(q), buffers(want))

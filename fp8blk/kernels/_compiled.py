@@ -88,9 +88,10 @@ def _device_cc(cupy, dev):
     return int(cc[:-1]), int(cc[-1])
 
 
-def kernel(family, spec):
-    """Launchable ``f(grid, block, args)`` of a variant for the current device (CuPy
-    ``Function``), or under the simulator a simulated kernel taking NumPy arrays."""
+def kernel(family, spec, device=None):
+    """Launchable ``f(grid, block, args)`` of a variant for CUDA device `device` (None: the
+    current one) as a CuPy ``Function``, or under the simulator a simulated kernel taking NumPy
+    arrays."""
     if SIM:
         k = _loaded.get((family, spec, None))
         if k is None:
@@ -101,7 +102,7 @@ def kernel(family, spec):
         return k
     import cupy
 
-    dev = cupy.cuda.runtime.getDevice()
+    dev = cupy.cuda.runtime.getDevice() if device is None else device
     k = _loaded.get((family, spec, dev))
     if k is not None:
         return k
@@ -109,7 +110,8 @@ def kernel(family, spec):
         k = _loaded.get((family, spec, dev))
         if k is None:
             e = entry(family, spec, _device_cc(cupy, dev))
-            module = cupy.cuda.function.Module()
-            module.load(e.cubin)
+            with cupy.cuda.Device(dev):  # a module belongs to the device it is loaded on
+                module = cupy.cuda.function.Module()
+                module.load(e.cubin)
             k = _loaded[(family, spec, dev)] = module.get_function(e.entry)
     return k

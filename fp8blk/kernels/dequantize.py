@@ -16,7 +16,8 @@ from .._arrays import BF16
 from ..formats import Block1D, Block2D, E4M3, MXFP8
 from . import _specs as sp
 from . import _compiled
-from ._host import SIM, cached_plan, cdiv, data_ptr, i64, module_of, pointer_arg
+from ._device_arrays import adapter_of
+from ._host import SIM, cached_plan, cdiv, scalars
 from ._specs import (BF16_OUT, BX, BY, DQ_THREADS, DQ_TILE, F16_OUT, F32_OUT, MAX_GRID_Y, PIECE,
                      ROWS, SCALAR, TILES, DequantizeSpec, piece_of, transposed)
 
@@ -82,19 +83,19 @@ class _Plan:
     __slots__ = ("spec", "kernel", "grid", "block", "scalars", "arg_dtypes")
 
     def __init__(self, recipe_kind, columnwise, e4m3, out_kind, rows, cols, ld, data_align,
-                 sinv_align):
+                 sinv_align, device):
         spec = DequantizeSpec(recipe_kind, bool(columnwise), bool(e4m3), out_kind, None,
                               rows_per_thread=_settings.rows_per_thread)
         spec = self.spec = choose_path(spec, rows, cols, ld, data_align, sinv_align)
-        self.kernel = _compiled.kernel("dequantize", spec)
-        scalars = (i64(rows), i64(cols), i64(ld))
+        self.kernel = _compiled.kernel("dequantize", spec, device)
+        values = [rows, cols, ld]
         if spec.path == ROWS:
             s = lpr_shift(spec, cols)
             rows_per_cta = (DQ_THREADS >> s) * spec.rows_per_thread
             self.grid = (cdiv(cols, piece_of(spec) << s),
                          min(cdiv(rows, rows_per_cta), MAX_GRID_Y), 1)
             self.block = (DQ_THREADS, 1, 1)
-            scalars += (i64(s),)
+            values.append(s)
         elif spec.path == TILES:
             self.grid = (cdiv(rows, DQ_TILE), min(cdiv(cols, DQ_TILE), MAX_GRID_Y), 1)
             self.block = (DQ_THREADS, 1, 1)
@@ -102,8 +103,8 @@ class _Plan:
             along, across = (rows, cols) if transposed(spec) else (cols, rows)
             self.grid = (cdiv(along, BX), min(cdiv(across, BY), MAX_GRID_Y), 1)
             self.block = (BX, BY, 1)
-        self.scalars = scalars
-        self.arg_dtypes = _compiled.arg_dtypes("dequantize", spec, 3) if SIM else None
+        self.scalars = scalars(*values)
+        self.arg_dtypes = _compiled.arg_dtypes("dequantize", spec, 3) if SIM else (None,) * 3
 
 
 # (recipe kind, columnwise, e4m3, out kind, M, K, ld, data address % 16, sinv address % 16)
@@ -113,16 +114,17 @@ _KIND = {Block1D: sp.BLOCK1D, Block2D: sp.BLOCK2D, MXFP8: sp.MXFP8}
 
 def plan_for(recipe, columnwise, out_kind, rows, cols, data, sinv):
     """The cached :class:`_Plan` of a call (public for tests and benchmarks)."""
+    ad = adapter_of(data)
     key = (_KIND[type(recipe)], columnwise, recipe.fmt is E4M3, out_kind, rows, cols,
-           sinv.shape[1], data_ptr(data) % 16, data_ptr(sinv) % 16)
+           sinv.shape[1], ad.ptr(data) % 16, ad.ptr(sinv) % 16, ad.device(data))
     return cached_plan(_plans, key, _Plan)
 
 
 def dequantize(recipe, shape2d, rowwise_data=None, rowwise_scale_inv=None,
                columnwise_data=None, columnwise_scale_inv=None, dtype=np.float32):
-    """(M, K) device array of `dtype` (bf16 returned as uint16 bit patterns) from rowwise
-    buffers if given, else columnwise ones (DESIGN §4 layouts, C-contiguous), without
-    synchronizing."""
+    """(M, K) device array of `dtype` from rowwise buffers if given, else columnwise ones
+    (DESIGN §4 layouts, C-contiguous), without synchronizing: a CuPy array (bf16 returned as
+    uint16 bit patterns) or, for torch CUDA buffers, a torch tensor of the dtype itself."""
     rows, cols = shape2d
     if rowwise_data is not None:
         data, sinv, columnwise = rowwise_data, rowwise_scale_inv, False
@@ -134,19 +136,13 @@ def dequantize(recipe, shape2d, rowwise_data=None, rowwise_scale_inv=None,
     out_kind = _OUT.get(np.dtype(dtype))
     if out_kind is None:
         raise TypeError(f"dequantize dtype must be float32, bfloat16 or float16, got {dtype}")
-    xp = module_of(data)
-    out = xp.empty((rows, cols), dtype=np.float32 if out_kind == F32_OUT else np.uint16)
+    ad = adapter_of(data)
+    # the stored dtype: CuPy holds bf16 as uint16 (the adapter does that for BF16)
+    out = ad.empty((rows, cols), np.dtype(dtype), data)
     if rows and cols:
-        if not (data.flags.c_contiguous and sinv.flags.c_contiguous):
+        if not (ad.contiguous(data) and ad.contiguous(sinv)):
             raise ValueError("dequantize needs C-contiguous data and scale_inv buffers")
         plan = plan_for(recipe, columnwise, out_kind, rows, cols, data, sinv)
-        if SIM:
-            ptrs = tuple(pointer_arg(a, t) for a, t in zip((data, sinv, out), plan.arg_dtypes))
-        else:  # CuPy passes an array as its data pointer
-            ptrs = (data, sinv, out)
-        plan.kernel(plan.grid, plan.block, ptrs + plan.scalars)
-    if out_kind == F16_OUT:
-        return out.view(np.float16)
-    if out_kind == BF16_OUT and xp is np:
-        return out.view(BF16)
+        args = ad.args((data, sinv, out), plan.arg_dtypes, plan.scalars)
+        ad.launch(plan.kernel, plan.grid, plan.block, args, data)
     return out

@@ -25,7 +25,7 @@ import numpy as np
 from .. import _arrays
 from ..formats import Block2D, E4M3
 from ..layout import cdiv, round_up
-from ..tensor import internal_buffers
+from ..tensor import cupy_buffers
 from ._host import SIM, data_ptr, module_of
 from ._specs import (CAST_CHUNK, F_AMAX0, F_AMAXF0, F_BAND0, F_CAST0, F_CASTF0, F_COLBUF,
                      F_COLDATA, F_COLSINV, F_E4M3, F_EPS, F_FASTROW0, F_FASTROW1, F_H, F_HASCOL,
@@ -181,7 +181,7 @@ class Batch:
 
     def __init__(self, items, have_fragments):
         self.block2d = isinstance(items[0].recipe, Block2D)
-        some = next(b for b in internal_buffers(items[0].weight) if b is not None)
+        some = next(b for b in cupy_buffers(items[0].weight) if b is not None)
         self.xp = module_of(some)
 
         def with_col(it):
@@ -191,7 +191,7 @@ class Batch:
         arrays, written = [], []
         for it in self.items:
             arrays.append(it.master)
-            for b in internal_buffers(it.weight):
+            for b in cupy_buffers(it.weight):
                 arrays.append(b)
                 written.append(b)
             arrays += [it.frag_row, it.frag_col]
@@ -264,7 +264,7 @@ class Batch:
         if self.block2d:
             row[F_POW2] = int(r.pow2_scales)
             row[F_EPS] = int(np.float32(r.amax_epsilon).view(np.int32))
-        row_data, row_sinv, col_data, col_sinv = internal_buffers(it.weight)
+        row_data, row_sinv, col_data, col_sinv = cupy_buffers(it.weight)
         row[F_HASROW], row[F_HASCOL] = int(it.rowwise), int(it.columnwise)
         if it.rowwise:
             row[F_ROWDATA] = (a.offset(it.frag_row, 1) - o) if it.frag_row is not None else \
@@ -351,7 +351,7 @@ def _item_key(it):
     place, and the addresses of every array (not the arrays: a key keeps nothing alive)."""
     return (it.h, it.w, it.recipe, it.rowwise, it.columnwise, it.start, it.count,
             it.master_dtype, _ptr(it.master),
-            tuple(_ptr(b) for b in internal_buffers(it.weight)),
+            tuple(_ptr(b) for b in cupy_buffers(it.weight)),
             _ptr(it.frag_row), _ptr(it.frag_col))
 
 
@@ -363,7 +363,7 @@ def batch_for(items, have_fragments):
     device table. The simulator copies arrays into a pool per call: never cached there."""
     if SIM:
         return Batch(items, have_fragments)
-    xp = module_of(next(b for b in internal_buffers(items[0].weight) if b is not None))
+    xp = module_of(next(b for b in cupy_buffers(items[0].weight) if b is not None))
     stream = 0 if xp is np else xp.cuda.get_current_stream().ptr
     key = (stream, have_fragments) + tuple(_item_key(it) for it in items)
     with _table_lock:

@@ -17,8 +17,8 @@ from ..formats import Block1D, Block2D, E4M3, MXFP8
 from ..layout import buffer_layouts
 from . import _compiled
 from . import _specs as sp
-from ._host import (SIM, alloc_views, cached_plan, data_ptr, i64, kind_of, module_of,
-                    pointer_arg, round_up, unused_pointer)
+from ._device_arrays import adapter_of
+from ._host import SIM, cached_plan, kind_of, round_up, scalars
 
 _RECIPE_KIND = {Block1D: sp.BLOCK1D, Block2D: sp.BLOCK2D, MXFP8: sp.MXFP8}
 _VMAX = {sp.F32: scaling.FLT_MAX, sp.BF16: scaling.dtype_max(BF16),
@@ -54,12 +54,12 @@ def spec_for(recipe, kind, rowwise, columnwise, vec, col_vec, settings=None):
         settings=_settings if settings is None else settings)
 
 
-def _kernel_for(recipe, kind, rowwise, columnwise, vec, col_vec):
-    key = (recipe, kind, rowwise, columnwise, vec, col_vec)
+def _kernel_for(recipe, kind, rowwise, columnwise, vec, col_vec, device):
+    key = (recipe, kind, rowwise, columnwise, vec, col_vec, device)
     hit = _kernels.get(key)
     if hit is None:
         spec = spec_for(recipe, kind, rowwise, columnwise, vec, col_vec)
-        hit = (_compiled.kernel("quantize", spec), spec)
+        hit = (_compiled.kernel("quantize", spec, device), spec)
         _kernels[key] = hit
     return hit
 
@@ -73,8 +73,9 @@ class _Plan:
     __slots__ = ("kernel", "grid", "block", "shapes", "offsets", "nbytes", "scalars",
                  "arg_dtypes")
 
-    def __init__(self, recipe, kind, rows, cols, rowwise, columnwise, vec):
-        self.kernel, spec = _kernel_for(recipe, kind, rowwise, columnwise, vec, rows % 16 == 0)
+    def __init__(self, recipe, kind, rows, cols, rowwise, columnwise, vec, device):
+        self.kernel, spec = _kernel_for(recipe, kind, rowwise, columnwise, vec, rows % 16 == 0,
+                                        device)
         self.grid = sp.quantize_grid(spec, rows, cols)
         self.block = (spec.threads, 1, 1)
         self.shapes = [None if s is None else (s.shape, s.dtype)
@@ -86,58 +87,59 @@ class _Plan:
             if s is not None:
                 total += round_up(int(np.prod(s[0])) * np.dtype(s[1]).itemsize, 256)
         self.nbytes = total
-        self.scalars = (i64(rows), i64(cols))
+        self.scalars = scalars(rows, cols)
         # element types of the five pointer arguments (the simulator's views need them)
-        self.arg_dtypes = _compiled.arg_dtypes("quantize", spec, 5) if SIM else None
+        self.arg_dtypes = _compiled.arg_dtypes("quantize", spec, 5) if SIM else (None,) * 5
 
 
 _plans = {}
 
 
-def _check_out(out, shapes):
+def _check_out(ad, out, shapes):
     out = tuple(out)
     for buf, want in zip(out, shapes):
         if want is None:
             continue
-        if buf is None or tuple(buf.shape) != want[0] or buf.dtype != want[1] \
-                or not buf.flags.c_contiguous or data_ptr(buf) % 16:
+        if buf is None or tuple(buf.shape) != want[0] or ad.dtype(buf) != want[1] \
+                or not ad.contiguous(buf) or ad.ptr(buf) % 16:
             raise ValueError(f"quantize out= buffer must be a C-contiguous, 16-byte aligned "
                              f"{want[1]} array of shape {want[0]}, got "
                              f"{None if buf is None else (buf.dtype, tuple(buf.shape))}")
     return out
 
 
-def _plan_for(recipe, kind, rows, cols, rowwise, columnwise, vec):
-    return cached_plan(_plans, (recipe, kind, rows, cols, rowwise, columnwise, vec), _Plan)
+def _plan_for(recipe, kind, rows, cols, rowwise, columnwise, vec, device):
+    """The cached :class:`_Plan` of a call; `device` the CUDA device index of the arrays (the
+    compiled kernel belongs to it; None under the simulator)."""
+    return cached_plan(_plans, (recipe, kind, rows, cols, rowwise, columnwise, vec, device),
+                       _Plan)
 
 
 def quantize(x2d, recipe, rowwise=True, columnwise=False, dtype=None, out=None):
-    """Quantize a C-contiguous 2-D (M, K) device array (float32, float16, or bf16 held as
-    uint16 with ``dtype`` = bfloat16). Returns ``(row_data, row_sinv, col_data, col_sinv)``
+    """Quantize a C-contiguous 2-D (M, K) device array: a CuPy array (float32, float16, or bf16
+    held as uint16 with ``dtype`` = bfloat16) or a torch CUDA tensor (outputs are then torch
+    tensors and the kernel runs on torch's current stream). Returns ``(row_data, row_sinv, col_data, col_sinv)``
     (None for a direction not asked for) in DESIGN §4 layouts, without synchronizing.
 
     The outputs are views of one allocation (each 256-byte aligned): it is freed when the last
     of them is. ``out``: None, or four arrays (None for a direction not asked for) of exactly
     the layouts above, C-contiguous and 16-byte aligned, written in place instead."""
-    xp = module_of(x2d)
-    kind = kind_of(x2d, dtype)
+    ad = adapter_of(x2d)
+    kind = kind_of(ad.dtype(x2d), dtype)
     rows, cols = x2d.shape
     if isinstance(recipe, MXFP8) and (rows % 32 or cols % 32):
         raise ValueError(f"MXFP8 needs M and K to be multiples of 32, got ({rows}, {cols})")
     if rows == 0 or cols == 0:  # every scale tensor is empty too (DESIGN §4 shapes)
-        return tuple(None if s is None else xp.empty(s.shape, dtype=s.dtype)
+        return tuple(None if s is None else ad.empty(s.shape, s.dtype, x2d)
                      for s in buffer_layouts(recipe, rows, cols, rowwise, columnwise))
-    vec = cols % sp.ELEMS_PER_CHUNK[kind] == 0 and data_ptr(x2d) % 16 == 0
-    plan = _plan_for(recipe, kind, rows, cols, rowwise, columnwise, vec)
+    x_ptr = ad.ptr(x2d)
+    vec = cols % sp.ELEMS_PER_CHUNK[kind] == 0 and x_ptr % 16 == 0
+    plan = _plan_for(recipe, kind, rows, cols, rowwise, columnwise, vec, ad.device(x2d))
     if out is None:
-        out = alloc_views(xp, plan.nbytes, plan.shapes, plan.offsets)
+        out = ad.alloc(x2d, plan.nbytes, plan.shapes, plan.offsets)
     else:
-        out = _check_out(out, plan.shapes)
-    if SIM:
-        args = tuple(pointer_arg(a, t) if a is not None else unused_pointer(x2d)
-                     for a, t in zip((x2d,) + out, plan.arg_dtypes)) + plan.scalars
-    else:  # CuPy passes an array as its data pointer; unused outputs get any pointer
-        args = (x2d, out[0] if rowwise else x2d, out[1] if rowwise else x2d,
-                out[2] if columnwise else x2d, out[3] if columnwise else x2d) + plan.scalars
-    plan.kernel(plan.grid, plan.block, args)
+        out = _check_out(ad, out, plan.shapes)
+    # unused outputs get any valid pointer (the input's)
+    args = ad.args((x2d,) + tuple(out), plan.arg_dtypes, plan.scalars)
+    ad.launch(plan.kernel, plan.grid, plan.block, args, x2d)
     return out

@@ -8,27 +8,28 @@ from __future__ import annotations
 import numpy as np
 
 from . import _compiled
-from ._host import cdiv, data_ptr, i64, module_of, pointer_arg, round_up
+from ._device_arrays import adapter_of
+from ._host import cdiv, round_up, scalars
 from ._specs import TR_THREADS as THREADS
 from ._specs import TR_TILE as T
 from ._specs import TransposeSpec
 
 
-_kernels = {}  # (vec_in, vec_out) -> kernel
+_kernels = {}  # (vec_in, vec_out, device) -> kernel
 
 
-def _kernel_for(vec_in, vec_out):
-    k = _kernels.get((vec_in, vec_out))
+def _kernel_for(vec_in, vec_out, device):
+    k = _kernels.get((vec_in, vec_out, device))
     if k is None:
-        k = _kernels[(vec_in, vec_out)] = _compiled.kernel("transpose",
-                                                           TransposeSpec(vec_in, vec_out))
+        k = _kernels[(vec_in, vec_out, device)] = _compiled.kernel(
+            "transpose", TransposeSpec(vec_in, vec_out), device)
     return k
 
 
-def _check_out(buf, shape, dtype, what):
+def _check_out(ad, buf, shape, dtype, what):
     if buf is None:
         return
-    if tuple(buf.shape) != shape or buf.dtype != dtype or not buf.flags.c_contiguous:
+    if tuple(buf.shape) != shape or ad.dtype(buf) != dtype or not ad.contiguous(buf):
         raise ValueError(f"out {what} must be a C-contiguous {np.dtype(dtype).name} array of "
                          f"shape {shape}, got {buf.dtype} {tuple(buf.shape)}")
 
@@ -37,31 +38,30 @@ def block2d_columnwise_from_rowwise(rowwise_data, rowwise_scale_inv, out=(None, 
     """Block2D columnwise buffers from rowwise ones (same contract as the reference): returns
     (data (C, R) uint8, scale_inv fp32 (cdiv(C,128), round4(cdiv(R,128)))), writing into the
     buffers given in ``out`` (no allocation when both are given)."""
-    xp = module_of(rowwise_data)
+    ad = adapter_of(rowwise_data)
     rows, cols = rowwise_data.shape
     nrt, nct = cdiv(rows, T), cdiv(cols, T)
     sinv_in = rowwise_scale_inv
     if sinv_in.ndim != 2 or sinv_in.shape[0] < nrt or sinv_in.shape[1] < nct \
-            or sinv_in.dtype != np.float32 or not sinv_in.flags.c_contiguous:
+            or ad.dtype(sinv_in) != np.float32 or not ad.contiguous(sinv_in):
         raise ValueError(f"rowwise scale_inv must be C-contiguous float32 of shape at least "
                          f"({nrt}, {nct}), got {sinv_in.dtype} {tuple(sinv_in.shape)}")
     out_data, out_sinv = out
-    _check_out(out_data, (cols, rows), np.uint8, "data")
-    _check_out(out_sinv, (nct, round_up(nrt, 4)), np.float32, "scale_inv")
+    _check_out(ad, out_data, (cols, rows), np.uint8, "data")
+    _check_out(ad, out_sinv, (nct, round_up(nrt, 4)), np.float32, "scale_inv")
     if out_data is None:
-        out_data = xp.empty((cols, rows), dtype=np.uint8)
+        out_data = ad.empty((cols, rows), np.dtype(np.uint8), rowwise_data)
     if out_sinv is None:
-        out_sinv = xp.empty((nct, round_up(nrt, 4)), dtype=np.float32)
+        out_sinv = ad.empty((nct, round_up(nrt, 4)), np.dtype(np.float32), rowwise_data)
     if rows == 0 or cols == 0:
-        if out_sinv.size:
+        if out_sinv.shape[0] * out_sinv.shape[1]:
             out_sinv[...] = 1.0
         return out_data, out_sinv
-    vec_in = cols % 16 == 0 and data_ptr(rowwise_data) % 16 == 0
-    vec_out = rows % 16 == 0 and data_ptr(out_data) % 16 == 0
-    kernel = _kernel_for(vec_in, vec_out)
-    args = (pointer_arg(rowwise_data, np.uint32 if vec_in else np.uint8),
-            pointer_arg(out_data, np.uint32 if vec_out else np.uint8),
-            pointer_arg(sinv_in, np.float32), pointer_arg(out_sinv, np.float32),
-            i64(rows), i64(cols), i64(sinv_in.shape[1]))
-    kernel((nrt, nct, 1), (THREADS, 1, 1), args)
+    vec_in = cols % 16 == 0 and ad.ptr(rowwise_data) % 16 == 0
+    vec_out = rows % 16 == 0 and ad.ptr(out_data) % 16 == 0
+    kernel = _kernel_for(vec_in, vec_out, ad.device(rowwise_data))
+    args = ad.args((rowwise_data, out_data, sinv_in, out_sinv),
+                   (np.uint32 if vec_in else np.uint8, np.uint32 if vec_out else np.uint8,
+                    np.float32, np.float32), scalars(rows, cols, sinv_in.shape[1]))
+    ad.launch(kernel, (nrt, nct, 1), (THREADS, 1, 1), args, rowwise_data)
     return out_data, out_sinv

@@ -9,6 +9,7 @@ place, ``stats`` with cumulative ``calls`` and ``bytes`` (payload bytes of this 
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from types import SimpleNamespace
 
@@ -42,7 +43,17 @@ class ThreadComm:
         self.reset_stats()
 
     def reset_stats(self):
-        self.stats = SimpleNamespace(calls=0, bytes=0)
+        self.stats = SimpleNamespace(calls=0, bytes=0, meta_calls=0)
+        self._meta = 0
+
+    @contextlib.contextmanager
+    def metadata(self):
+        """As fp8blk.comm: collectives inside count as ``meta_calls``, not ``calls``/``bytes``."""
+        self._meta += 1
+        try:
+            yield self
+        finally:
+            self._meta -= 1
 
     def all_reduce(self, buf, op="max"):
         if op not in ("max", "sum"):
@@ -64,6 +75,9 @@ class ThreadComm:
                   ).astype(buf.dtype)
         g.barrier.wait()
         buf[...] = result
+        if self._meta:
+            self.stats.meta_calls += 1
+            return
         self.stats.calls += 1
         self.stats.bytes += buf.nbytes
 

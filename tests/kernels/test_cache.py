@@ -126,7 +126,7 @@ def test_dequantize_rows_per_thread_is_in_the_key_and_the_plan():
         _compiled.key("dequantize", spec2, (9, 0))[0]
     built = []
     real = _compiled.kernel
-    _compiled.kernel = lambda family, spec: built.append(spec) or (lambda *a: None)
+    _compiled.kernel = lambda family, spec, device=None: built.append(spec) or (lambda *a: None)
     try:
         grids = {}
         for rpt in (4, 2):

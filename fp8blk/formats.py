@@ -94,6 +94,17 @@ class _Fp32ScaledRecipe:
         object.__setattr__(self, "pow2_scales",
                            _check_fp32_scale_fields(self.pow2_scales, self.amax_epsilon))
         object.__setattr__(self, "amax_epsilon", float(self.amax_epsilon))
+        _store_hash(self, (self.fmt, self.pow2_scales, self.amax_epsilon))
+
+
+def _store_hash(recipe, fields):
+    # Recipes key every per-call cache (kernel plans, layouts): the dataclass hash would hash
+    # the fields (an Enum among them) on every lookup, ~0.6 us; computed once instead.
+    object.__setattr__(recipe, "_hash", hash((type(recipe).__name__,) + fields))
+
+
+def _cached_hash(recipe):
+    return recipe._hash
 
 
 @dataclass(frozen=True)
@@ -130,9 +141,12 @@ class MXFP8:
 
     def __post_init__(self):
         _check_format(self.fmt)
+        _store_hash(self, (self.fmt,))
 
 
 Recipe = (Block1D, Block2D, MXFP8)
+for _recipe_type in Recipe:  # after @dataclass, which would put back a field-hashing __hash__
+    _recipe_type.__hash__ = _cached_hash
 
 
 def check_recipe(recipe) -> None:

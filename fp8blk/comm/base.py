@@ -244,6 +244,13 @@ class Communicator:
     count and uses ``_all_gather``), ``_reduce_scatter(inp, out, dtype, op, async_op)``,
     ``_broadcast(buf, root, async_op)``, ``_barrier()``. ``inp`` / ``buf`` of all_gather,
     all_gather_v and broadcast arrive as flat uint8 views; reductions keep their dtype.
+
+    Internal hooks of the quantized gather (defaults here; backends override for speed):
+    ``_gather_parts(items, stream_ptr)`` (one grouped, possibly in-place all-gather of several
+    byte buffers; NCCL: one group, MPI: in-place Iallgather(v), torch: in-place
+    all_gather_into_tensor), ``_meta_all_gather(row)`` / ``_meta_all_reduce_max(row)`` (small
+    host int64 metadata, never staged through a device), ``_stream_ordered`` (whether
+    ``_gather_parts`` only enqueues on a stream).
     """
 
     rank: int = 0
@@ -380,6 +387,61 @@ class Communicator:
 
     def _barrier(self):  # pragma: no cover - abstract
         raise NotImplementedError
+
+    # -- internal hooks of the quantized gather (fp8blk.comm.gather) --------------------------
+    #: the quantized gather's cache of plans (fp8blk.comm.gather.plan_cache)
+    _gather_plans = None
+
+    #: True for backends that order against torch's current stream (torch process groups):
+    #: the gather makes its communication stream torch's current stream around them
+    _orders_torch_stream = False
+
+    #: True when ``_gather_parts`` enqueues on a device stream and its ``finish`` (if any)
+    #: only orders that stream (never blocks the host): then the gather's post-processing is
+    #: enqueued right away and an asynchronous gather's handle is an event.
+    _stream_ordered = False
+
+    def _meta_all_gather(self, row):
+        """All-gather a small host int64 vector (metadata) into a (size, len) NumPy table,
+        through host memory only (no device staging), counted as metadata."""
+        table = np.empty((self.size, row.size), dtype=np.int64)
+        with self.metadata():
+            self._record("all_gather", nbytes_of(row))
+            self._all_gather(byte_view(row), byte_view(table), False).wait()
+        return table
+
+    def _meta_all_reduce_max(self, row):
+        """In-place MAX all-reduce of a small host int64 vector, counted as metadata."""
+        with self.metadata():
+            self._record("all_reduce", nbytes_of(row))
+            self._all_reduce(row, row.dtype, "max", False).wait()
+        return row
+
+    def _gather_parts(self, items, stream_ptr=None):
+        """One grouped all-gather of several byte buffers (the quantized gather's data and
+        scales), issued without Python post-processing where the backend allows.
+
+        ``items``: list of ``(send, recv, counts)``: ``recv`` a flat uint8 array of
+        ``sum(counts)`` bytes that receives rank r's bytes at offset ``sum(counts[:r])``;
+        ``send`` a flat uint8 array of ``counts[rank]`` bytes, or None when this rank's bytes
+        are already in place in ``recv``. Arrays are NumPy, CuPy or torch. ``stream_ptr``: the
+        device stream to enqueue on (device backends). Returns None when complete (or, for
+        stream-ordered backends, enqueued), else a ``finish()`` callable to run before the
+        result is read. Default: one all_gather_v per item, copying in-place slots out."""
+        handles = []
+        for send, recv, counts in items:
+            arr = _arrays.to_backend(recv)[0]
+            if send is None:
+                start = sum(counts[: self.rank])
+                send_arr = arr[start: start + counts[self.rank]].copy()
+            else:
+                send_arr = _arrays.to_backend(send)[0]
+            handles.append(self._all_gather_v(send_arr, list(counts), arr, True))
+
+        def finish():
+            for handle in handles:
+                handle.wait()
+        return finish
 
 
 def _finish(handle, async_op, result, sync_result=None):

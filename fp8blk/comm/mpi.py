@@ -241,6 +241,40 @@ class MPIComm(Communicator):
         post()
         return Handle.completed()
 
+    def _gather_parts(self, items, stream_ptr=None):
+        """Each item is one non-blocking Allgather(v) (MPI_IN_PLACE where this rank's bytes
+        are already in place); device (CuPy) buffers are staged through host memory unless
+        the MPI is CUDA-aware. Returns the ``finish()`` that waits for all of them."""
+        MPI = _mpi()
+        requests, copies = [], []
+        for send, recv, counts in items:
+            recv = _arrays.to_backend(recv)[0]
+            send = None if send is None else _arrays.to_backend(send)[0]
+            start = sum(counts[: self.rank])
+            mine = counts[self.rank]
+            if self._direct(recv):
+                host_recv = recv
+            else:
+                host_recv = np.empty(recv.size, np.uint8)
+                copies.append((host_recv, recv))
+                if send is None:  # in place: this rank's bytes go to MPI from the host copy
+                    host_recv[start: start + mine] = _to_host(recv[start: start + mine])
+            if send is not None and not self._direct(send):
+                send = _to_host(send)
+            send_spec = MPI.IN_PLACE if send is None else [send, MPI.BYTE]
+            if all(c == mine for c in counts):
+                requests.append(self.mpi_comm.Iallgather(send_spec, [host_recv, MPI.BYTE]))
+            else:
+                displacements = np.cumsum([0] + list(counts[:-1]), dtype=np.int64)
+                spec = [host_recv, (np.asarray(counts, np.int64), displacements), MPI.BYTE]
+                requests.append(self.mpi_comm.Iallgatherv(send_spec, spec))
+
+        def finish():
+            MPI.Request.Waitall(requests)
+            for host, dev in copies:
+                _to_device(host, dev)
+        return finish
+
     def _barrier(self):
         if "cupy" in sys.modules:  # device work queued before the barrier counts as before it
             try:

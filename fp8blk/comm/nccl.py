@@ -55,6 +55,48 @@ def _nccl_dtype(dtype):
     return table[np.dtype(dtype)]
 
 
+def _ptr(arr):
+    """Device address of a CuPy array or a torch CUDA tensor."""
+    data_ptr = getattr(arr, "data_ptr", None)  # torch
+    return data_ptr() if data_ptr is not None else arr.data.ptr
+
+
+def _host_array(arr):
+    """True for NumPy arrays and torch CPU tensors."""
+    return isinstance(arr, np.ndarray) or not getattr(arr, "is_cuda", True)
+
+
+def _direct_pair(inp, out, size):
+    """(nbytes, in ptr, out ptr, stream ptr, result) for an all_gather that needs no
+    conversion: both CuPy arrays or both torch CUDA tensors, contiguous, same dtype, out of
+    shape (size * n, ...) (allocated when None). None: take the general path."""
+    torch = _arrays._torch()
+    if torch is not None and type(inp) is torch.Tensor:
+        if not inp.is_cuda or inp.dim() == 0 or not inp.is_contiguous():
+            return None
+        shape = (size * inp.shape[0],) + tuple(inp.shape[1:])
+        if out is None:
+            out = torch.empty(shape, dtype=inp.dtype, device=inp.device)
+        elif (type(out) is not torch.Tensor or out.dtype != inp.dtype or out.device != inp.device
+              or tuple(out.shape) != shape or not out.is_contiguous()):
+            return None
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        stream = raw(inp.device.index) if raw is not None else \
+            torch.cuda.current_stream(inp.device).cuda_stream
+        return (inp.numel() * inp.element_size(), inp.data_ptr(), out.data_ptr(), stream, out)
+    cupy = _arrays._cupy()
+    if cupy is None or type(inp) is not cupy.ndarray or inp.ndim == 0 \
+            or not inp.flags.c_contiguous:
+        return None
+    shape = (size * inp.shape[0],) + inp.shape[1:]
+    if out is None:
+        out = cupy.empty(shape, dtype=inp.dtype)
+    elif (type(out) is not cupy.ndarray or out.dtype != inp.dtype or out.shape != shape
+          or not out.flags.c_contiguous):
+        return None
+    return (inp.nbytes, inp.data.ptr, out.data.ptr, cupy.cuda.get_current_stream().ptr, out)
+
+
 def _nccl_op(op):
     nccl = _nccl()
     return nccl.NCCL_SUM if op == "sum" else nccl.NCCL_MAX
@@ -107,6 +149,23 @@ class NCCLComm(Communicator):
                    device=int(device))
         host.stats = comm.stats  # host traffic counts as this communicator's
         return comm
+
+    # -- the small-message fast path -------------------------------------------------------------
+    def all_gather(self, inp, out=None, async_op=False):
+        """As :meth:`Communicator.all_gather`. Synchronous calls on contiguous device arrays
+        (CuPy, or torch CUDA tensors, passed by pointer: no DLPack) go straight to
+        ncclAllGather on the current stream of their family, so the per-call cost is close to
+        raw NCCL; everything else takes the general path."""
+        if not async_op:
+            direct = _direct_pair(inp, out, self.size)
+            if direct is not None:
+                nbytes, in_ptr, out_ptr, stream, result = direct
+                self.stats.record("all_gather", nbytes)
+                if nbytes:
+                    self.nccl_comm.allGather(in_ptr, out_ptr, nbytes, _nccl().NCCL_UINT8,
+                                             stream)
+                return result
+        return super().all_gather(inp, out, async_op)
 
     # -- helpers ------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -205,6 +264,41 @@ class NCCLComm(Communicator):
         self.nccl_comm.bcast(buf.data.ptr, buf.size, _nccl().NCCL_UINT8, root,
                              self._stream().ptr)
         return self._enqueued(async_op)
+
+    _stream_ordered = True
+
+    def _gather_parts(self, items, stream_ptr=None):
+        """All items in ONE NCCL group on ``stream_ptr`` (default: the current CuPy stream):
+        equal counts are an in-place ncclAllGather, unequal ones a broadcast per non-empty
+        rank. Device arrays (CuPy or torch CUDA tensors) are passed by pointer: nothing is
+        converted. Host items go to the MPI host communicator."""
+        if items and not _arrays.is_device(items[0][1]) and _host_array(items[0][1]):
+            return self.host_comm._gather_parts(items)
+        nccl = _nccl()
+        stream = self._stream().ptr if stream_ptr is None else stream_ptr
+        me = self.rank
+        nccl.groupStart()
+        try:
+            for send, recv, counts in items:
+                recv_ptr = _ptr(recv)
+                mine = counts[me]
+                start = sum(counts[:me])
+                send_ptr = recv_ptr + start if send is None else _ptr(send)
+                if all(c == mine for c in counts):
+                    if mine:
+                        self.nccl_comm.allGather(send_ptr, recv_ptr, mine, nccl.NCCL_UINT8,
+                                                 stream)
+                    continue
+                offset = 0
+                for root, count in enumerate(counts):
+                    if count:  # every rank skips the same roots: counts agree
+                        dst = recv_ptr + offset
+                        self.nccl_comm.broadcast(send_ptr if root == me else dst, dst, count,
+                                                 nccl.NCCL_UINT8, root, stream)
+                    offset += count
+        finally:
+            nccl.groupEnd()
+        return None
 
     def _barrier(self):
         self._stream().synchronize()

@@ -46,21 +46,49 @@ class TorchComm(Communicator):
         backend = str(dist.get_backend(group)).lower()
         self._cpu_ok = "gloo" in backend or "mpi" in backend
         self._cuda_ok = "nccl" in backend or "cuda" in backend
+        self._stream_ordered = self._cuda_ok  # NCCL work only orders streams on wait()
+        self._orders_torch_stream = True
+        self._host_pg = None  # a gloo group for host buffers when the group takes CUDA only
 
     # -- conversions --------------------------------------------------------------------------
-    def _needs_staging(self, arr) -> bool:
-        return not self._cuda_ok if _arrays.is_device(arr) else not self._cpu_ok
+    def _host_group(self):
+        """The group that carries host (CPU) tensors: the group itself when its backend takes
+        them, else a gloo group over the same ranks, made on the first host collective (by
+        the group's ranks only: ``use_local_synchronization``). None if gloo is unavailable
+        (host buffers are then staged through the device)."""
+        if self._cpu_ok:
+            return self.group
+        if self._host_pg is None:
+            dist = _dist()
+            try:
+                ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+                extra = {} if ranks == sorted(ranks) else {"sort_ranks": False}
+                self._host_pg = dist.new_group(ranks=ranks, backend="gloo",
+                                               use_local_synchronization=True, **extra)
+            except Exception:  # no gloo, or a torch without these options: stage instead
+                self._host_pg = False
+        return self._host_pg or None
+
+    def _route(self, arr):
+        """(group, staged) for an array: host arrays take the host group where there is one."""
+        if _arrays.is_device(arr) or getattr(arr, "is_cuda", False):
+            return self.group, not self._cuda_ok
+        if self._cpu_ok:
+            return self.group, False
+        host = self._host_group()
+        return (host, False) if host is not None else (self.group, True)
 
     def _work(self, arr, dtype=None):
-        """(torch tensor on a device the group takes, copy-back function or None)."""
-        tensor = _arrays.from_backend(arr, _arrays.TORCH, dtype)
-        if not self._needs_staging(arr):
-            return tensor, None
+        """(torch tensor on a device its group takes, copy-back function or None, group)."""
+        tensor = arr if _is_torch(arr) else _arrays.from_backend(arr, _arrays.TORCH, dtype)
+        group, staged = self._route(arr)
+        if not staged:
+            return tensor, None, group
         staged = tensor.cpu() if tensor.is_cuda else tensor.cuda()
 
         def copy_back():
             tensor.copy_(staged)
-        return staged, copy_back
+        return staged, copy_back, group
 
     def _global(self, rank):
         if self.group is None:
@@ -105,20 +133,19 @@ class TorchComm(Communicator):
         dist = _dist()
         if self._keys_on_cpu(buf, dtype, op):
             keys, finish = self._host_keys(buf, dtype)
-            tensor, copy_back = self._work(keys)
+            tensor, copy_back, group = self._work(keys)
         else:
             finish = None
-            tensor, copy_back = self._work(buf, dtype)
-        work = dist.all_reduce(tensor, op=self._reduce_op(op), group=self.group,
-                               async_op=async_op)
+            tensor, copy_back, group = self._work(buf, dtype)
+        work = dist.all_reduce(tensor, op=self._reduce_op(op), group=group, async_op=async_op)
 
         return self._handle(work, _in_order(copy_back, finish), async_op)
 
     def _all_gather(self, inp, out, async_op):
         dist = _dist()
-        send, _ = self._work(inp)
-        recv, copy_back = self._work(out)
-        work = dist.all_gather_into_tensor(recv, send, group=self.group, async_op=async_op)
+        send, _, _ = self._work(inp)
+        recv, copy_back, group = self._work(out)
+        work = _all_gather_single(dist)(recv, send, group=group, async_op=async_op)
         return self._handle(work, copy_back or (lambda: None), async_op)
 
     def _reduce_scatter(self, inp, out, dtype, op, async_op):
@@ -128,8 +155,8 @@ class TorchComm(Communicator):
             keys = float_to_max_keys(host_in, dtype)  # a copy: inputs stay intact
             wide = keys.astype(np.int32) if keys.dtype.itemsize == 2 else keys
             recv_wide = np.empty(out.shape, dtype=wide.dtype)
-            send, _ = self._work(wide)
-            recv, copy_back = self._work(recv_wide)
+            send, _, _ = self._work(wide)
+            recv, copy_back, group = self._work(recv_wide)
 
             def finish():
                 result = recv_wide.astype(keys.dtype)
@@ -140,19 +167,109 @@ class TorchComm(Communicator):
                     out[...] = result.view(out.dtype)
         else:
             finish = None
-            send, _ = self._work(inp, dtype)
-            recv, copy_back = self._work(out, dtype)
-        work = dist.reduce_scatter_tensor(recv, send, op=self._reduce_op(op), group=self.group,
+            send, _, _ = self._work(inp, dtype)
+            recv, copy_back, group = self._work(out, dtype)
+        work = _reduce_scatter_single(dist)(recv, send, op=self._reduce_op(op), group=group,
                                           async_op=async_op)
 
         return self._handle(work, _in_order(copy_back, finish), async_op)
 
     def _broadcast(self, buf, root, async_op):
         dist = _dist()
-        tensor, copy_back = self._work(buf)
-        work = dist.broadcast(tensor, src=self._global(root), group=self.group,
-                              async_op=async_op)
+        tensor, copy_back, group = self._work(buf)
+        work = dist.broadcast(tensor, src=self._global(root), group=group, async_op=async_op)
         return self._handle(work, copy_back or (lambda: None), async_op)
 
     def _barrier(self):
         _dist().barrier(group=self.group)
+
+    def _gather_parts(self, items, stream_ptr=None):
+        """Each item: an in-place ``all_gather_into_tensor`` on uint8 for equal counts; for
+        unequal counts a list ``all_gather`` on NCCL (which takes uneven sizes), or, on gloo,
+        every rank's bytes padded to the largest count. Torch tensors are used as they are;
+        NumPy/CuPy arrays are wrapped through DLPack. Returns ``finish()`` (for NCCL it only
+        makes the current stream wait: call it with the stream the result is used on)."""
+        dist = _dist()
+        works, posts = [], []
+        me = self.rank
+        for send, recv, counts in items:
+            recv_t, copy_back, group = self._work(recv)
+            mine, start = counts[me], sum(counts[:me])
+            if send is None:
+                send_t = recv_t[start: start + mine]
+            else:
+                send_t = self._work(send)[0]
+                if send_t.device != recv_t.device:
+                    send_t = send_t.to(recv_t.device)
+            if all(c == mine for c in counts):
+                if mine:
+                    works.append(_all_gather_single(dist)(recv_t, send_t, group=group,
+                                                             async_op=True))
+            elif recv_t.is_cuda:
+                works.append(dist.all_gather(list(recv_t.split(list(counts))), send_t,
+                                             group=group, async_op=True))
+            else:
+                width = max(counts)
+                padded = recv_t.new_zeros(width)
+                padded[:mine] = send_t
+                staging = recv_t.new_empty(width * self.size)
+                works.append(_all_gather_single(dist)(staging, padded, group=group,
+                                                         async_op=True))
+                posts.append(_compact(recv_t, staging, counts, width))
+            if copy_back is not None:
+                posts.append(copy_back)
+
+        def finish():
+            for work in works:
+                work.wait()
+            for post in posts:
+                post()
+        return finish
+
+    def _meta_all_gather(self, row):
+        """Metadata through the host group (gloo) with a NumPy-backed tensor: no device
+        staging, no stream drain."""
+        group = self._host_group()
+        if group is None:
+            return super()._meta_all_gather(row)
+        torch = _arrays._torch()
+        table = np.empty((self.size, row.size), dtype=np.int64)
+        with self.metadata():
+            self._record("all_gather", row.nbytes)
+            _all_gather_single(_dist())(torch.from_numpy(table.reshape(-1)),
+                                           torch.from_numpy(row), group=group)
+        return table
+
+    def _meta_all_reduce_max(self, row):
+        group = self._host_group()
+        if group is None:
+            return super()._meta_all_reduce_max(row)
+        with self.metadata():
+            self._record("all_reduce", row.nbytes)
+            _dist().all_reduce(_arrays._torch().from_numpy(row), op=_dist().ReduceOp.MAX,
+                               group=group)
+        return row
+
+
+def _all_gather_single(dist):
+    """``all_gather_single`` (torch >= 2.13; ``all_gather_into_tensor`` is deprecated there)."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _reduce_scatter_single(dist):
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _is_torch(arr):
+    torch = _arrays._torch()
+    return torch is not None and isinstance(arr, torch.Tensor)
+
+
+def _compact(recv, staging, counts, width):
+    def run():
+        offset = 0
+        for r, count in enumerate(counts):
+            if count:
+                recv[offset: offset + count].copy_(staging[r * width: r * width + count])
+            offset += count
+    return run

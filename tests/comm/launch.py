@@ -58,9 +58,12 @@ def run(command, timeout, env=None):
     return process.returncode, output, time.monotonic() - start
 
 
-def mpi(n, script, *args, timeout=120, env=None):
+def mpi(n, script, *args, timeout=120, env=None, mpi4py_module=True):
+    """Run ``script`` on n ranks; ``mpi4py_module=False`` starts it as plain ``python script``
+    (an uncaught exception then does not abort the other ranks: what must not hang)."""
     pytest.importorskip("mpi4py")
-    command = mpiexec_command() + ["-n", str(n), sys.executable, "-m", "mpi4py",
+    module = ["-m", "mpi4py"] if mpi4py_module else []
+    command = mpiexec_command() + ["-n", str(n), sys.executable, *module,
                                    str(SCRIPTS / script), *args]
     return run(command, timeout, env)
 

@@ -23,6 +23,14 @@ def test_mpi_suite(n):
     _expect_suite(mpi(n, "comm_suite.py", "mpi"), n)
 
 
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("module", [True, False], ids=["m-mpi4py", "plain-python"])
+def test_plain_gather_uneven_and_errors(n, module):
+    # issue 16: 1-D inputs, lengths that differ per rank, one rank's invalid input; started
+    # without -m mpi4py nothing may hang either
+    _expect_suite(mpi(n, "comm_suite.py", "mpi", "plain", timeout=90, mpi4py_module=module), n)
+
+
 @pytest.mark.parametrize("mode", ["between", "inside"])
 def test_failing_rank_ends_the_mpi_job(mode):
     code, output, seconds = mpi(3, "fail_in_collective.py", mode, timeout=60)
@@ -45,9 +53,22 @@ def test_failing_rank_ends_the_torchrun_job():
     assert "SUITE OK" not in output
 
 
+def _need_gpus(n):
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        count = 0
+    if count < n:
+        pytest.skip(f"needs {n} GPUs, found {count}")
+
+
 @pytest.mark.gpu
-def test_nccl_suite_one_rank():
-    _expect_suite(mpi(1, "comm_suite.py", "nccl", timeout=600), 1)
+@pytest.mark.parametrize("n", [1, 2])
+def test_nccl_suite(n):
+    _need_gpus(n)
+    _expect_suite(mpi(n, "comm_suite.py", "nccl", timeout=600), n)
 
 
 @pytest.mark.gpu
@@ -58,5 +79,7 @@ def test_mpi_staging_cupy_arrays(n):
 
 
 @pytest.mark.gpu
-def test_torch_suite_nccl_one_rank():
-    _expect_suite(torchrun(1, "torch_suite.py", "nccl", timeout=600), 1)
+@pytest.mark.parametrize("n", [1, 2])
+def test_torch_suite_nccl(n):
+    _need_gpus(n)
+    _expect_suite(torchrun(n, "torch_suite.py", "nccl", timeout=600), n)

@@ -4,7 +4,8 @@
 
 BACKEND: ``mpi`` (MPIComm, NumPy arrays), ``mpi-cupy`` (MPIComm with CuPy arrays staged
 through host memory), ``nccl`` (NCCLComm on CuPy arrays; one rank per GPU). PARTS: a comma list
-of collectives,packed,gather (default all). Each rank prints ``SUITE OK ...`` when it passes.
+of collectives,packed,gather,plain (default: all; gather includes plain). Each rank prints
+``SUITE OK ...`` when it passes.
 
 On the GPU machine (system Open MPI, not CUDA-aware)::
 

@@ -22,9 +22,15 @@ from fp8blk.comm import TorchComm  # noqa: E402
 
 def main():
     backend = sys.argv[1] if len(sys.argv) > 1 else "gloo"
+    local = int(os.environ.get("LOCAL_RANK", 0))
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=60))
+        torch.cuda.set_device(local)
+        import cupy
+
+        cupy.cuda.Device(local).use()  # CuPy does not follow torch.cuda.set_device
+    # device_id binds the NCCL communicator to this GPU up front (no guessing in barrier())
+    extra = {"device_id": torch.device("cuda", local)} if backend == "nccl" else {}
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=300), **extra)
     comm = TorchComm()
     fail_rank = os.environ.get("FP8BLK_TEST_FAIL_RANK")
     if fail_rank is not None and int(fail_rank) == comm.rank:

@@ -2,7 +2,7 @@
 Compute (each is launched twice: the first launch compiles and warms, profile the second):
 
     ncu --clock-control none --kernel-name regex:kernel --launch-skip-before-match 0 \
-        --section SpeedOfLight ... python3 bench/profile_unaligned.py
+        --section SpeedOfLight ... python3 bench/profile/profile_unaligned.py
 
 Cases: Block1D columnwise, Block2D row+col and the Block2D FP8 transpose at 8191x8320 bf16
 (transposed (K, M) outputs whose rows are not 16-byte aligned), and dequantize Block1D
@@ -13,7 +13,8 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the repository root (this file is bench/profile/NAME.py)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import cupy  # noqa: E402
 

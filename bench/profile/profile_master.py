@@ -4,14 +4,16 @@ Nsight Compute:
 
     ncu --clock-control none --kernel-name regex:kernel --section SpeedOfLight \
         --section Occupancy --section WarpStateStats --section LaunchStats \
-        python3 bench/profile_master.py
+        python3 bench/profile/profile_master.py
 """
 import os
 import sys
 
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# bench/ (for bench_master) and the repository root (this file is bench/profile/NAME.py)
+_BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _BENCH)
+sys.path.insert(0, os.path.dirname(_BENCH))
 
 import cupy as cp  # noqa: E402
 

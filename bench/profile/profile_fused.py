@@ -2,14 +2,15 @@
 
     ncu --clock-control none --kernel-name regex:^kernel --launch-skip 2 --launch-count 2 \
         --section SpeedOfLight --section Occupancy --section WarpStateStats \
-        --section LaunchStats python3 bench/profile_fused.py
+        --section LaunchStats python3 bench/profile/profile_fused.py
 """
 import os
 import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the repository root (this file is bench/profile/NAME.py)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import cupy  # noqa: E402
 

@@ -1,0 +1,116 @@
+#!/bin/bash
+# One device call for the GPU work: tests, benchmarks and profiles, picked by STEPS.
+# Usage, from the repository root on the GPU machine:
+#   OUT=/some/dir STEPS="tests kernels" bash bench/run_gpu.sh
+# Each step logs to $OUT/<step>.log, prints the log's tail (TAIL lines, default 6; the kernel
+# benchmark prints its whole table) and "== <step>: rc=N in S s". JSON results go to $OUT.
+#
+# Steps (default: "tests kernels comm master comm_bench"):
+#   tests         the whole -m gpu test suite                      (GPU_TESTS, GPU_TESTS_TIMEOUT)
+#   kernel_tests  -m gpu tests/kernels/test_gpu.py only            (TEST_TIMEOUT)
+#   kernels       bench/bench_kernels.py $BENCH_ARGS -> h200-<date>.json (BENCH_TIMEOUT);
+#                 torchao 0.18 peers need its wheel carried in .whl/
+#   ncu_fused     Nsight Compute profile of the fused quantize kernels -> ncu_fused.txt
+#   profile       bench/profile/profile_all.sh (fused, master, unaligned) -> ncu_*.txt
+#   comm          comm suites: NCCL 1 rank, CuPy over MPI 2 ranks, torch NCCL 1 rank, and
+#                 NCCL on every GPU when there are several               (COMM_TIMEOUT)
+#   master        bench/bench_master.py -> master-h200-<date>.json
+#   comm_bench    bench/bench_comm.py, one rank per GPU -> comm-h200xN-<date>.json
+#   host          bench/host_breakdown.py -> host-breakdown-h200-<date>.json, and
+#                 bench/bench_host.py (host cost per call from torch and CuPy) -> host-h200-<date>.json
+#   bench         the same as "master comm_bench" (the old run_gpu_all.sh name)
+# Steps other sessions are adding (skipped, with a note, while their script is absent):
+#   prebuild      python3 -m fp8blk prebuild (compiled-kernel disk cache)
+#   cold_start    bench/cold_start.py
+#   gather        bench/bench_gather.py, one rank per GPU (name to be confirmed)
+#   linear        bench/bench_linear.py
+#   fsdp          bench/bench_fsdp.py
+#
+# The old drivers map to: bench/run_h200.sh      = STEPS="kernel_tests kernels"
+#                                                  (PROFILE=1: + ncu_fused)
+#                         bench/run_gpu_all.sh   = STEPS="tests comm bench"
+# Open MPI on the GPU image is not CUDA-aware and needs the flags below.
+set -o pipefail
+OUT=${OUT:-bench/results}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
+export TORCHINDUCTOR_COMPILE_THREADS=16
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if ls .whl/*.whl >/dev/null 2>&1; then  # torchao (and any other carried wheel)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+fi
+NGPU=$(nvidia-smi -L | wc -l)
+MPIEXEC="/usr/bin/mpiexec --allow-run-as-root --oversubscribe"
+PY=$(command -v python3)  # mpiexec's children would otherwise find /usr/bin/python3
+DATE=$(date +%F)
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
+
+step() {  # step NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, print its tail and status
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n ${TAIL:-6} "$OUT/$name.log"
+  echo "== $name: rc=$rc in $(( $(date +%s) - t0 )) s"
+}
+absent() {  # absent STEP PATH: true (and a note) when another session's script is not here yet
+  [ -e "$2" ] && return 1
+  echo "== $1: skipped ($2 is not in this tree yet)"
+}
+STEPS=${STEPS:-tests kernels comm master comm_bench}
+[ -n "$PROFILE" ] && STEPS="$STEPS ncu_fused"
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+CT=${COMM_TIMEOUT:-300}  # a cold machine JIT-compiles every gather variant first
+
+if has prebuild && ! absent prebuild fp8blk/_prebuild.py; then
+  step prebuild ${PREBUILD_TIMEOUT:-600} python3 -m fp8blk prebuild
+fi
+has tests && step gpu_tests ${GPU_TESTS_TIMEOUT:-240} \
+  python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 ${GPU_TESTS:-tests}
+has kernel_tests && step gpu_kernel_tests ${TEST_TIMEOUT:-300} \
+  python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 tests/kernels/test_gpu.py
+has kernels && TAIL=${KERNELS_TAIL:-80} step bench_kernels ${BENCH_TIMEOUT:-280} \
+  python3 bench/bench_kernels.py --out "$OUT" $BENCH_ARGS
+if has cold_start && ! absent cold_start bench/cold_start.py; then
+  step cold_start ${COLD_TIMEOUT:-300} python3 bench/cold_start.py --out "$OUT"
+fi
+if has host; then
+  step host_breakdown 200 python3 bench/host_breakdown.py \
+    --out "$OUT/host-breakdown-h200-$DATE.json"
+  absent host bench/bench_host.py || TAIL=30 step bench_host 200 python3 bench/bench_host.py \
+    --out "$OUT/host-h200-$DATE.json"
+fi
+if has ncu_fused && command -v ncu >/dev/null; then
+  TAIL=60 step ncu_fused 150 ncu --clock-control none --kernel-name regex:^kernel \
+    --launch-skip 2 --launch-count 2 --section SpeedOfLight --section Occupancy \
+    --section WarpStateStats --section LaunchStats python3 bench/profile/profile_fused.py
+fi
+has profile && step profile 700 bash bench/profile/profile_all.sh
+if has comm; then
+  step comm_nccl_1 $CT $MPIEXEC -n 1 $PY -m mpi4py tests/comm/mpi_scripts/comm_suite.py nccl
+  step comm_mpi_cupy_2 $CT $MPIEXEC -n 2 $PY -m mpi4py tests/comm/mpi_scripts/comm_suite.py mpi-cupy
+  step comm_torch_nccl_1 ${TORCH_TIMEOUT:-90} torchrun --standalone --nproc-per-node 1 \
+    tests/comm/mpi_scripts/torch_suite.py nccl
+  if [ "$NGPU" -gt 1 ]; then
+    step comm_nccl_$NGPU $CT $MPIEXEC -n $NGPU $PY -m mpi4py tests/comm/mpi_scripts/comm_suite.py nccl
+  fi
+fi
+if has master || has bench; then
+  step bench_master 200 python3 bench/bench_master.py --out "$OUT/master-h200-$DATE.json"
+fi
+if has comm_bench || has bench; then
+  step bench_comm_$NGPU 120 $MPIEXEC -n $NGPU $PY -m mpi4py bench/bench_comm.py --out "$OUT"
+fi
+if has gather && ! absent gather bench/bench_gather.py; then
+  step bench_gather_$NGPU ${GATHER_TIMEOUT:-300} $MPIEXEC -n $NGPU $PY -m mpi4py \
+    bench/bench_gather.py --out "$OUT"
+fi
+if has linear && ! absent linear bench/bench_linear.py; then
+  step bench_linear ${LINEAR_TIMEOUT:-300} python3 bench/bench_linear.py --out "$OUT"
+fi
+if has fsdp && ! absent fsdp bench/bench_fsdp.py; then
+  step bench_fsdp_$NGPU ${FSDP_TIMEOUT:-300} torchrun --standalone --nproc-per-node $NGPU \
+    bench/bench_fsdp.py --out "$OUT"
+fi
+exit 0

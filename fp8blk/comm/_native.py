@@ -1,0 +1,202 @@
+"""Array operations of the gather in the caller's own array family (NumPy, CuPy or torch),
+so that torch tensors stay torch tensors (torch.empty, views, copy_) and nothing crosses
+DLPack per call except where a backend needs it (see :func:`backend_arrays`).
+
+``ops_for(arr)`` returns the operations object of an array's family:
+
+``empty(shape, dtype)``            a new C-contiguous array (dtype: a NumPy dtype, BF16 too)
+``flat_bytes(arr)``                flat uint8 view of a C-contiguous array
+``window(flat, offset, shape, strides, dtype)``
+                                   a typed view into a flat uint8 array: ``offset`` in bytes,
+                                   ``strides`` in elements of ``dtype`` (the byte offset must
+                                   be a multiple of the itemsize)
+``copy(dst, src)``, ``fill(dst, value)``   in place, on the current stream
+``ptr(arr)``                       the data address (device or host)
+``device``                         True for CUDA arrays
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from .. import _arrays, reference
+from .._dispatch import backend_for
+
+U8 = np.dtype(np.uint8)
+
+
+def _span(shape, strides):
+    """Elements from the first to one past the last element of a strided view."""
+    if not all(shape):
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+
+
+class NumpyOps:
+    family = _arrays.NUMPY
+    device = False
+
+    def empty(self, shape, dtype):
+        return np.empty(shape, dtype)
+
+    def flat_bytes(self, arr):
+        return arr.reshape(-1).view(U8)
+
+    def window(self, flat, offset, shape, strides, dtype):
+        dtype = np.dtype(dtype)
+        item = dtype.itemsize
+        return np.ndarray(shape, dtype, buffer=flat, offset=offset,
+                          strides=tuple(s * item for s in strides))
+
+    def copy(self, dst, src):
+        dst[...] = src
+
+    def fill(self, dst, value):
+        dst[...] = value
+
+    def ptr(self, arr):
+        return arr.ctypes.data
+
+    def nbytes(self, arr):
+        return arr.nbytes
+
+
+class CupyOps(NumpyOps):
+    family = _arrays.CUPY
+    device = True
+
+    def __init__(self):
+        import cupy
+
+        self.cupy = cupy
+        self._as_strided = cupy.lib.stride_tricks.as_strided
+
+    def empty(self, shape, dtype):
+        dtype = np.dtype(dtype)
+        if dtype == _arrays.BF16:
+            dtype = np.dtype(np.uint16)  # CuPy holds bf16 as bit patterns
+        return self.cupy.empty(shape, dtype)
+
+    def window(self, flat, offset, shape, strides, dtype):
+        dtype = np.dtype(dtype)
+        if dtype == _arrays.BF16:
+            dtype = np.dtype(np.uint16)
+        item = dtype.itemsize
+        typed = flat[offset: offset + _span(shape, strides) * item].view(dtype)
+        return self._as_strided(typed, tuple(shape), tuple(s * item for s in strides))
+
+    def ptr(self, arr):
+        return arr.data.ptr
+
+
+class TorchOps:
+    family = _arrays.TORCH
+
+    def __init__(self, device):
+        import torch
+
+        self.torch = torch
+        self.device = device.type == "cuda"
+        self.where = device
+        self._dtypes = {np.dtype(np.uint8): torch.uint8, np.dtype(np.float32): torch.float32,
+                        np.dtype(np.float16): torch.float16, _arrays.BF16: torch.bfloat16,
+                        np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
+                        np.dtype(np.float64): torch.float64, np.dtype(np.int16): torch.int16,
+                        np.dtype(np.uint16): torch.int16}
+
+    def tdtype(self, dtype):
+        return dtype if isinstance(dtype, self.torch.dtype) else self._dtypes[np.dtype(dtype)]
+
+    def empty(self, shape, dtype):
+        return self.torch.empty(shape, dtype=self.tdtype(dtype), device=self.where)
+
+    def flat_bytes(self, arr):
+        flat = arr.reshape(-1)
+        if flat.numel() <= 1 and flat.stride(0) != 1:  # DLPack may give size-0/1 tensors
+            flat = flat.as_strided((flat.numel(),), (1,))  # any stride; view() needs 1
+        return flat.view(self.torch.uint8)
+
+    def window(self, flat, offset, shape, strides, dtype):
+        tdtype = self.tdtype(dtype)
+        item = tdtype.itemsize
+        typed = flat[offset: offset + _span(shape, strides) * item].view(tdtype)
+        return typed.as_strided(tuple(shape), tuple(strides), typed.storage_offset())
+
+    def copy(self, dst, src):
+        dst.copy_(src)
+
+    def fill(self, dst, value):
+        dst.fill_(value)
+
+    def ptr(self, arr):
+        return arr.data_ptr()
+
+    def nbytes(self, arr):
+        return arr.numel() * arr.element_size()
+
+
+_NUMPY = NumpyOps()
+_cupy_ops = None
+_torch_ops = {}
+
+
+def logical_dtype(arr):
+    """The NumPy dtype of an internal array (torch dtypes mapped: torch.bfloat16 -> BF16)."""
+    dtype = arr.dtype
+    if isinstance(dtype, np.dtype):
+        return dtype
+    return _arrays.torch_to_numpy_dtype(dtype)
+
+
+def contiguous(arr):
+    """C-contiguity of a NumPy/CuPy array or a torch tensor."""
+    flags = getattr(arr, "flags", None)
+    return flags.c_contiguous if flags is not None else arr.is_contiguous()
+
+
+def internal_ops(device):
+    """The operations on internal arrays: CuPy for device data, NumPy for host data."""
+    global _cupy_ops
+    if not device:
+        return _NUMPY
+    if _cupy_ops is None:
+        _cupy_ops = CupyOps()
+    return _cupy_ops
+
+
+def ops_for(arr):
+    """The operations object of ``arr``'s family (NumPy, CuPy, torch on its device)."""
+    global _cupy_ops
+    if isinstance(arr, np.ndarray):
+        return _NUMPY
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(arr, cupy.ndarray):
+        if _cupy_ops is None:
+            _cupy_ops = CupyOps()
+        return _cupy_ops
+    device = arr.device
+    ops = _torch_ops.get(device)
+    if ops is None:
+        ops = _torch_ops[device] = TorchOps(device)
+    return ops
+
+
+def quantize_into(x2d, recipe, rowwise, columnwise, dtype, out):
+    """Quantize the (M, K) array ``x2d`` into ``out`` (four arrays of the exact layouts of
+    ``fp8blk.layout.all_layouts``, None for a direction not asked for), in place.
+
+    The backend is the one ``fp8blk._dispatch.backend_for`` picks: the kernels take CuPy
+    arrays and torch CUDA tensors as they are; the reference takes NumPy, so CPU torch tensors
+    are handed to it through DLPack (no copy; the results land in ``out``)."""
+    backend = backend_for(x2d)
+    if backend is reference:
+        if _arrays.is_torch(x2d):
+            x2d = _arrays.to_backend(x2d)[0]
+        out = [_arrays.to_backend(b)[0] if b is not None and _arrays.is_torch(b) else b
+               for b in out]
+    backend.quantize(x2d, recipe, rowwise, columnwise, dtype=dtype, out=list(out))
+
+
+__all__ = ["ops_for", "internal_ops", "logical_dtype", "contiguous", "quantize_into",
+           "NumpyOps", "CupyOps", "TorchOps"]

@@ -1,6 +1,6 @@
 """Cold start of fp8blk's kernels with the compiled-kernel cache (fp8blk/kernels/_cache.py).
 
-    python3 bench/cold_start.py --out results/cold_start.json [--ranks 4] [--jobs 16]
+    python3 bench/cold_start.py --out DIR_OR_FILE.json [--ranks 4] [--jobs 16] [--launcher procs]
 
 Steps, each in fresh processes, on one GPU:
   1. ``python -m fp8blk prebuild`` into an empty cache folder: variants, time.
@@ -129,7 +129,7 @@ def log(*a):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", help="JSON file to write")
+    ap.add_argument("--out", help="JSON file to write, or a folder to write it in")
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--jobs", type=int, default=None, help="prebuild processes")
     ap.add_argument("--launcher", choices=("mpiexec", "procs"), default="mpiexec")
@@ -223,11 +223,15 @@ def main():
            and max(per_digest.values()) == 1 and len(per_digest) == res["ranks"]["variants"])
     res["ok"] = bool(ok)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
+        path = args.out
+        if os.path.isdir(path) or path.endswith(os.sep):   # a folder: name the file
+            path = os.path.join(path, f"cold-start-{platform.node()}-"
+                                      f"{datetime.date.today().isoformat()}.json")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
             json.dump(res, f, indent=1)
     shutil.rmtree(work, ignore_errors=True)
-    log("OK" if ok else "FAILED", "->", args.out)
+    log("OK" if ok else "FAILED", "->", path if args.out else "(no --out)")
     return 0 if ok else 1
 
 

@@ -198,13 +198,13 @@ def batch_rows(cp, reps):
                   for _ in range(n_weights)]
         weights = [make_weight(cp, *recipes[i % 4], h=s[0], w=s[1])
                    for i, s in enumerate(shapes)]
-        # FSDP2-style: this rank owns a contiguous piece of every weight (a quarter, at an
-        # unaligned offset), so every kernel specialization has work at any batch size
+        # one rank owns every element (cast_master_weights rejects shards that leave part of a
+        # weight unwritten, and with one rank its shard is the whole weight)
         masters, starts = [], []
         for h, w in shapes:
             size = h * w
-            starts.append(size // 4 + 13)
-            masters.append(masters_for(cp, 5, size // 4))
+            starts.append(0)
+            masters.append(masters_for(cp, 5, size))
         comm = LocalComm()
 
         def call():

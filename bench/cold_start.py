@@ -1,12 +1,12 @@
 """Cold start of fp8blk's kernels with the compiled-kernel cache (fp8blk/kernels/_cache.py).
 
-    python3 bench/cold_start.py --out results/cold_start.json [--ranks 4] [--jobs 16]
+    python3 bench/cold_start.py --out DIR_OR_FILE.json [--ranks 4] [--jobs 16] [--launcher procs]
 
 Steps, each in fresh processes, on one GPU:
   1. ``python -m fp8blk prebuild`` into an empty cache folder: variants, time.
-  2. warm cache (3 fresh processes): time of ``import fp8blk`` + CuPy, of CUDA context creation,
-     of the first ``fb.quantize`` of a prebuilt variant (bf16 4096x4096 Block1D row+col, host
-     time to the synchronized result) and of the second call; whether numba was imported.
+  2. warm cache (3 fresh processes): time of ``import fp8blk``, of CUDA context creation, of
+     the first ``fb.quantize`` of a prebuilt variant (CuPy fp32 4096x4096, Block1D row+col,
+     host time to the synchronized result) and of the second call; whether numba was imported.
      Target: first call <= 0.1 s beyond the context.
   3. the same with ``FP8BLK_KERNEL_CACHE=0`` (every process compiles): the cost the cache saves.
   4. an empty cache folder shared by ``--ranks`` processes started at once under ``mpiexec``
@@ -38,34 +38,32 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def child_warm():
-    """One fresh process: timings of the first quantize with whatever cache the env says."""
+    """One fresh process: timings of the first fb.quantize with whatever cache the env says."""
     t0 = time.perf_counter()
     import numpy as np
     import cupy
-
+    t_cupy = time.perf_counter() - t0
+    t0 = time.perf_counter()
     import fp8blk as fb
     t_import = time.perf_counter() - t0
     t0 = time.perf_counter()
     cupy.cuda.runtime.free(0)               # creates the primary context
     cupy.cuda.Device().synchronize()
     t_ctx = time.perf_counter() - t0
-    rng = np.random.default_rng(0)
-    x = cupy.asarray((rng.standard_normal((4096, 4096), dtype=np.float32)).view(np.uint32)
-                     >> 16).astype(np.uint16)
-    from fp8blk._arrays import BF16
-    from fp8blk import kernels
+    x = cupy.asarray(np.random.default_rng(0).standard_normal((4096, 4096), dtype=np.float32))
     cupy.cuda.Device().synchronize()
     times = []
     for _ in range(2):
         t0 = time.perf_counter()
-        kernels.quantize(x, fb.Block1D(), True, True, dtype=BF16)
+        fb.quantize(x, fb.Block1D(), rowwise=True, columnwise=True)
         cupy.cuda.Device().synchronize()
         times.append(time.perf_counter() - t0)
     from fp8blk.kernels import _cache
     st = _cache.store()
-    return {"import_s": t_import, "context_s": t_ctx, "first_quantize_s": times[0],
-            "second_quantize_s": times[1], "numba_imported": "numba" in sys.modules,
-            "builds": st.builds, "loads": st.loads}
+    return {"import_numpy_cupy_s": t_cupy, "import_fp8blk_s": t_import, "context_s": t_ctx,
+            "first_quantize_s": times[0], "second_quantize_s": times[1],
+            "first_beyond_second_s": times[0] - times[1],
+            "numba_imported": "numba" in sys.modules, "builds": st.builds, "loads": st.loads}
 
 
 def child_rank(outdir):
@@ -131,7 +129,7 @@ def log(*a):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", help="JSON file to write")
+    ap.add_argument("--out", help="JSON file to write, or a folder to write it in")
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--jobs", type=int, default=None, help="prebuild processes")
     ap.add_argument("--launcher", choices=("mpiexec", "procs"), default="mpiexec")
@@ -177,7 +175,8 @@ def main():
         res[label] = {"runs": runs,
                       "median_context_s": statistics.median(r["context_s"] for r in runs),
                       "median_first_quantize_s": statistics.median(beyond),
-                      "median_import_s": statistics.median(r["import_s"] for r in runs)}
+                      "median_import_fp8blk_s": statistics.median(r["import_fp8blk_s"]
+                                                                  for r in runs)}
         log(label, {k: v for k, v in res[label].items() if k != "runs"})
     warm = res["warm_cache"]
     res["target_first_call_le_0.1s"] = warm["median_first_quantize_s"] <= 0.1
@@ -224,11 +223,15 @@ def main():
            and max(per_digest.values()) == 1 and len(per_digest) == res["ranks"]["variants"])
     res["ok"] = bool(ok)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
+        path = args.out
+        if os.path.isdir(path) or path.endswith(os.sep):   # a folder: name the file
+            path = os.path.join(path, f"cold-start-{platform.node()}-"
+                                      f"{datetime.date.today().isoformat()}.json")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
             json.dump(res, f, indent=1)
     shutil.rmtree(work, ignore_errors=True)
-    log("OK" if ok else "FAILED", "->", args.out)
+    log("OK" if ok else "FAILED", "->", path if args.out else "(no --out)")
     return 0 if ok else 1
 
 

@@ -109,7 +109,8 @@ def _build(family, spec, cc, root):
 class _Progress:
     """A plain-text progress bar (redrawn in place on a terminal, else a line per 10%)."""
 
-    def __init__(self, total, out=sys.stdout, width=30):
+    def __init__(self, total, out=None, width=30):
+        out = sys.stdout if out is None else out
         self.total, self.out, self.width = total, out, width
         self.tty = hasattr(out, "isatty") and out.isatty()
         self.t0 = time.perf_counter()
@@ -130,7 +131,7 @@ class _Progress:
         self.out.flush()
 
 
-def prebuild(cc, jobs=None, root=None, variants=None, out=sys.stdout):
+def prebuild(cc, jobs=None, root=None, variants=None, out=None):
     """Compile `variants` (default :func:`common_variants`) for compute capability `cc` into
     the cache folder `root` (default ``_cache.cache_dir()``) with `jobs` processes. Returns
     a summary dict (counts, seconds, folder, errors)."""

@@ -72,6 +72,21 @@ def test_every_spec_field_changes_the_key(family):
     assert desc["toolchain"]["numba"] and desc["toolchain"]["python"]
 
 
+def test_toolchain_versions_match_package_metadata():
+    """The key's toolchain versions (read from the metadata folders' names, the fast way) are
+    what importlib.metadata reports."""
+    from importlib import metadata
+
+    want = {}
+    for name in _cache.TOOLCHAIN:
+        try:
+            want[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    got = _cache._installed_versions(_cache.TOOLCHAIN)
+    assert got == want and "numba" in got and "numba-cuda" in got
+
+
 def test_key_is_exact_for_floats_and_kinds():
     """0 and 0.0, 0.0 and -0.0, and neighbouring floats are different keys; ints and bools
     never collide."""

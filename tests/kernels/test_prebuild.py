@@ -32,7 +32,7 @@ def test_prebuild_two_real_variants(tmp_path, capsys):
         e = store.read(family, digest)
         assert e is not None and e.meta["key"] == desc
         assert e.cubin[:4] == b"\x7fELF" and cubin_entries(e.cubin) == [e.entry]
-        assert f"fp8blk_{family}" in e.entry
+        assert f"kernel_{family}" in e.entry   # profilers filter on "^kernel"
     # the compile route is deterministic: a fresh compile gives the stored bytes
     family, spec = variants[0]
     assert _compiled.compile_variant(family, spec, (9, 0))[1] == \

@@ -5,9 +5,8 @@ The worker (``fsdp_scripts/fsdp_worker.py``, whose docstring lists every check) 
 reference on every rank (and issue 13's FeedForward parity, FSDP2 alone and FSDP2 x TP):
 bytes and scales after every all-gather, usage per pass, bytes on
 the wire, and losses/gradients/parameters bit for bit. Cases are ``mode:recipe:reshard``
-(+ ``:proto`` for the weight protocol proposed for Float8BlockLinear, under which the
-backward pass asks the weight for columnwise data: MXFP8 with reshard_after_forward=True
-needs it). Shapes: 384 rows (192 per rank on 2, 96 on 4: shards cut 128-row tiles), 300 rows
+(Float8BlockLinear asks the weight for rowwise data in the forward pass and for columnwise
+data in the backward pass: MXFP8 with reshard_after_forward=True needs that). Shapes: 384 rows (192 per rank on 2, 96 on 4: shards cut 128-row tiles), 300 rows
 (75 per rank on 4), 290 rows on 4 ranks (73+73+73+71: FSDP pads), MXFP8 288 rows (72 per
 rank, cutting 32-row blocks).
 """
@@ -39,13 +38,13 @@ def test_fsdp_fp8_weights_two_ranks(rng):
     # both modes, both recipes, reshard_after_forward True and False, the error cases
     # + issue 13's FSDP2 parity of the FeedForward (fully_shard on projections and parent)
     _torchrun(2, rng, "errors", "cast:block2d:1", "primary:block2d:0", "cast:mxfp8:0",
-              "primary:mxfp8:1:proto", "cast:block2d:1:proto", "ffn")
+              "primary:mxfp8:1", "ffn")
 
 
 def test_fsdp_fp8_weights_four_ranks_uneven(rng):
     # + FSDP2 x TP on a 2x2 (dp, tp) mesh against TP alone
     _torchrun(4, rng, "primary:block2d:1", "cast:block2d:0", "primary:mxfp8:0",
-              "cast:mxfp8:1:proto", "ffn_tp")
+              "cast:mxfp8:1", "ffn_tp")
 
 
 @pytest.mark.gpu

@@ -34,10 +34,7 @@ import fp8blk as fb
 from fp8blk.torch import Float8BlockConfig, convert_to_float8_block
 from fp8blk.torch import fsdp as F
 from fp8blk.torch import weight as W
-from fp8blk.torch import functional as L
-from fp8blk.torch.linear import Float8BlockLinear, float8_block_linear
-from fp8blk.torch.quantize_ops import block_tensor_buffers
-from fp8blk.torch.scaled_mm import blockwise_scaled_mm
+from fp8blk.torch.linear import float8_block_linear
 
 STEPS = 5
 
@@ -72,38 +69,6 @@ class RefWeight(torch.Tensor):
         raise NotImplementedError(func)
 
 
-class ProtoLinearFn(torch.autograd.Function):
-    """The weight protocol proposed for Float8BlockLinear (TransformerEngine's): forward asks
-    the weight for rowwise data only and saves the WEIGHT (not its buffers); backward asks it
-    for columnwise data, which FSDP2 re-gathered for the backward pass (reshard_after_forward
-    =True: Block2D by local FP8 transpose, MXFP8 by gathering the columnwise plane). Built
-    from the linear module's own GEMM helpers, so the FP8 math is the layer's."""
-
-    @staticmethod
-    def forward(ctx, x, weight, cfg):
-        x2d = x.reshape(-1, x.shape[-1])
-        qx = L.quantize_input(x2d, cfg.activation, True)
-        qw = block_tensor_buffers(weight.fp8blk_block_tensor(True, False))
-        y = blockwise_scaled_mm(*L._forward_operands(qx, qw, cfg), out_dtype=x.dtype)
-        qx_t = L._transposed(qx, cfg.activation)
-        ctx.save_for_backward(qx_t[0], qx_t[1], weight)
-        ctx.cfg, ctx.x_shape, ctx.w_dtype = cfg, x.shape, weight.dtype
-        return y.reshape(*x.shape[:-1], y.shape[-1])
-
-    @staticmethod
-    def backward(ctx, dy):
-        xt_d, xt_s, weight = ctx.saved_tensors
-        qw = block_tensor_buffers(weight.fp8blk_block_tensor(False, True))
-        dy2d = dy.reshape(-1, dy.shape[-1]).contiguous()
-        dx, dw = L.fp8_gemms_backward(dy2d, (xt_d, xt_s), qw, ctx.cfg, True, True,
-                                      dy.dtype, ctx.w_dtype)
-        return dx.reshape(ctx.x_shape), dw, None
-
-
-def proto_linear(x, weight, bias, cfg):
-    return ProtoLinearFn.apply(x, weight, cfg)
-
-
 def check_equal(name, got, want):
     if got is None or want is None:
         raise AssertionError(f"{name}: got {got is None and 'None' or 'tensor'}, want "
@@ -116,7 +81,7 @@ def check_equal(name, got, want):
                              f"{want.dtype}{tuple(want.shape)})")
 
 
-def run_case(mode, recipe_name, raf, ws, rank, mesh, seed, proto=False):
+def run_case(mode, recipe_name, raf, ws, rank, mesh, seed):
     recipe = fb.Block2D() if recipe_name == "block2d" else fb.MXFP8()
     cfg = Float8BlockConfig() if recipe_name == "block2d" else Float8BlockConfig.mxfp8()
     # out features: 384 (2 ranks: 192 rows each; 4: 96), 300 / 288 (4 ranks: 75 / 72 rows,
@@ -139,13 +104,7 @@ def run_case(mode, recipe_name, raf, ws, rank, mesh, seed, proto=False):
     ts = [spread((tokens, dims[3]), gen, (1.0, 1.0)) for _ in range(ws)]
     model_dtype = torch.float32 if mode == "cast" else torch.bfloat16
 
-    layer_fn = proto_linear if proto else float8_block_linear
     convert_to_float8_block(model, cfg)
-    if proto:
-        for lin in model:
-            if isinstance(lin, Float8BlockLinear):
-                lin.forward = (lambda mod: lambda x: proto_linear(x, mod.weight, None,
-                                                                  mod.config))(lin)
     F.prepare_fsdp_fp8(model, mode=mode, model_dtype=model_dtype)
     initial = [w.clone() for w in full]  # step 0 gathers the conversion's quantize(bf16(w0))
     if mode == "primary":  # the reference master starts from the FP8 weights' values
@@ -224,7 +183,7 @@ def run_case(mode, recipe_name, raf, ws, rank, mesh, seed, proto=False):
                 ws_ = [RefWeight(expected[i], tuple(full[i].shape)) for i in range(3)]
                 h = xs[r]
                 for i in range(3):
-                    h = layer_fn(h, ws_[i], None, cfg)
+                    h = float8_block_linear(h, ws_[i], None, cfg)
                     if i < 2:
                         h = torch.relu(h)
                 loss = (h * ts[r]).sum()
@@ -300,7 +259,7 @@ def run_case(mode, recipe_name, raf, ws, rank, mesh, seed, proto=False):
         W._PlaneWeight.fsdp_post_all_gather = orig_post
         for n in names:
             setattr(dist, n, orig_ag[n])
-    print(f"rank {rank}: case {mode} {recipe_name} raf={raf} proto={proto} ws={ws} OK (bytes "
+    print(f"rank {rank}: case {mode} {recipe_name} raf={raf} ws={ws} OK (bytes "
           f"changed by training: {', '.join(f'{c:.0%}' for c in changed)})", flush=True)
 
 
@@ -469,8 +428,8 @@ def main():
         if spec in ("ffn", "ffn_tp"):
             check_ffn(ws, rank, seed, spec == "ffn_tp")
             continue
-        mode, recipe_name, raf, *rest = spec.split(":")
-        run_case(mode, recipe_name, raf == "1", ws, rank, mesh, seed, proto=rest == ["proto"])
+        mode, recipe_name, raf = spec.split(":")
+        run_case(mode, recipe_name, raf == "1", ws, rank, mesh, seed)
         seed += 1
     dist.barrier()
     print(f"rank {rank}: SUITE OK", flush=True)

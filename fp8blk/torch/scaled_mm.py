@@ -182,19 +182,27 @@ def _pad_rows(data, rows):
     return out.view(data.dtype)
 
 
-def _scale_1x128(sinv, rows, padded_rows):
-    """torch's 1x128 scale for an operand of ``padded_rows`` rows: (padded_rows, kb) with
-    strides (1, padded_rows). fp8blk's (kb, round4(rows)) buffer is that view when
-    rows == padded_rows and rows % 4 == 0; otherwise the valid part is copied (pad: 1.0)."""
-    if rows == padded_rows and rows % 4 == 0:
-        return sinv[:, :rows].t()
-    s = torch.ones((sinv.shape[0], padded_rows), dtype=sinv.dtype, device=sinv.device)
-    s[:, :rows] = sinv[:, :rows]
+def _scale_1x128(sinv, rows, padded_rows, kblocks):
+    """torch's 1x128 scale for an operand of ``padded_rows`` rows and ``kblocks`` K-blocks:
+    (padded_rows, kblocks) with strides (1, padded_rows). fp8blk's (kb, round4(rows)) buffer is
+    that view when it has that shape already; otherwise the valid part is copied into ones
+    (padded rows and K-blocks hold zero data, so their scale only has to be finite)."""
+    if tuple(sinv.shape) == (kblocks, padded_rows):
+        return sinv.t()
+    s = torch.ones((kblocks, padded_rows), dtype=sinv.dtype, device=sinv.device)
+    s[: sinv.shape[0], :rows] = sinv[:, :rows]
     return s.t()
 
 
 def cuda_scaled_mm(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype):
-    """The CUDA implementation (torch._scaled_mm on views; padding copies as documented)."""
+    """The CUDA implementation: ``torch._scaled_mm`` on views of fp8blk's buffers.
+
+    Shapes torch 2.11's blockwise path takes as they are: M % 4 == 0 (the 1x128 scales' row
+    stride must be 16-byte aligned), N % 16 == 0, and K a multiple of 512 (K-block count a
+    multiple of 4: measured on the H200, a 128x128 scale tensor whose K-block count is not a
+    multiple of 4 gives wrong results with the padded row stride, and torch rejects others).
+    Other shapes are zero-padded first (a copy of the operands: padded rows and K hold zero
+    bytes, their scales 1.0) and the result is cropped."""
     if a_blocks == "1x32":
         return emulate(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype)
     if a_blocks != "1x128":
@@ -202,30 +210,24 @@ def cuda_scaled_mm(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype
                                   f"(torch._scaled_mm's layouts), got {a_blocks!r}")
     m, k = a.shape
     n = b.shape[0]
-    kp, np_ = -(-k // 128) * 128, -(-n // 16) * 16
+    kt4 = -(-cdiv(k, 128) // 4) * 4
+    kp, mp, np_ = kt4 * 128, -(-m // 4) * 4, -(-n // 16) * 16
     if kp != k:
         a, b = _pad_cols(a, kp), _pad_cols(b, kp)
+    if mp != m:
+        a = _pad_rows(a, mp)
     if np_ != n:
         b = _pad_rows(b, np_)
-    scale_a = _scale_1x128(a_scale_inv, m, m)
-    kt = cdiv(k, 128)
+    scale_a = _scale_1x128(a_scale_inv, m, mp, kt4)
     if b_blocks == "128x128":
-        # (kt, nt) view of fp8blk's (nt, round4(kt)) buffer: the K-block count padded to a
-        # multiple of 4 in memory, as cuBLAS reads it (FACTS: torchao issue 4209 -- a
-        # contiguous (nt, kt) buffer with kt % 4 != 0 gives silently wrong results)
-        scale_b = b_scale_inv[:, :kt].t()
+        # (kt4, nt) view of fp8blk's (nt, round4(kt)) buffer, whose padding K-blocks hold 1.0
+        scale_b = b_scale_inv.t()
     else:
-        scale_b = _scale_1x128(b_scale_inv, n, np_).t()
-    try:
-        out = torch._scaled_mm(a, b.t(), scale_a, scale_b, out_dtype=out_dtype)
-    except RuntimeError as err:
-        # a torch build whose layout check wants the 128x128 scales' row stride to be kt
-        # exactly (seen in some versions' check_size_stride); only differs when kt % 4 != 0
-        if b_blocks != "128x128" or kt % 4 == 0 or "scaling" not in str(err):
-            raise
-        scale_b = b_scale_inv[:, :kt].contiguous().t()
-        out = torch._scaled_mm(a, b.t(), scale_a, scale_b, out_dtype=out_dtype)
-    return out[:, :n].contiguous() if np_ != n else out
+        scale_b = _scale_1x128(b_scale_inv, n, np_, kt4).t()
+    out = torch._scaled_mm(a, b.t(), scale_a, scale_b, out_dtype=out_dtype)
+    if mp != m or np_ != n:
+        out = out[:m, :n].contiguous()
+    return out
 
 
 @torch.library.custom_op("fp8blk::blockwise_scaled_mm", mutates_args=())

@@ -3,8 +3,9 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# On a machine with an NVIDIA driver, also install CuPy so the demo runs on the GPU.
-EXTRAS := test,torch$(shell command -v nvidia-smi >/dev/null 2>&1 && echo ,gpu)
+# notebook: the tests execute examples/kernels.ipynb. On a machine with an NVIDIA driver, also
+# install CuPy so the demo runs on the GPU.
+EXTRAS := test,torch,notebook$(shell command -v nvidia-smi >/dev/null 2>&1 && echo ,gpu)
 
 .PHONY: demo test bench info clean
 

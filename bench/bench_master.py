@@ -1,4 +1,4 @@
-"""Benchmark of the master-weight path on one GPU (issue 5; DESIGN §7 method).
+"""Benchmark of the master-weight path on one GPU (issue 5; bench/README.md method).
 
     python bench/bench_master.py [--out bench/results/master_h200.json] [--quick]
 
@@ -90,7 +90,7 @@ def gpu_time(cp, fn, reps, inner, warmup=3):
 
 
 def make_weight(cp, recipe, rowwise, columnwise, h=None, w=None):
-    """An (h, w) BlockTensor (default H x W) with uninitialized CuPy buffers of the DESIGN §4
+    """An (h, w) BlockTensor (default H x W) with uninitialized CuPy buffers of the docs/layouts.md
     layouts."""
     h, w = h or H, w or W
     bufs = [None if layout is None else cp.empty(layout.shape, layout.dtype)

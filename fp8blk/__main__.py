@@ -3,7 +3,8 @@
 demo   quantize random matrices with every recipe (on the GPU when CuPy sees one, else on the
        CPU) and print, per recipe, bytes stored, dequantization error and time; with
        --distributed, under mpiexec: quantized all-gather and master-weight casts over MPI.
-bench  time the CPU reference path on an 8192x8192 float32 matrix (GPU kernels: bench/).
+bench  GPU: kernel bandwidth over sizes vs copy, torch.compile, torchao (--out DIR: JSON + PNG);
+       CPU: the reference path's timings (8192x8192 float32 by default).
 info   versions and whether a GPU is usable.
 prebuild  compile the common kernel variants into fp8blk's kernel cache (fp8blk/_prebuild.py).
 """
@@ -85,25 +86,6 @@ def demo(args) -> int:
     return 0
 
 
-def bench(args) -> int:
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((8192, 8192), dtype=np.float32)
-    print("CPU reference path, 8192x8192 float32 (best of 3):")
-    for name, recipe, rowwise, columnwise in [
-        ("Block1D rowwise", fb.Block1D(), True, False),
-        ("Block1D row+col", fb.Block1D(), True, True),
-        ("Block2D row+col", fb.Block2D(), True, True),
-        ("MXFP8 row+col", fb.MXFP8(), True, True),
-    ]:
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            fb.quantize(x, recipe, rowwise=rowwise, columnwise=columnwise)
-            best = min(best, time.perf_counter() - start)
-        print(f"  {name:<18}{best:8.2f} s")
-    return 0
-
-
 def info(args) -> int:
     import ml_dtypes
 
@@ -152,14 +134,17 @@ def main(argv=None) -> int:
     p_demo.add_argument("--seed", type=_seed, default=0)
     p_demo.add_argument("--distributed", action="store_true",
                         help="the multi-rank part; run under `mpiexec -n N python -m mpi4py -m fp8blk`")
-    sub.add_parser("bench", help="time the CPU reference path")
+    from . import _bench  # the bench subcommand lives in fp8blk/_bench.py
+
+    _bench.add_arguments(sub.add_parser("bench", help="kernel bandwidth table and plot (GPU), "
+                                        "reference-path timings (CPU)"))
     sub.add_parser("info", help="versions and GPU availability")
     from ._prebuild import add_parser as add_prebuild  # prebuild: compile kernels ahead
     add_prebuild(sub)
     args = parser.parse_args(argv)
     if args.command == "prebuild":
         return args.run(args)
-    return {"demo": demo, "bench": bench, "info": info}[args.command](args)
+    return {"demo": demo, "bench": _bench.run, "info": info}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -107,7 +107,7 @@ def to_internal(x):
     if family == TORCH and x.is_cuda:
         dtype = torch_to_numpy_dtype(x.dtype)
         # sparse CUDA tensors would reach the kernels (one identity test, ~40 ns)
-        if dtype is None or x.layout is not _strided():
+        if dtype is None or x.layout is not torch_strided():
             raise TypeError(_torch_rejection(x))
         return x, family, dtype
     return to_backend(x)
@@ -116,7 +116,7 @@ def to_internal(x):
 _STRIDED = []
 
 
-def _strided():
+def torch_strided():
     """torch.strided, looked up once."""
     if not _STRIDED:
         _STRIDED.append(_torch().strided)
@@ -137,8 +137,27 @@ def _torch_bf16_dtype_map():
             torch.int64: np.int64, torch.float64: np.float64}
 
 
+_NUMPY_DTYPE = {}  # dtype-like objects seen before -> NumPy dtype (the per-call lookup)
+
+
 def numpy_dtype(dtype) -> np.dtype:
     """NumPy dtype for a NumPy/ml_dtypes dtype, a type, a string or a torch dtype."""
+    try:
+        hit = _NUMPY_DTYPE.get(dtype)
+    except TypeError:  # unhashable
+        hit = None
+    if hit is not None:
+        return hit
+    out = _numpy_dtype_slow(dtype)
+    if len(_NUMPY_DTYPE) < 64:
+        try:
+            _NUMPY_DTYPE[dtype] = out
+        except TypeError:
+            pass
+    return out
+
+
+def _numpy_dtype_slow(dtype) -> np.dtype:
     torch = _torch()
     if torch is not None and isinstance(dtype, torch.dtype):
         mapping = _torch_bf16_dtype_map()

@@ -1,4 +1,4 @@
-"""Distributed master-weight casts: ``cast_master_weights`` (DESIGN §5).
+"""Distributed master-weight casts: ``cast_master_weights`` (docs/distributed.md).
 
 A ZeRO/FSDP-style optimizer keeps an fp32 *master* copy of every weight, sharded flat across
 ranks: rank r holds elements [o_r, o_r + n_r) of the row-major (h, w) weight. After each step the
@@ -11,7 +11,7 @@ shards cut arbitrarily, so the steps are:
    one buffer (blocks of all weights, whether this rank touches them or not);
 3. ONE ``comm.all_reduce(buffer, op="max")`` per bucket;
 4. scales from the reduced amaxes, written into every weight's scale_inv storage (all ranks
-   write the same, complete scales, padding as DESIGN §4);
+   write the same, complete scales, padding as docs/layouts.md);
 5. cast of the owned elements into the weight's data storage, or into caller-given fragments.
 
 Buckets (at most two collectives per call, in this order):
@@ -24,12 +24,12 @@ Buckets (at most two collectives per call, in this order):
   reduce; codes are monotone in amax, so the MAX of codes is the code of the MAX, and the
   payload is half that of bf16 amaxes.
 
-Block amaxes are TE's ``fmaxf`` reduction started at 0 (DESIGN §3, reference.block_amax): NaN is
+Block amaxes are TE's ``fmaxf`` reduction started at 0 (docs/numerics.md, reference.block_amax): NaN is
 ignored, an all-NaN block has amax 0, and a block this rank does not touch contributes 0. So no
 buffer ever holds NaN and a plain MAX (MPI's, NCCL's, or of E8M0 codes, where amax 0 is code 0)
 over ranks is exact, whatever the shard boundaries -- including all-NaN blocks split across ranks.
 
-Overflow scale (DESIGN §3 step 4): when ``F / amax`` overflows fp32 (amax below ~F/FLT_MAX,
+Overflow scale (docs/numerics.md step 4): when ``F / amax`` overflows fp32 (amax below ~F/FLT_MAX,
 only reachable with bf16 or fp32 model weights), ``quantize`` uses the input dtype's largest
 value. This module uses the *model dtype's* largest value -- FLT_MAX for fp32, 3.3895e38 for
 bf16 -- so that the result equals ``quantize(model_dtype(full weight))`` byte for byte for every
@@ -133,7 +133,7 @@ def _check_buffer(arr, shape, dtype, what, index, on_device):
         return
     if tuple(arr.shape) != tuple(shape) or arr.dtype != np.dtype(dtype):
         raise ValueError(f"weights[{index}] {what} is {arr.dtype}{tuple(arr.shape)}, expected "
-                         f"{np.dtype(dtype)}{tuple(shape)} for its shape and recipe (DESIGN §4)")
+                         f"{np.dtype(dtype)}{tuple(shape)} for its shape and recipe (docs/layouts.md)")
     if _arrays.is_device(arr) != on_device:
         raise TypeError(f"weights[{index}] mixes host and device buffers ({what})")
     if not arr.flags.c_contiguous:

@@ -1,6 +1,6 @@
 """NumPy oracle for every kernel, and the CPU execution path.
 
-Everything here is exact to the byte (DESIGN §3, §4) and vectorized: no Python loop runs over
+Everything here is exact to the byte (docs/numerics.md, docs/layouts.md) and vectorized: no Python loop runs over
 elements or blocks. Arrays are NumPy; high-precision inputs are float32, float16 or
 ml_dtypes.bfloat16 and are widened to float32 exactly before any arithmetic. FP8 bytes are uint8.
 
@@ -170,7 +170,7 @@ def quantize(x2d, recipe, rowwise: bool = True, columnwise: bool = False, dtype=
     host array carries its own dtype.
 
     Returns ``(rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv)``, with
-    None for a direction not asked for, in the layouts of DESIGN §4:
+    None for a direction not asked for, in the layouts of docs/layouts.md:
 
     ========  =========================================  ==========================================
     recipe    rowwise data / scale_inv                   columnwise data / scale_inv

@@ -1,6 +1,6 @@
 """Scale rules shared by the reference, the kernels' host side and the master-weight path.
 
-All functions take and return NumPy arrays and are exact in fp32 (DESIGN §3):
+All functions take and return NumPy arrays and are exact in fp32 (docs/numerics.md):
 
 fp32-scale recipes (Block1D, Block2D), from block amax ``a``, format max ``F``, epsilon ``eps``:
   1. ``a < eps`` -> ``a = eps``;

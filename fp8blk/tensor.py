@@ -39,7 +39,7 @@ def cupy_buffers(q) -> list:
 class BlockTensor:
     """A block-scaled FP8 tensor of logical shape ``shape`` (..., K), viewed as (M, K).
 
-    Buffers (any may be None when that direction is not held; layouts in DESIGN §4):
+    Buffers (any may be None when that direction is not held; layouts in docs/layouts.md):
       ``rowwise_data``          uint8 (M, K)
       ``rowwise_scale_inv``     fp32 (Block1D, Block2D) or uint8 E8M0 (MXFP8)
       ``columnwise_data``       uint8 (K, M) for Block1D/Block2D, (M, K) for MXFP8

@@ -1,4 +1,4 @@
-"""Independent, deliberately simple oracles for fp8blk's numerics (DESIGN §3 and §4).
+"""Independent, deliberately simple oracles for fp8blk's numerics (docs/numerics.md and docs/layouts.md).
 
 These are written from the specification, not from ``fp8blk.reference``: they import nothing of
 fp8blk but the recipe classes (plain data), use Python floats, ``struct`` bit patterns and loops
@@ -12,11 +12,11 @@ Public helpers (other test modules may import them):
 * ``nearest_fp8_code(values_fp32, fmt)``               the FP8 cast (vectorized table search)
 * ``fp8_half_ulp(values, fmt)``                         half the FP8 spacing at |value|
 * ``block_amax(values)``                               TE's fmaxf-from-0 amax of one block
-* ``fp32_scale(amax, fmt, pow2, eps, value_for_inf)``  DESIGN §3 steps 1-5, scalar
+* ``fp32_scale(amax, fmt, pow2, eps, value_for_inf)``  docs/numerics.md steps 1-5, scalar
 * ``scale_inv(scale)``, ``dtype_max(dtype)``
 * ``e8m0_code(amax, fmt)``, ``e8m0_multiplier(code)``, ``e8m0_value(code)``
 * ``block_shape(recipe, rowwise)``, ``block_scales(x2d, recipe, rowwise)``  per-block loop
-* ``quantize_loop(x2d, recipe, rowwise, columnwise)``  the four buffers of DESIGN §4
+* ``quantize_loop(x2d, recipe, rowwise, columnwise)``  the four buffers of docs/layouts.md
 * ``block_factors(recipe, shape2d, scale_inv, rowwise)``, ``dequantize_loop(...)``
 * ``random_input(rng, shape, dtype, specials)``        test data with special blocks
 * ``tiny_value(dtype)``                                a subnormal of the dtype
@@ -58,7 +58,7 @@ FP16_MAX = 65504.0
 
 
 def dtype_max(dtype) -> float:
-    """Largest finite value of fp32 / bf16 / fp16 (DESIGN §3 step 4 in ``quantize``)."""
+    """Largest finite value of fp32 / bf16 / fp16 (docs/numerics.md step 4 in ``quantize``)."""
     dtype = np.dtype(dtype)
     if dtype == np.float32:
         return FLT_MAX
@@ -118,7 +118,7 @@ def _positive_finite(fmt):
 
 
 def nearest_fp8_code(values_fp32, fmt) -> np.ndarray:
-    """The FP8 cast of DESIGN §3 on fp32 values: the nearest finite code (ties to the even
+    """The FP8 cast of docs/numerics.md on fp32 values: the nearest finite code (ties to the even
     code), saturating at +-max (so +-inf give +-max), NaN -> 0x7F, sign of zero kept.
 
     Vectorized by a binary search in the ascending table of non-negative finite codes; the
@@ -166,7 +166,7 @@ def block_amax(values) -> float:
 
 
 def fp32_scale(amax: float, fmt, pow2: bool, eps: float, value_for_inf: float) -> float:
-    """DESIGN §3 steps 1-5 for one amax, as an fp32 value held in a Python float."""
+    """docs/numerics.md steps 1-5 for one amax, as an fp32 value held in a Python float."""
     a = f32(amax)
     eps32 = f32(eps)
     if a < eps32:  # a NaN amax compares False here and is caught below
@@ -191,7 +191,7 @@ def scale_inv(scale: float) -> float:
 
 
 def e8m0_code(amax: float, fmt) -> int:
-    """DESIGN §3's E8M0 rule: v = fl32(a * fl32(1/F)); NaN -> 255, inf -> 254, 0 -> 0;
+    """docs/numerics.md's E8M0 rule: v = fl32(a * fl32(1/F)); NaN -> 255, inf -> 254, 0 -> 0;
     v <= 2**-127 -> 0; else the biased exponent of v, rounded up when v is not a power of two,
     never beyond 254."""
     with np.errstate(over="ignore", invalid="ignore"):
@@ -216,7 +216,7 @@ def e8m0_code(amax: float, fmt) -> int:
 def e8m0_multiplier(code: int) -> float:
     """fp32 factor applied before the cast for an E8M0 code, as TE's current ``exp2f_rcp``
     computes it: 0 -> 1.0, 1..253 -> 2**(127 - c), 254 -> the bit pattern 0 (0.0),
-    255 -> the bit pattern 0xFF800000 (-inf). (DESIGN §3's text says 254 -> 2**-127 and
+    255 -> the bit pattern 0xFF800000 (-inf). (docs/numerics.md's text says 254 -> 2**-127 and
     255 -> NaN; see the report. Code 254 only arises for an inf amax.)"""
     if code == 0:
         return 1.0
@@ -288,7 +288,7 @@ def block_scales(x2d, recipe, rowwise: bool):
 
 def quantize_loop(x2d, recipe, rowwise: bool = True, columnwise: bool = False):
     """(row_data, row_scale_inv, col_data, col_scale_inv) of an (M, K) fp32/bf16/fp16 array,
-    None for a direction not asked for, in the layouts of DESIGN §4 with padding 1.0 (fp32) or
+    None for a direction not asked for, in the layouts of docs/layouts.md with padding 1.0 (fp32) or
     0 (E8M0), each scale written at its index by a loop."""
     x = np.asarray(x2d)
     rows, cols = x.shape
@@ -336,7 +336,7 @@ def quantize_loop(x2d, recipe, rowwise: bool = True, columnwise: bool = False):
 
 def block_factors(recipe, shape2d, scale_inv_buffer, rowwise: bool) -> np.ndarray:
     """float64 (M, K): each element's dequantization factor read from a (padded) scale_inv
-    buffer at the index DESIGN §4 gives for its block (fp32 value, or decoded E8M0 code)."""
+    buffer at the index docs/layouts.md gives for its block (fp32 value, or decoded E8M0 code)."""
     rows, cols = shape2d
     sinv = np.asarray(scale_inv_buffer)
     m = np.arange(rows)[:, None]

@@ -1,5 +1,5 @@
 """fb.quantize / fb.dequantize: array families (NumPy, torch CPU), input validation, empty,
-1-D and N-D inputs, and the buffer layouts of DESIGN §4."""
+1-D and N-D inputs, and the buffer layouts of docs/layouts.md."""
 import ml_dtypes
 import numpy as np
 import pytest
@@ -30,7 +30,7 @@ def rnd(a, b):
 
 
 def expected_layout(recipe, m, k):
-    """(shape, dtype) of the four buffers, straight from the table in DESIGN §4."""
+    """(shape, dtype) of the four buffers, straight from the table in docs/layouts.md."""
     f32, u8 = np.dtype(np.float32), np.dtype(np.uint8)
     if isinstance(recipe, fb.Block1D):
         return [((m, k), u8), ((cdiv(k, 128), rnd(m, 4)), f32),

@@ -1,4 +1,4 @@
-"""reference.partial_amax / partial_cast (the master-weight path, DESIGN §5): over many splits
+"""reference.partial_amax / partial_cast (the master-weight path, docs/distributed.md): over many splits
 of a bf16 weight into 1..5 contiguous flat shards (boundaries inside blocks, on block edges
 +-1, at row ends, empty shards), the per-shard amaxes combined with a max and turned into
 scales, then the per-shard casts, reproduce quantize(full weight) byte for byte."""

@@ -159,7 +159,7 @@ def test_roundtrip_within_half_ulp_of_block_scale(case, rowwise):
 
 
 # --------------------------------------------------------------------------------------------
-# The special-value rules of DESIGN §3, one by one, with hand-computed expectations
+# The special-value rules of docs/numerics.md, one by one, with hand-computed expectations
 
 
 def f32(v):

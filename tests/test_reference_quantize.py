@@ -108,7 +108,7 @@ def test_large_mxfp8(rng):
 
 
 # --------------------------------------------------------------------------------------------
-# Layouts and padding (DESIGN §4), stated explicitly
+# Layouts and padding (docs/layouts.md), stated explicitly
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)

@@ -1,4 +1,4 @@
-"""fp8blk.scaling: the scale rules of DESIGN §3 on special and random amaxes, checked against
+"""fp8blk.scaling: the scale rules of docs/numerics.md on special and random amaxes, checked against
 the scalar oracles in tests/_oracles.py and against hand-computed values."""
 import math
 

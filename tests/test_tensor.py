@@ -33,7 +33,7 @@ def test_block2d_create_columnwise_equals_quantize_columnwise(shape, dtype, reci
     assert q.create_columnwise() is q
     want = fb.quantize(x, recipe, rowwise=False, columnwise=True)
     assert_same_buffers(buffers(q)[2:], buffers(want)[2:])
-    # padding of the transposed scales is 1.0 (DESIGN §4)
+    # padding of the transposed scales is 1.0 (docs/layouts.md)
     m = int(np.prod(shape[:-1]))
     mt, kt = -(-m // 128), -(-shape[-1] // 128)
     assert q.columnwise_scale_inv.shape == (kt, -(-mt // 4) * 4)

@@ -1,4 +1,4 @@
-"""Collectives for fp8blk (MPI, NCCL, torch process groups). See DESIGN §5.
+"""Collectives for fp8blk (MPI, NCCL, torch process groups). See docs/distributed.md.
 
     comm = fb.comm.MPIComm(MPI.COMM_WORLD)          # or NCCLComm.from_mpi(), TorchComm(group)
     comm.all_reduce(amax, op="max")                  # in place

@@ -1,4 +1,4 @@
-"""Quantized all-gather along dim 0 (DESIGN §5): ``gather_along_first_dim``.
+"""Quantized all-gather along dim 0 (docs/distributed.md): ``gather_along_first_dim``.
 
 Rank r holds x_r of shape (d_r, *rest) (the same ``rest`` everywhere; viewed as (m_r, K) with
 m_r = d_r * prod(rest[:-1])). The result is the tensor of shape (sum d_r, *rest) that

@@ -2,7 +2,7 @@
 
 All are Numba device functions (inlined) built by cached factories, so recipe constants (format
 max, epsilon, pow2) are compile-time constants of each specialized kernel. Numerics follow
-DESIGN §3 exactly; under the simulator they run as NumPy float32 scalar code.
+docs/numerics.md exactly; under the simulator they run as NumPy float32 scalar code.
 
 Input chunks: a kernel holds its input as uint32 words, 16 bytes per chunk: 4 float32, or 8
 bf16/fp16 (element 2i in the low half of word i). Elements outside the tensor are filled with
@@ -92,7 +92,7 @@ _ONE = np.float32(1.0)
 
 @device
 def fp32_scale(amax, fmax, pow2, eps, value_for_inf):
-    """DESIGN §3 steps 1-5 (scaling.fp32_scale_from_amax): the fp32 scale of a block amax.
+    """docs/numerics.md steps 1-5 (scaling.fp32_scale_from_amax): the fp32 scale of a block amax.
     The quantize kernels pass the recipe as compile-time constants (fp32_scale_rule), so the
     untaken branches fold away; one master-weight launch covers weights of different
     recipes, so it passes fields read from its table at run time."""
@@ -126,7 +126,7 @@ def fp32_scale_rule(fmt_max, pow2, eps, value_for_inf):
 
 @device
 def e8m0_code(amax, inv_f):
-    """E8M0 code (0..255) of a block amax (DESIGN §3; scaling.e8m0_from_amax), inv_f =
+    """E8M0 code (0..255) of a block amax (docs/numerics.md; scaling.e8m0_from_amax), inv_f =
     fl32(1/F). Branch-free: round the exponent of v = amax / F up when the mantissa is
     non-zero (except subnormals <= 2**-127, which round down), capped at 254, which also
     covers v = inf and the 0xFE exponent; NaN -> 255."""
@@ -168,7 +168,7 @@ def e8m0_rule(fmt_max):
 def fill_padding(p, rows_valid, cols_valid, rows_total, cols_total, value, gtid, gsize):
     """Write `value` to every entry of the row-major (rows_total, cols_total) array at `p`
     outside [0, rows_valid) x [0, cols_valid); grid-stride over those entries (thread `gtid`
-    of `gsize`). Used for the padding of scale tensors (DESIGN §4).
+    of `gsize`). Used for the padding of scale tensors (docs/layouts.md).
 
     Index arithmetic is unsigned 32-bit (scale tensors have < 2**32 entries): a signed 64-bit
     division makes the compiler emit calls to a division subroutine, and any call caps the

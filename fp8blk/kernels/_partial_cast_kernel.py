@@ -4,7 +4,7 @@
 Kernels
 -------
 * Block2D scales: one thread per entry of the padded (round4(mt), round4(kt)) tile grid of each
-  weight: from the reduced tile amax, the fp32 scale (DESIGN §3 with the recipe's fmt / pow2 /
+  weight: from the reduced tile amax, the fp32 scale (docs/numerics.md with the recipe's fmt / pow2 /
   epsilon read from the table and the model dtype's max as the overflow value) goes to a packed
   scale buffer for the cast, scale_inv to the weight's rowwise and columnwise scale_inv, and
   padding entries get 1.0.

@@ -169,7 +169,7 @@ def make_kernel_pyfunc(spec):
         colscale = cuda.shared.array(TKC, float32)
         tb = cuda.shared.array((TKT, TMW), uint32)
 
-        # ---- scale padding (DESIGN §4), spread over all CTAs
+        # ---- scale padding (docs/layouts.md), spread over all CTAs
         gtid = (bk * cuda.gridDim.x + bm) * NT + tid
         gsize = cuda.gridDim.x * cuda.gridDim.y * NT
         if IS_MX:

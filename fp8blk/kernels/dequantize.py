@@ -123,7 +123,7 @@ def plan_for(recipe, columnwise, out_kind, rows, cols, data, sinv):
 def dequantize(recipe, shape2d, rowwise_data=None, rowwise_scale_inv=None,
                columnwise_data=None, columnwise_scale_inv=None, dtype=np.float32):
     """(M, K) device array of `dtype` from rowwise buffers if given, else columnwise ones
-    (DESIGN §4 layouts, C-contiguous), without synchronizing: a CuPy array (bf16 returned as
+    (docs/layouts.md layouts, C-contiguous), without synchronizing: a CuPy array (bf16 returned as
     uint16 bit patterns) or, for torch CUDA buffers, a torch tensor of the dtype itself."""
     rows, cols = shape2d
     if rowwise_data is not None:

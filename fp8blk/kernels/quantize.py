@@ -1,4 +1,4 @@
-"""GPU ``quantize``: allocate the DESIGN §4 buffers and launch one tiled kernel (one pass over
+"""GPU ``quantize``: allocate the docs/layouts.md buffers and launch one tiled kernel (one pass over
 the input for any combination of rowwise and columnwise outputs).
 
 Same signature and return convention as ``fp8blk.reference.quantize``, plus ``dtype``: the
@@ -17,7 +17,7 @@ from ..formats import Block1D, Block2D, E4M3, MXFP8
 from ..layout import buffer_layouts
 from . import _compiled
 from . import _specs as sp
-from ._device_arrays import adapter_of
+from ._device_arrays import TORCH, TorchLaunch, adapter_of
 from ._host import SIM, cached_plan, kind_of, round_up, scalars
 
 _RECIPE_KIND = {Block1D: sp.BLOCK1D, Block2D: sp.BLOCK2D, MXFP8: sp.MXFP8}
@@ -95,6 +95,23 @@ class _Plan:
 _plans = {}
 
 
+def torch_launch(x2d, recipe, rowwise=True, columnwise=False, dtype=None):
+    """The :class:`~fp8blk.kernels._device_arrays.TorchLaunch` of a quantize of torch CUDA
+    tensors like `x2d` (same shape, dtype, device and 16-byte alignment), with the arguments
+    of :func:`quantize`: ``launch.run(x2d)`` then does what ``quantize(x2d, ...)`` does, for
+    the caller to cache (``fp8blk.ops`` keeps one per call signature). None when the call has
+    no kernel launch (empty input) or the input is not a torch CUDA tensor."""
+    ad = adapter_of(x2d)
+    rows, cols = x2d.shape
+    if ad is not TORCH or rows == 0 or cols == 0:
+        return None
+    kind = kind_of(ad.dtype(x2d), dtype)
+    vec = cols % sp.ELEMS_PER_CHUNK[kind] == 0 and ad.ptr(x2d) % 16 == 0
+    index = ad.device(x2d)
+    plan = _plan_for(recipe, kind, rows, cols, rowwise, columnwise, vec, index)
+    return TorchLaunch(plan.kernel, plan.grid, plan.block, plan.shapes, plan.scalars, index)
+
+
 def _check_out(ad, out, shapes):
     out = tuple(out)
     for buf, want in zip(out, shapes):
@@ -119,7 +136,7 @@ def quantize(x2d, recipe, rowwise=True, columnwise=False, dtype=None, out=None):
     """Quantize a C-contiguous 2-D (M, K) device array: a CuPy array (float32, float16, or bf16
     held as uint16 with ``dtype`` = bfloat16) or a torch CUDA tensor (outputs are then torch
     tensors and the kernel runs on torch's current stream). Returns ``(row_data, row_sinv, col_data, col_sinv)``
-    (None for a direction not asked for) in DESIGN §4 layouts, without synchronizing.
+    (None for a direction not asked for) in docs/layouts.md layouts, without synchronizing.
 
     The outputs are views of one allocation (each 256-byte aligned): it is freed when the last
     of them is. ``out``: None, or four arrays (None for a direction not asked for) of exactly
@@ -129,7 +146,7 @@ def quantize(x2d, recipe, rowwise=True, columnwise=False, dtype=None, out=None):
     rows, cols = x2d.shape
     if isinstance(recipe, MXFP8) and (rows % 32 or cols % 32):
         raise ValueError(f"MXFP8 needs M and K to be multiples of 32, got ({rows}, {cols})")
-    if rows == 0 or cols == 0:  # every scale tensor is empty too (DESIGN §4 shapes)
+    if rows == 0 or cols == 0:  # every scale tensor is empty too (docs/layouts.md shapes)
         return tuple(None if s is None else ad.empty(s.shape, s.dtype, x2d)
                      for s in buffer_layouts(recipe, rows, cols, rowwise, columnwise))
     x_ptr = ad.ptr(x2d)

@@ -67,7 +67,7 @@ def test_dequantize(rng, rname, columnwise, oname):
 
 
 def _random_buffers(rng, recipe, shape):
-    """Rowwise and columnwise buffers (DESIGN §4 layouts) of uniformly random FP8 bytes (every
+    """Rowwise and columnwise buffers (docs/layouts.md layouts) of uniformly random FP8 bytes (every
     code, NaN and E5M2 inf included) with a zero 128 x 128 region, random finite scale_inv
     over 2**-40 .. 2**40, or random E8M0 codes 0..255."""
     from fp8blk.layout import buffer_layouts

@@ -404,7 +404,7 @@ def _row_split(rng, kind, n, unit, multiple):
 
 
 def _expected_path(recipe, rowwise, columnwise, ms, kind, held):
-    """The path the rules of DESIGN §5 (as refined in fp8blk.comm.gather) pick."""
+    """The path the rules of docs/distributed.md (as refined in fp8blk.comm.gather) pick."""
     offsets = np.concatenate([[0], np.cumsum(ms)[:-1]])
     aligned = all(o % 128 == 0 for o, m in zip(offsets, ms) if m)
     if kind == "block" and not isinstance(recipe, fb.Block2D):

@@ -1,0 +1,359 @@
+"""FSDP2 with FP8 weights: step time and bytes all-gathered per step (issue 14).
+
+A 4-layer model of Float8BlockLinear layers (``--width`` wide, default 8192, no bias) under
+FSDP2 (every layer and the root ``fully_shard``-ed, reshard_after_forward=True), three ways:
+
+  bf16      bf16 parameters: FSDP gathers 2 bytes per element, the layer quantizes the weight
+  primary   mode 1: FP8 primary weights, fp32 master shards, cast_master_weights_ per step
+  cast      mode 2: bf16 parameters, FP8 on the wire, precompute_fp8_scales per step
+
+Per case: median step time (GPU, CUDA events around the whole step) and the host time to
+issue it, bytes this rank sent through FSDP's all-gathers per step (counted at the
+collective), the time inside fsdp_pre_all_gather / fsdp_post_all_gather (host perf_counter
+and GPU events, per step), and the time of the per-step FP8 cast of all weights. Before timing, one step of each FP8 mode checks
+after every all-gather that the gathered bytes and scales equal
+``fb.quantize(bf16(full weight))`` (full weight: the gathered parameters, or the masters).
+
+Run (writes JSON with machine, date, command and the figures):
+
+    torchrun --standalone --nproc-per-node=1 bench/bench_fsdp.py --out bench/results/fsdp_1gpu.json
+    torchrun --standalone --nproc-per-node=2 bench/bench_fsdp.py --out bench/results/fsdp_2gpu.json
+    # CPU smoke run (gloo): --device cpu --width 256 --tokens 256 --steps 2
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import fp8blk as fb
+from fp8blk.torch import Float8BlockConfig, convert_to_float8_block
+from fp8blk.torch import fsdp as F
+from fp8blk.torch import weight as W
+
+
+class Timer:
+    """Host and GPU time of the FSDP hooks of FP8 weights (patched class methods)."""
+
+    def __init__(self, cuda):
+        self.cuda = cuda
+        self.host = {"pre": 0.0, "post": 0.0}
+        self.events = {"pre": [], "post": []}
+        self.calls = {"pre": 0, "post": 0}
+        self.orig = (W._PlaneWeight.fsdp_pre_all_gather, W._PlaneWeight.fsdp_post_all_gather)
+        self.check = None  # callable(q, state) run after each post hook (not timed)
+
+    def _wrap(self, name, fn):
+        timer = self
+
+        @functools.wraps(fn)  # FSDP2 inspects the hook's signature
+        def call(*args, **kwargs):
+            ev = None
+            if timer.cuda:
+                ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                ev[0].record()
+            t0 = time.perf_counter()
+            res = fn(*args, **kwargs)
+            timer.host[name] += time.perf_counter() - t0
+            if ev is not None:
+                ev[1].record()
+                timer.events[name].append(ev)
+            timer.calls[name] += 1
+            if name == "post" and timer.check is not None:
+                out = kwargs.get("out")
+                box = out._box if out is not None else res[0]._box
+                timer.check(box.q, args[2][0])
+            return res
+        return call
+
+    def install(self):
+        W._PlaneWeight.fsdp_pre_all_gather = self._wrap("pre", self.orig[0])
+        W._PlaneWeight.fsdp_post_all_gather = self._wrap("post", self.orig[1])
+
+    def uninstall(self):
+        W._PlaneWeight.fsdp_pre_all_gather, W._PlaneWeight.fsdp_post_all_gather = self.orig
+
+    def reset(self):
+        for d in (self.host, self.calls):
+            for k in d:
+                d[k] = 0
+        self.events = {"pre": [], "post": []}
+
+    def gpu_ms(self, name):
+        return sum(a.elapsed_time(b) for a, b in self.events[name])
+
+
+class ByteCounter:
+    """Bytes this rank sends through all-gathers (FSDP2's all_gather_single /
+    all_gather_into_tensor): the output bytes divided by the world size."""
+
+    def __init__(self, world):
+        self.world = world
+        self.sent = 0
+        self.names = [n for n in ("all_gather_single", "all_gather_into_tensor")
+                      if hasattr(dist, n)]
+        self.orig = {n: getattr(dist, n) for n in self.names}
+        for n in self.names:
+            setattr(dist, n, self._wrap(n))
+
+    def _wrap(self, name):
+        def call(output_tensor, input_tensor, *a, **k):
+            self.sent += output_tensor.numel() * output_tensor.element_size() // self.world
+            return self.orig[name](output_tensor, input_tensor, *a, **k)
+        return call
+
+
+def build(case, args, device, mesh, gen):
+    layers = [torch.nn.Linear(args.width, args.width, bias=False, device=device)
+              for _ in range(args.layers)]
+    with torch.no_grad():
+        for lin in layers:
+            w = torch.randn(lin.weight.shape, generator=gen, device="cpu")
+            # rows spanning orders of magnitude: tiles get different scales
+            w *= 10.0 ** (torch.rand(w.shape[0], 1, generator=gen) * 2 - 1)
+            lin.weight.copy_((w / args.width ** 0.5).to(device))
+    model = torch.nn.Sequential(*layers)
+    # bf16 parameters in every case (mode 1: its nominal dtype, so gradients are bf16 and
+    # the reduce-scatter moves what the bf16 baseline's does; the masters are fp32)
+    model = model.to(torch.bfloat16)
+    convert_to_float8_block(model, Float8BlockConfig())
+    if case != "bf16":
+        F.prepare_fsdp_fp8(model, mode=case, model_dtype=torch.bfloat16)
+    for lin in model:
+        fully_shard(lin, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    if case == "primary":
+        masters = F.master_weights(model)
+        opt = torch.optim.SGD(masters, lr=1e-4)
+    else:
+        masters = None
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    return model, opt, masters
+
+
+def states_of(model):
+    return [m.weight._local_tensor._state for m in model
+            if type(m.weight).__name__ == "DTensor"
+            and isinstance(m.weight._local_tensor, W._PlaneWeight)]
+
+
+def step(case, model, opt, masters, x, cast_times=None):
+    """One training step. ``cast_times`` (a list) gets (host s, start event, end event) of
+    the per-step FP8 cast: cast_master_weights_ (primary) or precompute_fp8_scales (cast)."""
+    opt.zero_grad(set_to_none=True)
+    y = model(x)
+    y.float().square().mean().backward()
+    if case == "primary":
+        F.master_grads_(model, masters)
+    opt.step()
+    if case == "bf16":
+        return
+    ev = None
+    if cast_times is not None and x.is_cuda:
+        ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        ev[0].record()
+    t0 = time.perf_counter()
+    if case == "primary":
+        F.cast_master_weights_(model, masters)
+    else:
+        F.precompute_fp8_scales(model)
+    if cast_times is not None:
+        host = time.perf_counter() - t0
+        if ev is not None:
+            ev[1].record()
+        cast_times.append((host, ev))
+
+
+def full_weights(case, model, masters, rows_cols):
+    """The full high-precision weights on every rank (all-gathered): params or masters."""
+    out = []
+    ws = dist.get_world_size()
+    linears = list(model)
+    for i, (rows, cols) in enumerate(rows_cols):
+        if case == "primary":
+            local = masters[i].detach().reshape(-1)
+        else:
+            local = linears[i].weight._local_tensor.hp.reshape(-1)
+        chunk = -(-rows // ws) * cols
+        pad = torch.zeros(chunk, dtype=local.dtype, device=local.device)
+        pad[: local.numel()] = local
+        gathered = torch.empty(chunk * ws, dtype=local.dtype, device=local.device)
+        dist.all_gather_into_tensor(gathered, pad)
+        out.append(gathered[: rows * cols].reshape(rows, cols))
+    return out
+
+
+def run_case(case, args, device, mesh, rank, world):
+    gen = torch.Generator().manual_seed(1234)
+    model, opt, masters = build(case, args, device, mesh, gen)
+    dtype = torch.bfloat16
+    x = torch.randn(args.tokens, args.width, generator=gen).to(device=device, dtype=dtype)
+    cuda = device.type == "cuda"
+    timer = Timer(cuda)
+    timer.install()
+    counter = ByteCounter(world)
+    result = {"case": case, "world": world, "width": args.width, "layers": args.layers,
+              "tokens": args.tokens}
+    try:
+        step(case, model, opt, masters, x)  # warm-up (and the primary mode's first cast)
+        if case != "bf16":
+            # byte check: one step with a comparison after every all-gather
+            shapes = [(args.width, args.width)] * args.layers
+            full = full_weights(case, model, masters, shapes)
+            states = [lin.weight._local_tensor._state for lin in model]
+            want = {id(s): fb.quantize(w.to(torch.bfloat16).contiguous(), s.recipe,
+                                       rowwise=True, columnwise=True)
+                    for s, w in zip(states, full)}
+            del full
+            checked = [0]
+
+            def check(q, state):
+                e = want[id(state)]
+                pairs = []
+                if q.has_rowwise:
+                    pairs += [(q.rowwise_data, e.rowwise_data),
+                              (q.rowwise_scale_inv, e.rowwise_scale_inv)]
+                if q.has_columnwise:
+                    pairs += [(q.columnwise_data, e.columnwise_data),
+                              (q.columnwise_scale_inv, e.columnwise_scale_inv)]
+                for got, exp in pairs:
+                    if not torch.equal(got, exp):
+                        raise AssertionError(f"{case}: gathered FP8 weight differs from "
+                                             f"quantize(bf16(full weight))")
+                checked[0] += 1
+
+            timer.check = check
+            # the check step must not change the weights (lr 0): the expected bytes hold
+            lrs = [g["lr"] for g in opt.param_groups]
+            for g in opt.param_groups:
+                g["lr"] = 0.0
+            step(case, model, opt, masters, x)
+            for g, lr in zip(opt.param_groups, lrs):
+                g["lr"] = lr
+            timer.check = None
+            del want
+            result["byte_checks_passed"] = checked[0]
+        for _ in range(args.warmup):
+            step(case, model, opt, masters, x)
+        if cuda:
+            torch.cuda.synchronize()
+        gpu, host, sent, pre_h, post_h, pre_g, post_g = [], [], [], [], [], [], []
+        hook_bytes, cast_h, cast_g = [], [], []
+        for s in states_of(model):
+            s.gathers.clear()
+        for _ in range(args.steps):
+            timer.reset()
+            counter.sent = 0
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                    enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
+            casts = []
+            step(case, model, opt, masters, x, casts)
+            host.append((time.perf_counter() - t0) * 1e3)
+            if cuda:
+                end.record()
+                torch.cuda.synchronize()
+                gpu.append(start.elapsed_time(end))
+                pre_g.append(timer.gpu_ms("pre"))
+                post_g.append(timer.gpu_ms("post"))
+            sent.append(counter.sent)
+            for h, ev in casts:
+                cast_h.append(h * 1e3)
+                if ev is not None:
+                    cast_g.append(ev[0].elapsed_time(ev[1]))
+            if case != "bf16":
+                hook_bytes.append(sum(g["bytes"] for s in states_of(model)
+                                      for g in s.gathers))
+                for s in states_of(model):
+                    s.gathers.clear()
+            pre_h.append(timer.host["pre"] * 1e3)
+            post_h.append(timer.host["post"] * 1e3)
+        med = statistics.median
+        result.update({
+            "step_gpu_ms": med(gpu) if gpu else None,
+            "step_host_ms": med(host),
+            "bytes_sent_per_step": med(sent),
+            # bytes the pre-all-gather hooks hand FSDP per step (this rank's FP8 inputs)
+            "hook_bytes_per_step": med(hook_bytes) if hook_bytes else None,
+            "hook_calls_per_step": dict(timer.calls),
+            "pre_all_gather_host_ms": med(pre_h), "post_all_gather_host_ms": med(post_h),
+            "pre_all_gather_gpu_ms": med(pre_g) if pre_g else None,
+            "post_all_gather_gpu_ms": med(post_g) if post_g else None,
+            # the per-step FP8 cast of all weights (mode 1: cast_master_weights_, mode 2:
+            # precompute_fp8_scales): one packed all-reduce plus the batched kernels
+            "fp8_cast_host_ms": med(cast_h) if cast_h else None,
+            "fp8_cast_gpu_ms": med(cast_g) if cast_g else None,
+            "peak_memory_gib": (torch.cuda.max_memory_allocated() / 2 ** 30) if cuda else None,
+        })
+    finally:
+        timer.uninstall()
+        for n in counter.names:
+            setattr(dist, n, counter.orig[n])
+    del model, opt, masters
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    return result
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--width", type=int, default=8192)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--cases", default="bf16,primary,cast")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--out", default=None, help="JSON output path (rank 0 writes it)")
+    args = p.parse_args()
+    cuda = args.device == "cuda"
+    if cuda:  # before the process group, so NCCL binds each rank to its own GPU
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    mesh = init_device_mesh(args.device, (world,))
+    results = [run_case(c, args, device, mesh, rank, world) for c in args.cases.split(",")]
+    base = next((r for r in results if r["case"] == "bf16"), None)
+    if base is not None:
+        for r in results:
+            # (one rank: FSDP2 calls the hooks but moves nothing through a collective)
+            r["bytes_vs_bf16"] = (r["bytes_sent_per_step"] / base["bytes_sent_per_step"]
+                                  if base["bytes_sent_per_step"] else None)
+            if r["step_gpu_ms"] and base["step_gpu_ms"]:
+                r["step_time_vs_bf16"] = r["step_gpu_ms"] / base["step_gpu_ms"]
+    if rank == 0:
+        report = {
+            "machine": {"host": platform.node(), "python": platform.python_version(),
+                        "torch": torch.__version__,
+                        "gpu": torch.cuda.get_device_name() if cuda else None,
+                        "world": world},
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "command": " ".join([sys.executable] + sys.argv),
+            "cases": results,
+        }
+        text = json.dumps(report, indent=1)
+        print(text)
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                f.write(text + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,277 @@
+"""GPU benchmark of fp8blk.torch.Float8BlockLinear (issue 13), one H200:
+
+    python3 bench/bench_linear.py --out bench/results/linear-h200-$(date +%F).json [--quick]
+
+1. Accuracy: SQNR (dB) of the output, input gradient and weight gradient against bf16
+   nn.Linear (same weights, inputs and output gradient; the fp32 GEMM of the same bf16 data as
+   the signal) at widths 4096 and 8192 (8192 tokens, in = out = width). Target: output >= 25 dB.
+2. Speed, fwd+bwd, (tokens, in, out) = (16384, 8192, 8192), (16384, 4096, 14336),
+   (8192, 4096, 4096), bf16, no bias: Float8BlockLinear, bf16 nn.Linear, torchao 0.18
+   ``torchao.prototype.blockwise_fp8_training.linear.Float8BlockwiseLinear`` when importable
+   (its default GEMM path, and use_triton=True when that argument exists). GPU time: CUDA events
+   around back-to-back iterations (median of repeats). Host time: wall time to issue one
+   iteration when the GPU is not the bottleneck (a 256-token layer of the same widths).
+   Targets: >= 1.5x bf16 at the two large shapes, >= 1.2x at the small one, faster than torchao.
+3. Breakdown per shape: the three GEMMs alone (blockwise_scaled_mm on prequantized operands),
+   the quantize kernels alone (x row+col, W row, dY row+col, W transpose), and the rest.
+4. Forward peak memory (max_memory_allocated during forward, above the start) and the bytes
+   saved for backward, against bf16 nn.Linear.
+5. torch.compile(fullgraph=True) of a 2-layer model on the GPU: traces, and equals eager.
+Prints a table and writes JSON (machine, date, command, per-case figures).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+import fp8blk as fb  # noqa: E402
+from fp8blk.torch import Float8BlockLinear, blockwise_scaled_mm  # noqa: E402
+from fp8blk.torch import Float8BlockConfig, convert_to_float8_block  # noqa: E402
+from fp8blk.torch import functional as fl  # noqa: E402
+from fp8blk.torch.quantize_ops import block2d_columnwise, quantize_buffers  # noqa: E402
+
+SHAPES = [(16384, 8192, 8192), (16384, 4096, 14336), (8192, 4096, 4096)]
+TARGETS = {SHAPES[0]: 1.5, SHAPES[1]: 1.5, SHAPES[2]: 1.2}
+DEV = "cuda"
+
+
+def gpu_ms(fn, inner=10, repeats=7, warmup=3):
+    """Median ms per call over `repeats` runs of `inner` back-to-back calls (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            fn()
+        stop.record()
+        stop.synchronize()
+        samples.append(start.elapsed_time(stop) / inner)
+    return statistics.median(samples)
+
+
+def host_us(fn, n=50, repeats=7):
+    """Minimum wall-clock us to issue one call (synchronizing between repeats only)."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / n * 1e6)
+        torch.cuda.synchronize()
+    return best
+
+
+def sqnr_db(ref, test):
+    ref, test = ref.double(), test.double()
+    return float(10 * torch.log10(ref.pow(2).sum() / (ref - test).pow(2).sum()))
+
+
+def fwd_bwd(layer, x, g):
+    def step():
+        layer.weight.grad = None
+        x.grad = None
+        layer(x).backward(g)
+    return step
+
+
+def torchao_layers(k, n):
+    """{name: layer} of torchao's Float8BlockwiseLinear variants, or {} / an error string."""
+    try:
+        from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
+    except Exception as err:  # noqa: BLE001  (report why, keep benchmarking)
+        return {}, f"torchao not importable: {type(err).__name__}: {err}"
+    out = {}
+    base = torch.nn.Linear(k, n, bias=False, device=DEV, dtype=torch.bfloat16)
+    layer = Float8BlockwiseLinear.from_float(base)
+    out["torchao"] = layer
+    if hasattr(layer, "use_triton"):
+        tri = Float8BlockwiseLinear.from_float(base)
+        tri.use_triton = True
+        out["torchao_triton"] = tri
+    return out, None
+
+
+def accuracy(width, tokens=8192):
+    gen = torch.Generator(device=DEV).manual_seed(width)
+    x = torch.randn(tokens, width, device=DEV, dtype=torch.bfloat16, generator=gen)
+    g = torch.randn(tokens, width, device=DEV, dtype=torch.bfloat16, generator=gen)
+    ref = torch.nn.Linear(width, width, bias=False, device=DEV, dtype=torch.bfloat16)
+    fp8 = Float8BlockLinear.from_linear(ref)
+    out = {}
+    for name, layer in (("ref", ref), ("fp8", fp8)):
+        xi = x.clone().requires_grad_(True)
+        layer.weight.grad = None
+        y = layer(xi)
+        y.backward(g)
+        out[name] = (y.detach(), xi.grad, layer.weight.grad.clone())
+    # signal: the exact (fp32) products of the same bf16 data
+    w = ref.weight.detach().float()
+    exact = (x.float() @ w.t(), g.float() @ w, g.float().t() @ x.float())
+    return {"width": width, "tokens": tokens,
+            "sqnr_db": {k: sqnr_db(e, t) for k, e, t in
+                        zip(("output", "input_grad", "weight_grad"), exact, out["fp8"])},
+            "bf16_sqnr_db": {k: sqnr_db(e, t) for k, e, t in
+                             zip(("output", "input_grad", "weight_grad"), exact, out["ref"])}}
+
+
+def breakdown(m, k, n):
+    """GPU ms of the three GEMMs alone and of the quantize kernels alone."""
+    cfg = Float8BlockConfig()
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
+    dy = torch.randn(m, n, device=DEV, dtype=torch.bfloat16)
+    qx = quantize_buffers(x, cfg.activation, True, True)
+    qw = quantize_buffers(w, cfg.weight, True, False)
+    qdy = quantize_buffers(dy, cfg.grad, True, True)
+    qwt = block2d_columnwise(qw[0], qw[1], cfg.weight)
+
+    def gemms():
+        blockwise_scaled_mm(*fl._forward_operands(qx, qw, cfg), out_dtype=torch.bfloat16)
+        blockwise_scaled_mm(*fl._dgrad_operands(qdy, qwt, cfg), out_dtype=torch.bfloat16)
+        blockwise_scaled_mm(*fl._wgrad_operands((qdy[2], qdy[3]), (qx[2], qx[3]), cfg),
+                            out_dtype=torch.bfloat16)
+
+    def quants():
+        quantize_buffers(x, cfg.activation, True, True)
+        q = quantize_buffers(w, cfg.weight, True, False)
+        quantize_buffers(dy, cfg.grad, True, True)
+        block2d_columnwise(q[0], q[1], cfg.weight)
+
+    def bf16_gemms():
+        x @ w.t()
+        dy @ w
+        dy.t() @ x
+    return {"gemms_ms": gpu_ms(gemms), "quantize_ms": gpu_ms(quants),
+            "bf16_gemms_ms": gpu_ms(bf16_gemms)}
+
+
+def memory(layer, x):
+    """(forward peak bytes above the start, bytes held after forward for backward). The layer
+    gets ``x * 1.0``, a fresh activation nothing else keeps (as in a network, where the
+    previous op's output lives on only if the layer saves it; a scalar mul saves nothing):
+    nn.Linear keeps it (2 bytes/element in bf16), Float8BlockLinear keeps x's FP8 columnwise
+    copy (1 byte/element + scales) and W's FP8 tiles (N*K bytes)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    y = layer(x * 1.0)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    held = torch.cuda.memory_allocated() - base - y.numel() * y.element_size()
+    del y
+    return peak, held
+
+
+def speed(m, k, n, quick):
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(m, n, device=DEV, dtype=torch.bfloat16)
+    bf16 = torch.nn.Linear(k, n, bias=False, device=DEV, dtype=torch.bfloat16)
+    layers = {"bf16": bf16, "fp8blk": Float8BlockLinear.from_linear(bf16)}
+    ao, ao_error = torchao_layers(k, n)
+    for name, layer in ao.items():
+        layer.weight = bf16.weight
+        layers[name] = layer
+    case = {"tokens": m, "in": k, "out": n, "torchao_error": ao_error, "gpu_ms": {},
+            "host_us": {}, "fwd_peak_bytes": {}, "saved_bytes": {}, "errors": {}}
+    small_x = torch.randn(256, k, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    small_g = torch.randn(256, n, device=DEV, dtype=torch.bfloat16)
+    for name, layer in layers.items():
+        try:
+            case["gpu_ms"][name] = gpu_ms(fwd_bwd(layer, x, g), inner=3 if quick else 10)
+            case["host_us"][name] = host_us(fwd_bwd(layer, small_x, small_g))
+            peak, held = memory(layer, x)
+            case["fwd_peak_bytes"][name], case["saved_bytes"][name] = peak, held
+        except Exception as err:  # noqa: BLE001  (a peer failing must not hide our numbers)
+            case["errors"][name] = f"{type(err).__name__}: {err}"
+    t = case["gpu_ms"]
+    case["speedup_vs_bf16"] = t["bf16"] / t["fp8blk"] if "fp8blk" in t else None
+    case["target_vs_bf16"] = TARGETS[(m, k, n)]
+    case["speedup_vs_torchao"] = {p: t[p] / t["fp8blk"] for p in t if p.startswith("torchao")}
+    case["breakdown"] = breakdown(m, k, n)
+    case["breakdown"]["other_ms"] = t.get("fp8blk", 0) - case["breakdown"]["gemms_ms"] \
+        - case["breakdown"]["quantize_ms"]
+    flops = 6 * m * k * n
+    case["tflops"] = {p: flops / (ms * 1e-3) / 1e12 for p, ms in t.items()}
+    return case
+
+
+def compile_check():
+    """torch.compile(fullgraph=True) on the GPU: with aot_eager (the same kernels: must equal
+    eager bit for bit) and with inductor (fuses the pointwise ops around the layer, which
+    skips intermediate bf16 roundings: reported as the max difference), forward+backward."""
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 2048, device=DEV, dtype=torch.bfloat16),
+                                torch.nn.GELU(),
+                                torch.nn.Linear(2048, 1024, device=DEV, dtype=torch.bfloat16))
+    convert_to_float8_block(model)
+    x = torch.randn(4096, 1024, device=DEV, dtype=torch.bfloat16)
+    out = {}
+    for backend in ("aot_eager", "inductor"):
+        torch._dynamo.reset()
+        try:
+            with torch.no_grad():
+                eager = model(x)
+                compiled = torch.compile(model, fullgraph=True, backend=backend)(x)
+            xc = x.clone().requires_grad_(True)
+            torch.compile(model, fullgraph=True, backend=backend)(xc).float().sum().backward()
+            out[backend] = {"fullgraph": True, "equal_to_eager": bool(torch.equal(eager, compiled)),
+                            "max_abs_diff": float((eager - compiled).abs().max())}
+        except Exception as err:  # noqa: BLE001
+            out[backend] = {"fullgraph": False, "error": f"{type(err).__name__}: {err}"}
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    args = parser.parse_args()
+    result = {"machine": {"gpu": torch.cuda.get_device_name(), "host": platform.node(),
+                          "torch": torch.__version__, "python": platform.python_version()},
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "command": " ".join([sys.executable] + sys.argv),
+              "accuracy": [accuracy(w) for w in (4096, 8192)],
+              "speed": [speed(*s, args.quick) for s in SHAPES],
+              "compile": compile_check()}
+    for a in result["accuracy"]:
+        s = a["sqnr_db"]
+        print(f"SQNR width {a['width']}: out {s['output']:.1f} dB, dgrad {s['input_grad']:.1f} "
+              f"dB, wgrad {s['weight_grad']:.1f} dB (bf16: {a['bf16_sqnr_db']['output']:.1f})"
+              f"  target out >= 25: {'OK' if s['output'] >= 25 else 'MISSED'}")
+    for c in result["speed"]:
+        t = c["gpu_ms"]
+        peers = " ".join(f"{p} {ms:.3f}" for p, ms in t.items())
+        ao = " ".join(f"x{v:.2f} vs {p}" for p, v in c["speedup_vs_torchao"].items())
+        b = c["breakdown"]
+        print(f"({c['tokens']}, {c['in']}, {c['out']}) ms: {peers} | x{c['speedup_vs_bf16']:.2f} "
+              f"vs bf16 (target {c['target_vs_bf16']}) {ao} | gemms {b['gemms_ms']:.3f} "
+              f"quant {b['quantize_ms']:.3f} other {b['other_ms']:.3f} (bf16 gemms "
+              f"{b['bf16_gemms_ms']:.3f}) | host us {c['host_us']} | fwd peak "
+              f"{c['fwd_peak_bytes']} saved {c['saved_bytes']} | errors {c['errors']} "
+              f"{c['torchao_error'] or ''}")
+    print("compile:", result["compile"])
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()

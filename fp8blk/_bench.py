@@ -1,0 +1,611 @@
+"""``python -m fp8blk bench``: what the kernels achieve, as a table, a JSON file and a plot.
+
+On a GPU (CuPy sees a device; ``--cpu`` stays on the CPU): every quantize kernel (Block1D,
+Block2D, MXFP8; rowwise, columnwise, both), the Block2D FP8 transpose and the dequantize kernels,
+on bf16 N x N inputs over a sweep of sizes. Per case: the median GPU time of back-to-back calls
+measured with CUDA events (rotating input sets), the host time per call (the launch loop's wall
+time, separately), bytes moved (inputs read once + outputs written once), achieved TB/s and
+the fraction of the device-to-device copy bandwidth measured at the same size in the same run.
+At the largest size, peers in the same process where installed: ``torch.compile`` of the same
+formulas and torchao's Triton kernels (``torchao.prototype.blockwise_fp8_training``).
+
+On the CPU: the same cases on float32 inputs through the NumPy reference -- the CPU execution
+path and the oracle, NOT the GPU kernels -- best of ``--reps`` wall times, against a NumPy copy
+of the same bytes.
+
+``--out DIR`` writes ``DIR/bench-{gpu,cpu}-DATE.json`` (machine, date, command, versions,
+per-case figures) and, when matplotlib is installed (``pip install fp8blk[plot]``),
+``DIR/bench-{gpu,cpu}-DATE.png``: achieved bandwidth against size per kernel, the copy line on
+top, peers as markers at the largest size.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _arrays
+from .formats import MXFP8, Block1D, Block2D
+
+GPU_SIZES = (1024, 2048, 4096, 8192, 16384)
+CPU_SIZES = (8192,)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One timed operation: ``op`` is quantize, transpose (Block2D FP8 transpose of rowwise
+    data) or dequantize (to the input dtype, from the ``rowwise`` or ``columnwise`` buffers)."""
+
+    name: str
+    op: str
+    recipe: object
+    rowwise: bool = True
+    columnwise: bool = False
+
+
+CASES = [
+    Case("b1d_row", "quantize", Block1D(), True, False),
+    Case("b1d_col", "quantize", Block1D(), False, True),
+    Case("b1d_both", "quantize", Block1D(), True, True),
+    Case("b2d_row", "quantize", Block2D(), True, False),
+    Case("b2d_both", "quantize", Block2D(), True, True),
+    Case("mx_row", "quantize", MXFP8(), True, False),
+    Case("mx_col", "quantize", MXFP8(), False, True),
+    Case("mx_both", "quantize", MXFP8(), True, True),
+    Case("b2d_transpose", "transpose", Block2D(), True, False),
+    Case("b1d_dequant_row", "dequantize", Block1D(), True, False),
+    Case("b1d_dequant_col", "dequantize", Block1D(), False, True),
+    Case("b2d_dequant_row", "dequantize", Block2D(), True, False),
+    Case("mx_dequant_row", "dequantize", MXFP8(), True, False),
+    Case("mx_dequant_col", "dequantize", MXFP8(), False, True),
+]
+# the CPU default: what `python -m fp8blk bench` has always timed (the reference is slow)
+CPU_DEFAULT_CASES = ("b1d_row", "b1d_both", "b2d_both", "mx_both")
+
+
+def add_arguments(parser):
+    """The ``bench`` subcommand's options (called by ``fp8blk.__main__``)."""
+    parser.add_argument("--out", metavar="DIR",
+                        help="write bench-{gpu,cpu}-DATE.json and .png (plot needs matplotlib)")
+    parser.add_argument("--sizes", type=int, nargs="+", metavar="N",
+                        help=f"N x N inputs (GPU default {' '.join(map(str, GPU_SIZES))}; "
+                             f"CPU default {' '.join(map(str, CPU_SIZES))})")
+    parser.add_argument("--cases", nargs="+", metavar="CASE",
+                        help="subset of: " + " ".join(c.name for c in CASES))
+    parser.add_argument("--cpu", action="store_true",
+                        help="time the CPU reference path even when a GPU is present")
+    parser.add_argument("--reps", type=int, default=None,
+                        help="timed repetitions per case (GPU: 7 x 10 calls; CPU: best of 3)")
+    parser.add_argument("--no-peers", action="store_true",
+                        help="skip torch.compile and torchao (they take minutes to compile)")
+
+
+# -- progress and timing --------------------------------------------------------------------
+
+
+class Progress:
+    """A one-line progress bar on stderr (a line per completed size when not a terminal)."""
+
+    def __init__(self, total, stream=None):
+        self.total, self.done, self.stream = total, 0, stream or sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.start = time.perf_counter()
+
+    def step(self, label, milestone=False):
+        self.done += 1
+        elapsed = time.perf_counter() - self.start
+        if self.tty:
+            filled = int(30 * self.done / max(self.total, 1))
+            self.stream.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total}"
+                              f" {elapsed:5.0f} s  {label:<32}")
+            if self.done == self.total:
+                self.stream.write("\n")
+        elif milestone or self.done == self.total:
+            self.stream.write(f"[{self.done}/{self.total}] {elapsed:.0f} s  {label}\n")
+        self.stream.flush()
+
+
+def time_cupy(fn, inputs, reps=7, inner=10):
+    """(median GPU seconds per call, median host seconds per call, all GPU figures) of
+    back-to-back ``fn(inputs[i % len(inputs)])`` on CuPy's current stream, after one warm-up
+    call per input. GPU time from CUDA events around ``inner`` calls; host time is the wall
+    time of issuing them (equal to the GPU time when the loop is host-bound)."""
+    import cupy
+
+    for inp in inputs:
+        fn(inp)
+    cupy.cuda.get_current_stream().synchronize()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    gpu, host = [], []
+    for _ in range(reps):
+        start.record()
+        t0 = time.perf_counter()
+        for i in range(inner):
+            fn(inputs[i % len(inputs)])
+        host.append((time.perf_counter() - t0) / inner)
+        stop.record()
+        stop.synchronize()
+        gpu.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3 / inner)
+    return statistics.median(gpu), statistics.median(host), gpu
+
+
+def time_torch(fn, inputs, reps=7, inner=10):
+    """:func:`time_cupy` for torch callables, timed with torch's CUDA events."""
+    import torch
+
+    for inp in inputs:
+        fn(inp)
+    torch.cuda.synchronize()
+    gpu, host = [], []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        for i in range(inner):
+            fn(inputs[i % len(inputs)])
+        host.append((time.perf_counter() - t0) / inner)
+        stop.record()
+        stop.synchronize()
+        gpu.append(start.elapsed_time(stop) / 1e3 / inner)
+    return statistics.median(gpu), statistics.median(host), gpu
+
+
+def time_host(fn, inputs, reps=3):
+    """(best wall seconds, median wall seconds, all) of ``fn(input)`` on the CPU."""
+    times = []
+    for r in range(reps):
+        t0 = time.perf_counter()
+        fn(inputs[r % len(inputs)])
+        times.append(time.perf_counter() - t0)
+    return min(times), statistics.median(times), times
+
+
+def gpu_copy_bandwidth(nbytes, reps=7):
+    """Device-to-device copy bandwidth (bytes read + written per second) of nbytes."""
+    import cupy
+
+    src = cupy.ones(nbytes, dtype=np.uint8)
+    dst = cupy.empty_like(src)
+
+    def copy(_):
+        cupy.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, nbytes, 3,
+                                      cupy.cuda.get_current_stream().ptr)
+    gpu, _, _ = time_cupy(copy, [None], reps=reps)
+    return 2 * nbytes / gpu
+
+
+def cpu_copy_bandwidth(nbytes, reps=3):
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    best, _, _ = time_host(lambda _: np.copyto(dst, src), [None], reps=reps)
+    return 2 * nbytes / best
+
+
+# -- inputs, operations and byte counts -----------------------------------------------------
+
+
+def _nbytes(buffers):
+    return sum(int(b.nbytes) for b in buffers if b is not None)
+
+
+def gpu_inputs(n, count=3, seed=0):
+    """``count`` CuPy N x N bf16 arrays (uint16 bit patterns), rows spanning orders of
+    magnitude, made on the GPU."""
+    import cupy
+
+    out = []
+    for i in range(count):
+        rs = cupy.random.RandomState(seed + i)
+        x = rs.standard_normal((n, n), dtype=np.float32)
+        x *= cupy.exp(rs.uniform(-3, 3, size=(n, 1))).astype(np.float32)
+        out.append((x.view(np.uint32) >> 16).astype(np.uint16))  # truncated to bf16
+    return out
+
+
+def cpu_inputs(n, count=1, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        x = rng.standard_normal((n, n), dtype=np.float32)
+        x *= np.exp(rng.uniform(-3, 3, size=(n, 1))).astype(np.float32)
+        out.append(x)
+    return out
+
+
+def gpu_operation(case, inputs):
+    """(fn, args list, bytes per call) for a case on the GPU kernels (``fp8blk.kernels``)."""
+    from . import kernels
+
+    bf16 = _arrays.BF16
+    n = inputs[0].shape
+    rec, rw, cw = case.recipe, case.rowwise, case.columnwise
+    if case.op == "quantize":
+        out = kernels.quantize(inputs[0], rec, rw, cw, dtype=bf16)
+        return (lambda x: kernels.quantize(x, rec, rw, cw, dtype=bf16),
+                inputs, inputs[0].nbytes + _nbytes(out))
+    if case.op == "transpose":
+        rowwise = [kernels.quantize(x, rec, True, False, dtype=bf16)[:2] for x in inputs]
+        out = kernels.block2d_columnwise_from_rowwise(*rowwise[0])
+        return (lambda b: kernels.block2d_columnwise_from_rowwise(*b, out=out), rowwise,
+                _nbytes(rowwise[0]) + _nbytes(out))
+    q = kernels.quantize(inputs[0], rec, rw, cw, dtype=bf16)
+    bufs = [list(q)]
+    return (lambda b: kernels.dequantize(rec, n, *b, dtype=bf16), bufs,
+            _nbytes(q) + inputs[0].nbytes)
+
+
+def cpu_operation(case, inputs):
+    """(fn, args list, bytes per call) for a case on the NumPy reference (``fb.quantize``)."""
+    from .ops import quantize
+
+    rec, rw, cw = case.recipe, case.rowwise, case.columnwise
+    if case.op == "quantize":
+        q = quantize(inputs[0], rec, rw, cw)
+        return (lambda x: quantize(x, rec, rw, cw), inputs, inputs[0].nbytes + _held(q))
+    if case.op == "transpose":
+        qs = [quantize(x, rec, True, False) for x in inputs]
+        before = _held(qs[0])
+        qs[0].create_columnwise()
+        return (lambda q: q.create_columnwise(), qs, before + _held(qs[0]))
+    q = quantize(inputs[0], rec, rw, cw)
+    return (lambda q: q.dequantize(np.float32), [q], _held(q) + inputs[0].nbytes)
+
+
+def _held(q):
+    return _nbytes([q.rowwise_data, q.rowwise_scale_inv, q.columnwise_data,
+                    q.columnwise_scale_inv])
+
+
+# -- peers (GPU only) -----------------------------------------------------------------------
+
+
+def torch_formulas():
+    """The Block1D / Block2D / MXFP8 quantize formulas (E4M3, pow2 scales) written in torch,
+    for ``torch.compile``: {case name: fn(bf16 (M, K)) -> outputs}. M, K multiples of 128."""
+    import torch
+
+    f8 = torch.float8_e4m3fn
+    pow2_mask = -8388608  # 0xFF800000 as int32: keep sign and exponent
+
+    def scale_from_amax(amax):
+        scale = torch.where(amax == 0, torch.ones_like(amax), 448.0 / amax)
+        scale = torch.where(torch.isinf(scale), torch.full_like(scale, 3.3895313892515355e38),
+                            scale)
+        return (scale.view(torch.int32) & pow2_mask).view(torch.float32)
+
+    def b1d_row(x):
+        m, k = x.shape
+        xf = x.float().reshape(m, k // 128, 128)
+        scale = scale_from_amax(xf.abs().amax(dim=-1, keepdim=True))
+        y = (xf * scale).clamp(-448.0, 448.0).to(f8).reshape(m, k)
+        return y, (1.0 / scale).reshape(m, k // 128).t().contiguous()
+
+    def b1d_col(x):
+        return b1d_row(x.t())
+
+    def b1d_both(x):
+        return b1d_row(x) + b1d_col(x)
+
+    def b2d_row(x):
+        m, k = x.shape
+        xf = x.float().reshape(m // 128, 128, k // 128, 128)
+        scale = scale_from_amax(xf.abs().amax(dim=(1, 3), keepdim=True))
+        y = (xf * scale).clamp(-448.0, 448.0).to(f8).reshape(m, k)
+        return y, (1.0 / scale).reshape(m // 128, k // 128)
+
+    def b2d_both(x):
+        y, s = b2d_row(x)
+        return y, s, y.t().contiguous(), s.t().contiguous()
+
+    def mx_row(x):
+        m, k = x.shape
+        xf = x.float().reshape(m, k // 32, 32)
+        v = xf.abs().amax(dim=-1, keepdim=True) * (1.0 / 448.0)
+        bits = v.view(torch.int32)
+        e = (bits >> 23) & 0xFF
+        mant = bits & 0x7FFFFF
+        up = (mant > 0) & (e != 0xFE) & ~((e == 0) & (mant <= 0x400000))
+        code = torch.where(v == 0, torch.zeros_like(e), e + up.to(torch.int32))
+        mult = torch.where(code == 0, torch.ones_like(v),
+                           ((254 - code) << 23).view(torch.float32))
+        y = (xf * mult).clamp(-448.0, 448.0).to(f8).reshape(m, k)
+        return y, code.to(torch.uint8).reshape(m, k // 32)
+
+    def transpose(data):
+        return data.t().contiguous()
+
+    return {"b1d_row": b1d_row, "b1d_col": b1d_col, "b1d_both": b1d_both, "b2d_row": b2d_row,
+            "b2d_both": b2d_both, "mx_row": mx_row, "b2d_transpose": transpose}
+
+
+def torchao_kernels():
+    """{case name: fn(bf16 tensor)} of torchao's Triton kernels, or {} without torchao."""
+    try:
+        from torchao.prototype.blockwise_fp8_training import kernels as tk
+    except Exception:
+        return {}
+    row, col = tk.triton_fp8_blockwise_act_quant_lhs, \
+        tk.triton_fp8_blockwise_act_quant_transposed_lhs
+    w_row, w_col = tk.triton_fp8_blockwise_weight_quant_rhs, \
+        tk.triton_fp8_blockwise_weight_quant_transposed_rhs
+    # torchao has no fused row+col kernels: "both" is its two kernels back to back
+    return {"b1d_row": row, "b1d_col": col, "b1d_both": lambda x: (row(x), col(x)),
+            "b2d_row": w_row, "b2d_both": lambda x: (w_row(x), w_col(x))}
+
+
+def _torch_nbytes(outputs):
+    if isinstance(outputs, (tuple, list)):
+        return sum(_torch_nbytes(o) for o in outputs)
+    return outputs.numel() * outputs.element_size()
+
+
+def run_peers(n, inputs, copy_bps, results, notes, progress):
+    """torch.compile and torchao on the same N x N inputs; appends rows to ``results``."""
+    try:
+        import torch
+    except ImportError:
+        notes.append("peers skipped: torch is not installed")
+        return
+    xs = [torch.from_dlpack(x.view(np.int16)).view(torch.bfloat16) for x in inputs]
+    in_bytes = xs[0].numel() * 2
+    peers = [("torchao", name, fn) for name, fn in torchao_kernels().items()]
+    if not peers:
+        notes.append("torchao peers skipped: torchao.prototype.blockwise_fp8_training not "
+                     "importable")
+    peers += [("torch.compile", name, fn) for name, fn in torch_formulas().items()]
+    progress.total += len(peers)
+    for kind, name, fn in peers:
+        try:
+            if kind == "torch.compile":
+                fn = torch.compile(fn, dynamic=False)
+            args = xs
+            if name == "b2d_transpose":
+                args = [torch.from_dlpack(_b2d_rowwise_bytes(x)) for x in inputs]
+                nbytes = 2 * args[0].numel()
+            else:
+                nbytes = in_bytes + _torch_nbytes(fn(xs[0]))
+            gpu, host, all_gpu = time_torch(fn, args)
+            results.append(_row(name, kind, n, gpu, host, nbytes, copy_bps, all_gpu))
+        except Exception as exc:  # a peer that fails is reported, not fatal
+            notes.append(f"{kind} {name}: {type(exc).__name__}: {str(exc)[:200]}")
+        progress.step(f"{kind} {name}")
+
+
+def _b2d_rowwise_bytes(x):
+    from . import kernels
+
+    return kernels.quantize(x, Block2D(), True, False, dtype=_arrays.BF16)[0]
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+
+def _row(case, kind, n, seconds, host_seconds, nbytes, copy_bps, all_seconds=None):
+    return {"case": case, "kind": kind, "shape": [n, n], "seconds": seconds,
+            "host_seconds_per_call": host_seconds, "bytes": int(nbytes),
+            "tb_s": nbytes / seconds / 1e12, "frac_copy": nbytes / seconds / copy_bps,
+            "all_seconds": all_seconds}
+
+
+def _gpu_present():
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def _versions(on_gpu):
+    """Versions of the modules this run used (on a GPU also the peers': torch, torchao)."""
+    out = {"python": sys.version.split()[0]}
+    for name in ("numpy", "numba", "numba_cuda", "cupy", "torch", "triton", "torchao"):
+        module = sys.modules.get(name)
+        if module is None and on_gpu and name in ("cupy", "torch", "torchao"):
+            try:
+                module = __import__(name)
+            except Exception:
+                module = None
+        if module is not None:
+            out[name] = getattr(module, "__version__", "?")
+    return out
+
+
+def _select(names):
+    if not names:
+        return CASES
+    known = {c.name: c for c in CASES}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"unknown --cases {unknown}; choose from {sorted(known)}")
+    return [known[n] for n in names]
+
+
+def run(args) -> int:
+    """The ``bench`` subcommand. Returns the exit status."""
+    on_gpu = not args.cpu and _gpu_present()
+    cases = _select(args.cases)
+    if not on_gpu and not args.cases:
+        cases = [c for c in CASES if c.name in CPU_DEFAULT_CASES]
+    sizes = args.sizes or (GPU_SIZES if on_gpu else CPU_SIZES)
+    bad = [n for n in sizes if n <= 0]
+    if bad:
+        raise SystemExit(f"--sizes must be positive, got {bad}")
+    device = "gpu" if on_gpu else "cpu"
+    date = datetime.datetime.now(datetime.timezone.utc)
+    report = {"device": device, "date": date.isoformat(timespec="seconds"),
+              "command": " ".join(["python -m fp8blk"] + sys.argv[1:]),
+              "host": platform.node(), "machine": _machine(on_gpu), "versions": _versions(on_gpu),
+              "input_dtype": "bfloat16" if on_gpu else "float32", "sizes": list(sizes),
+              "copy_bytes_per_s": {}, "results": [], "notes": []}
+    if on_gpu:
+        print(f"fp8blk bench: GPU kernels on {report['machine']}, bf16 N x N inputs; GPU time "
+              f"by CUDA events, median of back-to-back calls; bytes = inputs + outputs")
+    else:
+        print("fp8blk bench: CPU REFERENCE PATH (NumPy), not the GPU kernels; float32 N x N "
+              "inputs, best of the wall times" + (" (no GPU found)" if not args.cpu else ""))
+    peers = on_gpu and not args.no_peers
+    progress = Progress(len(sizes) * len(cases))  # run_peers adds its own steps
+    for n in sizes:
+        copy_bps = _measure_size(n, cases, on_gpu, args, report, progress)
+        if peers and n == max(sizes):
+            run_peers(n, gpu_inputs(n), copy_bps, report["results"], report["notes"], progress)
+        if on_gpu:
+            import cupy
+
+            cupy.get_default_memory_pool().free_all_blocks()
+    print_table(report)
+    if args.out:
+        write(report, args.out, date)
+    else:
+        print("(pass --out DIR to write the JSON and the plot)")
+    return 0
+
+
+def _machine(on_gpu):
+    if not on_gpu:
+        return f"{platform.processor() or platform.machine()} ({os.cpu_count()} CPUs)"
+    import cupy
+
+    name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def _measure_size(n, cases, on_gpu, args, report, progress):
+    """Time every case at N x N; returns the copy bandwidth measured at that size."""
+    inputs = gpu_inputs(n) if on_gpu else cpu_inputs(n)
+    nbytes = int(inputs[0].nbytes)
+    copy_bps = gpu_copy_bandwidth(nbytes) if on_gpu else cpu_copy_bandwidth(nbytes)
+    report["copy_bytes_per_s"][str(n)] = copy_bps
+    for case in cases:
+        if isinstance(case.recipe, MXFP8) and n % 32:
+            report["notes"].append(f"{case.name} skipped at {n}: MXFP8 needs multiples of 32")
+            progress.step(f"{case.name} {n} (skipped)")
+            continue
+        if on_gpu:
+            fn, args_list, moved = gpu_operation(case, inputs)
+            reps = args.reps or 7
+            gpu, host, all_gpu = time_cupy(fn, args_list, reps=reps)
+            row = _row(case.name, "fp8blk", n, gpu, host, moved, copy_bps, all_gpu)
+        else:
+            fn, args_list, moved = cpu_operation(case, inputs)
+            best, median, all_s = time_host(fn, args_list, reps=args.reps or 3)
+            row = _row(case.name, "fp8blk reference (CPU)", n, best, best, moved, copy_bps,
+                       all_s)
+        report["results"].append(row)
+        progress.step(f"{case.name} {n}x{n}", milestone=case is cases[-1])
+    return copy_bps
+
+
+def print_table(report):
+    """The table at the largest size, with the peers' speedups; smaller sizes summarized."""
+    rows = report["results"]
+    if not rows:
+        return
+    largest = max(r["shape"][0] for r in rows)
+    ours = [r for r in rows if r["kind"].startswith("fp8blk") and r["shape"][0] == largest]
+    peer = {}
+    for r in rows:
+        if not r["kind"].startswith("fp8blk"):
+            peer.setdefault(r["case"], {})[r["kind"]] = r["seconds"]
+    copy = report["copy_bytes_per_s"][str(largest)]
+    gpu = report["device"] == "gpu"
+    # GPU: microseconds, TB/s and the host time per call beside the GPU time; CPU: ms, GB/s
+    unit, scale, t_unit, t_scale = ("TB/s", 1e12, "us", 1e6) if gpu else ("GB/s", 1e9, "ms", 1e3)
+    print(f"\n{largest}x{largest} {report['input_dtype']}; copy {copy / scale:.2f} {unit}")
+    header = f"{'case':<18}{'time ' + t_unit:>10}" + (f"{'host us':>9}" if gpu else "")
+    header += f"{unit:>7}{'% copy':>8}"
+    if peer:
+        header += f"{'vs torch.compile':>18}{'vs torchao':>12}"
+    print(header)
+    for r in ours:
+        line = f"{r['case']:<18}{r['seconds'] * t_scale:>10.1f}"
+        if gpu:
+            line += f"{r['host_seconds_per_call'] * 1e6:>9.1f}"
+        line += f"{r['bytes'] / r['seconds'] / scale:>7.2f}{100 * r['frac_copy']:>7.1f}%"
+        if peer:
+            for kind, width in (("torch.compile", 18), ("torchao", 12)):
+                theirs = peer.get(r["case"], {}).get(kind)
+                line += (f"{theirs / r['seconds']:>{width - 1}.2f}x" if theirs
+                         else f"{'-':>{width}}")
+        print(line)
+    if peer:
+        print("(vs X: X's time / fp8blk's time at this size; > 1 means fp8blk is faster)")
+    smaller = sorted({r["shape"][0] for r in rows} - {largest})
+    for n in smaller:
+        fracs = [r["frac_copy"] for r in rows if r["shape"][0] == n and
+                 r["kind"].startswith("fp8blk")]
+        print(f"{n}x{n}: {len(fracs)} cases, {100 * min(fracs):.0f}-{100 * max(fracs):.0f}% "
+              f"of copy")
+    for note in report["notes"]:
+        print("note:", note)
+
+
+def write(report, out_dir, date):
+    """JSON always; the PNG when matplotlib is importable (else say that it was skipped)."""
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f"bench-{report['device']}-{date.strftime('%Y%m%d-%H%M%S')}")
+    with open(stem + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {stem}.json")
+    try:
+        import matplotlib
+    except ImportError:
+        print("plot skipped: matplotlib is not installed (pip install 'fp8blk[plot]')")
+        return
+    matplotlib.use("Agg")
+    plot(report, stem + ".png")
+    print(f"wrote {stem}.png")
+
+
+def plot(report, path):
+    """Achieved bandwidth against input size, one line per case, the copy line on top."""
+    import matplotlib.pyplot as plt
+
+    gpu = report["device"] == "gpu"
+    unit, scale = ("TB/s", 1e12) if gpu else ("GB/s", 1e9)
+    rows = report["results"]
+    ours = [r for r in rows if r["kind"].startswith("fp8blk")]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    groups = (("quantize", lambda c: "dequant" not in c and c != "b2d_transpose"),
+              ("transpose and dequantize", lambda c: "dequant" in c or c == "b2d_transpose"))
+    sizes = sorted({r["shape"][0] for r in rows})
+    mib = [n * n * (2 if gpu else 4) / 2**20 for n in sizes]
+    copy = [report["copy_bytes_per_s"][str(n)] / scale for n in sizes]
+    for ax, (title, keep) in zip(axes, groups):
+        ax.plot(mib, copy, "k-", lw=3, label="device copy" if gpu else "NumPy copy", zorder=5)
+        for name in dict.fromkeys(r["case"] for r in ours if keep(r["case"])):
+            pts = sorted((r["shape"][0], r["bytes"] / r["seconds"] / scale) for r in ours
+                         if r["case"] == name)
+            ax.plot([n * n * (2 if gpu else 4) / 2**20 for n, _ in pts], [v for _, v in pts],
+                    "o-", ms=3, label=name)
+        for r in rows:
+            if not r["kind"].startswith("fp8blk") and keep(r["case"]):
+                marker = "x" if r["kind"] == "torch.compile" else "+"
+                ax.plot(r["shape"][0] ** 2 * 2 / 2**20, r["bytes"] / r["seconds"] / scale,
+                        marker, color="gray", ms=8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")  # small sizes are launch-bound: orders of magnitude below copy
+        ax.set_xlabel(f"input size, MiB ({report['input_dtype']} N x N)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+    axes[0].set_ylabel(f"achieved {unit} (inputs read + outputs written)")
+    where = report["machine"] if gpu else "CPU reference path (NumPy), " + report["machine"]
+    peers = " x torch.compile, + torchao" if any(not r["kind"].startswith("fp8blk")
+                                                  for r in rows) else ""
+    fig.suptitle(f"fp8blk {where}{';' + peers if peers else ''}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+__all__ = ["add_arguments", "run", "CASES", "time_cupy", "time_torch", "time_host",
+           "gpu_copy_bandwidth", "cpu_copy_bandwidth", "torch_formulas", "plot"]

@@ -1,0 +1,22 @@
+"""PyTorch adapters (docs/torch.md): ``blockwise_scaled_mm``, ``Float8BlockConfig``,
+``Float8BlockLinear``, ``convert_to_float8_block``, and tensor/sequence-parallel styles.
+
+Importing this package needs torch; ``import fp8blk`` does not.
+
+    from fp8blk.torch import Float8BlockConfig, convert_to_float8_block
+    convert_to_float8_block(model, Float8BlockConfig())
+"""
+try:
+    import torch  # noqa: F401
+except ImportError as err:  # pragma: no cover
+    raise ImportError("fp8blk.torch needs PyTorch: pip install torch") from err
+
+from .config import Float8BlockConfig
+from .scaled_mm import blockwise_scaled_mm
+from .linear import Float8BlockLinear, convert_to_float8_block, float8_block_linear
+from .fsdp import (cast_master_weights_, master_grads_, master_weights, precompute_fp8_scales,
+                   prepare_fsdp_fp8)
+
+__all__ = ["Float8BlockConfig", "Float8BlockLinear", "convert_to_float8_block",
+           "float8_block_linear", "blockwise_scaled_mm", "prepare_fsdp_fp8",
+           "precompute_fp8_scales", "master_weights", "master_grads_", "cast_master_weights_"]

@@ -1,0 +1,61 @@
+"""Float8BlockConfig: which recipes a :class:`~fp8blk.torch.Float8BlockLinear` quantizes with.
+
+Default (TransformerEngine's ``Float8BlockScaling``): activations and gradients Block1D (1x128
+rowwise, 128x1 columnwise), weights Block2D (128x128 tiles), E4M3 everywhere, power-of-two
+scales. Options: E5M2 gradients (``Float8BlockConfig(grad=fb.Block1D(fb.E5M2))``) and MXFP8
+(``Float8BlockConfig.mxfp8()``: 1x32/32x1 blocks with E8M0 scales for all three operands).
+
+    import fp8blk as fb
+    from fp8blk.torch import Float8BlockConfig
+    cfg = Float8BlockConfig(grad=fb.Block1D(fb.E5M2))
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..formats import E4M3, MXFP8, Block1D, Block2D, Format
+
+
+@dataclass(frozen=True)
+class Float8BlockConfig:
+    """Recipes of the three quantized operands of a linear layer.
+
+    ``activation``: the layer input x (Block1D or MXFP8); ``weight``: W (Block2D or MXFP8);
+    ``grad``: the output gradient dY (Block1D or MXFP8). Block1D activations/gradients go with
+    Block2D weights; MXFP8 goes with MXFP8 everywhere (its GEMMs pair 1x32 blocks).
+    """
+
+    activation: object = field(default_factory=lambda: Block1D(E4M3))
+    weight: object = field(default_factory=lambda: Block2D(E4M3))
+    grad: object = field(default_factory=lambda: Block1D(E4M3))
+
+    def __post_init__(self):
+        mx = [isinstance(r, MXFP8) for r in (self.activation, self.weight, self.grad)]
+        if any(mx) and not all(mx):
+            raise ValueError(f"Float8BlockConfig: MXFP8 must be used for activation, weight "
+                             f"and grad together (its GEMMs pair 1x32 blocks), got {self!r}; "
+                             f"use Float8BlockConfig.mxfp8()")
+        if not any(mx):
+            for name, kind in (("activation", Block1D), ("weight", Block2D), ("grad", Block1D)):
+                recipe = getattr(self, name)
+                if not isinstance(recipe, kind):
+                    raise TypeError(f"Float8BlockConfig.{name} must be fp8blk.{kind.__name__}"
+                                    f"(...) (or MXFP8 for all three), got {recipe!r}")
+
+    @classmethod
+    def mxfp8(cls, grad_fmt: Format = E4M3) -> "Float8BlockConfig":
+        """MXFP8 (1x32 blocks, E8M0 scales) for all operands; E4M3 data, ``grad_fmt`` for dY."""
+        return cls(activation=MXFP8(E4M3), weight=MXFP8(E4M3), grad=MXFP8(grad_fmt))
+
+    @property
+    def is_mxfp8(self) -> bool:
+        return isinstance(self.weight, MXFP8)
+
+    @property
+    def block_multiple(self) -> int:
+        """What in/out features must be multiples of: 32 for MXFP8, 1 for the 128-block
+        recipes (their edge blocks are partial)."""
+        return 32 if self.is_mxfp8 else 1
+
+
+__all__ = ["Float8BlockConfig"]

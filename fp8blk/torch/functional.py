@@ -1,0 +1,190 @@
+"""The functional form of Float8BlockLinear: the autograd function running a linear layer's
+three GEMMs in block-scaled FP8, the operand choice of each GEMM, and the one door through
+which a layer gets its quantized weight (:func:`_weight_block_tensor`, the interface with the
+FSDP2 weight subclass). The math, memory and interface are described in
+:mod:`fp8blk.torch.linear`.
+
+    y = float8_block_linear(x, weight, bias, Float8BlockConfig())
+"""
+from __future__ import annotations
+
+import torch
+
+from ..formats import MXFP8
+from .config import Float8BlockConfig
+from .quantize_ops import (FP8_DTYPE, block2d_columnwise, block_tensor_buffers,
+                           mxfp8_columnwise_as_rows, quantize_buffers)
+from .scaled_mm import blockwise_scaled_mm
+
+_HIGH = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _blocks(recipe) -> str:
+    return "1x32" if isinstance(recipe, MXFP8) else (
+        "128x128" if type(recipe).__name__ == "Block2D" else "1x128")
+
+
+def _f8(data, recipe):
+    return data.view(FP8_DTYPE[recipe.fmt])
+
+
+def _weight_block_tensor(weight, config: Float8BlockConfig, rowwise: bool, columnwise: bool):
+    """The weight's FP8 buffers ``(rowwise_data, rowwise_scale_inv, columnwise_data,
+    columnwise_scale_inv)`` (empty (0,) tensors for a direction not asked for).
+
+    If ``weight`` has ``fp8blk_block_tensor(rowwise, columnwise)`` (the FSDP2 FP8 weight), its
+    BlockTensor is used as it is; else the high-precision weight is quantized with
+    ``config.weight``."""
+    hook = getattr(weight, "fp8blk_block_tensor", None)
+    if hook is not None:
+        q = hook(rowwise, columnwise)
+        if q.recipe != config.weight:
+            raise ValueError(f"the weight's fp8blk_block_tensor() returned {q.recipe!r} data "
+                             f"but the layer's config.weight is {config.weight!r}")
+        if tuple(q.shape) != tuple(weight.shape):
+            raise ValueError(f"the weight's fp8blk_block_tensor() returned shape {q.shape}, "
+                             f"expected {tuple(weight.shape)}")
+        return block_tensor_buffers(q)
+    w = weight.detach()
+    if w.dtype not in _HIGH:
+        raise TypeError(f"Float8BlockLinear: weight dtype must be float32, bfloat16 or float16, "
+                        f"got {w.dtype}")
+    return quantize_buffers(w.contiguous(), config.weight, rowwise, columnwise)
+
+
+# operand selection of each GEMM: one function each, so tests can check (and plant bugs in)
+# exactly one choice at a time
+def _forward_operands(qx, qw, cfg):
+    """(a, a_sinv, b, b_sinv, a_blocks, b_blocks) of y = x @ W.T."""
+    return (_f8(qx[0], cfg.activation), qx[1], _f8(qw[0], cfg.weight), qw[1],
+            _blocks(cfg.activation), _blocks(cfg.weight))
+
+
+def _dgrad_operands(qdy, qw_t, cfg):
+    """dx = dY @ W: b is W's columnwise buffer (K, N), the FP8 transpose."""
+    return (_f8(qdy[0], cfg.grad), qdy[1], _f8(qw_t[0], cfg.weight), qw_t[1],
+            _blocks(cfg.grad), _blocks(cfg.weight))
+
+
+def _wgrad_operands(qdy_t, qx_t, cfg):
+    """dW = dY.T @ x over tokens: both operands are the columnwise (transposed, 128x1)
+    buffers, dY.T (N, M) and x.T (K, M)."""
+    return (_f8(qdy_t[0], cfg.grad), qdy_t[1], _f8(qx_t[0], cfg.activation), qx_t[1],
+            _blocks(cfg.grad), _blocks(cfg.activation))
+
+
+def _transposed(buffers, recipe):
+    """Columnwise buffers of a quantized tensor as the rowwise buffers of its transpose."""
+    if isinstance(recipe, MXFP8):
+        return mxfp8_columnwise_as_rows(buffers[2], buffers[3])
+    return buffers[2], buffers[3]
+
+
+def _weight_transposed(qw, recipe):
+    if isinstance(recipe, MXFP8):
+        return mxfp8_columnwise_as_rows(qw[2], qw[3])
+    if qw[2].numel():                       # the FSDP weight may hand columnwise buffers
+        return qw[2], qw[3]
+    return block2d_columnwise(qw[0], qw[1], recipe)
+
+
+def quantize_input(x2d, recipe, need_columnwise):
+    return quantize_buffers(x2d, recipe, True, need_columnwise)
+
+
+def fp8_gemms_backward(dy2d, qx_t, qw, cfg, need_dgrad, need_wgrad, dx_dtype, dw_dtype,
+                       qdy=None):
+    """(dx (M, K) or None, dW (N, K) or None) from dY (M, N). ``qdy``: dY's buffers when the
+    caller already has them (the sequence-parallel FP8 gather)."""
+    if qdy is None:
+        qdy = quantize_buffers(dy2d, cfg.grad, need_dgrad, need_wgrad)
+    dx = dw = None
+    if need_dgrad:
+        dx = blockwise_scaled_mm(*_dgrad_operands(qdy, _weight_transposed(qw, cfg.weight), cfg),
+                                 out_dtype=dx_dtype)
+    if need_wgrad:
+        dw = blockwise_scaled_mm(*_wgrad_operands(_transposed(qdy, cfg.grad), qx_t, cfg),
+                                 out_dtype=dw_dtype)
+    return dx, dw
+
+
+class _Float8BlockLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, cfg, out_dtype):
+        k = x.shape[-1]
+        x2d = x.reshape(-1, k)
+        if not x2d.is_contiguous():
+            x2d = x2d.contiguous()
+        need_wgrad = weight.requires_grad
+        qx = quantize_input(x2d, cfg.activation, need_wgrad)
+        # A weight that hands out its FP8 form (the FSDP2 weight) is asked for what each pass
+        # needs -- rowwise now, columnwise in the backward pass, when FSDP2 has gathered (or
+        # transposed) it for that pass -- and the weight itself is saved, not its buffers, so
+        # that resharding after the forward pass frees them (TransformerEngine's protocol).
+        hooked = hasattr(weight, "fp8blk_block_tensor")
+        qw = _weight_block_tensor(weight, cfg, True,
+                                  not hooked and isinstance(cfg.weight, MXFP8))
+        y = blockwise_scaled_mm(*_forward_operands(qx, qw, cfg), out_dtype=out_dtype)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        qx_t = _transposed(qx, cfg.activation) if need_wgrad else (None, None)
+        # FP8 saved: x's columnwise buffers and W's buffers (or W), nothing in high precision
+        if hooked:
+            ctx.save_for_backward(qx_t[0], qx_t[1], weight)
+        else:
+            ctx.save_for_backward(qx_t[0], qx_t[1], *qw)
+        ctx.hooked = hooked
+        ctx.cfg = cfg
+        ctx.shapes = (x.shape, x.dtype, weight.dtype, bias is not None)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        if ctx.hooked:
+            xt_d, xt_s, weight = ctx.saved_tensors
+            qw = _weight_block_tensor(weight, ctx.cfg, False, True)
+        else:
+            xt_d, xt_s, *qw = ctx.saved_tensors
+        x_shape, x_dtype, w_dtype, has_bias = ctx.shapes
+        n = dy.shape[-1]
+        dy2d = dy.reshape(-1, n)
+        if not dy2d.is_contiguous():
+            dy2d = dy2d.contiguous()
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx, dw = fp8_gemms_backward(dy2d, (xt_d, xt_s), qw, ctx.cfg, need_dgrad, need_wgrad,
+                                    x_dtype, w_dtype)
+        dbias = dy2d.sum(0) if has_bias and ctx.needs_input_grad[2] else None
+        if dx is not None:
+            dx = dx.reshape(x_shape)
+        return dx, dw, dbias, None, None
+
+
+def check_features(in_features, out_features, config):
+    m = config.block_multiple
+    if in_features % m or out_features % m:
+        raise ValueError(f"{type(config.weight).__name__} needs in_features and out_features "
+                         f"to be multiples of {m}, got ({in_features}, {out_features}); pad "
+                         f"the layer or use the default Block1D/Block2D config")
+
+
+def float8_block_linear(x, weight, bias=None, config: Float8BlockConfig = None):
+    """Functional form: ``F.linear(x, weight, bias)`` with the FP8 GEMMs described above.
+    x (..., K) float32/bfloat16/float16; weight (N, K); bias (N,) or None. The output has x's
+    dtype (the autocast dtype under ``torch.autocast``), dx x's dtype, dW the weight's."""
+    config = config or Float8BlockConfig()
+    if x.dtype not in _HIGH:
+        raise TypeError(f"Float8BlockLinear: input dtype must be float32, bfloat16 or float16, "
+                        f"got {x.dtype}")
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"Float8BlockLinear: input has {x.shape[-1]} features, the weight "
+                         f"expects {weight.shape[-1]}")
+    # under torch.autocast the output takes the autocast dtype, as F.linear's would; the
+    # quantized operands do not care which high-precision dtype they came from
+    device = x.device.type
+    out_dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+                 else x.dtype)
+    return _Float8BlockLinearFn.apply(x, weight, bias, config, out_dtype)
+
+
+__all__ = ["float8_block_linear", "fp8_gemms_backward", "quantize_input", "check_features",
+           "_weight_block_tensor"]

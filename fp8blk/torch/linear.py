@@ -1,0 +1,119 @@
+"""Float8BlockLinear: ``nn.Linear`` with its three GEMMs in block-scaled FP8, and
+``convert_to_float8_block`` to swap a model's ``nn.Linear`` modules in place.
+
+Math (TransformerEngine's block-scaling recipe, docs/torch.md), for x (..., K) viewed as (M, K),
+W (N, K), dY (M, N):
+
+    forward   y  = x[1x128] @ W[128x128].T            (+ bias in high precision)
+    dgrad     dx = dY[1x128] @ W.columnwise[128x128]  (FP8 transpose of W's tiles, no requant)
+    wgrad     dW = dY.columnwise[128x1].T @ x.columnwise[128x1]   (reduction over tokens)
+
+x and dY are each quantized ONCE, rowwise and columnwise in one fused pass. The activation
+saved for the backward pass is x's columnwise FP8 buffer (M*K bytes plus scales), not the
+high-precision x (2*M*K bytes in bf16): about half the activation memory of nn.Linear. W's
+rowwise FP8 buffers (N*K bytes) are saved too, so the backward pass needs no requantization.
+Output dtype = x's dtype; dW is produced in W's dtype, dbias = dY summed over tokens.
+
+Interface with the FSDP2 weight subclass (``fp8blk/torch/fsdp.py``): the layer gets its
+quantized weight only through :func:`_weight_block_tensor`. A weight with a method
+``fp8blk_block_tensor(rowwise: bool, columnwise: bool) -> fp8blk.BlockTensor`` (Block2D, or
+MXFP8 under an MXFP8 config; the recipe must equal ``config.weight``) is asked for its FP8 form
+and used as it is (no requantization); any other weight is quantized from its high-precision
+values. The forward pass asks for ``rowwise=True, columnwise=False`` (Block2D; MXFP8 asks for
+both, since its columnwise blocks differ); the backward pass derives the columnwise buffers by
+FP8 transpose. The weight is an input of the autograd function either way, so dW flows to it.
+
+torch.compile: quantize, transpose and GEMM are custom ops with fake implementations, so
+``torch.compile(model, fullgraph=True)`` traces the layer without graph breaks (plain weights;
+the FSDP2 hook path is eager-only).
+
+    import torch, fp8blk as fb
+    from fp8blk.torch import convert_to_float8_block
+    model = torch.nn.Sequential(torch.nn.Linear(384, 256), torch.nn.GELU(),
+                                torch.nn.Linear(256, 320))
+    convert_to_float8_block(model)          # in place; Float8BlockConfig() by default
+    y = model(torch.randn(8, 32, 384))
+    y.sum().backward()
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import Float8BlockConfig
+from .dtensor import dtensor_forward, is_dtensor
+from .functional import (_weight_block_tensor, check_features,  # noqa: F401 (interface)
+                         float8_block_linear)
+
+
+class Float8BlockLinear(torch.nn.Linear):
+    """``nn.Linear`` whose forward and backward GEMMs run in block-scaled FP8 (see the module
+    docstring). Same parameters and state dict as ``nn.Linear``.
+
+    Under ``parallelize_module`` with torch's ColwiseParallel/RowwiseParallel (DTensor weights)
+    the layer computes on the local shards and returns a DTensor with the placements the
+    sharding implies (colwise: Shard(-1); rowwise: Partial, reduced before a bias is added).
+    fp8blk's sequence-parallel styles (``fp8blk.torch.tensor_parallel``) set ``_fp8blk_tp``.
+    """
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None,
+                 config: Float8BlockConfig = None):
+        config = config or Float8BlockConfig()
+        check_features(in_features, out_features, config)
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.config = config
+        self._fp8blk_tp = None
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, config: Float8BlockConfig = None):
+        """A Float8BlockLinear sharing ``linear``'s parameters (no copy)."""
+        config = config or Float8BlockConfig()
+        check_features(linear.in_features, linear.out_features, config)
+        with torch.device("meta"):
+            new = cls(linear.in_features, linear.out_features, linear.bias is not None,
+                      config=config)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        return new
+
+    def forward(self, x):
+        if self._fp8blk_tp is not None:
+            return self._fp8blk_tp.forward(self, x)
+        if is_dtensor(self.weight):
+            return dtensor_forward(self, x)
+        return float8_block_linear(x, self.weight, self.bias, self.config)
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, config={self.config!r}"
+
+
+def convert_to_float8_block(model: torch.nn.Module, config: Float8BlockConfig = None,
+                            module_filter_fn=None) -> torch.nn.Module:
+    """Swap every ``nn.Linear`` inside ``model`` for a Float8BlockLinear sharing its
+    parameters, in place, and return ``model``. ``module_filter_fn(module, fqn) -> bool``
+    chooses which (default: all). A layer the recipe cannot take (MXFP8: features not
+    multiples of 32) raises a ValueError naming it; filter it out to keep it in bf16."""
+    config = config or Float8BlockConfig()
+
+    def swap(module, fqn):
+        if type(module) is torch.nn.Linear and (module_filter_fn is None
+                                                or module_filter_fn(module, fqn)):
+            try:
+                return Float8BlockLinear.from_linear(module, config)
+            except ValueError as err:
+                raise ValueError(f"convert_to_float8_block: layer {fqn!r}: {err}") from None
+        for name, child in list(module.named_children()):
+            new = swap(child, f"{fqn}.{name}" if fqn else name)
+            if new is not child:
+                setattr(module, name, new)
+        return module
+
+    out = swap(model, "")
+    if out is not model:
+        raise TypeError("convert_to_float8_block converts in place; pass a model that "
+                        "contains nn.Linear modules, not an nn.Linear itself (use "
+                        "Float8BlockLinear.from_linear(linear))")
+    return model
+
+
+__all__ = ["Float8BlockLinear", "convert_to_float8_block", "float8_block_linear",
+           "_weight_block_tensor"]

@@ -1,0 +1,260 @@
+"""``blockwise_scaled_mm``: the GEMM of two block-scaled FP8 operands, as the torch custom op
+``torch.ops.fp8blk.blockwise_scaled_mm`` (with a fake implementation for torch.compile).
+
+Contract: ``out (M, N) = dequant(a) @ dequant(b).T`` in fp32 accumulation, rounded to
+``out_dtype`` (float32, bfloat16 or float16). Both operands are row-major (C-contiguous) with
+the reduction dim K last (the "TN" form cuBLAS and ``torch._scaled_mm`` need):
+
+=========  =====================  ====================================================
+blocks     data                   scale_inv (fp8blk rowwise layout of an (R, K) tensor)
+=========  =====================  ====================================================
+"1x128"    (R, K) float8          fp32 (cdiv(K,128), round4(R)), entry [kb, r]   (Block1D)
+"128x128"  (R, K) float8          fp32 (cdiv(R,128), round4(cdiv(K,128))) [rt, kt] (Block2D)
+"1x32"     (R, K) float8          uint8 E8M0 (round128(R), round4(K/32))           (MXFP8)
+=========  =====================  ====================================================
+
+These are exactly the buffers fp8blk produces: a BlockTensor's rowwise buffers, or its
+columnwise buffers for Block1D/Block2D (whose columnwise (K, M) data with 128x1 blocks is the
+rowwise layout of the transpose). The data is viewed as ``torch.float8_e4m3fn`` or
+``torch.float8_e5m2`` (the format it was quantized with): ``q.rowwise_data.view(
+torch.float8_e4m3fn)``. The three GEMMs of a linear layer (x (M,K), W (N,K), dY (M,N)):
+
+    y  = mm(x.rowwise   "1x128", W.rowwise    "128x128")   # (M, N)
+    dx = mm(dY.rowwise  "1x128", W.columnwise "128x128")   # (M, K), W columnwise by FP8 transpose
+    dW = mm(dY.columnwise "1x128", x.columnwise "1x128")   # (N, K), reduction over tokens
+
+Every layout is checked; a wrong one raises a ValueError naming the layout needed. Nothing is
+copied to fix a layout, except where noted for the CUDA path below.
+
+CUDA: ``torch._scaled_mm(a, b.t(), scale_a, scale_b, out_dtype=...)`` on views of the given
+buffers (1x128 x 128x128 and 1x128 x 1x128 are both supported by torch >= 2.9 on sm_90).
+Documented copies, only where torch's kernel cannot take fp8blk's layout as it is:
+K % 128 != 0 (torch rejects such K: both operands are copied into K-padded zero buffers, the
+scales are unchanged since the padded zeros sit inside the last block), N % 16 != 0 (rows of b
+padded with zeros, the output sliced and made contiguous), and a "1x128" scale whose row
+count is not a multiple of 4 (its padded stride differs from torch's; the valid part of the
+scales, not the data, is copied). MXFP8 ("1x32") runs the emulation on CUDA too: torch's
+1x32 path wants swizzled scales, which fp8blk does not produce.
+CPU: an emulation: dequantize both operands to fp32 (exact for pow2 scales), fp32 matmul,
+round to ``out_dtype``.
+
+DTensor: no sharding strategy is registered for this op. Tensor parallelism runs it on local
+shards inside :class:`~fp8blk.torch.Float8BlockLinear` (DTensor weights are unwrapped with
+``to_local`` and the output re-wrapped with the placements the weight's sharding implies) and
+inside fp8blk's sequence-parallel styles (``fp8blk.torch.tensor_parallel``). A DTensor
+strategy is not registered because fp8blk's scale layouts pad their fast dim to a multiple
+of 4 (docs/layouts.md): a scale tensor sharded along that dim is not the concatenation of the
+shards' scale tensors unless every shard's row count is a multiple of 4 (and, for Block2D,
+of 512 along K), so a generic sharding rule would be wrong for some shapes.
+
+    import torch, fp8blk as fb
+    from fp8blk.torch import blockwise_scaled_mm
+    x, w = torch.randn(256, 384), torch.randn(320, 384)
+    qx = fb.quantize(x, fb.Block1D()); qw = fb.quantize(w, fb.Block2D())
+    y = blockwise_scaled_mm(qx.rowwise_data.view(torch.float8_e4m3fn), qx.rowwise_scale_inv,
+                            qw.rowwise_data.view(torch.float8_e4m3fn), qw.rowwise_scale_inv,
+                            "1x128", "128x128", torch.float32)       # (256, 320)
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..formats import MXFP8, Block1D, Block2D
+from ..layout import all_layouts, cdiv
+
+BLOCKS = {"1x128": Block1D(), "128x128": Block2D(), "1x32": MXFP8()}
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_OUT = (torch.float32, torch.bfloat16, torch.float16)
+_SCALE_DTYPE = {"1x128": torch.float32, "128x128": torch.float32, "1x32": torch.uint8}
+
+
+@functools.lru_cache(maxsize=4096)
+def _scale_shape(blocks, rows, k):
+    return tuple(all_layouts(BLOCKS[blocks], rows, k)[1].shape)
+
+
+def _fast_ok(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype):
+    """True when every check of check_operands passes (a few attribute reads: host time)."""
+    try:
+        return (a.dtype in _FP8 and b.dtype in _FP8 and out_dtype in _OUT
+                and a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[1]
+                and a.is_contiguous() and b.is_contiguous() and a.device == b.device
+                and a_blocks != "1x32" and b_blocks != "1x32"
+                and a_scale_inv.dtype == torch.float32 and b_scale_inv.dtype == torch.float32
+                and a_scale_inv.is_contiguous() and b_scale_inv.is_contiguous()
+                and a_scale_inv.device == a.device and b_scale_inv.device == a.device
+                and tuple(a_scale_inv.shape) == _scale_shape(a_blocks, *a.shape)
+                and tuple(b_scale_inv.shape) == _scale_shape(b_blocks, *b.shape))
+    except (AttributeError, KeyError, TypeError):
+        return False
+
+
+def check_operands(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype):
+    """Raise a ValueError/TypeError naming the layout needed if the operands do not follow the
+    contract in the module docstring."""
+    if _fast_ok(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype):
+        return
+    for name, blocks in (("a_blocks", a_blocks), ("b_blocks", b_blocks)):
+        if blocks not in BLOCKS:
+            raise ValueError(f"blockwise_scaled_mm: {name} must be one of {sorted(BLOCKS)}, "
+                             f"got {blocks!r}")
+    if ("1x32" in (a_blocks, b_blocks)) and a_blocks != b_blocks:
+        raise ValueError(f"blockwise_scaled_mm: 1x32 (MXFP8) blocks pair only with 1x32, got "
+                         f"a_blocks={a_blocks!r}, b_blocks={b_blocks!r}")
+    if out_dtype not in _OUT:
+        raise TypeError(f"blockwise_scaled_mm: out_dtype must be torch.float32, bfloat16 or "
+                        f"float16, got {out_dtype}")
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"blockwise_scaled_mm: {name} must be a 2-D tensor (rows, K), got "
+                             f"{getattr(t, 'shape', type(t).__name__)}")
+        if t.dtype not in _FP8:
+            hint = (f" (view the uint8 bytes as the format they hold: {name}.view("
+                    f"torch.float8_e4m3fn) or torch.float8_e5m2)" if t.dtype == torch.uint8
+                    else "")
+            raise TypeError(f"blockwise_scaled_mm: {name} must be torch.float8_e4m3fn or "
+                            f"torch.float8_e5m2, got {t.dtype}{hint}")
+        if not t.is_contiguous():
+            raise ValueError(f"blockwise_scaled_mm: {name} must be row-major (C-contiguous) "
+                             f"(rows, K) with K the reduction dim, got strides {t.stride()}: "
+                             f"pass the BlockTensor's buffer itself (for the transposed "
+                             f"operand use its columnwise buffer, not .t() of the rowwise one)")
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"blockwise_scaled_mm: a (rows, K) and b (cols, K) must share K (out = "
+                         f"a @ b.T), got a {tuple(a.shape)} and b {tuple(b.shape)}")
+    if a.device != b.device:
+        raise ValueError(f"blockwise_scaled_mm: a is on {a.device}, b on {b.device}")
+    for name, data, sinv, blocks in (("a", a, a_scale_inv, a_blocks),
+                                     ("b", b, b_scale_inv, b_blocks)):
+        rows, k = data.shape
+        if blocks == "1x32" and (rows % 32 or k % 32):
+            raise ValueError(f"blockwise_scaled_mm: 1x32 (MXFP8) operand {name} needs rows and "
+                             f"K multiples of 32, got {tuple(data.shape)}")
+        want = all_layouts(BLOCKS[blocks], rows, k)[1].shape
+        dtype = _SCALE_DTYPE[blocks]
+        if (not isinstance(sinv, torch.Tensor) or tuple(sinv.shape) != tuple(want)
+                or sinv.dtype != dtype or not sinv.is_contiguous()
+                or sinv.device != data.device):
+            got = (f"{sinv.dtype}{tuple(sinv.shape)} strides {sinv.stride()} on {sinv.device}"
+                   if isinstance(sinv, torch.Tensor) else type(sinv).__name__)
+            raise ValueError(
+                f"blockwise_scaled_mm: {name}_scale_inv for {blocks} blocks of a "
+                f"{tuple(data.shape)} operand must be fp8blk's "
+                f"{type(BLOCKS[blocks]).__name__} rowwise scale layout: contiguous "
+                f"{dtype}{tuple(want)} on {data.device}; got {got}")
+
+
+def _dequant(data, sinv, blocks):
+    """fp32 values of an operand (rows, K) (the CPU emulation and the MXFP8 path)."""
+    rows, k = data.shape
+    v = data.float()
+    if blocks == "1x128":
+        s = sinv[:, :rows].t().repeat_interleave(128, dim=1)[:, :k]
+    elif blocks == "128x128":
+        s = sinv[:, :cdiv(k, 128)].repeat_interleave(128, dim=0)[:rows]
+        s = s.repeat_interleave(128, dim=1)[:, :k]
+    else:
+        codes = sinv[:rows, : k // 32].to(torch.int32)
+        s = torch.ldexp(torch.ones(codes.shape, device=data.device), codes - 127)
+        s = torch.where(codes == 255, torch.full_like(s, float("nan")), s)
+        s = s.repeat_interleave(32, dim=1)
+    return v * s
+
+
+def emulate(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype):
+    """dequantize both, fp32 matmul, round to out_dtype."""
+    out = _dequant(a, a_scale_inv, a_blocks) @ _dequant(b, b_scale_inv, b_blocks).t()
+    return out.to(out_dtype)
+
+
+def _pad_cols(data, cols):
+    # zero FP8 bytes are +0.0 in both formats: padding K contributes nothing to the sums
+    out = torch.zeros((data.shape[0], cols), dtype=torch.uint8, device=data.device)
+    out[:, : data.shape[1]] = data.view(torch.uint8)
+    return out.view(data.dtype)
+
+
+def _pad_rows(data, rows):
+    out = torch.zeros((rows, data.shape[1]), dtype=torch.uint8, device=data.device)
+    out[: data.shape[0]] = data.view(torch.uint8)
+    return out.view(data.dtype)
+
+
+def _scale_1x128(sinv, rows, padded_rows):
+    """torch's 1x128 scale for an operand of ``padded_rows`` rows: (padded_rows, kb) with
+    strides (1, padded_rows). fp8blk's (kb, round4(rows)) buffer is that view when
+    rows == padded_rows and rows % 4 == 0; otherwise the valid part is copied (pad: 1.0)."""
+    if rows == padded_rows and rows % 4 == 0:
+        return sinv[:, :rows].t()
+    s = torch.ones((sinv.shape[0], padded_rows), dtype=sinv.dtype, device=sinv.device)
+    s[:, :rows] = sinv[:, :rows]
+    return s.t()
+
+
+def cuda_scaled_mm(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype):
+    """The CUDA implementation (torch._scaled_mm on views; padding copies as documented)."""
+    if a_blocks == "1x32":
+        return emulate(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype)
+    if a_blocks != "1x128":
+        raise NotImplementedError(f"blockwise_scaled_mm on CUDA takes a_blocks='1x128' "
+                                  f"(torch._scaled_mm's layouts), got {a_blocks!r}")
+    m, k = a.shape
+    n = b.shape[0]
+    kp, np_ = -(-k // 128) * 128, -(-n // 16) * 16
+    if kp != k:
+        a, b = _pad_cols(a, kp), _pad_cols(b, kp)
+    if np_ != n:
+        b = _pad_rows(b, np_)
+    scale_a = _scale_1x128(a_scale_inv, m, m)
+    kt = cdiv(k, 128)
+    if b_blocks == "128x128":
+        # (kt, nt) view of fp8blk's (nt, round4(kt)) buffer: the K-block count padded to a
+        # multiple of 4 in memory, as cuBLAS reads it (FACTS: torchao issue 4209 -- a
+        # contiguous (nt, kt) buffer with kt % 4 != 0 gives silently wrong results)
+        scale_b = b_scale_inv[:, :kt].t()
+    else:
+        scale_b = _scale_1x128(b_scale_inv, n, np_).t()
+    try:
+        out = torch._scaled_mm(a, b.t(), scale_a, scale_b, out_dtype=out_dtype)
+    except RuntimeError as err:
+        # a torch build whose layout check wants the 128x128 scales' row stride to be kt
+        # exactly (seen in some versions' check_size_stride); only differs when kt % 4 != 0
+        if b_blocks != "128x128" or kt % 4 == 0 or "scaling" not in str(err):
+            raise
+        scale_b = b_scale_inv[:, :kt].contiguous().t()
+        out = torch._scaled_mm(a, b.t(), scale_a, scale_b, out_dtype=out_dtype)
+    return out[:, :n].contiguous() if np_ != n else out
+
+
+@torch.library.custom_op("fp8blk::blockwise_scaled_mm", mutates_args=())
+def _blockwise_scaled_mm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
+                         b_scale_inv: torch.Tensor, a_blocks: str, b_blocks: str,
+                         out_dtype: torch.dtype) -> torch.Tensor:
+    check_operands(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype)
+    impl = cuda_scaled_mm if a.is_cuda else emulate
+    return impl(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype)
+
+
+@_blockwise_scaled_mm.register_fake
+def _blockwise_scaled_mm_fake(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype):
+    check_operands(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype)
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+def blockwise_scaled_mm(a, a_scale_inv, b, b_scale_inv, a_blocks="1x128", b_blocks="128x128",
+                        out_dtype=torch.bfloat16):
+    """``dequant(a) @ dequant(b).T`` (M, N) in ``out_dtype``; see the module docstring for the
+    layouts. Validates first (clear errors before any dispatch). Under torch.compile it calls
+    the custom op; in eager mode its implementation directly (a Python custom op's dispatch
+    costs tens of microseconds of host time)."""
+    check_operands(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype)
+    if torch.compiler.is_compiling():
+        return torch.ops.fp8blk.blockwise_scaled_mm(a, a_scale_inv, b, b_scale_inv, a_blocks,
+                                                    b_blocks, out_dtype)
+    impl = cuda_scaled_mm if a.is_cuda else emulate
+    return impl(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype)
+
+
+__all__ = ["blockwise_scaled_mm", "check_operands", "emulate", "BLOCKS"]

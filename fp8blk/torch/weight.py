@@ -1,0 +1,503 @@
+"""FSDP2 weight tensors that all-gather FP8 bytes (issue 14, docs/distributed.md and docs/torch.md).
+
+Three ``torch.Tensor`` wrapper subclasses; each claims the weight's high-precision dtype (so
+autograd treats it as a float parameter), holds its real storage in inner tensors, and shares
+one :class:`WeightState` (recipe, global shape, the global block scales, statistics) with every
+tensor FSDP derives from it (chunks, pads, views):
+
+``Float8BlockPrimaryWeight`` (mode 1, FP8 primary weights; FSDP's sharded local tensor)
+    inner "planes": the rowwise FP8 bytes of the rows this rank holds, uint8, shaped exactly
+    like the tensor (for MXFP8 also the columnwise bytes, (M, K)-shaped too), so every view,
+    chunk, pad and copy FSDP applies maps 1:1 onto the planes. The bytes are written by
+    :func:`fp8blk.torch.cast_master_weights_` from fp32 master shards; the optimizer never
+    touches them.
+``Float8BlockCastWeight`` (mode 2, high-precision parameters, FP8 on the wire)
+    wraps the bf16/fp32 parameter (one plane); the optimizer updates it in place. The FP8
+    bytes of the local rows are cast once per step, for all weights together, by
+    :func:`fp8blk.torch.precompute_fp8_scales` (or lazily at the first gather after the
+    parameters changed), with scales from one packed partial-amax all-reduce.
+``Float8BlockWeight`` (both modes; FSDP's unsharded parameter)
+    the gathered weight: a :class:`fp8blk.BlockTensor` of the full (M, K) weight whose
+    rowwise bytes are the all-gather output (no copy) and whose scales are the replicated
+    global scales; ``fp8blk_block_tensor(rowwise, columnwise)`` hands it to the Linear.
+
+Only FP8 bytes travel through FSDP's all-gather, as uint8 (gloo cannot gather float8): for
+Block2D the rowwise plane always (the columnwise copy is its FP8 transpose, made locally when
+the pass needs it); for MXFP8 the plane(s) the pass needs. The scales never travel: every
+rank computed the same global scales (partial amax over its shard, one MAX all-reduce), so
+shard boundaries may cut tiles anywhere and the gathered weight equals
+``fb.quantize(bf16(full weight))`` byte for byte.
+"""
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import torch
+from torch.utils._pytree import tree_map_only
+
+from .. import _arrays
+from ..formats import Block2D, MXFP8
+from ..layout import all_layouts, cdiv
+from ..tensor import BlockTensor, internal_buffers
+
+aten = torch.ops.aten
+
+# Ops that only reshape, view, copy or allocate: applied to every plane with the same
+# arguments (the planes have the tensor's shape), the result wrapped again. These are all
+# that FSDP2 applies to a parameter when sharding, padding and re-padding it.
+_PLANE_OPS = {
+    aten.detach.default, aten.alias.default, aten.view.default, aten._unsafe_view.default,
+    aten.as_strided.default, aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default,
+    aten.new_zeros.default, aten.new_empty.default, aten.new_empty_strided.default,
+    aten.empty_like.default, aten.zeros_like.default, aten.clone.default,
+    aten._to_copy.default, aten._pin_memory.default, aten.copy_.default,
+}
+_NEW_OPS = {aten.new_zeros.default, aten.new_empty.default, aten.new_empty_strided.default,
+            aten.empty_like.default, aten.zeros_like.default, aten._to_copy.default}
+
+
+# --------------------------------------------------------------------------------------------
+# Shared per-weight state
+
+
+class WeightState:
+    """What every tensor derived from one weight shares.
+
+    ``recipe`` (Block2D or MXFP8), ``shape`` (M, K) of the unsharded weight, ``dtype`` the
+    nominal torch dtype, ``model_dtype`` the dtype the FP8 bytes are quantized from (bf16:
+    bytes equal ``quantize(bf16(w))``), ``mode`` "primary" or "cast", ``scales`` the global
+    scale_inv tensors [rowwise, columnwise or None] (torch, persistent), ``scale_tensor`` a
+    BlockTensor holding only those scales (the master cast writes them in place).
+
+    ``gathers`` logs every pre-all-gather as a dict (training state, usage, planes, bytes
+    sent by this rank, world size), for tests and the benchmark; ``log_gathers`` turns it off.
+    """
+
+    def __init__(self, recipe, shape, dtype, model_dtype, mode, device):
+        self.recipe = recipe
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = dtype
+        self.model_dtype = model_dtype
+        self.mode = mode
+        rows, cols = self.shape
+        layouts = all_layouts(recipe, rows, cols)
+        want = (1, 3) if isinstance(recipe, MXFP8) else (1,)
+        self.scales = [None, None]
+        for slot, i in enumerate((1, 3)):
+            if i in want:
+                lay = layouts[i]
+                self.scales[slot] = torch.full(lay.shape, lay.fill,
+                                               dtype=_torch_dtype(lay.dtype), device=device)
+        internal = [None if t is None else _arrays.to_internal(t)[0] for t in self.scales]
+        # scales only: the master cast writes data bytes into fragments (the local rows)
+        self.scale_tensor = BlockTensor._wrap(self.shape, recipe,
+                                              [None, internal[0], None, internal[1]],
+                                              _arrays.numpy_dtype(model_dtype), _arrays.TORCH)
+        self.registry = None      # the Registry of the model this weight was converted in
+        self.fsdp = None          # (FSDPParam, FSDPParamGroup) once looked up
+        self.frags = None         # mode 2: padded local FP8 bytes per plane (torch uint8)
+        self.cast_version = None  # mode 2: sharded param version the bytes were cast from
+        self.internal_cache = {}  # fsdp.py: internal arrays of the master cast's tensors
+        self.gathers = collections.deque(maxlen=64)  # the latest pre-all-gathers
+        self.log_gathers = True
+
+    @property
+    def planes(self) -> tuple:
+        """Byte planes a rank holds: ("row",) for Block2D, ("row", "col") for MXFP8."""
+        return ("row", "col") if isinstance(self.recipe, MXFP8) else ("row",)
+
+    def set_scales_from(self, q: BlockTensor):
+        """Copy the global scales of a full-weight BlockTensor (conversion time)."""
+        src = [q.rowwise_scale_inv, q.columnwise_scale_inv]
+        for dst, s in zip(self.scales, src):
+            if dst is not None:
+                dst.copy_(s)
+
+
+def _torch_dtype(np_dtype):
+    return {np.dtype(np.float32): torch.float32, np.dtype(np.uint8): torch.uint8}[
+        np.dtype(np_dtype)]
+
+
+# --------------------------------------------------------------------------------------------
+# Sharded local tensors: a wrapper over same-shaped planes
+
+
+class _PlaneWeight(torch.Tensor):
+    """Base of the sharded-side subclasses: ``_planes`` are inner tensors with the outer
+    shape and strides (uint8 FP8 bytes, or the high-precision parameter); ``_state`` is the
+    shared :class:`WeightState`."""
+
+    @staticmethod
+    def __new__(cls, planes, state, requires_grad=False):
+        p0 = planes[0]
+        return torch.Tensor._make_wrapper_subclass(
+            cls, p0.shape, strides=p0.stride(), storage_offset=p0.storage_offset(),
+            dtype=state.dtype, device=p0.device, requires_grad=requires_grad)
+
+    def __init__(self, planes, state, requires_grad=False):
+        self._planes = tuple(planes)
+        self._state = state
+
+    def __repr__(self):
+        return (f"{type(self).__name__}(shape={tuple(self.shape)}, recipe={self._state.recipe!r}, "
+                f"global shape={self._state.shape}, mode={self._state.mode})")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _PLANE_OPS:
+            return _plane_op(func, args, kwargs)
+        return cls._other_op(func, args, kwargs)
+
+    @classmethod
+    def _other_op(cls, func, args, kwargs):
+        raise NotImplementedError(f"{cls.__name__} does not support {func}")
+
+    # -- FSDP2 extension -------------------------------------------------------------------
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """FSDP2 hook: the uint8 FP8 planes this rank sends (padded to FSDP's chunk rows) and
+        metadata (the state, which planes, the usage). Scales do not travel: they are global
+        and already on every rank."""
+        from . import fsdp
+
+        state = self._state
+        group = fsdp.param_group_of(state, module)
+        rowwise, columnwise = fsdp.usage_for(group)
+        if isinstance(state.recipe, Block2D):
+            planes = ("row",)  # columnwise = FP8 transpose of the gathered rowwise bytes
+        else:
+            planes = tuple(p for p, need in (("row", rowwise), ("col", columnwise)) if need)
+        ws, rank = mesh.size(), mesh.get_local_rank()
+        rows, cols = int(outer_size[0]), int(outer_size[-1])
+        chunk = cdiv(rows, ws)
+        local = self._local_bytes(chunk, cols, rank)
+        inputs = tuple(local[state.planes.index(p)] for p in planes)
+        if state.log_gathers:
+            state.gathers.append({"state": fsdp.state_name(group), "usage": (rowwise, columnwise),
+                                  "planes": planes, "bytes": sum(t.numel() for t in inputs),
+                                  "world": ws, "padded_numel": chunk * cols * ws})
+        return inputs, (state, planes, (rowwise, columnwise))
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """FSDP2 hook: the unsharded :class:`Float8BlockWeight` (first gather) or ``out``
+        updated in place (later gathers; no-grad, version counter kept)."""
+        state, planes, usage = metadata
+        if out is not None:
+            # FSDP2 + TP passes the DTensor it built around our tensor the first time
+            inner = out._local_tensor if type(out).__name__ == "DTensor" else out
+            # (on the GPU the buffers are torch tensors: the transpose launches on torch's
+            # current stream by itself)
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
+                inner._box.update(all_gather_outputs, planes, usage)
+            return None
+        # the unsharded weight claims FSDP's compute dtype (mp_policy.param_dtype, else the
+        # parameter's): the Linear produces the weight gradient in it
+        box = _GatheredBox(state, param_dtype or state.dtype)
+        box.update(all_gather_outputs, planes, usage)
+        return Float8BlockWeight(box), box.inner_tensors()
+
+
+def _plane_op(func, args, kwargs):
+    state = next(a._state for a in _flat(args) if isinstance(a, _PlaneWeight))
+    cls = next(type(a) for a in _flat(args) if isinstance(a, _PlaneWeight))
+    nplanes = len(next(a._planes for a in _flat(args) if isinstance(a, _PlaneWeight)))
+    if func is aten.copy_.default:
+        dst, src = args[0], args[1]
+        if not isinstance(src, _PlaneWeight):
+            return cls._copy_from_plain(dst, src)
+        for d, s in zip(dst._planes, src._planes):
+            d.copy_(s)
+        return dst
+    outs = []
+    for i in range(nplanes):
+        a_i = tree_map_only(_PlaneWeight, lambda t: t._planes[i], args)
+        k_i = dict(kwargs)
+        if func in _NEW_OPS:  # keep each plane's own dtype (uint8 bytes stay bytes)
+            src = next(a for a in _flat(args) if isinstance(a, _PlaneWeight))
+            if "dtype" in k_i and k_i["dtype"] is not None and k_i["dtype"] != state.dtype:
+                if func is aten._to_copy.default:
+                    raise NotImplementedError(
+                        f"{cls.__name__}: converting to {k_i['dtype']} is not supported "
+                        f"(the weight is {state.dtype}); dequantize explicitly")
+            k_i["dtype"] = src._planes[i].dtype
+        outs.append(func(*a_i, **k_i))
+    if isinstance(outs[0], (list, tuple)):
+        return type(outs[0])(cls(list(parts), state) for parts in zip(*outs))
+    return cls(outs, state)
+
+
+def _flat(args):
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a
+
+
+class Float8BlockPrimaryWeight(_PlaneWeight):
+    """Mode 1: the FP8 bytes of this rank's rows of an FP8 primary weight (see module doc).
+
+    Planes: rowwise bytes uint8 (rows, K) and, for MXFP8, columnwise bytes uint8 (rows, K).
+    Ops other than FSDP's reshaping/copying raise: the weights change only through
+    :func:`fp8blk.torch.cast_master_weights_`."""
+
+    @classmethod
+    def _copy_from_plain(cls, dst, src):
+        raise NotImplementedError(
+            "copying a high-precision tensor into an FP8 primary weight is not supported: "
+            "update the fp32 masters and call fp8blk.torch.cast_master_weights_(model, masters)")
+
+    @classmethod
+    def _other_op(cls, func, args, kwargs):
+        raise NotImplementedError(
+            f"Float8BlockPrimaryWeight (mode 1, FP8 primary weights) does not support {func}: "
+            f"the optimizer must update fp32 master shards (fp8blk.torch.master_weights) and "
+            f"fp8blk.torch.cast_master_weights_ writes the FP8 bytes")
+
+    def _local_bytes(self, chunk, cols, rank):
+        return tuple(_padded_rows(p, chunk) for p in self._planes)
+
+
+class Float8BlockCastWeight(_PlaneWeight):
+    """Mode 2: a bf16/fp32 parameter shard that all-gathers as FP8 (see module doc).
+
+    One plane, the high-precision tensor; every op other than FSDP's reshaping/copying runs
+    on it (optimizer updates in place; results of other ops come back as plain tensors)."""
+
+    @classmethod
+    def _copy_from_plain(cls, dst, src):
+        dst._planes[0].copy_(src)
+        return dst
+
+    @classmethod
+    def _other_op(cls, func, args, kwargs):
+        a = tree_map_only(Float8BlockCastWeight, lambda t: t._planes[0], args)
+        k = tree_map_only(Float8BlockCastWeight, lambda t: t._planes[0], kwargs)
+        out = func(*a, **k)
+        if func._schema.is_mutable and args and isinstance(args[0], Float8BlockCastWeight):
+            return args[0] if not isinstance(out, (list, tuple)) else out
+        return out
+
+    @property
+    def hp(self) -> torch.Tensor:
+        """The high-precision parameter data (a plain tensor sharing storage)."""
+        return self._planes[0]
+
+    def _local_bytes(self, chunk, cols, rank):
+        from . import fsdp
+
+        state = self._state
+        fsdp.ensure_cast(state)
+        return tuple(state.frags)
+
+
+class on_torch_stream:
+    """On CUDA, run fp8blk's CuPy work (the master cast, whose batch works on CuPy arrays) on
+    torch's current stream, so it is ordered with the torch work around it (FSDP runs the
+    pre-all-gather hook on its copy-in stream). A no-op on the CPU."""
+
+    __slots__ = ("ctx",)
+
+    def __init__(self, cuda: bool):
+        self.ctx = None
+        if cuda:
+            import cupy
+
+            self.ctx = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+
+    def __enter__(self):
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
+
+
+def _padded_rows(plane, chunk):
+    """(chunk, K) uint8 view (or copy) of a (rows, K) plane: FSDP all-gathers its padded
+    chunk size from every rank. A plane FSDP padded itself is a view into a chunk-sized
+    buffer, so the view costs nothing; otherwise (rare) the rows are copied."""
+    rows = plane.shape[0]
+    if rows == chunk:
+        return plane
+    cols = plane.shape[1]
+    need = plane.storage_offset() + chunk * cols
+    if plane.untyped_storage().nbytes() >= need and plane.is_contiguous():
+        return torch.as_strided(plane, (chunk, cols), (cols, 1))
+    out = plane.new_zeros((chunk, cols))
+    out[:rows].copy_(plane)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The unsharded (gathered) weight
+
+
+class _GatheredBlockTensor(BlockTensor):
+    """A BlockTensor whose torch-side buffers are the very torch tensors it was built from
+    (FSDP's all-gather outputs and fp8blk's scale tensors), not DLPack re-exports of its
+    internal arrays. A Linear that saves these buffers for its backward pass thus saves
+    views of FSDP's storage, which FSDP refills in place when it re-gathers for the backward
+    pass (a DLPack export would keep a raw pointer to memory FSDP freed after forward).
+
+    Needs only the public internal door ``internal_buffers``; the buffer-to-torch map holds
+    (internal array, torch tensor) pairs per slot, used while the slot still holds that
+    array."""
+
+    __slots__ = ("_torch",)
+
+    @classmethod
+    def empty(cls, shape, recipe, dtype):
+        self = cls._wrap(tuple(shape), recipe, [None, None, None, None], dtype, _arrays.TORCH)
+        self._torch = [None, None, None, None]
+        return self
+
+    def _out(self, i):
+        pair = self._torch[i]
+        if pair is not None and internal_buffers(self)[i] is pair[0]:
+            return pair[1]
+        return super()._out(i)
+
+
+class _GatheredBox:
+    """The gathered weight's storage, shared by the unsharded parameter and its aliases:
+    the BlockTensor, the torch tensors behind its buffers, and a cache of their internal
+    (NumPy/CuPy) arrays keyed by address, so a re-gather into the same memory re-imports
+    nothing (a DLPack import costs ~24 us on the GPU)."""
+
+    def __init__(self, state, dtype):
+        self.state = state
+        self.dtype = dtype
+        rows, cols = state.shape
+        recipe = state.recipe
+        lay = all_layouts(recipe, rows, cols)
+        self.col_data = None
+        self.col_sinv = None
+        if isinstance(recipe, Block2D):
+            dev = state.scales[0].device
+            # reused across iterations; its storage is FSDP's to free and re-allocate
+            self.col_data = torch.empty(lay[2].shape, dtype=torch.uint8, device=dev)
+            self.col_sinv = torch.empty(lay[3].shape, dtype=torch.float32, device=dev)
+        self._internal = {}
+        self.q = _GatheredBlockTensor.empty(state.shape, recipe,
+                                            _arrays.numpy_dtype(state.model_dtype))
+
+    def inner_tensors(self):
+        return [self.col_data] if self.col_data is not None else []
+
+    def _import(self, key, t, slot):
+        """Internal array of torch tensor `t` for BlockTensor slot `slot` (re-imported only
+        when its address or shape changed), registered as that slot's torch view."""
+        hit = self._internal.get(key)
+        sig = (t.data_ptr(), tuple(t.shape), t.dtype)
+        if hit is None or hit[0] != sig:
+            # NumPy on the CPU; on the GPU the torch tensor itself (torch-native buffers)
+            hit = self._internal[key] = (sig, _arrays.to_internal(t)[0])
+        self.q._torch[slot] = (hit[1], t)
+        return hit[1]
+
+    def update(self, outputs, planes, usage):
+        """Point the BlockTensor at freshly gathered planes; make or drop the columnwise
+        copy as `usage` = (rowwise, columnwise) says."""
+        state = self.state
+        rows, cols = state.shape
+        bufs = internal_buffers(self.q)
+        bufs[:] = [None, None, None, None]
+        got = dict(zip(planes, outputs))
+        if "row" in got:
+            bufs[0] = self._import("row", got["row"][:rows], 0)
+            bufs[1] = self._import("row_sinv", state.scales[0], 1)
+        if "col" in got:
+            bufs[2] = self._import("col", got["col"][:rows], 2)
+            bufs[3] = self._import("col_sinv", state.scales[1], 3)
+        rowwise, columnwise = usage
+        if isinstance(state.recipe, Block2D):
+            if columnwise:
+                self._make_columnwise()
+            elif self.col_data is not None and self.col_data.untyped_storage().nbytes():
+                self.col_data.untyped_storage().resize_(0)  # not needed in this pass
+            if not rowwise:
+                bufs[0] = bufs[1] = None  # only the transpose is needed: release rowwise
+
+    def _make_columnwise(self):
+        """Block2D: FP8 transpose of the gathered rowwise bytes into the reused buffers."""
+        storage = self.col_data.untyped_storage()
+        need = self.col_data.numel()
+        if storage.nbytes() != need:
+            storage.resize_(need)
+        bufs = internal_buffers(self.q)
+        bufs[2] = self._import("col", self.col_data, 2)
+        bufs[3] = self._import("col_sinv_made", self.col_sinv, 3)
+        self.q.create_columnwise()
+
+    def block_tensor(self, rowwise=True, columnwise=False):
+        q = self.q
+        if columnwise and not q.has_columnwise:
+            if not isinstance(self.state.recipe, Block2D):
+                raise RuntimeError(
+                    "this MXFP8 weight was gathered without its columnwise plane (FSDP gathers "
+                    "the planes the pass needs: rowwise in forward, columnwise in backward "
+                    "when reshard_after_forward=True); MXFP8 columnwise data cannot be derived "
+                    "from rowwise data")
+            if not q.has_rowwise:
+                raise RuntimeError("the gathered weight holds no data (it was resharded)")
+            self._make_columnwise()
+        if rowwise and not q.has_rowwise:
+            if not isinstance(self.state.recipe, Block2D):
+                raise RuntimeError(
+                    "this MXFP8 weight was gathered for the backward pass (columnwise plane "
+                    "only); its rowwise data is not here")
+            q.update_usage(rowwise=True)
+        return q
+
+
+class Float8BlockWeight(torch.Tensor):
+    """The unsharded FP8 weight FSDP2 builds after the all-gather (both modes).
+
+    ``fp8blk_block_tensor(rowwise, columnwise)`` returns the :class:`fp8blk.BlockTensor`
+    (Block2D or MXFP8, family torch) without requantizing; a Block2D columnwise copy not yet
+    made is made by FP8 transpose. Any other torch op sees the dequantized weight (a plain
+    tensor of the nominal dtype)."""
+
+    @staticmethod
+    def __new__(cls, box, requires_grad=False):
+        state = box.state
+        return torch.Tensor._make_wrapper_subclass(
+            cls, state.shape, dtype=box.dtype, device=state.scales[0].device,
+            requires_grad=requires_grad)
+
+    def __init__(self, box, requires_grad=False):
+        self._box = box
+
+    def __repr__(self):
+        return f"Float8BlockWeight(shape={tuple(self.shape)}, {self._box.q!r})"
+
+    def fp8blk_block_tensor(self, rowwise: bool = True, columnwise: bool = False):
+        return self._box.block_tensor(rowwise, columnwise)
+
+    def dequantize(self) -> torch.Tensor:
+        q = self._box.q
+        return q.dequantize(self.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (aten.detach.default, aten.alias.default):
+            return cls(args[0]._box)
+        if func in (aten.as_strided.default, aten.view.default, aten._unsafe_view.default):
+            src, size = args[0], tuple(args[1])
+            if size == tuple(src.shape) and (func is not aten.as_strided.default or (
+                    tuple(args[2]) == tuple(src.stride()) and (len(args) < 4 or not args[3]))):
+                return cls(src._box)
+        if func._schema.is_mutable and args and isinstance(args[0], Float8BlockWeight):
+            raise NotImplementedError(f"Float8BlockWeight is read-only ({func})")
+        a = tree_map_only(Float8BlockWeight, lambda t: t.dequantize(), args)
+        k = tree_map_only(Float8BlockWeight, lambda t: t.dequantize(), kwargs)
+        return func(*a, **k)
+
+
+__all__ = ["WeightState", "Float8BlockPrimaryWeight", "Float8BlockCastWeight",
+           "Float8BlockWeight"]

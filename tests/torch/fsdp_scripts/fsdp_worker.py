@@ -1,0 +1,440 @@
+"""FSDP2 FP8-weight checks, run under torchrun with gloo (tests/torch/test_fsdp.py launches it).
+
+Each case trains a 3-layer model of Float8BlockLinear layers (no bias) for STEPS steps under
+FSDP2 and, on every rank, a single-process reference running the same FP8 math on the full
+weights (every rank's micro-batch, one after the other). Checked, and any failure raises:
+
+* after EVERY all-gather, the unsharded weight's bytes and scales equal
+  ``fb.quantize(model_dtype(full weight))`` (mode cast) or the cast of the full master (mode
+  primary, the same formula), including the columnwise copy when present;
+* columnwise data exists exactly when the pass needs it (forward with reshard_after_forward:
+  no; PRE_BACKWARD: only columnwise; without resharding: both);
+* the bytes each rank sends per weight and gather are its padded element count per plane
+  (no scales, no columnwise for Block2D), and the bytes FSDP's all-gather collectives move
+  per step equal the sum over weights (the model has no other parameters);
+* losses and parameters equal the reference's, bit for bit. Why exact is the right
+  expectation: each rank's forward/backward is the reference's for that micro-batch on
+  byte-identical FP8 weights, so per-rank gradients are bitwise equal; FSDP sums them in
+  float64 (reduce_dtype) and divides by the power-of-two world size, the reference does the
+  same in a fixed order. Four fp32 terms summed in float64 are exact (so order-free) when
+  their exponents span <= 27 binades; beyond that the float64 error is < 2^-53 of the largest
+  term and changes the fp32 result only at a double-rounding tie (~2^-29 per element). SGD
+  with a power-of-two lr makes lr * g exact, so the update rounds once either way.
+"""
+import math
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import fp8blk as fb
+from fp8blk.torch import Float8BlockConfig, convert_to_float8_block
+from fp8blk.torch import fsdp as F
+from fp8blk.torch import weight as W
+from fp8blk.torch.linear import float8_block_linear
+
+STEPS = 5
+
+
+def spread(shape, gen, decades=(2.0, 1.5)):
+    base = torch.randn(shape, generator=gen, dtype=torch.float64)
+    r = 10.0 ** ((torch.rand(shape[0], 1, generator=gen, dtype=torch.float64) * 2 - 1)
+                 * decades[0])
+    c = 10.0 ** ((torch.rand(1, shape[1], generator=gen, dtype=torch.float64) * 2 - 1)
+                 * decades[1])
+    return (base * r * c).float()
+
+
+class RefWeight(torch.Tensor):
+    """Reference weight: an fp32-typed leaf whose FP8 form is a given BlockTensor."""
+
+    @staticmethod
+    def __new__(cls, q, shape):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32,
+                                                   requires_grad=True)
+
+    def __init__(self, q, shape):
+        self.q = q
+
+    def fp8blk_block_tensor(self, rowwise=True, columnwise=False):
+        return self.q
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+            return cls(args[0].q, args[0].shape)
+        raise NotImplementedError(func)
+
+
+def check_equal(name, got, want):
+    if got is None or want is None:
+        raise AssertionError(f"{name}: got {got is None and 'None' or 'tensor'}, want "
+                             f"{want is None and 'None' or 'tensor'}")
+    got, want = got.cpu(), want.cpu()
+    # torch.equal on floats: bitwise except that it treats -0 == 0 (NaN never appears here)
+    if got.shape != want.shape or got.dtype != want.dtype or not torch.equal(got, want):
+        bad = (got != want).sum().item() if got.shape == want.shape else "shape"
+        raise AssertionError(f"{name}: {bad} mismatches ({got.dtype}{tuple(got.shape)} vs "
+                             f"{want.dtype}{tuple(want.shape)})")
+
+
+def run_case(mode, recipe_name, raf, ws, rank, mesh, seed):
+    recipe = fb.Block2D() if recipe_name == "block2d" else fb.MXFP8()
+    cfg = Float8BlockConfig() if recipe_name == "block2d" else Float8BlockConfig.mxfp8()
+    # out features: 384 (2 ranks: 192 rows each; 4: 96), 300 / 288 (4 ranks: 75 / 72 rows,
+    # cutting tiles / 32-row blocks), 256; 290 rows on 4 ranks is uneven (73+73+73+71)
+    dims = [256, 384, 300 if recipe_name == "block2d" else 288, 256]
+    if recipe_name == "block2d" and ws == 4:
+        dims[3] = 290
+    gen = torch.Generator().manual_seed(seed)
+    layers = [torch.nn.Linear(dims[i], dims[i + 1], bias=False) for i in range(3)]
+    with torch.no_grad():
+        for lin in layers:
+            lin.weight.copy_(spread(tuple(lin.weight.shape), gen) / math.sqrt(lin.in_features))
+    model = torch.nn.Sequential(layers[0], torch.nn.ReLU(), layers[1], torch.nn.ReLU(), layers[2])
+    full = [lin.weight.detach().clone() for lin in layers]  # reference weights / masters
+    tokens = 32
+    xs = [spread((tokens, dims[0]), gen) for _ in range(ws)]
+    # loss = sum(y * t): dY = t. The SGD learning rate is the power of two that moves the
+    # median weight by ~3% at step 0 (a few FP8 steps over 5 steps, no divergence); it is
+    # derived from the reference gradient, identical on every rank.
+    ts = [spread((tokens, dims[3]), gen, (1.0, 1.0)) for _ in range(ws)]
+    model_dtype = torch.float32 if mode == "cast" else torch.bfloat16
+
+    convert_to_float8_block(model, cfg)
+    F.prepare_fsdp_fp8(model, mode=mode, model_dtype=model_dtype)
+    initial = [w.clone() for w in full]  # step 0 gathers the conversion's quantize(bf16(w0))
+    if mode == "primary":  # the reference master starts from the FP8 weights' values
+        full = [fb.quantize(w.to(model_dtype), recipe).dequantize(torch.float32) for w in full]
+    mp = MixedPrecisionPolicy(reduce_dtype=torch.float64)
+    for lin in model:
+        if isinstance(lin, torch.nn.Linear):
+            fully_shard(lin, mesh=mesh, reshard_after_forward=raf, mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=raf, mp_policy=mp)
+    states = [lin.weight._local_tensor._state for lin in model if isinstance(lin, torch.nn.Linear)]
+    layer_of = {id(s): i for i, s in enumerate(states)}
+
+    expected = {}
+    seen = []
+
+    def expect(step):
+        # (requantizing dequantized FP8 values is not always the identity: a tile whose
+        # largest value rounds down to 224 * scale_inv gets twice the scale, so step 0 of the
+        # primary mode expects the conversion's bytes, later steps the cast of the masters)
+        for i, w in enumerate(initial if step == 0 else full):
+            expected[i] = fb.quantize(w.to(model_dtype).contiguous(), recipe, rowwise=True,
+                                      columnwise=True)
+
+    orig_post = W._PlaneWeight.fsdp_post_all_gather
+
+    def checked_post(self, outputs, metadata, param_dtype, *, out=None):
+        res = orig_post(self, outputs, metadata, param_dtype, out=out)
+        state, planes, usage = metadata
+        box = out._box if out is not None else res[0]._box
+        q, e, i = box.q, expected[layer_of[id(state)]], layer_of[id(state)]
+        rowwise, columnwise = usage
+        if q.has_rowwise != rowwise or (q.has_columnwise != columnwise):
+            raise AssertionError(f"layer {i}: usage {usage} but holds row={q.has_rowwise} "
+                                 f"col={q.has_columnwise}")
+        if q.has_rowwise:
+            check_equal(f"layer {i} rowwise data", q.rowwise_data, e.rowwise_data)
+            check_equal(f"layer {i} rowwise scale_inv", q.rowwise_scale_inv, e.rowwise_scale_inv)
+        if q.has_columnwise:
+            check_equal(f"layer {i} columnwise data", q.columnwise_data, e.columnwise_data)
+            check_equal(f"layer {i} columnwise scale_inv", q.columnwise_scale_inv,
+                        e.columnwise_scale_inv)
+        if recipe_name == "block2d" and not columnwise and box.col_data.untyped_storage().nbytes():
+            raise AssertionError(f"layer {i}: columnwise buffer allocated in a pass without it")
+        seen.append((state.gathers[-1]["state"], usage, planes))
+        return res
+
+    W._PlaneWeight.fsdp_post_all_gather = checked_post
+    moved = []
+    # FSDP2's all-gather entry point: all_gather_single (torch 2.13), all_gather_into_tensor
+    # (older); count the bytes of every call (no other all-gather runs in a step)
+    names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
+    orig_ag = {n: getattr(dist, n) for n in names}
+
+    def counting(name):
+        def call(output_tensor, input_tensor, *a, **k):
+            moved.append(output_tensor.numel() * output_tensor.element_size())
+            return orig_ag[name](output_tensor, input_tensor, *a, **k)
+        return call
+
+    for n in names:
+        setattr(dist, n, counting(n))
+    try:
+        if mode == "primary":
+            masters = F.master_weights(model)
+            opt = torch.optim.SGD(masters, lr=1.0)
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        lr = None
+        for step in range(STEPS):
+            expect(step)
+            if step == 0:
+                first = [expected[i].rowwise_data.clone() for i in range(3)]
+            # reference: every rank's micro-batch on the full weights, same FP8 math
+            ref_losses, grads = [], [torch.zeros_like(w, dtype=torch.float64) for w in full]
+            for r in range(ws):
+                ws_ = [RefWeight(expected[i], tuple(full[i].shape)) for i in range(3)]
+                h = xs[r]
+                for i in range(3):
+                    h = float8_block_linear(h, ws_[i], None, cfg)
+                    if i < 2:
+                        h = torch.relu(h)
+                loss = (h * ts[r]).sum()
+                loss.backward()
+                ref_losses.append(loss.detach())
+                for i in range(3):
+                    grads[i] += ws_[i].grad.double()
+            mean = [(g / ws).float() for g in grads]
+            if lr is None:
+                lr = min(2.0 ** round(math.log2(0.03 * w.abs().median().item()
+                                                / m.abs().median().item()))
+                         for m, w in zip(mean, full))
+                for group in opt.param_groups:
+                    group["lr"] = lr
+            # FSDP
+            opt.zero_grad(set_to_none=True)
+            seen.clear()
+            moved.clear()
+            for s in states:
+                s.gathers.clear()
+            y = model(xs[rank])
+            loss = (y * ts[rank]).sum()
+            loss.backward()
+            if not torch.equal(loss.detach(), ref_losses[rank]):
+                raise AssertionError(f"step {step}: loss {loss.item()!r} != reference "
+                                     f"{ref_losses[rank].item()!r}")
+            # bytes: per gather, padded numel per plane; the collectives move their sum
+            per_gather = 0
+            for s in states:
+                for g in s.gathers:
+                    if g["bytes"] * g["world"] != g["padded_numel"] * len(g["planes"]):
+                        raise AssertionError(f"gathered {g} is not the element count")
+                    per_gather += g["bytes"] * g["world"]
+            if sum(moved) != per_gather:
+                raise AssertionError(f"all-gathers moved {sum(moved)} bytes, weights account "
+                                     f"for {per_gather}")
+            check_usage(seen, raf, recipe_name, step)
+            if mode == "primary":
+                F.master_grads_(model, masters)
+                for i, (m, fsdp_w) in enumerate(zip(masters, states)):
+                    rows, cols = fsdp_w.shape
+                    start = rank * math.ceil(rows / ws) * cols
+                    want = mean[i].reshape(-1)[start:start + m.numel()]
+                    check_equal(f"step {step} layer {i} grad", m.grad, want)
+                opt.step()
+                F.cast_master_weights_(model, masters)
+                for i, m in enumerate(masters):
+                    rows, cols = states[i].shape
+                    start = rank * math.ceil(rows / ws) * cols
+                    full[i] = full[i] - lr * mean[i]
+                    check_equal(f"step {step} layer {i} master", m.detach(),
+                                full[i].reshape(-1)[start:start + m.numel()])
+            else:
+                for i, lin in enumerate(l for l in model if isinstance(l, torch.nn.Linear)):
+                    g = lin.weight.grad._local_tensor
+                    rows, cols = states[i].shape
+                    r0 = min(rank * math.ceil(rows / ws), rows)
+                    check_equal(f"step {step} layer {i} grad", g, mean[i][r0:r0 + g.shape[0]])
+                opt.step()
+                if step % 2 == 0:
+                    F.precompute_fp8_scales(model)  # odd steps: lazily at the first gather
+                for i, lin in enumerate(l for l in model if isinstance(l, torch.nn.Linear)):
+                    full[i] = full[i] - lr * mean[i]
+                    local = lin.weight._local_tensor.hp
+                    rows = states[i].shape[0]
+                    r0 = min(rank * math.ceil(rows / ws), rows)
+                    check_equal(f"step {step} layer {i} param", local,
+                                full[i][r0:r0 + local.shape[0]])
+        changed = [(expected[i].rowwise_data != first[i]).float().mean().item() for i in range(3)]
+        if min(changed) < 0.01:  # the test must see the FP8 weights change
+            raise AssertionError(f"training changed too few weight bytes: {changed}")
+    finally:
+        W._PlaneWeight.fsdp_post_all_gather = orig_post
+        for n in names:
+            setattr(dist, n, orig_ag[n])
+    print(f"rank {rank}: case {mode} {recipe_name} raf={raf} ws={ws} OK (bytes "
+          f"changed by training: {', '.join(f'{c:.0%}' for c in changed)})", flush=True)
+
+
+def check_usage(seen, raf, recipe_name, step):
+    fwd = [u for st, u, p in seen if st == "FORWARD"]
+    bwd = [(u, p) for st, u, p in seen if st == "PRE_BACKWARD"]
+    want_fwd = (True, False) if raf else (True, True)
+    # the root (reshard_after_forward=raf) and the 3 layers: 3 forward gathers
+    if len(fwd) != 3 or any(u != want_fwd for u in fwd):
+        raise AssertionError(f"step {step}: forward gathers {seen}")
+    if raf:
+        # the last layer may stay unsharded into backward (FSDP keeps the last forward group)
+        if not 2 <= len(bwd) <= 3 or any(u != (False, True) for u, p in bwd):
+            raise AssertionError(f"step {step}: backward gathers {seen}")
+        if recipe_name == "mxfp8" and any(p != ("col",) for u, p in bwd):
+            raise AssertionError(f"step {step}: MXFP8 backward must gather columnwise only")
+    elif bwd:
+        raise AssertionError(f"step {step}: no backward gathers without resharding: {seen}")
+
+
+def check_errors(ws, rank, mesh):
+    """A module whose FSDP2 state has no parameter group gives a clear RuntimeError; bad
+    conversions name the fix."""
+    model = torch.nn.Sequential(torch.nn.Linear(128, 256, bias=False),
+                                torch.nn.Linear(256, 128, bias=False))
+    convert_to_float8_block(model)
+    F.prepare_fsdp_fp8(model, mode="cast")
+    for lin in model:
+        fully_shard(lin, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # the root holds no parameter of its own: no group
+    local = model[0].weight._local_tensor
+    try:
+        local.fsdp_pre_all_gather(mesh, torch.Size((256, 128)), (128, 1), model,
+                                  MixedPrecisionPolicy())
+    except RuntimeError as err:
+        if "no parameter group" not in str(err):
+            raise
+    else:
+        raise AssertionError("no RuntimeError for a module without a parameter group")
+    try:
+        F.prepare_fsdp_fp8(model)
+    except ValueError as err:
+        if "before fully_shard" not in str(err):
+            raise
+    else:
+        raise AssertionError("no error for prepare_fsdp_fp8 after fully_shard")
+    for bad, kwargs, text in (
+            (torch.nn.Sequential(torch.nn.Linear(100, 64)), {"mode": "both"}, "mode must be"),
+            (torch.nn.Sequential(torch.nn.Linear(100, 64)),
+             {"recipe": fb.MXFP8(), "module_filter_fn": lambda m, n: isinstance(
+                 m, torch.nn.Linear)}, "multiples of 32"),
+            (torch.nn.Sequential(torch.nn.Linear(128, 64)),
+             {"recipe": fb.Block1D(), "module_filter_fn": lambda m, n: isinstance(
+                 m, torch.nn.Linear)}, "Block2D or MXFP8")):
+        try:
+            F.prepare_fsdp_fp8(bad, **kwargs)
+        except (ValueError, TypeError) as err:
+            if text not in str(err):
+                raise
+        else:
+            raise AssertionError(f"no error for {kwargs}")
+    # converting a submodule and sharding only its parent works (the weight's FSDP2 group
+    # is found through FSDP's module states, not the converted submodule's)
+    gen = torch.Generator().manual_seed(7)
+    inner = torch.nn.Sequential(torch.nn.Linear(128, 256, bias=False))
+    with torch.no_grad():
+        inner[0].weight.copy_(spread((256, 128), gen) / 16)
+    outer = torch.nn.Sequential(inner, torch.nn.ReLU())
+    w0 = inner[0].weight.detach().clone()
+    convert_to_float8_block(outer)
+    F.prepare_fsdp_fp8(inner, mode="cast")
+    fully_shard(outer, mesh=mesh)
+    x = spread((32, 128), gen)
+    y = outer(x)
+    q0 = fb.quantize(w0.to(torch.bfloat16), fb.Block2D())
+    ref = torch.relu(float8_block_linear(x, RefWeight(q0, (256, 128)), None,
+                                         Float8BlockConfig()))
+    check_equal("submodule conversion output", y.detach(), ref.detach())
+    print(f"rank {rank}: errors OK", flush=True)
+
+
+def check_ffn(world, rank, seed, tp):
+    """Issue 13's FSDP2 parity: the FeedForward of tests/torch/_parity.py (w1, w2, out_proj
+    with biases), fully_shard on each projection and on the parent, FP8 weights (mode cast,
+    fp32 model dtype so the FP8 math is the plain layer's), against the same model unsharded
+    (or, with ``tp``, against tensor parallelism alone on a 2x2 (dp, tp) mesh: torch's
+    ColwiseParallel w1/w2 and RowwiseParallel out_proj, FSDP2 over dp). Each dp rank's
+    micro-batch runs through the reference on every rank; outputs, gradients (float64
+    reduction, as in run_case) and parameters after 2 SGD steps must be equal bit for bit."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    from tests.torch._parity import FeedForward, init_spread_
+
+    gen = torch.Generator().manual_seed(seed)
+    d, hid = 256, 384
+    model = FeedForward(d, hid, bias=True)
+    init_spread_(model, gen)
+    ref = FeedForward(d, hid, bias=True)
+    ref.load_state_dict(model.state_dict())
+    cfg = Float8BlockConfig()
+    convert_to_float8_block(model, cfg)
+    convert_to_float8_block(ref, cfg)
+    if tp:
+        mesh2 = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        dp, tpm = mesh2["dp"], mesh2["tp"]
+        plan = {"w1": ColwiseParallel(), "w2": ColwiseParallel(), "out_proj": RowwiseParallel()}
+        parallelize_module(model, tpm, plan)
+        parallelize_module(ref, tpm, plan)
+    else:
+        dp = init_device_mesh("cpu", (world,))
+    F.prepare_fsdp_fp8(model, mode="cast", model_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(reduce_dtype=torch.float64)
+    for name in ("w1", "w2", "out_proj"):
+        fully_shard(getattr(model, name), mesh=dp, mp_policy=mp)
+    fully_shard(model, mesh=dp, mp_policy=mp)
+    ndp, dprank = dp.size(), dp.get_local_rank()
+    xs = [spread((32, d), gen) for _ in range(ndp)]
+    ts = [spread((32, d), gen, (1.0, 1.0)) for _ in range(ndp)]
+    lr = 2.0 ** -16
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    names = [n for n, _ in ref.named_parameters()]
+    for step in range(2):
+        ref_y, acc = [], {n: None for n in names}
+        for r in range(ndp):
+            ref.zero_grad(set_to_none=True)
+            y = local(ref(xs[r]))
+            (y * ts[r]).sum().backward()
+            ref_y.append(y.detach())
+            for n, p in ref.named_parameters():
+                g = local(p.grad).double()
+                acc[n] = g if acc[n] is None else acc[n] + g
+        opt.zero_grad(set_to_none=True)
+        y = local(model(xs[dprank]))
+        (y * ts[dprank]).sum().backward()
+        check_equal(f"ffn step {step} output", y.detach(), ref_y[dprank])
+        with torch.no_grad():
+            for (n, p), (_, pr) in zip(model.named_parameters(), ref.named_parameters()):
+                mean = (acc[n] / ndp).float()
+                chunks = list(torch.chunk(mean, ndp, dim=0))
+                want = chunks[dprank] if dprank < len(chunks) else mean[:0]
+                check_equal(f"ffn step {step} {n} grad", local(p.grad), want)
+                local(pr).sub_(lr * mean)
+        opt.step()
+        for (n, p), (_, pr) in zip(model.named_parameters(), ref.named_parameters()):
+            lp = local(p)
+            lp = lp.hp if isinstance(lp, W.Float8BlockCastWeight) else lp
+            chunks = list(torch.chunk(local(pr).detach(), ndp, dim=0))
+            check_equal(f"ffn step {step} {n} param", lp.detach(), chunks[dprank])
+    print(f"rank {rank}: ffn parity (tp={tp}) OK", flush=True)
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (ws,))
+    seed = int(os.environ.get("FP8BLK_SEED", "1234"))
+    for spec in sys.argv[1:]:
+        if spec == "errors":
+            check_errors(ws, rank, mesh)
+            continue
+        if spec in ("ffn", "ffn_tp"):
+            check_ffn(ws, rank, seed, spec == "ffn_tp")
+            continue
+        mode, recipe_name, raf = spec.split(":")
+        run_case(mode, recipe_name, raf == "1", ws, rank, mesh, seed)
+        seed += 1
+    dist.barrier()
+    print(f"rank {rank}: SUITE OK", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

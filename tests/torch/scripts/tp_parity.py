@@ -1,0 +1,231 @@
+"""Tensor / sequence parallelism parity on gloo (run by tests/torch/test_tensor_parallel.py
+under torchrun, 2 ranks). Usage: tp_parity.py SEED CASE [CASE ...], CASE one of
+
+  tp            torch's ColwiseParallel (w1, w2) / RowwiseParallel (out_proj) on DTensor weights
+  tp_nobias     the same without biases (out_proj returns a Partial DTensor that the plan's
+                output layout reduces)
+  sp_fast       fp8blk's sequence-parallel styles, local tokens a multiple of 128 (FP8 gather)
+  sp_fallback   the same with local tokens not a multiple of 128 (high-precision fallback)
+  plant:NAME    the tp case with a planted bug (see _parity.set_plant): must FAIL
+
+Each case runs an unsharded reference FeedForward (the same FP8 math, the same inputs) and
+the sharded copy, and compares forward outputs, the loss, input and parameter gradients, and
+parameters after one SGD step: bit-equal where every element is computed by the same
+operations (column-parallel outputs, all weight gradients: their reductions run over the same
+K in the same order on the same FP8 values), within 2 (gamma_K + u) sum|a b| (see _parity) where
+only the summation order differs (row-parallel outputs, the input gradient and the row-parallel
+bias gradient, which are sums of per-rank partial sums). The reference model's every layer is
+also checked against the independent oracle (fp8blk's NumPy reference + float64).
+Prints "CASE <name> OK" per passing case, "PLANT <name> CAUGHT" per failing planted case.
+
+On GPUs (FP8BLK_TP_DEVICE=cuda: NCCL, one GPU per rank) the same cases run with the GPU
+tolerance of tests/torch/test_linear_gpu.py (cuBLAS accumulates 128-long K blocks in the tensor
+cores): u becomes 2^-6 / 128 in every bound, and the bit-equal checks become relative-norm
+checks at 2^-6 (cuBLAS may pick other kernels for a shard's shape than for the whole).
+"""
+import os
+import copy
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                               parallelize_module)
+
+from fp8blk.comm.packed import ALIGN
+from fp8blk.layout import cdiv, round_up
+from fp8blk.torch import Float8BlockConfig, convert_to_float8_block
+from fp8blk.torch.tensor_parallel import (Float8BlockColwiseSequenceParallel,
+                                          Float8BlockRowwiseSequenceParallel, comm_for)
+import tests.torch._parity as parity
+from tests.torch._parity import (FeedForward, Recorder, assert_within, check_against_oracle,
+                                 init_spread_, set_plant, spread)
+
+DEVICE = os.environ.get("FP8BLK_TP_DEVICE", "cpu")
+GPU_REL = 2.0 ** -6
+if DEVICE == "cuda":
+    parity.U32 = GPU_REL / 128          # every bound built from U32 widens to the GPU's
+U32 = parity.U32
+
+
+def same(got, want, what):
+    """Bit-equal on the CPU; within 2^-6 in relative norm on the GPU (see docstring)."""
+    if DEVICE == "cpu":
+        assert torch.equal(got, want), f"{what} differs"
+        return
+    err = float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-300))
+    assert err <= GPU_REL, f"{what}: relative error {err:.3g} > {GPU_REL}"
+
+B = 2
+# (d_model, hidden, sequence length): hidden/2 is a multiple of 128, so the shard boundaries
+# fall on 128x128 tiles; the planted-bug runs are square (d = hidden = tokens) so that a
+# dropped transpose or a rowwise-for-columnwise buffer passes every shape check and can only
+# be caught by the numbers
+DIMS = {"tp": (256, 512, 64), "tp_nobias": (256, 512, 64), "sp_fast": (256, 512, 128), "sp_fallback": (256, 512, 96),
+        "plant": (256, 256, 128)}
+
+
+full = parity.full_tensor
+gamma = parity.gamma
+order_bound = parity.order_bound
+
+
+def run_case(case, seed, rank, world, mesh, planted=False):
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    cfg = Float8BlockConfig()
+    D, HIDDEN, seq = DIMS["plant" if planted else case]
+    ref = FeedForward(D, HIDDEN, bias=case != "tp_nobias")
+    init_spread_(ref, gen)
+    convert_to_float8_block(ref, cfg)
+    ref.to(DEVICE)
+    model = copy.deepcopy(ref)
+    x = spread((seq, B, D), gen).to(DEVICE)      # sequence-first (S, B, D)
+    g = spread((seq, B, D), gen).to(DEVICE)      # fixed output gradient: dL/dy = g exactly
+    comm = None
+    if case.startswith("tp"):
+        parallelize_module(model, mesh, {"w1": ColwiseParallel(), "w2": ColwiseParallel(),
+                                         "out_proj": RowwiseParallel()})
+        x_in, rows = x.clone(), slice(None)
+    else:
+        parallelize_module(model, mesh, {"w1": Float8BlockColwiseSequenceParallel(),
+                                         "w2": Float8BlockColwiseSequenceParallel(),
+                                         "out_proj": Float8BlockRowwiseSequenceParallel()})
+        s_local = seq // world
+        rows = slice(rank * s_local, (rank + 1) * s_local)
+        x_in = x[rows].clone()
+        comm = comm_for(mesh)
+        comm.reset_stats()
+    rec = Recorder(ref)
+    xr = x.clone().requires_grad_(True)
+    yr = ref(xr)
+    loss_r = (yr * g).sum()
+    loss_r.backward()
+    check_against_oracle(ref, rec, cfg)
+    x_in.requires_grad_(True)
+    y = model(x_in)
+    y = y.to_local() if isinstance(y, DTensor) else y
+    loss_local = (y * g[rows]).sum()
+    loss = loss_local.detach().clone()
+    if not case.startswith("tp"):
+        dist.all_reduce(loss)                    # each rank holds a sequence shard
+    loss_local.backward()
+
+    # forward output: out_proj's partial sums over K/2 reduced across ranks
+    r = rec.data["out_proj"]
+    a = r["x"].reshape(-1, HIDDEN).double()
+    _deq = parity.dequantized
+    a_abs = _deq(a.float(), cfg.activation, "row").abs()
+    w_abs = _deq(ref.out_proj.weight.detach(), cfg.weight, "row").abs()
+    y_bound = order_bound(a_abs, w_abs.T, HIDDEN) + 2 * U32 * yr.detach().reshape(-1, D).abs()
+    assert_within(y.reshape(-1, D), yr.detach()[rows].reshape(-1, D).double(),
+                  y_bound.reshape(seq, B, D)[rows].reshape(-1, D), f"{case}: forward output")
+    # loss: sum of y*g over tokens; |dloss| <= sum |g| |dy| + two sums' rounding
+    yg = (yr.detach().double() * g.double()).abs().sum()
+    loss_bound = ((g.double().abs() * y_bound.reshape(seq, B, D)).sum()
+                  + 2 * (gamma(yr.numel()) + U32) * yg)
+    assert abs(loss.double() - loss_r.detach().double()) <= loss_bound, \
+        (case, loss.item(), loss_r.item(), loss_bound.item())
+    # input gradient: w1 and w2 dgrads, each a sum of per-rank partial sums over HIDDEN/2
+    dx_bound = 0
+    for name in ("w1", "w2"):
+        rr = rec.data[name]
+        dy_abs = _deq(rr["dy"].reshape(-1, HIDDEN), cfg.grad, "row").abs()
+        wl = _deq(getattr(ref, name).weight.detach(), cfg.weight, "row").abs()
+        dx_bound = dx_bound + order_bound(dy_abs, wl, HIDDEN)
+    dx_bound = dx_bound + 2 * U32 * xr.grad.reshape(-1, D).abs().double()
+    assert_within(x_in.grad.reshape(-1, D), xr.grad[rows].reshape(-1, D).double(),
+                  dx_bound.reshape(seq, B, D)[rows].reshape(-1, D), f"{case}: input grad")
+    # parameter gradients: weights bit-equal; out_proj.bias under SP is an all-reduce of
+    # per-rank token sums (order differs)
+    tp_params = dict(model.named_parameters())
+    inexact = {"out_proj.bias"} if not case.startswith("tp") else set()
+    for name, p_ref in ref.named_parameters():
+        got = full(tp_params[name].grad)
+        if name in inexact:
+            dy = g.reshape(-1, D).double()
+            assert_within(got, p_ref.grad.double(),
+                          2 * (gamma(dy.shape[0]) + U32) * dy.abs().sum(0), f"{case}: {name} grad")
+        else:
+            same(got, p_ref.grad, f"{case}: {name} grad")
+    # one SGD step on both: the same update wherever the gradients are equal
+    before = {name: p.detach().clone() for name, p in ref.named_parameters()}
+    for m in (ref, model):
+        torch.optim.SGD(m.parameters(), lr=0.125).step()
+    for name, p_ref in ref.named_parameters():
+        got = full(tp_params[name].detach())
+        if name in inexact:
+            torch.testing.assert_close(got, p_ref.detach(), rtol=0, atol=float(
+                0.125 * 2 * (gamma(seq * B) + U32) * g.abs().sum(0).max()
+                + U32 * p_ref.detach().abs().max()))
+        elif DEVICE == "cpu":
+            assert torch.equal(got, p_ref.detach()), f"{case}: {name} after SGD differs"
+        else:                                    # compare the updates themselves
+            same(got - before[name], p_ref.detach() - before[name], f"{case}: {name} step")
+    if comm is not None:
+        report_traffic(case, comm, seq, world, D)
+
+
+def report_traffic(case, comm, seq, world, D):
+    """Assert which gather path ran and the bytes it moved (this rank's contribution)."""
+    m_local = seq // world * B
+    stats = comm.stats
+    want_path = "fast" if case == "sp_fast" else "fallback"
+    # three gathers: x for w1 and for w2 (forward), dY for out_proj (backward)
+    assert dict(stats.gather_paths) == {want_path: 3}, dict(stats.gather_paths)
+    assert stats.last_gather_path == want_path
+
+    def fast_bytes(m, k):
+        parts = [m * k, cdiv(k, 128) * m * 4, k * m, cdiv(m, 128) * k * 4]
+        return sum(round_up(p, ALIGN) for p in parts)
+    if want_path == "fast":
+        expected = 2 * fast_bytes(m_local, D) + fast_bytes(m_local, D)
+    else:
+        expected = 3 * m_local * D * 4             # fp32 rows gathered, quantized after
+    moved = stats.ops["all_gather_v"][1]
+    assert moved == expected, (case, moved, expected)
+    hp = 3 * m_local * D * 4
+    print(f"rank {comm.rank}: {case}: gather path {want_path}, all_gather_v bytes {moved} "
+          f"(fp32 would be {hp}), reduce_scatter bytes {stats.ops['reduce_scatter'][1]}, "
+          f"all_reduce bytes {stats.ops.get('all_reduce', [0, 0])[1]}, metadata collectives "
+          f"{stats.meta_calls}", flush=True)
+
+
+def main():
+    seed, cases = int(sys.argv[1]), sys.argv[2:]
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if DEVICE == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    mesh = init_device_mesh(DEVICE, (world,))
+    ok = True
+    for case in cases:
+        if case.startswith("plant:"):
+            undo = set_plant(case.split(":", 1)[1])
+            try:
+                run_case("tp", seed, rank, world, mesh, planted=True)
+                print(f"PLANT {case} NOT CAUGHT", flush=True)
+                ok = False
+            except (AssertionError, ValueError) as err:   # wrong numbers, or a layout check
+                print(f"PLANT {case} CAUGHT ({type(err).__name__}): "
+                      f"{str(err).splitlines()[0][:160]}", flush=True)
+            finally:
+                undo()
+            continue
+        try:
+            run_case(case, seed, rank, world, mesh)
+            print(f"CASE {case} OK", flush=True)
+        except Exception:
+            traceback.print_exc()
+            print(f"CASE {case} FAILED", flush=True)
+            ok = False
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""Float8BlockLinear on the CPU (one process): forward, input and weight gradients against an
+independent oracle (fp8blk's NumPy reference + float64 matmul, bound derived in _parity),
+unaligned features, bias, E5M2/MXFP8 configs, saved-activation memory, torch.compile
+fullgraph, planted bugs, the FSDP weight hook, and bad input."""
+import copy
+
+import pytest
+import torch
+
+import fp8blk as fb
+from fp8blk.torch import (Float8BlockConfig, Float8BlockLinear, blockwise_scaled_mm,
+                          convert_to_float8_block)
+from fp8blk.torch import linear as linear_mod
+
+from ._parity import (PLANTS, FeedForward, Recorder, check_against_oracle, init_spread_,
+                      set_plant, spread)
+
+
+@pytest.fixture
+def gen(rng):
+    return torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+
+
+def _run(model, x, gen):
+    """forward + backward with a fixed output gradient g spanning magnitudes."""
+    y = model(x)
+    g = spread(y.shape, gen, y.dtype)
+    (y * g).sum().backward()
+    return y
+
+
+CONFIGS = {"default": Float8BlockConfig(),
+           "e5m2_grad": Float8BlockConfig(grad=fb.Block1D(fb.E5M2)),
+           "no_pow2": Float8BlockConfig(activation=fb.Block1D(pow2_scales=False),
+                                        weight=fb.Block2D(pow2_scales=False),
+                                        grad=fb.Block1D(pow2_scales=False)),
+           "mxfp8": Float8BlockConfig.mxfp8()}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_ffn_against_oracle(name, gen):
+    cfg = CONFIGS[name]
+    # features 256/384/320 (not all multiples of 128; multiples of 32 for MXFP8), 2x64 tokens
+    model = torch.nn.Sequential(torch.nn.Linear(384, 320), torch.nn.GELU(),
+                                torch.nn.Linear(320, 256, bias=False))
+    init_spread_(model, gen)
+    convert_to_float8_block(model, cfg)
+    rec = Recorder(model)
+    x = spread((2, 64, 384), gen).requires_grad_(True)
+    _run(model, x, gen)
+    assert set(rec.data) == {"0", "2"} and all("dx" in v for v in rec.data.values())
+    check_against_oracle(model, rec, cfg)
+
+
+@pytest.mark.parametrize("shape", [(100, 200, 72), (130, 129, 257), (1, 16, 8)])
+def test_unaligned_shapes_and_bias(shape, gen):
+    m, k, n = shape
+    lin = torch.nn.Linear(k, n)
+    init_spread_(lin, gen)
+    model = torch.nn.Sequential(lin)
+    convert_to_float8_block(model)
+    rec = Recorder(model)
+    _run(model, spread((m, k), gen).requires_grad_(True), gen)
+    check_against_oracle(model, rec, Float8BlockConfig())
+
+
+def test_bf16_model_and_no_input_grad(gen):
+    lin = Float8BlockLinear(256, 128, dtype=torch.bfloat16)
+    x = spread((64, 256), gen, torch.bfloat16)             # no requires_grad: no dgrad GEMM
+    y = lin(x)
+    assert y.dtype == torch.bfloat16 and lin.weight.grad is None
+    y.float().sum().backward()
+    assert lin.weight.grad.dtype == torch.bfloat16 and lin.bias.grad is not None
+
+
+def _saved(fn, params):
+    """Tensors autograd saves for backward during fn(), minus the parameters (no new memory)."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    owned = {p.untyped_storage().data_ptr() for p in params}   # views of a parameter too
+    return [t for t in saved if t.untyped_storage().data_ptr() not in owned]
+
+
+@pytest.mark.parametrize("m", [512, 300])
+def test_saved_activation_is_fp8(m, gen):
+    k, n = 384, 256
+    lin = Float8BlockLinear(k, n, dtype=torch.bfloat16)
+    x = spread((m, k), gen, torch.bfloat16).requires_grad_(True)
+    # (the weight's columnwise slots are empty (0,) tensors: derived in backward)
+    fp8 = [t for t in _saved(lambda: lin(x), list(lin.parameters())) if t.numel()]
+    assert all(t.dtype in (torch.uint8, torch.float32) for t in fp8), [t.dtype for t in fp8]
+    # x's columnwise FP8 buffer (K, M) and its scales; W's rowwise FP8 tiles and their scales
+    shapes = sorted(tuple(t.shape) for t in fp8)
+    assert shapes == sorted([(k, m), (-(-m // 128), -(-k // 4) * 4), (n, k), (2, 4)]), shapes
+    fp8_bytes = sum(t.numel() * t.element_size() for t in fp8)
+    bf16 = _saved(lambda: torch.nn.functional.linear(x, lin.weight, lin.bias),
+                  list(lin.parameters()))
+    bf16_bytes = sum(t.numel() * t.element_size() for t in bf16)
+    assert bf16_bytes == 2 * m * k                       # nn.Linear saves bf16 x
+    # activation: M*K FP8 bytes + scales instead of 2*M*K; plus the N*K FP8 weight cache
+    assert fp8_bytes == m * k + 4 * (-(-m // 128)) * (-(-k // 4) * 4) + n * k + 4 * 2 * 4
+    print(f"saved for backward, M={m} K={k} N={n}: fp8blk {fp8_bytes} B, bf16 {bf16_bytes} B")
+
+
+def test_compile_fullgraph_matches_eager(gen):
+    model = FeedForward(256, 384)
+    init_spread_(model, gen)
+    convert_to_float8_block(model)
+    x = spread((2, 64, 256), gen)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    xe, xc = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ye = model(xe)
+    ye.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    yc = compiled(xc)
+    yc.sum().backward()
+    assert torch.equal(ye, yc) and torch.equal(xe.grad, xc.grad)
+    for g, p in zip(grads, model.parameters()):
+        assert torch.equal(g, p.grad)
+
+
+def test_compile_inductor_fullgraph(gen):
+    # no graph break anywhere in the layer under the default backend either
+    torch._dynamo.reset()
+    model = convert_to_float8_block(torch.nn.Sequential(torch.nn.Linear(256, 128)))
+    x = spread((64, 256), gen)
+    ye = model(x)
+    yc = torch.compile(model, fullgraph=True)(x)
+    assert torch.equal(ye, yc)
+
+
+@pytest.mark.parametrize("plant", PLANTS)
+def test_planted_bug_fails_the_oracle(plant, gen):
+    # square layer and tokens = features so every planted bug passes the shape checks and
+    # can only be caught by the numbers
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256))
+    init_spread_(model, gen)
+    convert_to_float8_block(model)
+    rec = Recorder(model)
+    undo = set_plant(plant)
+    try:
+        _run(model, spread((256, 256), gen).requires_grad_(True), gen)
+        with pytest.raises(AssertionError, match="exceed the bound"):
+            check_against_oracle(model, rec, Float8BlockConfig())
+    finally:
+        undo()
+
+
+class _HookWeight(torch.nn.Parameter):
+    """Stand-in for the FSDP2 weight: hands out a prequantized BlockTensor."""
+
+    calls = []
+
+    def fp8blk_block_tensor(self, rowwise, columnwise):
+        type(self).calls.append((rowwise, columnwise))
+        return fb.quantize(self.detach(), fb.Block2D(), rowwise, columnwise)
+
+
+def test_weight_hook_is_used_and_gets_the_gradient(gen):
+    lin = Float8BlockLinear(256, 128, bias=False)
+    plain = copy.deepcopy(lin)
+    lin.weight = _HookWeight(lin.weight.detach().clone())
+    x = spread((64, 256), gen)
+    y1, y2 = lin(x), plain(x)
+    assert _HookWeight.calls == [(True, False)]
+    assert torch.equal(y1, y2)
+    y1.sum().backward()
+    y2.sum().backward()
+    assert torch.equal(lin.weight.grad, plain.weight.grad)
+
+
+def test_converter_filter_and_in_place():
+    model = FeedForward(256, 384)
+    w = model.w1.weight
+    out = convert_to_float8_block(model, module_filter_fn=lambda m, fqn: fqn != "out_proj")
+    assert out is model and isinstance(model.w1, Float8BlockLinear)
+    assert model.w1.weight is w and type(model.out_proj) is torch.nn.Linear
+    with pytest.raises(TypeError, match="in place"):
+        convert_to_float8_block(torch.nn.Linear(4, 4))
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+def _operands(m=64, k=256, n=128):
+    qx = fb.quantize(torch.randn(m, k), fb.Block1D())
+    qw = fb.quantize(torch.randn(n, k), fb.Block2D())
+    f8 = torch.float8_e4m3fn
+    return [qx.rowwise_data.view(f8), qx.rowwise_scale_inv, qw.rowwise_data.view(f8),
+            qw.rowwise_scale_inv]
+
+
+def test_scaled_mm_matches_oracle_and_rejects_bad_layouts():
+    a, sa, b, sb = _operands()
+    out = blockwise_scaled_mm(a, sa, b, sb, "1x128", "128x128", torch.float32)
+    assert out.shape == (64, 128)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        blockwise_scaled_mm(a.view(torch.uint8), sa, b, sb, "1x128", "128x128")
+    with pytest.raises(ValueError, match="row-major"):
+        blockwise_scaled_mm(a.t(), sa, b, sb, "1x128", "128x128")
+    with pytest.raises(ValueError, match=r"a_scale_inv .*Block1D rowwise scale layout"):
+        blockwise_scaled_mm(a, sa.t().contiguous(), b, sb, "1x128", "128x128")
+    with pytest.raises(ValueError, match=r"b_scale_inv for 1x128 .*Block1D rowwise scale layout: contiguous torch.float32\(2, 128\)"):
+        blockwise_scaled_mm(a, sa, b, sb, "1x128", "1x128")
+    with pytest.raises(ValueError, match="share K"):
+        blockwise_scaled_mm(a, sa, b[:, :128].contiguous(), sb, "1x128", "128x128")
+    with pytest.raises(TypeError, match="out_dtype"):
+        blockwise_scaled_mm(a, sa, b, sb, "1x128", "128x128", torch.int32)
+    with pytest.raises(ValueError, match="a_blocks"):
+        blockwise_scaled_mm(a, sa, b, sb, "1x64", "128x128")
+
+
+def test_bad_features_dtypes_and_configs():
+    with pytest.raises(ValueError, match="multiples of 32"):
+        Float8BlockLinear(100, 64, config=Float8BlockConfig.mxfp8())
+    with pytest.raises(ValueError, match="MXFP8 must be used"):
+        Float8BlockConfig(weight=fb.MXFP8())
+    with pytest.raises(TypeError, match="weight must be fp8blk.Block2D"):
+        Float8BlockConfig(weight=fb.Block1D())
+    lin = Float8BlockLinear(128, 64)
+    with pytest.raises(TypeError, match="input dtype"):
+        lin(torch.randn(4, 128, dtype=torch.float64))
+    with pytest.raises(ValueError, match="features"):
+        lin(torch.randn(4, 64))
+    with pytest.raises(TypeError, match="weight dtype"):
+        linear_mod.float8_block_linear(torch.randn(4, 128), torch.randn(64, 128).double())
+
+
+def test_autocast_output_dtype_and_grads(gen):
+    # fp32 parameters under bf16 autocast: bf16 output (as F.linear), fp32 dx and dW
+    lin = Float8BlockLinear(256, 128)
+    x = spread((64, 256), gen).requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lin(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and lin.weight.grad.dtype == torch.float32
+    # the same FP8 math: the GEMM's fp32 result rounded to bf16, the bias rounded to bf16, their
+    # sum rounded to bf16: within 2^-8 (|mm| + |bias| + |y|) of the fp32 layer's output
+    with torch.no_grad():
+        ref = Float8BlockLinear.from_linear(lin)(x.detach()).double()
+        b = lin.bias.double()
+    bound = 2.0 ** -8 * ((ref - b).abs() + b.abs() + ref.abs())
+    assert bool(((y.double() - ref).abs() <= bound).all())

@@ -1,0 +1,92 @@
+"""GPU checks of fp8blk.torch (``python3 -m pytest -m gpu tests/torch``; skipped without CUDA):
+``torch._scaled_mm`` on fp8blk's buffers against the float64 product of the dequantized
+operands at aligned and unaligned
+shapes (K % 128 != 0, rows % 4 != 0, N % 16 != 0, K-block counts not a multiple of 4), the
+whole layer against the oracle, and torch.compile fullgraph on the GPU.
+
+GPU tolerance (derived): cuBLAS's blockwise FP8 GEMM accumulates each 128-long K block in the
+tensor cores (about 14 mantissa bits retained, DeepSeek-V3 report sec. 3.3.2) and promotes the
+block sums to fp32 with the scales applied. Per element |err| <= (128 * 2^-14 + K * 2^-24)
+sum|a b| <= 2^-6 sum|a b| for K <= 2^17; plus the output rounding (2^-8 |y| for bf16)."""
+import pytest
+import torch
+
+import fp8blk as fb
+from fp8blk.torch import Float8BlockConfig, blockwise_scaled_mm, convert_to_float8_block
+from fp8blk.torch.scaled_mm import _dequant
+
+from ._parity import FeedForward, Recorder, assert_within, check_against_oracle, spread
+
+pytestmark = pytest.mark.gpu
+GPU_REL = 2.0 ** -6
+F8 = torch.float8_e4m3fn
+
+
+def _ops(m, k, n, gen, b_blocks):
+    x = spread((m, k), gen)
+    qx = fb.quantize(x.cuda(), fb.Block1D(), rowwise=True, columnwise=False)
+    if b_blocks == "128x128":
+        qb = fb.quantize(spread((n, k), gen).cuda(), fb.Block2D())
+    else:
+        qb = fb.quantize(spread((n, k), gen).cuda(), fb.Block1D())
+    return (qx.rowwise_data.view(F8), qx.rowwise_scale_inv, qb.rowwise_data.view(F8),
+            qb.rowwise_scale_inv, "1x128", b_blocks)
+
+
+@pytest.mark.parametrize("b_blocks", ["128x128", "1x128"])
+@pytest.mark.parametrize("mkn", [(256, 512, 256), (4096, 4096, 4096), (100, 384, 72),
+                                 (130, 200, 257), (512, 640, 384), (1, 128, 16)])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_cuda_scaled_mm_matches_emulation(mkn, b_blocks, out_dtype, rng):
+    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+    ops = _ops(*mkn, gen, b_blocks)
+    got = blockwise_scaled_mm(*ops, out_dtype=out_dtype)
+    # the exact value from the same FP8 operands (dequantized by the emulation's code, which
+    # the CPU tests check against fp8blk's NumPy reference), in float64 on the GPU
+    a, b = _dequant(ops[0], ops[1], ops[4]).double(), _dequant(ops[2], ops[3], ops[5]).double()
+    want = a @ b.T
+    bound = GPU_REL * (a.abs() @ b.abs().T)
+    if out_dtype == torch.bfloat16:
+        bound = bound + 2.0 ** -8 * want.abs()
+    assert_within(got, want, bound, f"cuda {mkn} {b_blocks} {out_dtype}")
+
+
+def test_ffn_on_gpu_against_oracle(rng):
+    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+    model = FeedForward(384, 640).cuda()
+    convert_to_float8_block(model)
+    rec = Recorder(model)
+    x = spread((3, 100, 384), gen).cuda().requires_grad_(True)
+    y = model(x)
+    (y * spread(y.shape, gen).cuda()).sum().backward()
+    # reuse the CPU oracle with the GPU bound: scale the fp32 bound by GPU_REL / (K u)
+    import tests.torch._parity as parity
+    orig = parity.U32
+    parity.U32 = GPU_REL / 128             # gamma_K >= GPU_REL for every K >= 128 here
+    try:
+        rec.data = {k: {n: (v.cpu() if v is not None else None) for n, v in d.items()}
+                    for k, d in rec.data.items()}
+        model.cpu()
+        check_against_oracle(model, rec, Float8BlockConfig())
+    finally:
+        parity.U32 = orig
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_fullgraph_on_gpu(backend, rng):
+    # aot_eager: the whole FFN equals eager bit for bit. inductor: one bf16 layer with bias
+    # (inductor fuses pointwise ops around layers and skips intermediate roundings, which can
+    # flip a later FP8 rounding: a difference that is not the layer's)
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+    if backend == "aot_eager":
+        model = FeedForward(256, 384).cuda()
+        x = spread((2, 128, 256), gen).cuda()
+    else:
+        model = torch.nn.Sequential(torch.nn.Linear(256, 384, dtype=torch.bfloat16)).cuda()
+        x = spread((2, 128, 256), gen, torch.bfloat16).cuda()
+    convert_to_float8_block(model)
+    with torch.no_grad():
+        eager = model(x)
+        compiled = torch.compile(model, fullgraph=True, backend=backend)(x)
+    assert torch.equal(eager, compiled)

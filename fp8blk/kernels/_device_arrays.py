@@ -230,8 +230,9 @@ class _Sim:
 
     @staticmethod
     def args(arrays, np_dtypes, scalars):
-        first = arrays[0]
-        return tuple([(first if a is None else a).reshape(-1).view(t)
+        # an output a specialization never touches gets a small array of its pointer type
+        # (a view of another array as a wider type fails when its byte size does not divide)
+        return tuple([np.zeros(16, t) if a is None else a.reshape(-1).view(t)
                       for a, t in zip(arrays, np_dtypes)]) + tuple(scalars)
 
     @staticmethod

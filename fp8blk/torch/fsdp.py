@@ -58,6 +58,7 @@ import torch
 from .. import _arrays, master, reference, scaling
 from ..formats import Block2D, MXFP8
 from ..layout import cdiv
+from ._fsdp_state import param_group_of, state_name, usage_for  # noqa: F401 (public here)
 from .weight import (Float8BlockCastWeight, Float8BlockPrimaryWeight, WeightState,
                      _PlaneWeight, on_torch_stream)
 
@@ -211,6 +212,11 @@ class Registry:
             out.append((state, hit[0]))
         return out
 
+    def ensure_cast(self, state):
+        """Mode "cast": see :func:`ensure_cast` (the weights' hooks reach it through their
+        registry: ``weight`` cannot import this module, which imports it)."""
+        ensure_cast(state)
+
     def comm(self, fsdp_param):
         from ..comm import TorchComm
 
@@ -229,44 +235,6 @@ def _registries(model):
             if all(r is not local._state.registry for r in regs):
                 regs.append(local._state.registry)
     return regs
-
-
-def param_group_of(state, module):
-    """FSDP2 parameter group holding the weight of `state` (the hook's `module` owns it).
-    Raises RuntimeError when FSDP state has no parameter group (as TransformerEngine does)."""
-    from torch.distributed._composable_state import _get_module_state
-    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
-
-    st = _get_module_state(module) if module is not None else None
-    if isinstance(st, FSDPState) and st._fsdp_param_group is None:
-        raise RuntimeError(
-            f"FSDP2 state of {type(module).__name__} has no parameter group, so the FP8 "
-            f"weight cannot tell the training state (forward / backward) it is gathered for: "
-            f"call fully_shard on a module that holds the weight's parameters")
-    hit = state.registry.fsdp_of(state) if state.registry is not None else None
-    if hit is None:
-        raise RuntimeError(
-            f"no FSDP2 parameter group holds this FP8 weight ({state.shape}): convert the "
-            f"model with prepare_fsdp_fp8 and then call fully_shard on it")
-    return hit[1]
-
-
-def usage_for(group):
-    """(rowwise, columnwise) the gathered weight must provide, from the group's training
-    state: PRE_BACKWARD -> columnwise (dgrad); forward with reshard_after_forward -> rowwise;
-    forward without resharding -> both (the backward pass reuses this gather). (FSDP runs the
-    hooks under no_grad, so an inference-only forward cannot be told apart here.)"""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-
-    if group._training_state == TrainingState.PRE_BACKWARD:
-        return False, True
-    if group._reshard_after_forward:
-        return True, False
-    return True, True
-
-
-def state_name(group) -> str:
-    return group._training_state.name
 
 
 # --------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from .. import _arrays
 from ..formats import Block2D, MXFP8
 from ..layout import all_layouts, cdiv
 from ..tensor import BlockTensor, internal_buffers
+from ._fsdp_state import param_group_of, state_name, usage_for
 
 aten = torch.ops.aten
 
@@ -160,11 +161,9 @@ class _PlaneWeight(torch.Tensor):
         """FSDP2 hook: the uint8 FP8 planes this rank sends (padded to FSDP's chunk rows) and
         metadata (the state, which planes, the usage). Scales do not travel: they are global
         and already on every rank."""
-        from . import fsdp
-
         state = self._state
-        group = fsdp.param_group_of(state, module)
-        rowwise, columnwise = fsdp.usage_for(group)
+        group = param_group_of(state, module)
+        rowwise, columnwise = usage_for(group)
         if isinstance(state.recipe, Block2D):
             planes = ("row",)  # columnwise = FP8 transpose of the gathered rowwise bytes
         else:
@@ -175,7 +174,7 @@ class _PlaneWeight(torch.Tensor):
         local = self._local_bytes(chunk, cols, rank)
         inputs = tuple(local[state.planes.index(p)] for p in planes)
         if state.log_gathers:
-            state.gathers.append({"state": fsdp.state_name(group), "usage": (rowwise, columnwise),
+            state.gathers.append({"state": state_name(group), "usage": (rowwise, columnwise),
                                   "planes": planes, "bytes": sum(t.numel() for t in inputs),
                                   "world": ws, "padded_numel": chunk * cols * ws})
         return inputs, (state, planes, (rowwise, columnwise))
@@ -286,10 +285,8 @@ class Float8BlockCastWeight(_PlaneWeight):
         return self._planes[0]
 
     def _local_bytes(self, chunk, cols, rank):
-        from . import fsdp
-
         state = self._state
-        fsdp.ensure_cast(state)
+        state.registry.ensure_cast(state)
         return tuple(state.frags)
 
 

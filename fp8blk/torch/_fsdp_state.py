@@ -1,0 +1,43 @@
+"""What the FP8 weights' FSDP2 hooks ask of FSDP2's state: the parameter group that holds a
+weight, and the usage (rowwise / columnwise) its training state needs. Uses FSDP2's private
+training-state attributes (torch >= 2.6). Shared by ``weight`` (the hooks) and ``fsdp`` (the
+registry), so neither imports the other for it."""
+from __future__ import annotations
+
+
+def param_group_of(state, module):
+    """FSDP2 parameter group holding the weight of `state` (the hook's `module` owns it).
+    Raises RuntimeError when FSDP state has no parameter group (as TransformerEngine does)."""
+    from torch.distributed._composable_state import _get_module_state
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    st = _get_module_state(module) if module is not None else None
+    if isinstance(st, FSDPState) and st._fsdp_param_group is None:
+        raise RuntimeError(
+            f"FSDP2 state of {type(module).__name__} has no parameter group, so the FP8 "
+            f"weight cannot tell the training state (forward / backward) it is gathered for: "
+            f"call fully_shard on a module that holds the weight's parameters")
+    hit = state.registry.fsdp_of(state) if state.registry is not None else None
+    if hit is None:
+        raise RuntimeError(
+            f"no FSDP2 parameter group holds this FP8 weight ({state.shape}): convert the "
+            f"model with prepare_fsdp_fp8 and then call fully_shard on it")
+    return hit[1]
+
+
+def usage_for(group):
+    """(rowwise, columnwise) the gathered weight must provide, from the group's training
+    state: PRE_BACKWARD -> columnwise (dgrad); forward with reshard_after_forward -> rowwise;
+    forward without resharding -> both (the backward pass reuses this gather). (FSDP runs the
+    hooks under no_grad, so an inference-only forward cannot be told apart here.)"""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    if group._training_state == TrainingState.PRE_BACKWARD:
+        return False, True
+    if group._reshard_after_forward:
+        return True, False
+    return True, True
+
+
+def state_name(group) -> str:
+    return group._training_state.name

@@ -174,8 +174,8 @@ def specialization_rows(cp, reps, inner):
 
 def batch_rows(cp, reps):
     """Launches and time per call for a 4-weight and a 100-weight batch (Block2D with and
-    without columnwise, MXFP8 bidirectional and row-only, in turn; this rank owns a quarter of
-    every weight)."""
+    without columnwise, MXFP8 bidirectional and row-only, in turn; the one rank owns every
+    weight whole)."""
     counters = {"amax": Counter(), "scale": Counter(), "cast": Counter()}
     pa.kernel_for = counting(pa.kernel_for, counters["amax"])
     pc.scale_kernel = counting(pc.scale_kernel, counters["scale"])
@@ -302,7 +302,7 @@ def main():
     print("all-reduce payload per call (16384x6144):", flush=True)
     for k, v in payload.items():
         print(f"  {k:38s} {v:>10d} B", flush=True)
-    print("batches (a quarter of every weight owned, mixed recipes):", flush=True)
+    print("batches (every weight owned whole by the one rank, mixed recipes):", flush=True)
     batches = batch_rows(cp, reps)
     results = {"info": info, "copy": {"bytes": 2 * nbytes, "us": t_copy * 1e6,
                                       "TBps": copy_bw / 1e12},

@@ -16,8 +16,7 @@
 #                 NCCL on every GPU when there are several               (COMM_TIMEOUT)
 #   master        bench/bench_master.py -> master-h200-<date>.json
 #   comm_bench    bench/bench_comm.py, one rank per GPU -> comm-h200xN-<date>.json
-#   host          bench/host_breakdown.py -> host-breakdown-h200-<date>.json, and
-#                 bench/bench_host.py (host cost per call from torch and CuPy) -> host-h200-<date>.json
+#   host          bench/bench_host.py (host cost per call from torch and CuPy) -> host-h200-<date>.json
 #   bench         the same as "master comm_bench" (the old run_gpu_all.sh name)
 # Steps other sessions are adding (skipped, with a note, while their script is absent):
 #   prebuild      python3 -m fp8blk prebuild (compiled-kernel disk cache)
@@ -76,10 +75,7 @@ if has cold_start && ! absent cold_start bench/cold_start.py; then
   step cold_start ${COLD_TIMEOUT:-300} python3 bench/cold_start.py --out "$OUT"
 fi
 if has host; then
-  step host_breakdown 200 python3 bench/host_breakdown.py \
-    --out "$OUT/host-breakdown-h200-$DATE.json"
-  absent host bench/bench_host.py || TAIL=30 step bench_host 200 python3 bench/bench_host.py \
-    --out "$OUT/host-h200-$DATE.json"
+  TAIL=30 step bench_host 200 python3 bench/bench_host.py --out "$OUT/host-h200-$DATE.json"
 fi
 if has ncu_fused && command -v ncu >/dev/null; then
   TAIL=60 step ncu_fused 150 ncu --clock-control none --kernel-name regex:^kernel \

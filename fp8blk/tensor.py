@@ -23,7 +23,11 @@ def internal_buffers(q) -> list:
 def cupy_buffers(q) -> list:
     """``internal_buffers(q)`` with torch CUDA tensors as CuPy views (the same memory), for
     internal code written for CuPy arrays (the master-weight batch). Each view is made once
-    per buffer (a DLPack import costs ~24 us on the GPU) and reused while the buffer is."""
+    per buffer (a DLPack import costs ~24 us on the GPU) and reused while the buffer is.
+    Tensors of another family hold NumPy/CuPy buffers: their list itself comes back (read it,
+    don't modify it), at no cost -- the master-weight path calls this per weight, per call."""
+    if q._family != _arrays.TORCH:
+        return q._buffers
     out = []
     for i, buf in enumerate(q._buffers):
         if buf is None or not _arrays.is_torch(buf):

@@ -47,10 +47,6 @@ def quantize(x, recipe, rowwise: bool = True, columnwise: bool = False) -> Block
                         rowwise=True, columnwise=True)
         q.rowwise_data.shape, q.columnwise_data.shape   # (256, 512), (512, 256)
     """
-    if _TORCH_HOT and _arrays.family_of(x) == _arrays.TORCH:
-        hit = _hot_call(x, recipe, rowwise, columnwise)
-        if hit is not None:
-            return hit
     arr, family, dtype = _arrays.to_internal(x)
     contiguous = arr.is_contiguous() if family == _arrays.TORCH and arr is x \
         else arr.flags.c_contiguous
@@ -62,45 +58,8 @@ def quantize(x, recipe, rowwise: bool = True, columnwise: bool = False) -> Block
                          f"32x1); got (M, K) = ({rows}, {cols}) from shape {tuple(arr.shape)}: "
                          f"pad the tensor or use Block1D")
     x2d = arr if len(shape) == 2 else arr.reshape(rows, cols)  # skip a ~2 us no-op reshape
-    backend = backend_for(arr)
-    buffers = backend.quantize(x2d, recipe, rowwise, columnwise, dtype=dtype)
-    if family == _arrays.TORCH and arr is x:
-        _remember(x, x2d, recipe, rowwise, columnwise, dtype, backend)
+    buffers = backend_for(arr).quantize(x2d, recipe, rowwise, columnwise, dtype=dtype)
     return BlockTensor._wrap(tuple(shape), recipe, list(buffers), dtype, family)
-
-
-# The hot path of torch CUDA inputs. A call signature -- input dtype, shape, device and 16-byte
-# alignment, recipe, directions -- that quantized once went through every check above; a later
-# call with the same signature only needs what varies per tensor (contiguity, a dense layout)
-# checked, outputs allocated and the kernel launched: ~10 us less host time per call.
-_TORCH_HOT = {}  # signature -> (TorchLaunch, logical dtype)
-
-
-def _signature(x, recipe, rowwise, columnwise):
-    return (x.dtype, x.shape, recipe, rowwise, columnwise, x.get_device(),
-            x.data_ptr() % 16 == 0)
-
-
-def _hot_call(x, recipe, rowwise, columnwise):
-    if not (x.is_cuda and x.layout is _arrays.torch_strided() and x.is_contiguous()):
-        return None
-    try:
-        hit = _TORCH_HOT.get(_signature(x, recipe, rowwise, columnwise))
-    except TypeError:  # an unhashable argument: the checks of the full path explain it
-        return None
-    if hit is None:
-        return None
-    launch, dtype = hit
-    return BlockTensor._wrap(tuple(x.shape), recipe, launch.run(x), dtype, _arrays.TORCH)
-
-
-def _remember(x, x2d, recipe, rowwise, columnwise, dtype, backend):
-    make = getattr(backend, "torch_launch", None)
-    launch = None if make is None else make(x2d, recipe, rowwise, columnwise, dtype)
-    if launch is not None:
-        if len(_TORCH_HOT) > 1024:
-            _TORCH_HOT.clear()
-        _TORCH_HOT[_signature(x, recipe, rowwise, columnwise)] = (launch, dtype)
 
 
 def dequantize(q: BlockTensor, dtype=np.float32):

@@ -247,38 +247,6 @@ class _Sim:
 
 
 CUPY, TORCH, SIM = _Cupy, _Torch, _Sim
-class TorchLaunch:
-    """One launch plan bound to torch tensors: ``run(x)`` allocates the outputs on x's device
-    and launches on torch's current stream, with nothing looked up per call (the hot path of
-    repeated calls with the same signature; see ``fp8blk.ops``). Returns the outputs, None for
-    a buffer not produced. `layouts`: [(shape, NumPy dtype) or None] of the outputs; `scalars`
-    the kernel's scalar arguments after the pointers (input, then each output)."""
-
-    __slots__ = ("kernel", "grid", "block", "layouts", "scalars", "index")
-
-    def __init__(self, kernel, grid, block, layouts, scalars, index):
-        dtypes = _TORCH_DTYPES or _torch_dtypes()
-        self.kernel, self.grid, self.block, self.index = kernel, grid, block, index
-        self.layouts = [None if s is None else (s[0], dtypes[np.dtype(s[1])]) for s in layouts]
-        self.scalars = list(scalars)
-
-    def run(self, x):
-        new = x.new_empty
-        out = [None if s is None else new(s[0], dtype=s[1]) for s in self.layouts]
-        p = x.data_ptr()
-        args = [p] + [p if o is None else o.data_ptr() for o in out] + self.scalars
-        index = self.index
-        stream = (_RAW_STREAM or [_raw_stream()])[0](index)
-        if (_cuda or _cupy_cuda())[1].getDevice() == index:
-            raw_launch(self.kernel, self.grid, self.block, args, stream)
-        else:
-            import cupy
-
-            with cupy.cuda.Device(index):
-                raw_launch(self.kernel, self.grid, self.block, args, stream)
-        return out
-
-
 _BY_TYPE = {np.ndarray: _Sim}
 
 
@@ -300,4 +268,4 @@ def adapter_of(arr):
     return hit
 
 
-__all__ = ["adapter_of", "CUPY", "TORCH", "SIM", "TorchLaunch"]
+__all__ = ["adapter_of", "CUPY", "TORCH", "SIM"]

@@ -17,7 +17,7 @@ from ..formats import Block1D, Block2D, E4M3, MXFP8
 from ..layout import buffer_layouts
 from . import _compiled
 from . import _specs as sp
-from ._device_arrays import TORCH, TorchLaunch, adapter_of
+from ._device_arrays import adapter_of
 from ._host import SIM, cached_plan, kind_of, round_up, scalars
 
 _RECIPE_KIND = {Block1D: sp.BLOCK1D, Block2D: sp.BLOCK2D, MXFP8: sp.MXFP8}
@@ -93,23 +93,6 @@ class _Plan:
 
 
 _plans = {}
-
-
-def torch_launch(x2d, recipe, rowwise=True, columnwise=False, dtype=None):
-    """The :class:`~fp8blk.kernels._device_arrays.TorchLaunch` of a quantize of torch CUDA
-    tensors like `x2d` (same shape, dtype, device and 16-byte alignment), with the arguments
-    of :func:`quantize`: ``launch.run(x2d)`` then does what ``quantize(x2d, ...)`` does, for
-    the caller to cache (``fp8blk.ops`` keeps one per call signature). None when the call has
-    no kernel launch (empty input) or the input is not a torch CUDA tensor."""
-    ad = adapter_of(x2d)
-    rows, cols = x2d.shape
-    if ad is not TORCH or rows == 0 or cols == 0:
-        return None
-    kind = kind_of(ad.dtype(x2d), dtype)
-    vec = cols % sp.ELEMS_PER_CHUNK[kind] == 0 and ad.ptr(x2d) % 16 == 0
-    index = ad.device(x2d)
-    plan = _plan_for(recipe, kind, rows, cols, rowwise, columnwise, vec, index)
-    return TorchLaunch(plan.kernel, plan.grid, plan.block, plan.shapes, plan.scalars, index)
 
 
 def _check_out(ad, out, shapes):

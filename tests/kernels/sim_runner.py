@@ -12,6 +12,11 @@ import traceback
 import warnings
 
 assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run with NUMBA_ENABLE_CUDASIM=1"
+# The simulator runs a block's 256 threads as Python threads, and its manager thread polls
+# them in a busy loop. With Python's default 5 ms switch interval a case can stall for
+# minutes (seen: a 256-thread Block2D case taking 3 s or >100 s on the same data, 3 runs in
+# 4 over 100 s); with 10 ms it took 3.7-4.5 s in 7 runs of 7 (50 ms: 9-11 s).
+sys.setswitchinterval(0.01)
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 

@@ -12,6 +12,7 @@ import threading
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
     raise SystemExit("set NUMBA_ENABLE_CUDASIM=1 before running this script")
+sys.setswitchinterval(0.01)  # the simulator's busy manager thread stalls blocks at 5 ms (sim_runner)
 
 import numpy as np  # noqa: E402
 

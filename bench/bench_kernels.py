@@ -231,56 +231,11 @@ def bench_variants(copy_bps, shape=(16384, 16384)):
 
 
 def torch_formulas():
-    import torch
+    """The torch formulas of ``fp8blk._bench`` (one copy for both benchmarks), without its
+    fused ``b1d_both``: this table compares torch.compile with single directions."""
+    from fp8blk._bench import torch_formulas as formulas
 
-    f8 = torch.float8_e4m3fn
-    POW2_MASK = -8388608  # 0xFF800000 as int32
-
-    def scale_from_amax(amax):
-        scale = torch.where(amax == 0, torch.ones_like(amax), 448.0 / amax)
-        scale = torch.where(torch.isinf(scale), torch.full_like(scale, 3.3895313892515355e38),
-                            scale)
-        return (scale.view(torch.int32) & POW2_MASK).view(torch.float32)
-
-    def b1d_row(x):
-        m, k = x.shape
-        xf = x.float().reshape(m, k // 128, 128)
-        scale = scale_from_amax(xf.abs().amax(dim=-1, keepdim=True))
-        y = (xf * scale).clamp(-448.0, 448.0).to(f8).reshape(m, k)
-        return y, (1.0 / scale).reshape(m, k // 128).t().contiguous()
-
-    def b1d_col(x):
-        return b1d_row(x.t())
-
-    def b2d_row(x):
-        m, k = x.shape
-        xf = x.float().reshape(m // 128, 128, k // 128, 128)
-        scale = scale_from_amax(xf.abs().amax(dim=(1, 3), keepdim=True))
-        y = (xf * scale).clamp(-448.0, 448.0).to(f8).reshape(m, k)
-        return y, (1.0 / scale).reshape(m // 128, k // 128)
-
-    def b2d_both(x):
-        y, s = b2d_row(x)
-        return y, s, y.t().contiguous(), s.t().contiguous()
-
-    def mx_row(x):
-        m, k = x.shape
-        xf = x.float().reshape(m, k // 32, 32)
-        v = xf.abs().amax(dim=-1, keepdim=True) * (1.0 / 448.0)
-        bits = v.view(torch.int32)
-        e = (bits >> 23) & 0xFF
-        mant = bits & 0x7FFFFF
-        up = (mant > 0) & (e != 0xFE) & ~((e == 0) & (mant <= 0x400000))
-        code = torch.where(v == 0, torch.zeros_like(e), e + up.to(torch.int32))
-        mult = torch.where(code == 0, torch.ones_like(v), ((254 - code) << 23).view(torch.float32))
-        y = (xf * mult).clamp(-448.0, 448.0).to(f8).reshape(m, k)
-        return y, code.to(torch.uint8).reshape(m, k // 32)
-
-    def transpose(d):
-        return d.t().contiguous()
-
-    return {"b1d_row": b1d_row, "b1d_col": b1d_col, "b2d_row": b2d_row, "b2d_both": b2d_both,
-            "mx_row": mx_row, "b2d_transpose": transpose}
+    return {k: v for k, v in formulas().items() if k != "b1d_both"}
 
 
 def bench_peers(shape, copy_bps, ours):

@@ -71,8 +71,8 @@ def raw_launch(kernel, grid, block, args, stream_ptr):
                         0, stream_ptr, params.address, 0)
 
 
-class _Cupy:
-    name = "cupy"
+class _NumpyLike:
+    """What CuPy and NumPy arrays answer alike (NumPy's array interface)."""
 
     @staticmethod
     def dtype(arr):
@@ -81,6 +81,17 @@ class _Cupy:
     @staticmethod
     def contiguous(arr):
         return arr.flags.c_contiguous
+
+    @staticmethod
+    def launch(kernel, grid, block, args, like):
+        # The compiled kernel's own call: on the GPU CuPy's Function (a Cython call converting
+        # CuPy arrays to pointers, on CuPy's current stream: as fast as the raw launch and no
+        # stream lookup), under the simulator the simulated kernel.
+        kernel(grid, block, args)
+
+
+class _Cupy(_NumpyLike):
+    name = "cupy"
 
     @staticmethod
     def ptr(arr):
@@ -119,11 +130,6 @@ class _Cupy:
         return tuple([None if s is None else cupy.ndarray(s[0], s[1], memptr=mem + o if o else mem)
                       for s, o in zip(layouts, offsets)])
 
-    @staticmethod
-    def launch(kernel, grid, block, args, like):
-        # CuPy's own launch (a Cython call converting CuPy arrays to pointers, on CuPy's
-        # current stream) is as fast as the raw one here and needs no stream lookup
-        kernel(grid, block, args)
 
 
 class _Torch:
@@ -201,16 +207,8 @@ def _raw_stream():
     return _RAW_STREAM[0]
 
 
-class _Sim:
+class _Sim(_NumpyLike):
     name = "numpy"
-
-    @staticmethod
-    def dtype(arr):
-        return arr.dtype
-
-    @staticmethod
-    def contiguous(arr):
-        return arr.flags.c_contiguous
 
     @staticmethod
     def ptr(arr):
@@ -241,9 +239,6 @@ class _Sim:
         return tuple([None if s is None else np.ndarray(s[0], s[1], buffer=base, offset=o)
                       for s, o in zip(layouts, offsets)])
 
-    @staticmethod
-    def launch(kernel, grid, block, args, like):
-        kernel(grid, block, args)
 
 
 CUPY, TORCH, SIM = _Cupy, _Torch, _Sim

@@ -207,6 +207,10 @@ def main(argv=None):
         say(f"  {'ok  ' if ok else 'FAIL'} {what}")
     ok = all(checks.values())
     say("checks: " + ("PASSED" if ok else "FAILED"))
+    # every rank done with its collectives before any tears its groups down (a rank exiting
+    # while gloo work of another is in flight aborted once: "terminate called without an
+    # active exception" after PASSED)
+    dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1
 

@@ -317,7 +317,8 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--cases", default="bf16,primary,cast")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--out", default=None, help="JSON output path (rank 0 writes it)")
+    p.add_argument("--out", default=None, help="JSON output path, or a folder to write "
+                   "fsdp-h200x<world>-<date>[-tokens<T>].json in (rank 0 writes it)")
     args = p.parse_args()
     cuda = args.device == "cuda"
     if cuda:  # before the process group, so NCCL binds each rank to its own GPU
@@ -348,8 +349,13 @@ def main():
         text = json.dumps(report, indent=1)
         print(text)
         if args.out:
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
+            path = args.out
+            if os.path.isdir(path) or path.endswith(os.sep):  # a folder: the standard name
+                suffix = "" if args.tokens == 8192 else f"-tokens{args.tokens}"
+                path = os.path.join(path, f"fsdp-h200x{world}-{time.strftime('%Y-%m-%d')}"
+                                          f"{suffix}.json")
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(path, "w") as f:
                 f.write(text + "\n")
     dist.barrier()
     dist.destroy_process_group()

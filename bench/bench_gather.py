@@ -127,6 +127,31 @@ def host_only(world, fn, calls=200):
     return world.max(statistics.median(samples))
 
 
+def profile(world, fn, calls, path):
+    """cProfile of `calls` back-to-back calls (synchronized every 10, like measure); the
+    top functions by own time and by cumulative time go to `path`."""
+    import cProfile
+    import io
+    import pstats
+
+    world.barrier()
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(calls):
+        fn()
+        if i % 10 == 9:
+            torch.cuda.synchronize()
+    prof.disable()
+    world.barrier()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(40)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as handle:
+        handle.write(text.getvalue())
+
+
 def equal_bytes(a, b):
     if a is None or b is None:
         return a is None and b is None
@@ -187,6 +212,9 @@ def main():
     parser.add_argument("--mib", default="1,16,64,256")
     parser.add_argument("--out", default=".")
     parser.add_argument("--no-breakdown", action="store_true")
+    parser.add_argument("--profile", type=int, default=0, metavar="CALLS",
+                        help="also run CALLS back-to-back calls of each case under cProfile on "
+                             "every rank; OUT/gather-profile-<comm>-<case>-<mib>mib-r<rank>.txt")
     args = parser.parse_args()
     world = World(args.comm)
     comm, n, me = world.comm, world.size, world.rank
@@ -244,6 +272,9 @@ def main():
                 call = lambda: fb.comm.gather_along_first_dim(  # noqa: E731
                     x, comm, recipe, rowwise, columnwise, sizes=case_sizes, out=out)
                 gpu, host = measure(world, call)
+                if args.profile:
+                    profile(world, call, args.profile, os.path.join(
+                        args.out, f"gather-profile-{args.comm}-{name}-{mib}mib-r{me}.txt"))
                 comm.reset_stats()
                 call()
                 row = dict(base, case=name, path=path, exact=exact, gpu_us=gpu, host_us=host,
@@ -264,13 +295,15 @@ def main():
         cupy.get_default_memory_pool().free_all_blocks()
 
     if me == 0:
+        from cupy.cuda import nccl as cupy_nccl  # not a cupy.cuda attribute until imported
+
         name = torch.cuda.get_device_name(0)
         record = {"machine": f"{n}x {name}", "date": datetime.datetime.now(
                       datetime.timezone.utc).isoformat(timespec="seconds"),
                   "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
                   "comm": args.comm, "ranks": n, "host": platform.node(),
                   "versions": {"torch": torch.__version__, "cupy": cupy.__version__,
-                               "nccl": cupy.cuda.nccl.get_version()},
+                               "nccl": cupy_nccl.get_version()},
                   "results": results}
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, f"gather-{args.comm}-h200x{n}-"

@@ -24,6 +24,10 @@
 #   gather        bench/bench_gather.py, one rank per GPU (name to be confirmed)
 #   linear        bench/bench_linear.py
 #   fsdp          bench/bench_fsdp.py
+#   gather_torch  bench/bench_gather.py --comm torch under torchrun, one rank per GPU
+#   multirank     the comm suites with one rank per GPU: NCCLComm (mpiexec), TorchComm (torchrun)
+#   tp            tests/torch/scripts/tp_parity.py on NCCL, one rank per GPU
+#   examples      weights_pipeline / train_fsdp2 / tensor_parallel --large, one rank per GPU
 #
 # The old drivers map to: bench/run_h200.sh      = STEPS="kernel_tests kernels"
 #                                                  (PROFILE=1: + ncu_fused)
@@ -100,13 +104,40 @@ if has comm_bench || has bench; then
 fi
 if has gather && ! absent gather bench/bench_gather.py; then
   step bench_gather_$NGPU ${GATHER_TIMEOUT:-300} $MPIEXEC -n $NGPU $PY -m mpi4py \
-    bench/bench_gather.py --out "$OUT"
+    bench/bench_gather.py --out "$OUT" $GATHER_ARGS
+fi
+if has gather_torch; then
+  step bench_gather_torch_$NGPU ${GATHER_TIMEOUT:-300} torchrun --standalone --nproc-per-node $NGPU \
+    bench/bench_gather.py --comm torch --out "$OUT" $GATHER_ARGS
+fi
+if has multirank; then  # the N-rank comm suites on NCCL: NCCLComm and TorchComm, one GPU per rank
+  step comm_nccl_$NGPU ${MULTIRANK_TIMEOUT:-200} $MPIEXEC -n $NGPU $PY -m mpi4py \
+    tests/comm/mpi_scripts/comm_suite.py nccl
+  step comm_torch_nccl_$NGPU ${MULTIRANK_TIMEOUT:-200} torchrun --standalone \
+    --nproc-per-node $NGPU tests/comm/mpi_scripts/torch_suite.py nccl
+fi
+if has tp; then  # tensor / sequence parallelism parity, one GPU per rank, NCCL
+  FP8BLK_TP_DEVICE=cuda step tp_parity_$NGPU ${TP_TIMEOUT:-200} torchrun --standalone \
+    --nproc-per-node $NGPU tests/torch/scripts/tp_parity.py 1 tp tp_nobias sp_fast sp_fallback
+fi
+if has examples; then  # the examples at their GPU sizes, one rank per GPU
+  step ex_weights_$NGPU ${EX_TIMEOUT:-200} $MPIEXEC -n $NGPU -x PYTHONPATH -x NCCL_NVLS_ENABLE \
+    $PY -m mpi4py examples/weights_pipeline.py --large
+  step ex_fsdp2_$NGPU ${EX_TIMEOUT:-200} torchrun --standalone --nproc-per-node $NGPU \
+    examples/train_fsdp2.py --large $FSDP2_EX_ARGS
+  step ex_tp_$NGPU ${EX_TIMEOUT:-200} torchrun --standalone --nproc-per-node $NGPU \
+    examples/tensor_parallel.py --large
 fi
 if has linear && ! absent linear bench/bench_linear.py; then
   step bench_linear ${LINEAR_TIMEOUT:-300} python3 bench/bench_linear.py --out "$OUT"
 fi
 if has fsdp && ! absent fsdp bench/bench_fsdp.py; then
-  step bench_fsdp_$NGPU ${FSDP_TIMEOUT:-300} torchrun --standalone --nproc-per-node $NGPU \
-    bench/bench_fsdp.py --out "$OUT"
+  for tokens in ${FSDP_TOKENS:-8192}; do
+    step bench_fsdp_${NGPU}_$tokens ${FSDP_TIMEOUT:-300} torchrun --standalone \
+      --nproc-per-node $NGPU bench/bench_fsdp.py --tokens $tokens --out "$OUT/"
+  done
+fi
+if [ -n "$TARBALL" ]; then  # the device tool returns at most 8 files: logs in one tarball
+  (cd "$OUT" && tar czf logs.tgz --remove-files $(ls *.log *.txt 2>/dev/null))
 fi
 exit 0

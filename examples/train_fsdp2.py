@@ -20,8 +20,8 @@ target is a fixed random function of the token):
 
 Prints a progress bar, then per model the loss at the start and the end, tokens/s (all
 ranks), and the bytes each rank sent in weight all-gathers. Checks (exit 1 on failure): both
-losses fall well below their start, the FP8 loss ends within 10% of the bf16 loss (a sanity
-bound for a short run: FP8's per-element rounding is ~2^-4 relative, bf16's 2^-8; the losses
+losses fall well below their start, the FP8 loss ends within 10% of the bf16 loss plus 1% of
+the starting loss (a sanity bound for a short run: FP8's per-element rounding is ~2^-4 relative, bf16's 2^-8; the losses
 of this synthetic task differ by a few percent), and the FP8 gathers sent half the bytes of
 bf16 ones.
 """
@@ -46,14 +46,21 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--tokens", type=int, default=256, help="tokens per rank per step")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--steps", type=int, default=None, help="default 20 (--large: 60)")
+    p.add_argument("--lr", type=float, default=None, help="default 3e-3 (--large: 5e-4)")
     p.add_argument("--large", action="store_true",
                    help="GPU sizes: D=2048, F=8192, 4 layers, vocab 2048, 8192 tokens per rank")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.large:
         args.d_model, args.d_ff, args.layers, args.vocab, args.tokens = 2048, 8192, 4, 2048, 8192
+    # Adam moves every weight by ~lr per step: at width 2048 (init std 0.022) 3e-3 is a 14%
+    # step and the bf16 run diverged on the H200 (loss 7.8 -> 8.9 after 10 steps); 5e-4 learns
+    # the task (both losses < 1e-3 after 60 steps)
+    if args.lr is None:
+        args.lr = 5e-4 if args.large else 3e-3
+    if args.steps is None:
+        args.steps = 60 if args.large else 20
     return args
 
 
@@ -200,7 +207,9 @@ def main(argv=None):
     (l16, _, b16), (l8, _, b8) = results["bf16"], results["FP8"]
     checks = {
         "both losses fell below half their start": l16[-1] < 0.5 * l16[0] and l8[-1] < 0.5 * l8[0],
-        "FP8 loss within 10% of bf16": abs(l8[-1] - l16[-1]) <= 0.1 * l16[-1],
+        # (+1% of the start: once both have learned the task their losses are ~0 and a
+        # relative comparison of two tiny numbers means nothing)
+        "FP8 loss within 10% of bf16": abs(l8[-1] - l16[-1]) <= 0.1 * l16[-1] + 0.01 * l16[0],
         "FP8 weight gathers sent half of bf16's bytes": 2 * b8 == b16,
     }
     for what, ok in checks.items():

@@ -298,6 +298,7 @@ class Plan:
         self.direct = comm_size == 1 and self.kind == 0  # the local quantize is the output
         self.needs_fix_up = not self.direct or self.derive_columnwise
         self.checked_out = None  # (out, its buffers) last validated as this plan's out=
+        self.prepared = None     # gather._Prepared: views and items for the last targets
 
     # -- the path ------------------------------------------------------------------------
     def _aligned(self, block):

@@ -437,56 +437,122 @@ def _fast(comm, src, plan, out, async_op, stream):
     # one rank, synchronous, current stream: everything is plain stream-ordered launches
     quiet = plan.direct and stream is None and not async_op
     streams = None if quiet else _streams_for(ops, stream)
-    quantized, rank = plan.quantized, plan.rank
-    items, stagings = [], {}
+    quantized = plan.quantized
     if plan.direct:  # one rank: the output IS the local quantize
         if src.m:
             quantize_into(_local_x2d(src, plan, ops), plan.recipe, plan.row_q, plan.col_q,
                           src.dtype, [t if q else None for t, q in zip(targets, quantized)])
+        items = []
+        post = _nothing if not plan.needs_fix_up else (
+            lambda: _fix_up(plan, targets, {}, ops, True))
     else:
-        sends = _block_sends(src, plan) if src.kind == 1 else None
-        local_out = [None] * 4
-        for part in plan.parts:
-            counts, mine, displ = part.counts, part.counts[rank], part.displs[rank]
-            if part.mode == SLOT:
-                recv = ops.flat_bytes(targets[part.index])[: part.total]
-            else:
-                recv = stagings[part.index] = ops.empty(part.total, U8)
-            if sends is not None:
-                items.append((ops.flat_bytes(sends[part.index])[:mine], recv, counts))
-                continue
-            layout = part.local_layout
-            in_place = layout.nbytes == mine and mine and (
-                not ops.device or (ops.ptr(recv) + displ) % 16 == 0)
-            if in_place:  # quantize straight into this rank's slot of what is gathered
-                local = ops.window(recv, displ, layout.shape, part.strides, layout.dtype)
-            else:
-                local = ops.empty(layout.shape, layout.dtype)
-            local_out[part.index] = local
-            items.append((None if in_place else ops.flat_bytes(local)[:mine], recv, counts))
-        if sends is None and src.m:
+        prepared = _prepared(plan, src, targets, ops, streams, out is not None)
+        items = prepared.items
+        if src.kind == 0 and src.m:
             quantize_into(_local_x2d(src, plan, ops), plan.recipe, plan.row_q, plan.col_q,
-                          src.dtype, [b if q else None for b, q in zip(local_out, quantized)])
+                          src.dtype, prepared.local_out)
+        post = prepared.post
     comm._record("all_gather_v", plan.sent_bytes())
-    if plan.needs_fix_up:
-        def post():
-            _fix_up(plan, targets, stagings, ops, plan.direct)
-    else:
-        post = _nothing
     handle = _run(comm, items, post, ops, streams, async_op, result)
     return result, handle
+
+
+class _Prepared:
+    """What a multi-rank fast gather does with one set of output buffers, built once: the
+    windows the local quantize writes (this rank's slots), the collective's items, the
+    staging buffers and the fix-up's views. Reused while the same output buffers come back
+    (``out=``) on the same stream: the steady state then builds no views and allocates
+    nothing (each view costs a few microseconds of host time)."""
+
+
+    __slots__ = ("targets", "stream", "local_out", "items", "post")
+
+    def matches(self, targets, stream):
+        if stream != self.stream:
+            return False
+        for a, b in zip(targets, self.targets):
+            if a is not b:
+                return False
+        return True
+
+
+def _prepared(plan, src, targets, ops, streams, reusable):
+    stream = None if streams is None else streams.ptr
+    cached = plan.prepared
+    if cached is not None and src.kind == 0 and cached.matches(targets, stream):
+        return cached
+    rank = plan.rank
+    items, stagings = [], {}
+    sends = _block_sends(src, plan) if src.kind == 1 else None
+    local_out = [None] * 4
+    for part in plan.parts:
+        counts, mine, displ = part.counts, part.counts[rank], part.displs[rank]
+        if part.mode == SLOT:
+            recv = ops.flat_bytes(targets[part.index])[: part.total]
+        else:
+            recv = stagings[part.index] = ops.empty(part.total, U8)
+        if sends is not None:
+            items.append((ops.flat_bytes(sends[part.index])[:mine], recv, counts))
+            continue
+        layout = part.local_layout
+        in_place = layout.nbytes == mine and mine and (
+            not ops.device or (ops.ptr(recv) + displ) % 16 == 0)
+        if in_place:  # quantize straight into this rank's slot of what is gathered
+            local = ops.window(recv, displ, layout.shape, part.strides, layout.dtype)
+        else:
+            local = ops.empty(layout.shape, layout.dtype)
+        local_out[part.index] = local
+        items.append((None if in_place else ops.flat_bytes(local)[:mine], recv, counts))
+    prepared = _Prepared()
+    prepared.targets, prepared.stream = list(targets), stream
+    prepared.local_out = [b if q else None for b, q in zip(local_out, plan.quantized)]
+    prepared.items = items
+    if plan.needs_fix_up:
+        steps = _fix_up_steps(plan, targets, stagings, ops)
+        derive = plan.derive_columnwise
+
+        def post():
+            for dst, value in steps:
+                if isinstance(value, (int, float)):
+                    ops.fill(dst, value)
+                else:
+                    ops.copy(dst, value)
+            if derive:
+                backend_for(targets[0]).block2d_columnwise_from_rowwise(
+                    targets[0], targets[1], out=(targets[2], targets[3]))
+        prepared.post = post
+    else:
+        prepared.post = _nothing
+    # Kept for out= only: without it every call's targets are new, and keeping them would
+    # hold the last result's memory. While kept, the plan holds out's buffers and the staging
+    # (reusing the staging is as safe as reusing out: device calls are ordered on the stream;
+    # a host backend's asynchronous call must be waited for before out is passed again).
+    if reusable and src.kind == 0:
+        plan.prepared = prepared
+    return prepared
 
 
 def _fix_up(plan, targets, stagings, ops, direct):
     """Put the staged parts in place, write the scale padding, derive Block2D columnwise
     (``direct``: the local quantize wrote the whole output; only the derivation is left)."""
-    if direct:
-        if plan.derive_columnwise and plan.M:
-            backend_for(targets[0]).block2d_columnwise_from_rowwise(
-                targets[0], targets[1], out=(targets[2], targets[3]))
-        return
+    if not direct:
+        for dst, value in _fix_up_steps(plan, targets, stagings, ops):
+            if isinstance(value, (int, float)):
+                ops.fill(dst, value)
+            else:
+                ops.copy(dst, value)
+    if plan.derive_columnwise and (plan.M or not direct):
+        backend_for(targets[0]).block2d_columnwise_from_rowwise(
+            targets[0], targets[1], out=(targets[2], targets[3]))
+
+
+def _fix_up_steps(plan, targets, stagings, ops):
+    """[(destination view, source view or fill value)]: the staged parts moved into place
+    (the Block1D rowwise scales (cdiv(K,128), round4(M)) whose columns are the ranks' rows;
+    Block1D columnwise data (K, M)), then the scale padding."""
     ms, offsets, K, M, size = plan.ms, plan.offsets, plan.K, plan.M, plan.size
     equal = size > 1 and all(m == ms[0] for m in ms) and ms[0] > 0
+    steps = []
     for part in plan.parts:
         if part.mode != STAGED:
             continue
@@ -495,31 +561,29 @@ def _fix_up(plan, targets, stagings, ops, direct):
             kb, width, dtype = cdiv(K, 128), round_up(M, 4), np.float32
             if equal:
                 m, w = ms[0], round_up(ms[0], 4)
-                ops.copy(ops.window(flat, 0, (kb, size, m), (width, m, 1), dtype),
-                         ops.window(staging, 0, (kb, size, m), (w, kb * w, 1), dtype))
+                steps.append((ops.window(flat, 0, (kb, size, m), (width, m, 1), dtype),
+                              ops.window(staging, 0, (kb, size, m), (w, kb * w, 1), dtype)))
                 continue
             for r, (m, o) in enumerate(zip(ms, offsets)):
                 if m:
-                    ops.copy(ops.window(flat, o * 4, (kb, m), (width, 1), dtype),
-                             ops.window(staging, part.displs[r], (kb, m),
-                                        (round_up(m, 4), 1), dtype))
+                    steps.append((ops.window(flat, o * 4, (kb, m), (width, 1), dtype),
+                                  ops.window(staging, part.displs[r], (kb, m),
+                                             (round_up(m, 4), 1), dtype)))
         else:  # Block1D columnwise data (K, M): rank r's (K, m) is columns [o, o+m)
             if equal:
                 m = ms[0]
-                ops.copy(ops.window(flat, 0, (K, size, m), (M, m, 1), U8),
-                         ops.window(staging, 0, (K, size, m), (m, K * m, 1), U8))
+                steps.append((ops.window(flat, 0, (K, size, m), (M, m, 1), U8),
+                              ops.window(staging, 0, (K, size, m), (m, K * m, 1), U8)))
                 continue
             for r, (m, o) in enumerate(zip(ms, offsets)):
                 if m:
-                    ops.copy(ops.window(flat, o, (K, m), (M, 1), U8),
-                             ops.window(staging, part.displs[r], (K, m), (m, 1), U8))
+                    steps.append((ops.window(flat, o, (K, m), (M, 1), U8),
+                                  ops.window(staging, part.displs[r], (K, m), (m, 1), U8)))
     for index, offset, shape, strides, value in plan.fills:
         target = targets[index]
-        ops.fill(ops.window(ops.flat_bytes(target), offset, shape, strides, target.dtype),
-                 value)
-    if plan.derive_columnwise:
-        backend_for(targets[0]).block2d_columnwise_from_rowwise(
-            targets[0], targets[1], out=(targets[2], targets[3]))
+        steps.append((ops.window(ops.flat_bytes(target), offset, shape, strides,
+                                 target.dtype), value))
+    return steps
 
 
 def _fallback(comm, src, plan, out, async_op, stream):

@@ -112,6 +112,9 @@ def kernel(family, spec, device=None):
         if k is None:
             e = entry(family, spec, _device_cc(cupy, dev))
             with cupy.cuda.Device(dev):  # a module belongs to the device it is loaded on
+                # bind the primary context even when the runtime already reports `dev` (a
+                # thread that made no runtime call yet, e.g. autograd's worker for GPU 0)
+                cupy.cuda.runtime.setDevice(dev)
                 module = cupy.cuda.function.Module()
                 module.load(e.cubin)
             k = _loaded[(family, spec, dev)] = module.get_function(e.entry)

@@ -181,7 +181,16 @@ class _Torch:
         index = like.get_device()
         stream = _raw_stream()(index)
         if runtime.getDevice() == index:
-            raw_launch(kernel, grid, block, args, stream)
+            try:
+                raw_launch(kernel, grid, block, args, stream)
+            except Exception as exc:
+                if getattr(exc, "status", None) != _INVALID_CONTEXT:
+                    raise
+                # A thread on which no CUDA runtime call made the device's context current:
+                # autograd's worker thread for GPU 0 (torch skips cudaSetDevice when the
+                # runtime already reports device 0). setDevice binds the primary context.
+                runtime.setDevice(index)
+                raw_launch(kernel, grid, block, args, stream)
         else:
             import cupy
 
@@ -189,6 +198,7 @@ class _Torch:
                 raw_launch(kernel, grid, block, args, stream)
 
 
+_INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
 _TORCH_DTYPES = {}  # logical NumPy dtype -> torch dtype, filled on first use
 _RAW_STREAM = []
 

@@ -90,3 +90,44 @@ def test_compile_fullgraph_on_gpu(backend, rng):
         eager = model(x)
         compiled = torch.compile(model, fullgraph=True, backend=backend)(x)
     assert torch.equal(eager, compiled)
+
+
+_FRESH_THREAD_SCRIPT = r"""
+import threading, torch, fp8blk as fb
+from fp8blk.torch import convert_to_float8_block
+torch.cuda.set_device(0)
+# 1. the backward pass starts with fp8blk's kernels on autograd's worker thread for GPU 0
+model = convert_to_float8_block(torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False)))
+model.cuda()
+x = torch.randn(128, 256, device="cuda", requires_grad=True)
+y = model(x)
+y.backward(torch.randn_like(y))
+assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+# 2. a quantize on a new thread whose allocations all come from torch's cache
+t = torch.randn(512, 512, device="cuda", dtype=torch.bfloat16)
+want = fb.quantize(t, fb.Block1D()).rowwise_data.clone()
+errors = []
+def work():
+    try:
+        got = fb.quantize(t, fb.Block1D())
+        assert torch.equal(got.rowwise_data, want)
+    except BaseException as exc:
+        errors.append(exc)
+thread = threading.Thread(target=work)
+thread.start(); thread.join()
+assert not errors, errors
+print("OK")
+"""
+
+
+def test_kernels_on_threads_without_a_current_context(tmp_path):
+    """Regression (H200, 2 ranks): the first backward on GPU 0 raised
+    CUDA_ERROR_INVALID_CONTEXT: autograd's worker thread had no current CUDA context (torch
+    skips cudaSetDevice when the runtime already reports device 0) and the raw driver launch
+    needs one. A fresh process, so that no earlier test bound the context on those threads."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _FRESH_THREAD_SCRIPT], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr

@@ -68,7 +68,6 @@ def profile():
     """cProfile of the hot paths: where each call's host time goes, by function."""
     import cProfile
     import pstats
-    from cupy.cuda import driver
 
     from fp8blk.kernels import _device_arrays as da
 
@@ -96,13 +95,10 @@ def profile():
     # primitives
     kq = sys.modules["fp8blk.kernels.quantize"]  # the module (the package exports the function)
     key = next(iter(kq._plans))
-    kern = kq._plans[key].kernel
     p = da._params
     pre_u8 = torch.empty(1 << 20, dtype=torch.uint8, device=dev)
     prims = {
         "ctypes slot write x7 (ints)": lambda: [p.slots.__setitem__(i, 12345) for i in range(7)],
-        "driver.launchKernel (prepared)": lambda: driver.launchKernel(
-            kern.ptr, 1, 1, 1, 32, 1, 1, 0, 0, p.address, 0),
         "cupy get_current_stream().ptr": lambda: cupy.cuda.get_current_stream().ptr,
         "torch.empty (2,256) f32": lambda: torch.empty((2, 256), dtype=torch.float32,
                                                        device=dev),

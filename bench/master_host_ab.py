@@ -1,0 +1,109 @@
+"""Host time per ``cast_master_weights`` call through the public API only, so that two versions
+of fp8blk can be compared on the same workload (issue 16: the agreement and validation must not
+add more than 5% to the steady state's host time).
+
+    PYTHONPATH=<tree A> python bench/master_host_ab.py --label A          # world size 1
+    PYTHONPATH=<tree B> python bench/master_host_ab.py --label B
+    mpiexec -n 2 python -m mpi4py bench/master_host_ab.py --comm nccl     # one GPU per rank
+
+The workload is bench/bench_master.py's batch: 4 and 100 weights (Block2D with and without
+columnwise, MXFP8 bidirectional and row-only, in turn; shapes drawn with seed 7), fp32 master
+shards on the GPU. With one rank it owns every weight whole (a local identity all-reduce);
+with N ranks rank r owns the r-th of N equal element ranges of every weight (NCCLComm).
+Per batch size: the median over 7 repeats of the host time of 20 back-to-back calls (the
+stream is synchronized between repeats), per call. Prints one JSON line per batch size.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+
+import fp8blk as fb
+from fp8blk import master
+from fp8blk.layout import buffer_layouts
+
+BATCH_DIMS = ([1024, 2048, 4096], [1024, 2048, 3072])
+
+
+class LocalComm:
+    rank, size = 0, 1
+
+    def all_reduce(self, buf, op="max"):
+        pass
+
+
+def weight(cp, recipe, rowwise, columnwise, h, w):
+    bufs = [None if layout is None else cp.empty(layout.shape, layout.dtype)
+            for layout in buffer_layouts(recipe, h, w, rowwise, columnwise)]
+    try:
+        return fb.BlockTensor((h, w), recipe, *bufs, dtype=np.float32, family="cupy")
+    except TypeError:  # an older constructor
+        return fb.BlockTensor((h, w), recipe, *bufs)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--label", default="")
+    ap.add_argument("--comm", choices=("local", "nccl"), default="local")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print a cProfile (by own time) of 200 calls per batch size")
+    args = ap.parse_args()
+    import cupy as cp
+
+    if args.comm == "nccl":
+        from mpi4py import MPI
+
+        cp.cuda.Device(MPI.COMM_WORLD.Get_rank() % cp.cuda.runtime.getDeviceCount()).use()
+        comm = fb.comm.NCCLComm.from_mpi(MPI.COMM_WORLD)
+    else:
+        comm = LocalComm()
+    rank, size = comm.rank, comm.size
+    rng = np.random.default_rng(7)
+    recipes = [(fb.Block2D(fb.E4M3, True), True, False), (fb.MXFP8(fb.E4M3), True, True),
+               (fb.MXFP8(fb.E4M3), True, False), (fb.Block2D(fb.E4M3, False), True, True)]
+    for n_weights in (4, 100):
+        shapes = [(int(rng.choice(BATCH_DIMS[0])), int(rng.choice(BATCH_DIMS[1])))
+                  for _ in range(n_weights)]
+        weights = [weight(cp, *recipes[i % 4], h, w) for i, (h, w) in enumerate(shapes)]
+        masters, starts = [], []
+        for h, w in shapes:
+            part = h * w // size
+            starts.append(rank * part)
+            n = part if rank < size - 1 else h * w - rank * part
+            masters.append(cp.random.default_rng(5).standard_normal(n, dtype=np.float32) * 3)
+
+        def call():
+            master.cast_master_weights(weights, masters, starts, comm)
+        for _ in range(3):
+            call()
+        cp.cuda.get_current_stream().synchronize()
+        samples = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            for _ in range(20):
+                call()
+            samples.append((time.perf_counter() - t0) / 20 * 1e6)
+            cp.cuda.get_current_stream().synchronize()
+        if args.profile and rank == 0:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(200):
+                call()
+            prof.disable()
+            cp.cuda.get_current_stream().synchronize()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        if rank == 0:
+            print(json.dumps({"label": args.label, "ranks": size, "weights": n_weights,
+                              "host_us_per_call": round(statistics.median(samples), 1),
+                              "samples_us": [round(s, 1) for s in samples]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

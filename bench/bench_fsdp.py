@@ -280,6 +280,26 @@ def run_case(case, args, device, mesh, rank, world):
                     s.gathers.clear()
             pre_h.append(timer.host["pre"] * 1e3)
             post_h.append(timer.host["post"] * 1e3)
+        if args.profile:  # every rank steps (collectives), rank 0 profiles
+            import cProfile
+            import io
+            import pstats
+
+            prof = cProfile.Profile()
+            if rank == 0:
+                prof.enable()
+            for _ in range(args.profile):
+                step(case, model, opt, masters, x)
+            if cuda:
+                torch.cuda.synchronize()
+            if rank == 0:
+                prof.disable()
+                text = io.StringIO()
+                stats = pstats.Stats(prof, stream=text)
+                print(f"==== {case}: {args.profile} steps, {stats.total_calls // args.profile} "
+                      f"Python calls per step; top by own time", file=text)
+                stats.sort_stats("tottime").print_stats(args.profile_top)
+                print(text.getvalue(), file=sys.stderr, flush=True)
         med = statistics.median
         result.update({
             "step_gpu_ms": med(gpu) if gpu else None,
@@ -317,6 +337,9 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--cases", default="bf16,primary,cast")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="after timing, cProfile STEPS more steps of each case on rank 0 (stderr)")
+    p.add_argument("--profile-top", type=int, default=25)
     p.add_argument("--out", default=None, help="JSON output path, or a folder to write "
                    "fsdp-h200x<world>-<date>[-tokens<T>].json in (rank 0 writes it)")
     args = p.parse_args()

@@ -31,6 +31,7 @@ shard boundaries may cut tiles anywhere and the gathered weight equals
 from __future__ import annotations
 
 import collections
+import inspect
 
 import numpy as np
 import torch
@@ -233,6 +234,13 @@ def _flat(args):
             yield from a
         else:
             yield a
+
+
+# FSDP2 (torch 2.11, FSDPParam.all_gather_inputs) calls inspect.signature on the pre-all-gather
+# hook before every all-gather; a stored __signature__ saves it parsing the function each time
+# (~20 -> ~6 us per call on a CI core)
+_PlaneWeight.fsdp_pre_all_gather.__signature__ = inspect.signature(
+    _PlaneWeight.fsdp_pre_all_gather)
 
 
 class Float8BlockPrimaryWeight(_PlaneWeight):

@@ -34,7 +34,7 @@ sys.path.insert(0, ROOT)
 import cupy  # noqa: E402
 
 import fp8blk as fb  # noqa: E402
-from fp8blk import kernels  # noqa: E402
+from fp8blk import _bench, kernels  # noqa: E402
 from fp8blk._arrays import BF16  # noqa: E402
 
 RESULTS = {"cases": [], "peers": [], "host_us": {}, "nan_probe": {}, "notes": []}
@@ -49,38 +49,15 @@ def log(*a):
 
 
 def time_cupy(fn, inputs, reps=7, inner=10):
-    """Median seconds per call of fn(inp) over back-to-back calls, rotating `inputs`."""
-    for inp in inputs:
-        fn(inp)
-    cupy.cuda.Device().synchronize()
-    times = []
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    for r in range(reps):
-        start.record()
-        for i in range(inner):
-            fn(inputs[i % len(inputs)])
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3 / inner)
-    return statistics.median(times), times
+    """(median seconds per call, all figures) of fn(inp) over back-to-back calls, rotating
+    `inputs` (fp8blk._bench.time_cupy without its host figure)."""
+    gpu, _, times = _bench.time_cupy(fn, inputs, reps, inner)
+    return gpu, times
 
 
 def time_torch(fn, inputs, reps=7, inner=10):
-    import torch
-
-    for inp in inputs:
-        fn(inp)
-    torch.cuda.synchronize()
-    times = []
-    for r in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(inner):
-            fn(inputs[i % len(inputs)])
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / 1e3 / inner)
-    return statistics.median(times), times
+    gpu, _, times = _bench.time_torch(fn, inputs, reps, inner)
+    return gpu, times
 
 
 def copy_bandwidth(nbytes, reps=9):

@@ -112,6 +112,26 @@ class Progress:
         self.stream.flush()
 
 
+def _time_events(fn, inputs, reps, inner, synchronize, events, seconds):
+    """The loop of :func:`time_cupy` / :func:`time_torch`: `events()` a new (start, stop)
+    pair, `seconds(start, stop)` the time between them."""
+    for inp in inputs:
+        fn(inp)
+    synchronize()
+    gpu, host = [], []
+    for _ in range(reps):
+        start, stop = events()
+        start.record()
+        t0 = time.perf_counter()
+        for i in range(inner):
+            fn(inputs[i % len(inputs)])
+        host.append((time.perf_counter() - t0) / inner)
+        stop.record()
+        stop.synchronize()
+        gpu.append(seconds(start, stop) / inner)
+    return statistics.median(gpu), statistics.median(host), gpu
+
+
 def time_cupy(fn, inputs, reps=7, inner=10):
     """(median GPU seconds per call, median host seconds per call, all GPU figures) of
     back-to-back ``fn(inputs[i % len(inputs)])`` on CuPy's current stream, after one warm-up
@@ -119,42 +139,19 @@ def time_cupy(fn, inputs, reps=7, inner=10):
     time of issuing them (equal to the GPU time when the loop is host-bound)."""
     import cupy
 
-    for inp in inputs:
-        fn(inp)
-    cupy.cuda.get_current_stream().synchronize()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    gpu, host = [], []
-    for _ in range(reps):
-        start.record()
-        t0 = time.perf_counter()
-        for i in range(inner):
-            fn(inputs[i % len(inputs)])
-        host.append((time.perf_counter() - t0) / inner)
-        stop.record()
-        stop.synchronize()
-        gpu.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3 / inner)
-    return statistics.median(gpu), statistics.median(host), gpu
+    return _time_events(fn, inputs, reps, inner, cupy.cuda.get_current_stream().synchronize,
+                        lambda: (cupy.cuda.Event(), cupy.cuda.Event()),
+                        lambda a, b: cupy.cuda.get_elapsed_time(a, b) / 1e3)
 
 
 def time_torch(fn, inputs, reps=7, inner=10):
     """:func:`time_cupy` for torch callables, timed with torch's CUDA events."""
     import torch
 
-    for inp in inputs:
-        fn(inp)
-    torch.cuda.synchronize()
-    gpu, host = [], []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        t0 = time.perf_counter()
-        for i in range(inner):
-            fn(inputs[i % len(inputs)])
-        host.append((time.perf_counter() - t0) / inner)
-        stop.record()
-        stop.synchronize()
-        gpu.append(start.elapsed_time(stop) / 1e3 / inner)
-    return statistics.median(gpu), statistics.median(host), gpu
+    def events():
+        return (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+    return _time_events(fn, inputs, reps, inner, torch.cuda.synchronize, events,
+                        lambda a, b: a.elapsed_time(b) / 1e3)
 
 
 def time_host(fn, inputs, reps=3):

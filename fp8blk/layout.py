@@ -38,6 +38,15 @@ def round_up(a: int, b: int) -> int:
     return -(-a // b) * b
 
 
+def c_strides(shape) -> tuple:
+    """Row-major (C-contiguous) strides of ``shape``, in elements."""
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= d
+    return tuple(reversed(strides))
+
+
 def shape2d(shape) -> tuple:
     """(M, K) view of a shape (..., K): M is the product of the leading dims (plain ints:
     ``np.prod`` costs microseconds on the per-call path). A 0-d shape is (1, 1)."""
@@ -100,5 +109,5 @@ def buffer_layouts(recipe, rows: int, cols: int, rowwise: bool = True,
             + (layouts[2:] if columnwise else [None, None]))
 
 
-__all__ = ["cdiv", "round_up", "shape2d", "Layout", "all_layouts", "buffer_layouts",
-           "BUFFER_NAMES"]
+__all__ = ["cdiv", "round_up", "c_strides", "shape2d", "Layout", "all_layouts",
+           "buffer_layouts", "BUFFER_NAMES"]

@@ -27,7 +27,7 @@ import numpy as np
 
 from .. import _arrays
 from ..formats import MXFP8, Block1D, Block2D, check_recipe
-from ..layout import all_layouts, cdiv, round_up
+from ..layout import all_layouts, c_strides, cdiv, round_up
 from ..tensor import BlockTensor, internal_buffers
 from ._native import contiguous, logical_dtype
 from .packed import fingerprint
@@ -252,15 +252,6 @@ class Part:
         self.strides = c_strides(local_layout.shape)
 
 
-def c_strides(shape):
-    """Row-major strides of ``shape``, in elements."""
-    strides, step = [], 1
-    for d in reversed(shape):
-        strides.append(step)
-        step *= d
-    return tuple(reversed(strides))
-
-
 class Plan:
     """Everything about one gather configuration that does not depend on the data."""
 
@@ -460,5 +451,5 @@ def local_key(src, sizes):
             src.has_row, src.has_col)
 
 
-__all__ = ["Source", "Plan", "Part", "c_strides", "PlanCache", "exchange", "check_sizes",
+__all__ = ["Source", "Plan", "Part", "PlanCache", "exchange", "check_sizes",
            "local_key", "FAST", "FALLBACK", "PLAIN", "SLOT", "STAGED"]

@@ -201,6 +201,22 @@ def byte_view(arr):
 _KEY_TYPES = {2: np.int16, 4: np.int32, 8: np.int64}
 
 
+def torch_gather_out(torch, inp, out, size):
+    """For an all_gather that hands torch tensors to the library as they are: the output
+    tensor (``out``, or a new one when None) if ``inp`` is a contiguous torch tensor with at
+    least one dim and ``out`` is None or a contiguous tensor of shape (size * n, ...) with
+    inp's dtype and device; else None (the general path)."""
+    if type(inp) is not torch.Tensor or inp.dim() == 0 or not inp.is_contiguous():
+        return None
+    shape = (size * inp.shape[0],) + tuple(inp.shape[1:])
+    if out is None:
+        return inp.new_empty(shape)
+    if (type(out) is not torch.Tensor or out.dtype != inp.dtype or out.device != inp.device
+            or tuple(out.shape) != shape or not out.is_contiguous()):
+        return None
+    return out
+
+
 def float_to_max_keys(arr, dtype):
     """Turn a float host array into signed integer keys, in place (returns the integer view).
 

@@ -509,18 +509,7 @@ def _prepared(plan, src, targets, ops, streams, reusable):
     prepared.items = items
     if plan.needs_fix_up:
         steps = _fix_up_steps(plan, targets, stagings, ops)
-        derive = plan.derive_columnwise
-
-        def post():
-            for dst, value in steps:
-                if isinstance(value, (int, float)):
-                    ops.fill(dst, value)
-                else:
-                    ops.copy(dst, value)
-            if derive:
-                backend_for(targets[0]).block2d_columnwise_from_rowwise(
-                    targets[0], targets[1], out=(targets[2], targets[3]))
-        prepared.post = post
+        prepared.post = lambda: _apply_fix_up(plan, targets, steps, ops)
     else:
         prepared.post = _nothing
     # Kept for out= only: without it every call's targets are new, and keeping them would
@@ -535,13 +524,21 @@ def _prepared(plan, src, targets, ops, streams, reusable):
 def _fix_up(plan, targets, stagings, ops, direct):
     """Put the staged parts in place, write the scale padding, derive Block2D columnwise
     (``direct``: the local quantize wrote the whole output; only the derivation is left)."""
-    if not direct:
-        for dst, value in _fix_up_steps(plan, targets, stagings, ops):
-            if isinstance(value, (int, float)):
-                ops.fill(dst, value)
-            else:
-                ops.copy(dst, value)
-    if plan.derive_columnwise and (plan.M or not direct):
+    if direct:
+        if plan.derive_columnwise and plan.M:
+            _apply_fix_up(plan, targets, (), ops)
+        return
+    _apply_fix_up(plan, targets, _fix_up_steps(plan, targets, stagings, ops), ops)
+
+
+def _apply_fix_up(plan, targets, steps, ops):
+    """Run `steps` (see _fix_up_steps), then derive Block2D columnwise by FP8 transpose."""
+    for dst, value in steps:
+        if isinstance(value, (int, float)):
+            ops.fill(dst, value)
+        else:
+            ops.copy(dst, value)
+    if plan.derive_columnwise:
         backend_for(targets[0]).block2d_columnwise_from_rowwise(
             targets[0], targets[1], out=(targets[2], targets[3]))
 

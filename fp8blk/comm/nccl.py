@@ -29,7 +29,7 @@ import contextlib
 import numpy as np
 
 from .. import _arrays
-from .base import Communicator, Handle
+from .base import Communicator, Handle, torch_gather_out
 
 _F16 = np.dtype(np.float16)
 
@@ -72,13 +72,8 @@ def _direct_pair(inp, out, size):
     shape (size * n, ...) (allocated when None). None: take the general path."""
     torch = _arrays._torch()
     if torch is not None and type(inp) is torch.Tensor:
-        if not inp.is_cuda or inp.dim() == 0 or not inp.is_contiguous():
-            return None
-        shape = (size * inp.shape[0],) + tuple(inp.shape[1:])
+        out = torch_gather_out(torch, inp, out, size) if inp.is_cuda else None
         if out is None:
-            out = torch.empty(shape, dtype=inp.dtype, device=inp.device)
-        elif (type(out) is not torch.Tensor or out.dtype != inp.dtype or out.device != inp.device
-              or tuple(out.shape) != shape or not out.is_contiguous()):
             return None
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         stream = raw(inp.device.index) if raw is not None else \

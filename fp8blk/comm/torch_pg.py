@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _arrays
-from .base import Communicator, Handle, float_to_max_keys, is_float, max_keys_to_float
+from .base import (Communicator, Handle, float_to_max_keys, is_float, max_keys_to_float,
+                   torch_gather_out)
 
 
 def _dist():
@@ -147,16 +148,11 @@ class TorchComm(Communicator):
 
     def _direct_gather(self, inp, out):
         torch = _arrays._torch()
-        if torch is None or type(inp) is not torch.Tensor or inp.dim() == 0 \
-                or not inp.is_contiguous() or not (self._cuda_ok if inp.is_cuda
-                                                   else self._cpu_ok):
+        if torch is None or type(inp) is not torch.Tensor or not (
+                self._cuda_ok if inp.is_cuda else self._cpu_ok):
             return None
-        shape = (self.size * inp.shape[0],) + tuple(inp.shape[1:])
+        out = torch_gather_out(torch, inp, out, self.size)
         if out is None:
-            out = inp.new_empty(shape)
-        elif (type(out) is not torch.Tensor or out.dtype != inp.dtype
-              or out.device != inp.device or tuple(out.shape) != shape
-              or not out.is_contiguous()):
             return None
         return inp.reshape(-1).view(torch.uint8), out.reshape(-1).view(torch.uint8), out
 

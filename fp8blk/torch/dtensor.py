@@ -7,20 +7,13 @@ from __future__ import annotations
 
 import torch
 
+from ..layout import c_strides
 from .functional import float8_block_linear
 
 
 def is_dtensor(t) -> bool:
     # by type name: importing torch.distributed.tensor costs time and is not always available
     return type(t).__name__ == "DTensor"
-
-
-def _contiguous_strides(shape):
-    strides, step = [], 1
-    for d in reversed(shape):
-        strides.append(step)
-        step *= d
-    return tuple(reversed(strides))
 
 
 def _shard_dim(placement, ndim):
@@ -66,7 +59,7 @@ def dtensor_forward(layer, x):
         # the global shape given explicitly: out_features need not split evenly
         shape = (*y.shape[:-1], layer.out_features)
         return DTensor.from_local(y, mesh, [Shard(y.dim() - 1)], run_check=False,
-                                  shape=torch.Size(shape), stride=_contiguous_strides(shape))
+                                  shape=torch.Size(shape), stride=c_strides(shape))
     if dim == 1:                                   # row-wise
         x, is_dt = _local(x, "shard", mesh, "row-wise")
         x_local = x.to_local() if is_dt else x

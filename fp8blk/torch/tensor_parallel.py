@@ -65,6 +65,15 @@ from .scaled_mm import blockwise_scaled_mm
 # sequence parallelism
 
 
+def _save_for_backward(ctx, x, weight, bias, qx, qw, cfg, comm, need_wgrad):
+    """What both sequence-parallel functions keep for backward: x's columnwise FP8 buffers
+    (when the weight gradient is needed), W's buffers, the config, comm and shapes."""
+    qx_t = _transposed(qx, cfg.activation) if need_wgrad else (None, None)
+    ctx.save_for_backward(qx_t[0], qx_t[1], *qw)
+    ctx.cfg, ctx.comm = cfg, comm
+    ctx.meta = (x.shape, x.dtype, weight.dtype, bias is not None)
+
+
 class _ColwiseSPFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, cfg, comm):
@@ -81,10 +90,7 @@ class _ColwiseSPFn(torch.autograd.Function):
         y = blockwise_scaled_mm(*_forward_operands(qx, qw, cfg), out_dtype=x.dtype)
         if bias is not None:
             y = y + bias.to(y.dtype)
-        qx_t = _transposed(qx, cfg.activation) if need_wgrad else (None, None)
-        ctx.save_for_backward(qx_t[0], qx_t[1], *qw)
-        ctx.cfg, ctx.comm = cfg, comm
-        ctx.meta = (x.shape, x.dtype, weight.dtype, bias is not None)
+        _save_for_backward(ctx, x, weight, bias, qx, qw, cfg, comm, need_wgrad)
         if y.shape[0] != x2d.shape[0] * comm.size:   # the reduce-scatter splits evenly
             raise ValueError(f"sequence parallelism needs the same token count on every rank; "
                              f"this rank has {x2d.shape[0]} of {y.shape[0]}")
@@ -119,10 +125,7 @@ class _RowwiseSPFn(torch.autograd.Function):
         y = comm.reduce_scatter(partial)
         if bias is not None:
             y = y + bias.to(y.dtype)
-        qx_t = _transposed(qx, cfg.activation) if need_wgrad else (None, None)
-        ctx.save_for_backward(qx_t[0], qx_t[1], *qw)
-        ctx.cfg, ctx.comm = cfg, comm
-        ctx.meta = (x.shape, x.dtype, weight.dtype, bias is not None)
+        _save_for_backward(ctx, x, weight, bias, qx, qw, cfg, comm, need_wgrad)
         return y.reshape(x.shape[0] // comm.size, *x.shape[1:-1], y.shape[-1])
 
     @staticmethod

@@ -64,9 +64,11 @@ def init_spread_(model, gen):
             p.copy_(spread(shape, gen, p.dtype).reshape(p.shape) / math.sqrt(p.shape[-1]))
 
 
-def gamma(n):
-    """gamma_n = n u / (1 - n u): the relative bound of an n-term fp32 sum (Higham 3.1)."""
-    return n * U32 / (1 - n * U32)
+def gamma(n, u=None):
+    """gamma_n = n u / (1 - n u): the relative bound of an n-term sum at unit roundoff u
+    (Higham 3.1); default u: U32 (fp32's, widened to the tensor cores' by the GPU checks)."""
+    u = U32 if u is None else u
+    return n * u / (1 - n * u)
 
 
 def order_bound(a_abs, b_abs_t, k):

@@ -49,13 +49,10 @@ GPU_REL = 2.0 ** -6
 if DEVICE == "cuda":
     parity.U32 = GPU_REL / 128          # every bound built from U32 widens to the GPU's
 U32 = parity.U32
-F32 = 2.0 ** -24  # plain fp32 sums (the loss, bias gradients): not tensor-core GEMMs
-
-
-def gamma32(n):
-    """gamma_n of an n-term fp32 sum at fp32's own unit roundoff. On the GPU, U32 is the
-    tensor cores' (2^-13) and n U32 reaches 1 for the loss sum's n (gamma_n turns negative)."""
-    return n * F32 / (1 - n * F32)
+# Plain fp32 sums (the loss, bias gradients) are not tensor-core GEMMs: their gamma_n takes
+# fp32's own u. (On the GPU U32 is the tensor cores' 2^-13, and n U32 reaches 1 for the loss
+# sum's n, where gamma_n turns negative.)
+F32 = 2.0 ** -24
 
 
 def same(got, want, what):
@@ -133,7 +130,7 @@ def run_case(case, seed, rank, world, mesh, planted=False):
     # loss: sum of y*g over tokens; |dloss| <= sum |g| |dy| + two sums' rounding
     yg = (yr.detach().double() * g.double()).abs().sum()
     loss_bound = ((g.double().abs() * y_bound.reshape(seq, B, D)).sum()
-                  + 2 * (gamma32(yr.numel()) + F32) * yg)
+                  + 2 * (gamma(yr.numel(), F32) + F32) * yg)
     assert abs(loss.double() - loss_r.detach().double()) <= loss_bound, \
         (case, loss.item(), loss_r.item(), loss_bound.item())
     # input gradient: w1 and w2 dgrads, each a sum of per-rank partial sums over HIDDEN/2
@@ -155,7 +152,7 @@ def run_case(case, seed, rank, world, mesh, planted=False):
         if name in inexact:
             dy = g.reshape(-1, D).double()
             assert_within(got, p_ref.grad.double(),
-                          2 * (gamma32(dy.shape[0]) + F32) * dy.abs().sum(0), f"{case}: {name} grad")
+                          2 * (gamma(dy.shape[0], F32) + F32) * dy.abs().sum(0), f"{case}: {name} grad")
         else:
             same(got, p_ref.grad, f"{case}: {name} grad")
     # one SGD step on both: the same update wherever the gradients are equal
@@ -166,7 +163,7 @@ def run_case(case, seed, rank, world, mesh, planted=False):
         got = full(tp_params[name].detach())
         if name in inexact:
             torch.testing.assert_close(got, p_ref.detach(), rtol=0, atol=float(
-                0.125 * 2 * (gamma32(seq * B) + F32) * g.abs().sum(0).max()
+                0.125 * 2 * (gamma(seq * B, F32) + F32) * g.abs().sum(0).max()
                 + U32 * p_ref.detach().abs().max()))
         elif DEVICE == "cpu":
             assert torch.equal(got, p_ref.detach()), f"{case}: {name} after SGD differs"

@@ -10,14 +10,18 @@ The workload is bench/bench_master.py's batch: 4 and 100 weights (Block2D with a
 columnwise, MXFP8 bidirectional and row-only, in turn; shapes drawn with seed 7), fp32 master
 shards on the GPU. With one rank it owns every weight whole (a local identity all-reduce);
 with N ranks rank r owns the r-th of N equal element ranges of every weight (NCCLComm).
-Per batch size: the median over 7 repeats of the host time of 20 back-to-back calls (the
-stream is synchronized between repeats), per call. Prints one JSON line per batch size.
+Per batch size: the median over 7 (``--repeats``) samples of the host time of 20 back-to-back
+calls (the stream is synchronized between samples), per call; the minimum sample; the median
+thread CPU time per call (what the host spent computing, less sensitive to a noisy machine
+than wall time); and the number of function calls (Python and C) one call makes, which the
+machine's noise cannot move. Prints one JSON line per batch size.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -45,10 +49,26 @@ def weight(cp, recipe, rowwise, columnwise, h, w):
         return fb.BlockTensor((h, w), recipe, *bufs)
 
 
+def python_calls(call):
+    """Function calls (Python and C) one call makes: a count the host's noise cannot move."""
+    counts = {"call": 0, "c_call": 0}
+
+    def count(frame, event, arg):
+        if event in counts:
+            counts[event] += 1
+    sys.setprofile(count)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return counts["call"] + counts["c_call"]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--label", default="")
     ap.add_argument("--comm", choices=("local", "nccl"), default="local")
+    ap.add_argument("--repeats", type=int, default=7, help="samples of 20 calls per batch size")
     ap.add_argument("--profile", action="store_true",
                     help="also print a cProfile (by own time) of 200 calls per batch size")
     args = ap.parse_args()
@@ -81,13 +101,16 @@ def main():
         for _ in range(3):
             call()
         cp.cuda.get_current_stream().synchronize()
-        samples = []
-        for _ in range(7):
-            t0 = time.perf_counter()
+        samples, cpu = [], []
+        for _ in range(args.repeats):
+            t0, c0 = time.perf_counter(), time.thread_time()
             for _ in range(20):
                 call()
-            samples.append((time.perf_counter() - t0) / 20 * 1e6)
+            c1, t1 = time.thread_time(), time.perf_counter()
+            samples.append((t1 - t0) / 20 * 1e6)
+            cpu.append((c1 - c0) / 20 * 1e6)
             cp.cuda.get_current_stream().synchronize()
+        calls = python_calls(call)
         if args.profile and rank == 0:
             import cProfile
             import pstats
@@ -102,6 +125,9 @@ def main():
         if rank == 0:
             print(json.dumps({"label": args.label, "ranks": size, "weights": n_weights,
                               "host_us_per_call": round(statistics.median(samples), 1),
+                              "host_min_us": round(min(samples), 1),
+                              "cpu_us_per_call": round(statistics.median(cpu), 1),
+                              "python_calls_per_call": calls,
                               "samples_us": [round(s, 1) for s in samples]}), flush=True)
 
 

@@ -20,7 +20,8 @@ back-to-back calls; ``host_us`` per call (wall time of enqueueing the calls, no 
 ``speedup_vs_bf16`` = bf16 gpu_us / case gpu_us; bytes sent per rank. Quantized cases also get
 a breakdown: ``quantize_gpu_us`` (the local quantize kernel alone), ``collective_gpu_us`` (raw
 NCCL of the same byte counts in one group), ``fixup_gpu_us`` (the scale/layout step alone),
-and host microseconds of each step (plan lookup, quantize, collective issue, fix-up). Every
+and host microseconds of each step (plan lookup, the steady state's match instead of it,
+quantize, collective issue, fix-up). Every
 quantized case is checked byte for byte against ``quantize`` of the gathered bf16 tensor.
 Rank 0 prints one JSON line per case and writes ``OUT/gather-<comm>-h200x<N>-<date>.json``.
 """
@@ -44,6 +45,7 @@ import torch  # noqa: E402
 import fp8blk as fb  # noqa: E402
 from fp8blk.comm import gather as gather_module  # noqa: E402
 from fp8blk.comm import _native  # noqa: E402
+from fp8blk.comm._gather_plan import STAGED  # noqa: E402
 from fp8blk.layout import all_layouts  # noqa: E402
 
 K = 4096
@@ -163,7 +165,7 @@ def breakdown(world, x, recipe, rowwise, columnwise, sizes, out):
     from cupy.cuda import nccl
 
     comm = world.comm
-    src, plan, _ = gather_module._resolve(comm, x, recipe, rowwise, columnwise, sizes)
+    src, plan, _, _ = gather_module._resolve(comm, x, recipe, rowwise, columnwise, sizes)
     ops = gather_module._internal_ops(src)  # torch ops for torch input (no DLPack)
     targets = gather_module._targets(plan, out, ops)
     layouts = all_layouts(recipe, plan.local_rows(), plan.K)
@@ -171,7 +173,7 @@ def breakdown(world, x, recipe, rowwise, columnwise, sizes, out):
         columnwise and not isinstance(recipe, fb.Block2D)))]
     local = [ops.empty(layouts[i].shape, layouts[i].dtype) if i in quantized else None
              for i in range(4)]
-    x2d = gather_module._local_x2d(src, plan, ops)
+    x2d = gather_module._local_x2d(src.x, src.m, src.k, plan.local_rows())
     row, col = rowwise, columnwise and not isinstance(recipe, fb.Block2D)
     result = {}
     q = lambda: _native.quantize_into(x2d, recipe, row, col, src.dtype, local)  # noqa: E731
@@ -179,9 +181,13 @@ def breakdown(world, x, recipe, rowwise, columnwise, sizes, out):
     result["quantize_host_us"] = host_only(world, q)
     result["plan_host_us"] = host_only(
         world, lambda: gather_module._resolve(comm, x, recipe, rowwise, columnwise, sizes))
+    # the steady state's match against the last call into out (instead of the plan lookup)
+    result["lane_host_us"] = host_only(world, lambda: gather_module._steady_lane(
+        comm, x, recipe, rowwise, columnwise, sizes, out, False, None))
     stagings = {p.index: ops.empty(sum(p.counts), np.uint8) for p in plan.parts
-                if p.mode == gather_module.STAGED}
-    fix = lambda: gather_module._fix_up(plan, targets, stagings, ops, False)  # noqa: E731
+                if p.mode == STAGED}
+    # the fix-up as the steady state replays it (built once: device calls on this stream)
+    fix = gather_module._fix_up_post(plan, targets, stagings, ops, ops.current_stream_ptr())
     result["fixup_gpu_us"], _ = measure(world, fix)
     result["fixup_host_us"] = host_only(world, fix)
     if world.kind == "nccl":
@@ -198,8 +204,10 @@ def breakdown(world, x, recipe, rowwise, columnwise, sizes, out):
             nccl.groupEnd()
         result["collective_gpu_us"], result["collective_host_us"] = measure(world, raw)
     items = [(None, ops.empty(sum(p.counts), np.uint8), p.counts) for p in plan.parts]
-    def issue():
-        finish = comm._gather_parts(items)
+    issuer, stream_ptr = comm._gather_parts_issuer(items), ops.current_stream_ptr()
+
+    def issue():  # as the steady state issues it (arguments worked out once)
+        finish = issuer(stream_ptr)
         if finish is not None:  # torch NCCL: only makes the current stream wait
             finish()
     result["issue_host_us"] = host_only(world, issue)

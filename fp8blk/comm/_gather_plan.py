@@ -257,6 +257,7 @@ class Plan:
 
     def __init__(self, src, columns, comm_size, rank, table_hash):
         self.table_hash = table_hash
+        self.lane = None  # gather's steady-state record of the last sizes=/out= call
         self.rank = rank
         self.size = comm_size
         self.dim0s = [int(d) for d in columns["dim0"]]
@@ -270,7 +271,7 @@ class Plan:
             itemsize = src.dtype.itemsize
             self.counts = [d * src.row_elems * itemsize for d in self.dim0s]
             self.path, self.reason = PLAIN, None
-            self.parts, self.fills, self.targets = [], [], []
+            self.parts, self.fills, self.moves, self.targets = [], [], [], []
             self.ms, self.offsets, self.M = self.dim0s, None, None
             return
         unit = _inner(src.shape)
@@ -280,14 +281,14 @@ class Plan:
         self.path, self.reason, self.directions = self._decide(src)
         self.derive_columnwise = isinstance(self.recipe, Block2D) and self.columnwise
         self.targets = self._targets()
-        self.parts, self.fills = ([], []) if self.path != FAST else self._layout_parts()
+        self.parts, self.fills, self.moves = (([], [], []) if self.path != FAST
+                                              else self._layout_parts())
         # per-call constants of the fast path
         self.out_layouts = all_layouts(self.recipe, self.M, self.K)
         self.row_q = self.path == FAST and ROW in self.directions
         self.col_q = self.path == FAST and COL in self.directions
         self.quantized = [self.row_q, self.row_q, self.col_q, self.col_q]
         self.direct = comm_size == 1 and self.kind == 0  # the local quantize is the output
-        self.needs_fix_up = not self.direct or self.derive_columnwise
         self.checked_out = None  # (out, its buffers) last validated as this plan's out=
         self.prepared = None     # gather._Prepared: views and items for the last targets
 
@@ -342,27 +343,43 @@ class Plan:
         return round_up(m, 32) if isinstance(self.recipe, MXFP8) else m
 
     def _layout_parts(self):
+        """(parts, fills, moves): the buffers gathered; the scale padding to write, as
+        ``(index, byte offset, shape, strides in elements, value)``; and the staged parts'
+        rank blocks to move into place, as 2-D byte copies ``(index, dst offset, dst pitch,
+        src offset in the staging, src pitch, width, height)`` (one per non-empty rank:
+        on the device each is one cudaMemcpy2DAsync)."""
         recipe, K, M = self.recipe, self.K, self.M
         local = all_layouts(recipe, self.local_rows(), K)
-        parts = []
+        parts, moves = [], []
 
         def slot(index, per_rank):
             parts.append(Part(index, SLOT, [per_rank(m) for m in self.ms], local[index]))
 
-        def staged(index, per_rank):
-            parts.append(Part(index, STAGED, [per_rank(m) for m in self.ms], local[index]))
+        def staged(index, per_rank, item, height, dst_pitch, src_pitch):
+            """Rank r's staged block (height, src_pitch(m_r) bytes per row) holds its m_r
+            columns of ``item`` bytes first; they go to columns [o_r, o_r + m_r) of the
+            target, whose rows are ``dst_pitch`` bytes apart."""
+            part = Part(index, STAGED, [per_rank(m) for m in self.ms], local[index])
+            parts.append(part)
+            for m, o, displ in zip(self.ms, self.offsets, part.displs):
+                if m and height:
+                    moves.append((index, o * item, dst_pitch, displ, src_pitch(m), m * item,
+                                  height))
 
         fills = []
         if isinstance(recipe, Block1D):
             kb = cdiv(K, 128)
             if ROW in self.directions:
                 slot(0, lambda m: m * K)
-                staged(1, lambda m: kb * round_up(m, 4) * 4)
+                # scales (kb, round4(M)) fp32: rank r's rows are columns [o_r, o_r + m_r)
+                staged(1, lambda m: kb * round_up(m, 4) * 4, 4, kb, round_up(M, 4) * 4,
+                       lambda m: round_up(m, 4) * 4)
                 if round_up(M, 4) > M:  # padding columns of the (kb, round4(M)) scales
                     fills.append((1, M * 4, (kb, round_up(M, 4) - M), (round_up(M, 4), 1),
                                   1.0))
             if COL in self.directions:
-                staged(2, lambda m: K * m)
+                # columnwise data (K, M): rank r's (K, m_r) block is columns [o_r, o_r + m_r)
+                staged(2, lambda m: K * m, 1, K, M, lambda m: m)
                 slot(3, lambda m: cdiv(m, 128) * round_up(K, 4) * 4)
         elif isinstance(recipe, Block2D):
             slot(0, lambda m: m * K)
@@ -381,7 +398,7 @@ class Plan:
                 if round_up(M // 32, 4) > M // 32:
                     fills.append((3, (M // 32) * r128, (round_up(M // 32, 4) - M // 32, r128),
                                   (r128, 1), 0))
-        return parts, fills
+        return parts, fills, moves
 
     def sent_bytes(self):
         sent = self.__dict__.get("_sent")
@@ -426,19 +443,45 @@ def _row_bytes(plan):
 # The cache
 
 class PlanCache:
-    """Plans of one communicator, FIFO-bounded (every rank inserts and evicts identically)."""
+    """Plans of one communicator, FIFO-bounded (every rank inserts and evicts identically).
+
+    ``lanes``: {id(out): lane} of the ``sizes=``/``out=`` steady state (fp8blk.comm.gather):
+    at most one lane per cached plan (``plan.lane``), dropped with its plan, so that a lane
+    is found only while the plan it belongs to is cached, on every rank alike (a lane hit
+    then issues exactly what a plan-cache hit issues: no metadata)."""
 
     def __init__(self):
         self.plans = collections.OrderedDict()
+        self.lanes = {}
         self.hits = self.misses = 0
 
     def get(self, key):
         return self.plans.get(key)
 
     def put(self, key, plan):
+        old = self.plans.get(key)
+        if old is not None:
+            self._forget_lane(old)
         self.plans[key] = plan
         while len(self.plans) > CACHE_SIZE:
-            self.plans.popitem(last=False)
+            self._forget_lane(self.plans.popitem(last=False)[1])
+
+    def keep_lane(self, plan, lane, out):
+        """Make ``lane`` the steady-state lane of ``plan`` for ``out`` (one per plan, and one
+        per ``out``: a lane it replaces is dropped)."""
+        self._forget_lane(plan)
+        other = self.lanes.get(id(out))
+        if other is not None:
+            self._forget_lane(other.plan)
+        plan.lane = lane
+        self.lanes[id(out)] = lane
+
+    def _forget_lane(self, plan):
+        lane = plan.lane
+        if lane is not None:
+            plan.lane = None
+            if self.lanes.get(id(lane.out)) is lane:
+                del self.lanes[id(lane.out)]
 
 
 def local_key(src, sizes):

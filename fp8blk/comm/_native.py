@@ -13,6 +13,9 @@ DLPack per call except where a backend needs it (see :func:`backend_arrays`).
 ``copy(dst, src)``, ``fill(dst, value)``   in place, on the current stream
 ``ptr(arr)``                       the data address (device or host)
 ``device``                         True for CUDA arrays
+``current_stream_ptr()``           device: the raw handle of the family's current stream
+``copies()``                       device: the raw stream-ordered copies and fills
+                                   (:class:`fp8blk.comm._device_copy.Copies`)
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import numpy as np
 
 from .. import _arrays, reference
 from .._dispatch import backend_for
+from . import _device_copy
 
 U8 = np.dtype(np.uint8)
 
@@ -61,6 +65,9 @@ class NumpyOps:
     def nbytes(self, arr):
         return arr.nbytes
 
+    def current_stream_ptr(self):
+        return None  # host arrays: no stream
+
 
 class CupyOps(NumpyOps):
     family = _arrays.CUPY
@@ -89,6 +96,12 @@ class CupyOps(NumpyOps):
     def ptr(self, arr):
         return arr.data.ptr
 
+    def current_stream_ptr(self):
+        return self.cupy.cuda.get_current_stream().ptr
+
+    def copies(self):
+        return _device_copy.cuda_copies()
+
 
 class TorchOps:
     family = _arrays.TORCH
@@ -99,6 +112,8 @@ class TorchOps:
         self.torch = torch
         self.device = device.type == "cuda"
         self.where = device
+        # torch's current stream of this device without building a Stream object (~5 us)
+        self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         self._dtypes = {np.dtype(np.uint8): torch.uint8, np.dtype(np.float32): torch.float32,
                         np.dtype(np.float16): torch.float16, _arrays.BF16: torch.bfloat16,
                         np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
@@ -134,6 +149,16 @@ class TorchOps:
 
     def nbytes(self, arr):
         return arr.numel() * arr.element_size()
+
+    def current_stream_ptr(self):
+        if not self.device:
+            return None
+        if self._raw_stream is not None:
+            return self._raw_stream(self.where.index)
+        return self.torch.cuda.current_stream(self.where).cuda_stream
+
+    def copies(self):
+        return _device_copy.cuda_copies()
 
 
 _NUMPY = NumpyOps()

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 
 import numpy as np
 
@@ -264,9 +265,10 @@ class Communicator:
     Internal hooks of the quantized gather (defaults here; backends override for speed):
     ``_gather_parts(items, stream_ptr)`` (one grouped, possibly in-place all-gather of several
     byte buffers; NCCL: one group, MPI: in-place Iallgather(v), torch: in-place
-    all_gather_into_tensor), ``_meta_all_gather(row)`` / ``_meta_all_reduce_max(row)`` (small
-    host int64 metadata, never staged through a device), ``_stream_ordered`` (whether
-    ``_gather_parts`` only enqueues on a stream).
+    all_gather_into_tensor), ``_gather_parts_issuer(items)`` (the same as a callable of the
+    stream, for items issued again and again), ``_meta_all_gather(row)`` /
+    ``_meta_all_reduce_max(row)`` (small host int64 metadata, never staged through a device),
+    ``_stream_ordered`` (whether ``_gather_parts`` only enqueues on a stream).
     """
 
     rank: int = 0
@@ -432,6 +434,12 @@ class Communicator:
             self._record("all_reduce", nbytes_of(row))
             self._all_reduce(row, row.dtype, "max", False).wait()
         return row
+
+    def _gather_parts_issuer(self, items):
+        """``issue(stream_ptr)``, the same as ``_gather_parts(items, stream_ptr)``, for items
+        that are issued again and again (the gather's steady state keeps it): backends work
+        out their call arguments once where they can."""
+        return functools.partial(self._gather_parts, items)
 
     def _gather_parts(self, items, stream_ptr=None):
         """One grouped all-gather of several byte buffers (the quantized gather's data and

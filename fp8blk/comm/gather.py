@@ -12,12 +12,15 @@ Paths (``comm.stats.last_gather_path`` / ``comm.stats.gather_paths`` record whic
                 data and scales of all ranks move in ONE grouped collective (NCCL: an in-place
                 ncclAllGather per buffer for equal shards, a group of broadcasts for unequal
                 ones; MPI: in-place Iallgather(v); torch: in-place all_gather_into_tensor on
-                uint8). One small step then puts what the layout interleaves in place (the
-                Block1D rowwise scales (cdiv(K,128), round4(M)) whose columns are the ranks'
-                rows; Block1D columnwise data (K, M)) and writes the scale padding (1.0 fp32,
-                0 E8M0): one strided copy per buffer for equal shards. Block2D gathers rowwise
-                only and derives columnwise by FP8 transpose. A BlockTensor input sends its own
-                bytes.
+                uint8). A fix-up then puts what the layout interleaves in place (the Block1D
+                rowwise scales (cdiv(K,128), round4(M)) whose columns are the ranks' rows;
+                Block1D columnwise data (K, M): both gathered rank-major into a staging
+                buffer) and writes the scale padding (1.0 fp32, 0 E8M0). On the device that
+                is one cudaMemcpy2DAsync per rank and staged buffer, a cudaMemsetAsync per
+                zero padding and a 2-D copy from a constant block for the 1.0 padding, worked
+                out once per set of output buffers (fp8blk.comm._device_copy); on the host,
+                copies between strided views. Block2D gathers rowwise only and derives
+                columnwise by FP8 transpose. A BlockTensor input sends its own bytes.
 ``"fallback"``  where a shard cannot be quantized on its own: a block would cross a rank
                 boundary (Block1D columnwise or any Block2D with a non-empty rank whose first
                 row is not a multiple of 128; MXFP8 columnwise with a local row count that is
@@ -43,11 +46,19 @@ rank is left waiting). The resulting plan is cached per communicator: later call
 ``sizes=`` (see :mod:`fp8blk.comm._gather_plan` for the protocol). World size 1 never
 exchanges anything.
 
+Steady state: with ``sizes=`` and ``out=``, a call that repeats the last such call into the
+same ``out`` (equal recipe, usages and sizes; an input of the same type, dtype, shape and
+device, C-contiguous; ``out`` holding the same buffers; the same stream) skips the input
+checks, the plan lookup and the output checks: it quantizes into the kept buffers, issues the
+collective with its arguments worked out before and replays the fix-up (see ``_Lane``).
+Anything else takes the checked path, which keeps the record for the next call.
+
 Streams (device arrays): the local quantize runs on the current stream; the collective and the
 fix-up step run on ``stream`` (default: the current stream), which first waits for the current
 stream. A synchronous call returns once everything is enqueued (the current stream then waits
-for ``stream``); with ``async_op=True`` the returned Handle's ``wait()`` makes the then-current
-stream wait for an event: no host synchronization, no Python callbacks. Host backends (MPI,
+for ``stream``; on the current stream itself no stream objects or events are made); with
+``async_op=True`` the returned Handle's ``wait()`` makes the then-current stream wait for an
+event: no host synchronization, no Python callbacks. Host backends (MPI,
 gloo) complete on the host: an asynchronous handle's ``wait()`` finishes the collective and
 the fix-up.
 
@@ -64,10 +75,10 @@ import numpy as np
 from .. import _arrays
 from .._dispatch import backend_for
 from ..formats import Block2D
-from ..layout import cdiv, round_up
 from ..tensor import BlockTensor, internal_buffers
-from ._gather_plan import (FALLBACK, FAST, PLAIN, SLOT, STAGED, Plan, PlanCache, Source,
-                           check_sizes, exchange, local_key)
+from ._device_copy import uniform_byte
+from ._gather_plan import (FALLBACK, FAST, PLAIN, SLOT, Plan, PlanCache, Source, check_sizes,
+                           exchange, local_key)
 from ._native import U8, contiguous, internal_ops, logical_dtype, ops_for, quantize_into
 from .base import Communicator, Handle
 
@@ -102,8 +113,9 @@ def plan_cache(comm) -> PlanCache:
 
 
 def _resolve(comm, x, recipe, rowwise, columnwise, sizes):
-    """(source, plan, local_error): ``local_error`` is set only on the ``sizes=`` steady
-    state when this rank's input does not fit the plan its peers use."""
+    """(source, plan, local_error, sizes as a checked tuple or None): ``local_error`` is set
+    only on the ``sizes=`` steady state when this rank's input does not fit the plan its
+    peers use."""
     src = error = None
     try:
         src = Source(x, recipe, rowwise, columnwise)
@@ -123,7 +135,7 @@ def _resolve(comm, x, recipe, rowwise, columnwise, sizes):
         return src, plan, (None if problem is None else ValueError(
             f"gather_along_first_dim: {problem}; this rank joined the collectives with zeros "
             f"so that no rank waits forever (the other ranks received zeros for its rows): "
-            f"pass the true sizes"))
+            f"pass the true sizes")), sizes
     else:
         # The check: MAX of [h, -h] is [h, -h] only when every rank found the same plan. A
         # miss with sizes= makes it too (then exchanges), so that a miss issues the same two
@@ -132,16 +144,16 @@ def _resolve(comm, x, recipe, rowwise, columnwise, sizes):
         probe = comm._meta_all_reduce_max(np.array([mark, -mark], dtype=np.int64))
         if plan is not None and probe[0] == -probe[1]:
             cache.hits += 1
-            return src, plan, None
+            return src, plan, None, sizes
         plan = None
     if plan is not None:  # world size 1
         cache.hits += 1
-        return src, plan, None
+        return src, plan, None, sizes
     cache.misses += 1
     columns, table_hash = exchange(comm, src, sizes, error)
     plan = Plan(src, columns, comm.size, comm.rank, table_hash)
     cache.put(key, plan)
-    return src, plan, None
+    return src, plan, None, sizes
 
 
 # --------------------------------------------------------------------------------------------
@@ -279,23 +291,27 @@ def _torch_stream(stream):
 # Running a plan's collective and its post-processing
 
 
-def _run(comm, items, post, ops, streams, async_op, result):
-    """Issue the grouped gather of ``items``, then ``post()`` (the fix-up). Returns the
-    Handle (async) or None."""
-    stream_ordered = streams is not None and comm._stream_ordered
-    if streams is None:  # host arrays
-        finish = comm._gather_parts(items) if items else None
-        if async_op:
+def _run(comm, issue, post, streams, ptr, async_op, result):
+    """Issue the grouped gather (``issue(stream_ptr)``; None: nothing to gather), then
+    ``post()`` (the fix-up). ``streams``/``ptr`` as :func:`_streams_for` gives them. Returns
+    the Handle (async) or None."""
+    if streams is None:
+        finish = None if issue is None else issue(ptr)
+        if ptr is None and async_op:  # host arrays: complete in wait()
             return Handle(waiter=finish, post=post, result=result)
+        # host arrays, or a synchronous device call on the current stream: the collective
+        # and the fix-up are plain stream-ordered work there (a host backend staging device
+        # arrays completes in finish())
         if finish is not None:
             finish()
         post()
         return None
+    stream_ordered = comm._stream_ordered
     streams.begin()
     with streams.context():
-        if items:
+        if issue is not None:
             with streams.torch_context() if comm._orders_torch_stream else _NULL:
-                finish = comm._gather_parts(items, streams.ptr)
+                finish = issue(streams.ptr)
                 if finish is not None and (stream_ordered or not async_op):
                     finish()  # stream-ordered: only makes this stream wait, host goes on
                     finish = None
@@ -314,11 +330,24 @@ def _run(comm, items, post, ops, streams, async_op, result):
     return Handle(waiter=waiter, result=result) if async_op else None
 
 
-def _streams_for(ops, stream):
-    """The streams of a device gather, in the flavour of its arrays (None on the host)."""
+def _streams_for(comm, ops, stream, async_op):
+    """(streams, ptr) of a gather on ``ops``' arrays: (None, None) on the host; (None, the
+    current stream's handle) for a synchronous device call on the current stream (no stream
+    objects, no events: everything is ordered on that stream as it is enqueued); else the
+    call's :class:`_DeviceStreams` and its communication stream's handle. A TorchComm on
+    CuPy arrays always takes the streams (torch's current stream must be CuPy's there)."""
     if not ops.device:
-        return None
-    return _DeviceStreams(ops.family == _arrays.TORCH, stream)
+        return None, None
+    if stream is None and not async_op and not (
+            comm._orders_torch_stream and ops.family != _arrays.TORCH):
+        return None, ops.current_stream_ptr()
+    streams = _DeviceStreams(ops.family == _arrays.TORCH, stream)
+    return streams, streams.ptr
+
+
+def _issuer(comm, items):
+    """``issue(stream_ptr)`` of a grouped gather of ``items`` (None when there are none)."""
+    return comm._gather_parts_issuer(items) if items else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -402,20 +431,20 @@ def _result(plan, src, targets, out):
 # Paths
 
 
-def _local_x2d(src, plan, ops):
-    """The local (M_local, K) high-precision array as the quantize backend takes it."""
-    x = src.x
-    rows = plan.local_rows()
-    if src.family == _arrays.TORCH and not x.is_cuda:
-        x = _arrays.to_backend(x)[0]  # NumPy-backed, no copy
-    x2d = x.reshape(src.m, src.k)
-    if rows != src.m:  # MXFP8 rowwise: zero rows up to a multiple of 32 (never sent)
+def _local_x2d(x, m, k, rows):
+    """The local (rows, K) high-precision array as the quantize backend takes it (``x``: the
+    C-contiguous input of m * K elements; rows > m: MXFP8 rowwise pads with zero rows up to a
+    multiple of 32, never sent)."""
+    if type(x) is not np.ndarray and _arrays.is_torch(x) and not x.is_cuda:
+        x = _arrays.to_backend(x)[0]  # a CPU tensor: its NumPy view (no copy)
+    x2d = x if x.ndim == 2 else x.reshape(m, k)
+    if rows != m:
         if ops_for(x2d).family == _arrays.TORCH:
-            padded = x2d.new_zeros((rows, src.k))
+            padded = x2d.new_zeros((rows, k))
         else:
             padded = (np if isinstance(x2d, np.ndarray) else _arrays._cupy()).zeros(
-                (rows, src.k), dtype=x2d.dtype)
-        padded[: src.m] = x2d
+                (rows, k), dtype=x2d.dtype)
+        padded[:m] = x2d
         x2d = padded
     return x2d
 
@@ -430,42 +459,33 @@ def _block_sends(src, plan):
     return buffers
 
 
-def _fast(comm, src, plan, out, async_op, stream):
+def _fast(comm, src, plan, out, async_op, stream, sizes):
     ops = _internal_ops(src)
     targets = _targets(plan, out, ops)
     result = _result(plan, src, targets, out)
-    # one rank, synchronous, current stream: everything is plain stream-ordered launches
-    quiet = plan.direct and stream is None and not async_op
-    streams = None if quiet else _streams_for(ops, stream)
-    quantized = plan.quantized
+    streams, ptr = _streams_for(comm, ops, stream, async_op)
     if plan.direct:  # one rank: the output IS the local quantize
-        if src.m:
-            quantize_into(_local_x2d(src, plan, ops), plan.recipe, plan.row_q, plan.col_q,
-                          src.dtype, [t if q else None for t, q in zip(targets, quantized)])
-        items = []
-        post = _nothing if not plan.needs_fix_up else (
-            lambda: _fix_up(plan, targets, {}, ops, True))
+        prepared = _Prepared.direct(plan, targets, ptr)
     else:
-        prepared = _prepared(plan, src, targets, ops, streams, out is not None)
-        items = prepared.items
-        if src.kind == 0 and src.m:
-            quantize_into(_local_x2d(src, plan, ops), plan.recipe, plan.row_q, plan.col_q,
-                          src.dtype, prepared.local_out)
-        post = prepared.post
+        prepared = _prepared(comm, plan, src, targets, ops, ptr, out is not None)
+    if src.kind == 0 and src.m:
+        quantize_into(_local_x2d(src.x, src.m, src.k, plan.local_rows()), plan.recipe,
+                      plan.row_q, plan.col_q, src.dtype, prepared.local_out)
     comm._record("all_gather_v", plan.sent_bytes())
-    handle = _run(comm, items, post, ops, streams, async_op, result)
+    handle = _run(comm, prepared.issue, prepared.post, streams, ptr, async_op, result)
+    if sizes is not None and out is not None and src.kind == 0:
+        _keep_lane(comm, plan, src, sizes, out, ops, prepared)
     return result, handle
 
 
 class _Prepared:
-    """What a multi-rank fast gather does with one set of output buffers, built once: the
-    windows the local quantize writes (this rank's slots), the collective's items, the
-    staging buffers and the fix-up's views. Reused while the same output buffers come back
-    (``out=``) on the same stream: the steady state then builds no views and allocates
-    nothing (each view costs a few microseconds of host time)."""
+    """What a fast gather does with one set of output buffers, built once: the buffers the
+    local quantize writes (this rank's slots), the collective's items and its ``issue``, the
+    staging buffers and the fix-up (``post``). Reused while the same output buffers come back
+    (``out=``) on the same stream: the steady state then builds no views, allocates nothing
+    and works out no pointers (each view costs a few microseconds of host time)."""
 
-
-    __slots__ = ("targets", "stream", "local_out", "items", "post")
+    __slots__ = ("targets", "stream", "local_out", "items", "issue", "post")
 
     def matches(self, targets, stream):
         if stream != self.stream:
@@ -475,9 +495,20 @@ class _Prepared:
                 return False
         return True
 
+    @classmethod
+    def direct(cls, plan, targets, stream):
+        """One rank, array input: the local quantize writes the output; the fix-up only
+        derives Block2D columnwise (on the current stream, whichever it is)."""
+        prepared = cls()
+        prepared.targets, prepared.stream, prepared.items, prepared.issue = targets, stream, \
+            [], None
+        prepared.local_out = [t if q else None for t, q in zip(targets, plan.quantized)]
+        prepared.post = _derive_post(plan, targets) if plan.derive_columnwise and plan.M \
+            else _nothing
+        return prepared
 
-def _prepared(plan, src, targets, ops, streams, reusable):
-    stream = None if streams is None else streams.ptr
+
+def _prepared(comm, plan, src, targets, ops, stream, reusable):
     cached = plan.prepared
     if cached is not None and src.kind == 0 and cached.matches(targets, stream):
         return cached
@@ -507,11 +538,8 @@ def _prepared(plan, src, targets, ops, streams, reusable):
     prepared.targets, prepared.stream = list(targets), stream
     prepared.local_out = [b if q else None for b, q in zip(local_out, plan.quantized)]
     prepared.items = items
-    if plan.needs_fix_up:
-        steps = _fix_up_steps(plan, targets, stagings, ops)
-        prepared.post = lambda: _apply_fix_up(plan, targets, steps, ops)
-    else:
-        prepared.post = _nothing
+    prepared.issue = _issuer(comm, items)
+    prepared.post = _fix_up_post(plan, targets, stagings, ops, stream)
     # Kept for out= only: without it every call's targets are new, and keeping them would
     # hold the last result's memory. While kept, the plan holds out's buffers and the staging
     # (reusing the staging is as safe as reusing out: device calls are ordered on the stream;
@@ -521,66 +549,182 @@ def _prepared(plan, src, targets, ops, streams, reusable):
     return prepared
 
 
-def _fix_up(plan, targets, stagings, ops, direct):
-    """Put the staged parts in place, write the scale padding, derive Block2D columnwise
-    (``direct``: the local quantize wrote the whole output; only the derivation is left)."""
-    if direct:
-        if plan.derive_columnwise and plan.M:
-            _apply_fix_up(plan, targets, (), ops)
-        return
-    _apply_fix_up(plan, targets, _fix_up_steps(plan, targets, stagings, ops), ops)
+# --------------------------------------------------------------------------------------------
+# The fix-up: staged parts into place (plan.moves), the scale padding (plan.fills), Block2D
+# columnwise derived
 
 
-def _apply_fix_up(plan, targets, steps, ops):
-    """Run `steps` (see _fix_up_steps), then derive Block2D columnwise by FP8 transpose."""
-    for dst, value in steps:
-        if isinstance(value, (int, float)):
-            ops.fill(dst, value)
-        else:
-            ops.copy(dst, value)
-    if plan.derive_columnwise:
-        backend_for(targets[0]).block2d_columnwise_from_rowwise(
-            targets[0], targets[1], out=(targets[2], targets[3]))
+def _fix_up_post(plan, targets, stagings, ops, stream):
+    """The fix-up of a multi-rank fast gather into ``targets`` as a callable, built once per
+    set of buffers. On the device every move and fill is one runtime call enqueued on
+    ``stream`` (the communication stream): a cudaMemcpy2DAsync per rank and staged part, a
+    cudaMemsetAsync per fill whose bytes are all equal, else a copy from a constant block made
+    here. On the host (NumPy, CPU torch) they are copies between strided byte views."""
+    derive = _derive_post(plan, targets) if plan.derive_columnwise else None
+    if not plan.moves and not plan.fills:
+        return derive or _nothing
+    if ops.device:
+        calls, constants = _device_fix_up_calls(plan, targets, stagings, ops, stream)
+
+        def device_post(keep=constants):  # keep: constant blocks the calls copy from
+            for function, args in calls:
+                function(*args)
+            if derive is not None:
+                derive()
+        return device_post
+    steps = _host_fix_up_steps(plan, targets, stagings, ops)
+
+    def host_post():
+        for dst, value in steps:
+            if isinstance(value, (int, float)):
+                ops.fill(dst, value)
+            else:
+                ops.copy(dst, value)
+        if derive is not None:
+            derive()
+    return host_post
 
 
-def _fix_up_steps(plan, targets, stagings, ops):
-    """[(destination view, source view or fill value)]: the staged parts moved into place
-    (the Block1D rowwise scales (cdiv(K,128), round4(M)) whose columns are the ranks' rows;
-    Block1D columnwise data (K, M)), then the scale padding."""
-    ms, offsets, K, M, size = plan.ms, plan.offsets, plan.K, plan.M, plan.size
-    equal = size > 1 and all(m == ms[0] for m in ms) and ms[0] > 0
-    steps = []
-    for part in plan.parts:
-        if part.mode != STAGED:
+def _derive_post(plan, targets):
+    """Block2D columnwise by FP8 transpose of the gathered rowwise (on the current stream)."""
+    derive = backend_for(targets[0]).block2d_columnwise_from_rowwise
+    out = (targets[2], targets[3])
+
+    def post():  # returns None: a Handle would take a value for its result
+        derive(targets[0], targets[1], out=out)
+    return post
+
+
+def _device_fix_up_calls(plan, targets, stagings, ops, stream):
+    """(calls, constants): the runtime calls ``(function, args)`` of the fix-up (see
+    :mod:`fp8blk.comm._device_copy`), addresses and sizes worked out once, and the constant
+    blocks they copy fills from (filled here on the current stream, which the communication
+    stream waits for, in begin(), before the first call reads them)."""
+    copies = ops.copies()
+    calls, constants = [], []
+    for index, dst, dst_pitch, src, src_pitch, width, height in plan.moves:
+        calls.append(copies.copy2d(ops.ptr(targets[index]) + dst, dst_pitch,
+                                   ops.ptr(stagings[index]) + src, src_pitch, width, height,
+                                   stream))
+    for index, offset, (height, width), strides, value in plan.fills:
+        if not height or not width:
             continue
-        staging, flat = stagings[part.index], ops.flat_bytes(targets[part.index])
-        if part.index == 1:  # Block1D rowwise scales: rank r's rows are columns [o, o+m)
-            kb, width, dtype = cdiv(K, 128), round_up(M, 4), np.float32
-            if equal:
-                m, w = ms[0], round_up(ms[0], 4)
-                steps.append((ops.window(flat, 0, (kb, size, m), (width, m, 1), dtype),
-                              ops.window(staging, 0, (kb, size, m), (w, kb * w, 1), dtype)))
-                continue
-            for r, (m, o) in enumerate(zip(ms, offsets)):
-                if m:
-                    steps.append((ops.window(flat, o * 4, (kb, m), (width, 1), dtype),
-                                  ops.window(staging, part.displs[r], (kb, m),
-                                             (round_up(m, 4), 1), dtype)))
-        else:  # Block1D columnwise data (K, M): rank r's (K, m) is columns [o, o+m)
-            if equal:
-                m = ms[0]
-                steps.append((ops.window(flat, 0, (K, size, m), (M, m, 1), U8),
-                              ops.window(staging, 0, (K, size, m), (m, K * m, 1), U8)))
-                continue
-            for r, (m, o) in enumerate(zip(ms, offsets)):
-                if m:
-                    steps.append((ops.window(flat, o, (K, m), (M, 1), U8),
-                                  ops.window(staging, part.displs[r], (K, m), (m, 1), U8)))
+        dtype = plan.out_layouts[index].dtype
+        item = dtype.itemsize
+        dst, pitch, row = ops.ptr(targets[index]) + offset, strides[0] * item, width * item
+        byte = uniform_byte(value, dtype)
+        if byte is not None and (height == 1 or pitch == row):
+            calls.append(copies.memset(dst, byte, height * row, stream))
+            continue
+        constant = ops.empty((height, width), dtype)
+        ops.fill(constant, value)
+        constants.append(constant)
+        calls.append(copies.copy2d(dst, pitch, ops.ptr(constant), row, row, height, stream))
+    return calls, constants
+
+
+def _host_fix_up_steps(plan, targets, stagings, ops):
+    """[(destination view, source view or fill value)] of the fix-up on host arrays: each
+    move as a (height, width) byte view pair, then the scale padding as typed views."""
+    steps = []
+    flats = {}
+
+    def flat(index):
+        if index not in flats:
+            flats[index] = ops.flat_bytes(targets[index])
+        return flats[index]
+    for index, dst, dst_pitch, src, src_pitch, width, height in plan.moves:
+        steps.append((ops.window(flat(index), dst, (height, width), (dst_pitch, 1), U8),
+                      ops.window(stagings[index], src, (height, width), (src_pitch, 1), U8)))
     for index, offset, shape, strides, value in plan.fills:
-        target = targets[index]
-        steps.append((ops.window(ops.flat_bytes(target), offset, shape, strides,
-                                 target.dtype), value))
+        steps.append((ops.window(flat(index), offset, shape, strides,
+                                 plan.out_layouts[index].dtype), value))
     return steps
+
+
+# --------------------------------------------------------------------------------------------
+# The steady state: sizes= and out= given, the same out as before
+
+
+class _Lane:
+    """A fast gather with ``sizes=`` and ``out=`` as the last such call into ``out`` made it:
+    what the arguments were, what the input looked like, and the prepared buffers. A call
+    that matches all of it (:func:`_steady_lane`) goes straight to the quantize, the
+    collective and the fix-up: no Source, no key, no plan lookup, no output checks. Lanes live
+    in the plan cache (``PlanCache.lanes``) and go with their plan."""
+
+    __slots__ = ("out", "held", "plan", "cache", "recipe", "rowwise", "columnwise", "sizes",
+                 "accepts", "ops", "prepared", "m", "k", "rows", "dtype", "sent")
+
+
+def _keep_lane(comm, plan, src, sizes, out, ops, prepared):
+    lane = _Lane()
+    lane.out, lane.held, lane.plan = out, list(internal_buffers(out)), plan
+    lane.cache = plan_cache(comm)
+    lane.recipe, lane.rowwise, lane.columnwise = src.recipe, src.rowwise, src.columnwise
+    lane.sizes = sizes
+    lane.accepts = _input_check(src)
+    lane.ops, lane.prepared = ops, prepared
+    lane.m, lane.k, lane.rows, lane.dtype = src.m, src.k, plan.local_rows(), src.dtype
+    lane.sent = plan.sent_bytes()
+    lane.cache.keep_lane(plan, lane, out)
+
+
+def _input_check(src):
+    """``accepts(x)``: True when ``x`` is an array like ``src.x`` (same type, dtype, shape,
+    device, C-contiguous): then the plan and its checks apply to it unchanged."""
+    x, shape, dtype = src.x, tuple(src.x.shape), src.x.dtype
+    kind = type(x)
+    if kind is np.ndarray:
+        return lambda y: (type(y) is kind and y.shape == shape and y.dtype == dtype
+                          and y.flags.c_contiguous)
+    if src.family == _arrays.TORCH:
+        index = x.get_device()
+        return lambda y: (type(y) is kind and y.shape == shape and y.dtype is dtype
+                          and y.is_contiguous() and y.get_device() == index)
+    device = x.device.id
+    get_device = _arrays._cupy().cuda.runtime.getDevice
+    # CuPy allocates and launches on its current device: the lane also needs it to be x's
+    return lambda y: (type(y) is kind and y.shape == shape and y.dtype == dtype
+                      and y.flags.c_contiguous and y.device.id == device
+                      and get_device() == device)
+
+
+def _steady_lane(comm, x, recipe, rowwise, columnwise, sizes, out, async_op, stream):
+    """(lane, streams, ptr) when this call is the steady state of an earlier one, else None."""
+    cache = comm._gather_plans
+    if cache is None:
+        return None
+    lane = cache.lanes.get(id(out))
+    if lane is None or lane.out is not out:
+        return None
+    if (rowwise != lane.rowwise or columnwise != lane.columnwise
+            or not (recipe is lane.recipe or recipe == lane.recipe)
+            or type(sizes) not in (list, tuple) or tuple(sizes) != lane.sizes
+            or not lane.accepts(x)):
+        return None
+    held, seen = internal_buffers(out), lane.held
+    if held[0] is not seen[0] or held[1] is not seen[1] or held[2] is not seen[2] \
+            or held[3] is not seen[3]:
+        return None  # out holds other buffers now: check them
+    streams, ptr = _streams_for(comm, lane.ops, stream, async_op)
+    if ptr != lane.prepared.stream and not lane.plan.direct:
+        return None  # another stream: the fix-up's calls are bound to theirs
+    return lane, streams, ptr
+
+
+def _gather_steady(comm, lane, x, async_op, streams, ptr):
+    plan, prepared = lane.plan, lane.prepared
+    lane.cache.hits += 1
+    comm.stats.record_gather_path(FAST)
+    if lane.m:
+        quantize_into(_local_x2d(x, lane.m, lane.k, lane.rows), plan.recipe, plan.row_q,
+                      plan.col_q, lane.dtype, prepared.local_out)
+    comm._record("all_gather_v", lane.sent)
+    handle = _run(comm, prepared.issue, prepared.post, streams, ptr, async_op, lane.out)
+    if async_op:
+        return lane.out, handle if handle is not None else Handle.completed(lane.out)
+    return lane.out, None
 
 
 def _fallback(comm, src, plan, out, async_op, stream):
@@ -595,7 +739,7 @@ def _fallback(comm, src, plan, out, async_op, stream):
         local = _arrays.to_backend(src.x)[0]  # a CPU tensor: its NumPy view (no copy)
     else:
         local = src.x
-    streams = _streams_for(ops, stream)
+    streams, ptr = _streams_for(comm, ops, stream, async_op)
     full = ops.empty((plan.M, plan.K), plan.dtype)
     row_bytes = plan.K * plan.dtype.itemsize
     counts = [m * row_bytes for m in plan.ms]
@@ -606,7 +750,7 @@ def _fallback(comm, src, plan, out, async_op, stream):
         if plan.M:
             quantize_into(full, plan.recipe, plan.rowwise, plan.columnwise, plan.dtype,
                           targets)
-    handle = _run(comm, items, post, ops, streams, async_op, result)
+    handle = _run(comm, _issuer(comm, items), post, streams, ptr, async_op, result)
     return result, handle
 
 
@@ -621,10 +765,10 @@ def _plain(comm, src, plan, out, async_op, stream):
                              f"got {type(out).__name__} of shape {tuple(out.shape)}")
         if _arrays.numpy_dtype(out.dtype) != src.dtype or not _arrays.is_contiguous(out):
             raise ValueError(f"out must be C-contiguous with dtype {src.dtype}")
-    streams = _streams_for(ops, stream)
+    streams, ptr = _streams_for(comm, ops, stream, async_op)
     items = [(ops.flat_bytes(src.x), ops.flat_bytes(full), plan.counts)]
     comm._record("all_gather_v", plan.counts[plan.rank])
-    return full, _run(comm, items, _nothing, ops, streams, async_op, full)
+    return full, _run(comm, _issuer(comm, items), _nothing, streams, ptr, async_op, full)
 
 
 def _nothing():
@@ -647,7 +791,8 @@ def _join_with_zeros(comm, plan, src):
         send = ops.empty(counts[plan.rank], U8)
         ops.fill(send, 0)
         items.append((send, ops.empty(sum(counts), U8), counts))
-    _run(comm, items, _nothing, ops, _streams_for(ops, None), False, None)
+    streams, ptr = _streams_for(comm, ops, None, False)
+    _run(comm, _issuer(comm, items), _nothing, streams, ptr, False, None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -682,14 +827,19 @@ def gather_along_first_dim(x, comm, recipe=None, rowwise=True, columnwise=False,
     >>> q.shape == (256 * comm.size, 512)
     True
     """
+    if out is not None and sizes is not None and isinstance(comm, Communicator):
+        steady = _steady_lane(comm, x, recipe, rowwise, columnwise, sizes, out, async_op,
+                              stream)
+        if steady is not None:  # the same call as the last one into out, on new data
+            return _gather_steady(comm, steady[0], x, async_op, steady[1], steady[2])
     frame = sys._getframe(1)
     if not isinstance(comm, Communicator):
         raise TypeError(f"comm must be an fp8blk communicator (MPIComm, NCCLComm, "
                         f"TorchComm), got {type(comm).__name__}")
-    src, plan, local_error = _resolve(comm, x, recipe, rowwise, columnwise, sizes)
+    src, plan, local_error, sizes = _resolve(comm, x, recipe, rowwise, columnwise, sizes)
     comm.stats.record_gather_path(plan.path)
     with _on_device_of(src):
-        return _gather(comm, src, plan, local_error, async_op, out, stream, frame)
+        return _gather(comm, src, plan, local_error, async_op, out, stream, sizes, frame)
 
 
 def _on_device_of(src):
@@ -708,14 +858,14 @@ def _on_device_of(src):
     return cupy.cuda.Device(device)
 
 
-def _gather(comm, src, plan, local_error, async_op, out, stream, frame):
+def _gather(comm, src, plan, local_error, async_op, out, stream, sizes, frame):
     if local_error is not None:
         _join_with_zeros(comm, plan, src)
         raise local_error
     if plan.path == PLAIN:
         result, handle = _plain(comm, src, plan, out, async_op, stream)
     elif plan.path == FAST:
-        result, handle = _fast(comm, src, plan, out, async_op, stream)
+        result, handle = _fast(comm, src, plan, out, async_op, stream, sizes)
     else:
         _warn_once((frame.f_code.co_filename, frame.f_lineno),
                    f"gather_along_first_dim: {plan.reason}; gathering {src.dtype} data and "

@@ -267,33 +267,46 @@ class NCCLComm(Communicator):
         equal counts are an in-place ncclAllGather, unequal ones a broadcast per non-empty
         rank. Device arrays (CuPy or torch CUDA tensors) are passed by pointer: nothing is
         converted. Host items go to the MPI host communicator."""
+        return self._gather_parts_issuer(items)(stream_ptr)
+
+    def _gather_parts_issuer(self, items):
+        """``issue(stream_ptr)`` of ``_gather_parts``: the NCCL calls (pointers, counts,
+        roots) are worked out here, once; an issue makes only them, in one group."""
         if items and not _arrays.is_device(items[0][1]) and _host_array(items[0][1]):
-            return self.host_comm._gather_parts(items)
+            return self.host_comm._gather_parts_issuer(items)
         nccl = _nccl()
-        stream = self._stream().ptr if stream_ptr is None else stream_ptr
-        me = self.rank
-        nccl.groupStart()
-        try:
-            for send, recv, counts in items:
-                recv_ptr = _ptr(recv)
-                mine = counts[me]
-                start = sum(counts[:me])
-                send_ptr = recv_ptr + start if send is None else _ptr(send)
-                if all(c == mine for c in counts):
-                    if mine:
-                        self.nccl_comm.allGather(send_ptr, recv_ptr, mine, nccl.NCCL_UINT8,
-                                                 stream)
-                    continue
-                offset = 0
-                for root, count in enumerate(counts):
-                    if count:  # every rank skips the same roots: counts agree
-                        dst = recv_ptr + offset
-                        self.nccl_comm.broadcast(send_ptr if root == me else dst, dst, count,
-                                                 nccl.NCCL_UINT8, root, stream)
-                    offset += count
-        finally:
-            nccl.groupEnd()
-        return None
+        calls = self._nccl_gather_calls(items, nccl)
+
+        def issue(stream_ptr=None, keep=items):  # keep: the buffers the pointers point into
+            stream = self._stream().ptr if stream_ptr is None else stream_ptr
+            nccl.groupStart()
+            try:
+                for function, args in calls:
+                    function(*args, stream)
+            finally:
+                nccl.groupEnd()
+            return None
+        return issue
+
+    def _nccl_gather_calls(self, items, nccl):
+        """[(NCCL method, its arguments but the stream)] of a grouped gather of ``items``."""
+        me, u8, calls = self.rank, nccl.NCCL_UINT8, []
+        for send, recv, counts in items:
+            recv_ptr = _ptr(recv)
+            mine = counts[me]
+            send_ptr = recv_ptr + sum(counts[:me]) if send is None else _ptr(send)
+            if all(c == mine for c in counts):
+                if mine:
+                    calls.append((self.nccl_comm.allGather, (send_ptr, recv_ptr, mine, u8)))
+                continue
+            offset = 0
+            for root, count in enumerate(counts):
+                if count:  # every rank skips the same roots: counts agree
+                    dst = recv_ptr + offset
+                    calls.append((self.nccl_comm.broadcast,
+                                  (send_ptr if root == me else dst, dst, count, u8, root)))
+                offset += count
+        return calls
 
     def _barrier(self):
         self._stream().synchronize()

@@ -3,103 +3,27 @@ for unequal ones) without a GPU: ranks are threads, NCCL is a stand-in that move
 between host addresses with the same calls and arguments (pointers, byte counts, roots), and
 the gather runs on NumPy arrays. It checks what the H200 cannot show cheaply: the offsets,
 counts and in-place slots the gather hands to NCCL, on equal, unequal and empty shards."""
-import ctypes
 import threading
-import types
 import warnings
 
 import numpy as np
 import pytest
 
 import fp8blk as fb
-from fp8blk.comm import Communicator, GatherFallbackWarning, Handle, NCCLComm
+from fp8blk.comm import GatherFallbackWarning
 from fp8blk.comm import nccl as nccl_module
 from fp8blk.comm.gather import gather_along_first_dim, plan_cache
 
-
-class World:
-    def __init__(self, n):
-        self.n = n
-        self.barrier = threading.Barrier(n, timeout=60)
-        self.slots = [None] * n
-
-    def exchange(self, rank, payload):
-        self.slots[rank] = payload
-        self.barrier.wait()
-        got = list(self.slots)
-        self.barrier.wait()
-        return got
-
-
-class FakeNccl:
-    """The calls NCCLComm makes on a ``cupy.cuda.nccl.NcclCommunicator``, on host memory."""
-
-    def __init__(self, world, rank):
-        self.world, self.rank = world, rank
-        self.calls = []
-
-    def allGather(self, send, recv, count, dtype, stream):
-        self.calls.append(("allGather", count, send == recv + self.rank * count))
-        data = ctypes.string_at(send, count)
-        for r, chunk in enumerate(self.world.exchange(self.rank, data)):
-            ctypes.memmove(recv + r * count, chunk, count)
-
-    def broadcast(self, send, recv, count, dtype, root, stream):
-        self.calls.append(("broadcast", count, root))
-        data = ctypes.string_at(send, count) if root == self.rank else None
-        ctypes.memmove(recv, self.world.exchange(self.rank, data)[root], count)
-
-
-class FakeHost(Communicator):
-    """The MPI host communicator: metadata (NumPy int64) through the thread world."""
-
-    def __init__(self, world, rank):
-        super().__init__()
-        self.world, self.rank, self.size = world, rank, world.n
-
-    def _all_gather(self, inp, out, async_op):
-        out[...] = np.concatenate(self.world.exchange(self.rank, inp.copy()))
-        return Handle.completed()
-
-    def _all_reduce(self, buf, dtype, op, async_op):
-        assert op == "max"
-        buf[...] = np.max(np.stack(self.world.exchange(self.rank, buf.copy())), axis=0)
-        return Handle.completed()
+from .fake_ranks import DeviceOps, FakeNccl, host_nccl, run_ranks
 
 
 @pytest.fixture
 def fake_nccl(monkeypatch):
-    fake = types.SimpleNamespace(NCCL_UINT8=0, groupStart=lambda: None, groupEnd=lambda: None)
-    monkeypatch.setattr(nccl_module, "_nccl", lambda: fake)
-    monkeypatch.setattr(nccl_module, "_host_array", lambda arr: False)  # treat as device
-    monkeypatch.setattr(nccl_module, "_ptr", lambda arr: arr.ctypes.data)
-    monkeypatch.setattr(NCCLComm, "_stream", staticmethod(
-        lambda: types.SimpleNamespace(ptr=0)))
+    host_nccl(monkeypatch.setattr)
 
 
 def _run_ranks(n, body):
-    world = World(n)
-    comms = []
-    for r in range(n):
-        comm = NCCLComm(FakeNccl(world, r), r, n, host_comm=FakeHost(world, r))
-        comm.host_comm.stats = comm.stats
-        comms.append(comm)
-    results, errors = [None] * n, []
-
-    def run(r):
-        try:
-            results[r] = body(comms[r])
-        except BaseException as error:  # noqa: BLE001 - reported below
-            errors.append((r, error))
-            world.barrier.abort()
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0][1]
-    return results, comms
+    return run_ranks(n, body, FakeNccl)
 
 
 def _data(rng, rows, k):
@@ -207,3 +131,165 @@ def test_torch_native_arrays(fake_nccl, monkeypatch, recipe, rowwise, columnwise
                 if e is not None:
                     assert isinstance(g, torch.Tensor)
                     assert np.array_equal(g.numpy().view(np.uint8), e.view(np.uint8)), name
+
+
+# --------------------------------------------------------------------------------------------
+# The device fix-up (raw cudaMemcpy2DAsync / cudaMemsetAsync calls) on host memory
+
+
+class CheckedDeviceOps(DeviceOps):
+    """Device ops on host memory that count the views they make and refuse view copies."""
+
+    def __init__(self):
+        super().__init__()
+        self.views = 0
+
+    def window(self, *args):
+        self.views += 1
+        return super().window(*args)
+
+    def copy(self, dst, src):
+        raise AssertionError("the device fix-up copies through the runtime, not views")
+
+
+_RANK = threading.local()  # the rank of the thread (each rank has its own fake ops)
+
+
+def _expected_calls(recipe, rowwise, columnwise, rows, k):
+    """(memcpy2D calls, memset calls) one fix-up makes."""
+    block1d, m = isinstance(recipe, fb.Block1D), sum(rows)
+    busy = sum(1 for r in rows if r)
+    copies = busy * ((rowwise and block1d) + (columnwise and block1d))
+    copies += block1d and rowwise and m % 4 != 0  # the 1.0 padding, from a constant block
+    memsets = 0
+    if isinstance(recipe, fb.MXFP8):
+        memsets += rowwise and m % 128 != 0
+        memsets += columnwise and (m // 32) % 4 != 0
+    return copies, memsets
+
+
+@pytest.mark.parametrize("recipe,rowwise,columnwise", CASES)
+@pytest.mark.parametrize("n", [2, 3])
+def test_device_fix_up_calls(fake_nccl, monkeypatch, recipe, rowwise, columnwise, n, rng):
+    """The device fix-up's runtime calls (addresses, pitches, widths) on host memory: bytes
+    equal ``quantize`` of the whole for equal, unequal and empty shards and shards that are
+    not multiples of 4 rows; one memcpy2D per rank and staged part; the steady state (the same
+    out= again) builds no views and repeats the same calls."""
+    from fp8blk.comm import gather as gather_module
+
+    mx = isinstance(recipe, fb.MXFP8)
+    k = 96 if mx else 300
+    if mx:
+        splits = [[32] * n, [64] + [32] * (n - 1), [0] + [32] * (n - 1)]
+        if not columnwise:
+            splits.append([7, 25] + [32] * (n - 2))  # padded locally, M % 128 != 0
+    elif columnwise or isinstance(recipe, fb.Block2D):  # stay fast: ranks start at 128k
+        splits = [[128] * n, [256] + [128] * (n - 1), [0] + [128] * (n - 1),
+                  [128] * (n - 1) + [5]]
+    else:
+        splits = [[5] * n, [6, 0] + [3] * (n - 2), [128, 7] + [1] * (n - 2), [0] * (n - 1) + [9]]
+    for rows in splits:
+        every = [_data(rng, r, k) for r in rows]
+        expected = fb.quantize(np.concatenate(every), recipe, rowwise, columnwise)
+        ops = [CheckedDeviceOps() for _ in range(n)]
+        monkeypatch.setattr(gather_module, "_internal_ops", lambda src: ops[_RANK.value])
+        fresh = [_data(rng, r, k) for r in rows]
+        again_expected = fb.quantize(np.concatenate(fresh), recipe, rowwise, columnwise)
+
+        def body(comm, rows=rows, every=every, fresh=fresh):
+            _RANK.value = comm.rank
+            out, _ = gather_along_first_dim(every[comm.rank], comm, recipe, rowwise,
+                                            columnwise, sizes=rows)
+            _same(out, expected)
+            first = len(ops[comm.rank].runtime.calls)
+            views = ops[comm.rank].views
+            target = out
+            for step in range(3):
+                again, _ = gather_along_first_dim(fresh[comm.rank], comm, recipe, rowwise,
+                                                  columnwise, sizes=rows, out=target)
+                assert again is target
+                if step == 0:
+                    views = ops[comm.rank].views  # the first call with this out builds them
+                    calls = ops[comm.rank].runtime.calls[first:]
+            assert ops[comm.rank].views == views, "the steady state made views"
+            assert ops[comm.rank].runtime.calls[first:] == calls * 3
+            return again, calls, comm.stats.last_gather_path
+        results, _ = _run_ranks(n, body)
+        for out, calls, path in results:
+            _same(out, again_expected)
+            if path == "fast":
+                copies, memsets = _expected_calls(recipe, rowwise, columnwise, rows, k)
+                assert sum(c[0] == "memcpy2D" for c in calls) == copies, (rows, calls)
+                assert sum(c[0] == "memset" for c in calls) == memsets, (rows, calls)
+
+
+def test_steady_state_lane(fake_nccl, monkeypatch, rng):
+    """sizes= and out= again: the call takes the lane (no Source, no plan lookup, no output
+    checks: no metadata, a cache hit); anything that differs takes the checked path: a
+    rank whose rows went stale raises while its peers complete, out's buffers replaced are
+    checked again, an evicted plan takes its lane with it (then every rank exchanges)."""
+    from fp8blk.comm import _gather_plan
+    from fp8blk.comm import gather as gather_module
+    from fp8blk.tensor import internal_buffers
+
+    n, k, rows = 3, 260, [128, 0, 128]  # Block1D row+col: ranks start at multiples of 128
+    every = [[_data(rng, r, k) for r in rows] for _ in range(3)]
+    expected = [fb.quantize(np.concatenate(e), fb.Block1D(), True, True) for e in every]
+    steady = gather_module._gather_steady
+    taken = [0] * n
+
+    def counted(comm, *args):
+        taken[comm.rank] += 1
+        return steady(comm, *args)
+    monkeypatch.setattr(gather_module, "_gather_steady", counted)
+    recipe = fb.Block1D()
+
+    def call(comm, x, sizes=rows, out=None, recipe=recipe):
+        return gather_along_first_dim(x, comm, recipe, True, True, sizes=sizes, out=out)[0]
+
+    def body(comm):
+        me, cache = comm.rank, plan_cache(comm)
+        out = call(comm, every[0][me])
+        call(comm, every[1][me], out=out)
+        assert len(cache.lanes) == 1 and taken[me] == 0
+        comm.reset_stats()
+        hits = cache.hits
+        assert call(comm, every[2][me], sizes=tuple(rows), out=out) is out
+        assert taken[me] == 1 and cache.hits == hits + 1 and comm.stats.meta_calls == 0
+        _same(out, expected[2])
+        # a recipe equal by value takes it too; sizes as a generator do not (checked path)
+        call(comm, every[1][me], out=out, recipe=fb.Block1D())
+        call(comm, every[0][me], sizes=(r for r in rows), out=out)
+        assert taken[me] == 2
+        _same(out, expected[0])
+        # one rank's rows went stale: it raises, its peers complete, nobody waits forever
+        if me == n - 1:
+            with pytest.raises(ValueError, match="joined the collectives with zeros"):
+                call(comm, _data(rng, rows[me] + 1, k), out=out)
+        else:
+            call(comm, every[2][me], out=out)
+        call(comm, every[2][me], out=out)
+        _same(out, expected[2])
+        # out's buffer replaced (on every rank): checked again, and rejected
+        held = internal_buffers(out)
+        kept, held[1] = held[1], np.empty(3, np.float32)
+        with pytest.raises(ValueError, match="out's buffer 1"):
+            call(comm, every[2][me], out=out)
+        held[1] = kept
+        call(comm, every[0][me], out=out)
+        _same(out, expected[0])
+        # evicted with its plan: the next call misses (every rank exchanges) and works
+        lane = cache.lanes[id(out)]
+        for extra in range(_gather_plan.CACHE_SIZE + 2):  # other keys (K), plain ones too
+            gather_along_first_dim(np.ones((1, 8 + extra), np.float32), comm,
+                                   fb.Block1D() if extra % 2 else None, sizes=[1] * n)
+        assert lane.plan.lane is None and id(out) not in cache.lanes
+        comm.reset_stats()
+        call(comm, every[1][me], out=out)
+        assert comm.stats.meta_calls == 2  # the check and the exchange of a miss
+        _same(out, expected[1])
+        return taken[me]
+    results, _ = _run_ranks(n, body)
+    # lane calls: the tuple sizes, the equal recipe, the stale call (peers only), the good
+    # call after it, the call after out's buffer came back
+    assert results == [5, 5, 4]

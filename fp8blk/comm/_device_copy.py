@@ -1,0 +1,53 @@
+"""Stream-ordered 2-D copies and fills between raw device addresses, for the gather's fix-up
+(fp8blk.comm.gather): each is ONE CUDA runtime call (``cudaMemcpy2DAsync``,
+``cudaMemsetAsync``), enqueued on an explicit stream. Raw addresses serve CuPy arrays and torch
+CUDA tensors alike (``data.ptr`` / ``data_ptr()``), so neither family builds a view or launches
+a strided-copy kernel per call: the calls are worked out once (addresses, pitches, sizes) and
+replayed, each replay a CuPy Cython wrapper around the runtime call (no views, no kernels
+of our own, nothing allocated).
+
+``Copies(runtime)`` wraps a runtime with CuPy's signatures (``cupy.cuda.runtime``; the CPU
+tests pass a host stand-in that moves bytes with ctypes); :func:`cuda_copies` is the CUDA one.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+_cuda = []
+
+
+class Copies:
+    """Calls ``(function, args)`` of a runtime, built once; ``function(*args)`` enqueues one
+    (the caller replays its list of them in order)."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+        self._copy2d = runtime.memcpy2DAsync
+        self._memset = runtime.memsetAsync
+        self._kind = runtime.memcpyDeviceToDevice
+
+    def copy2d(self, dst, dst_pitch, src, src_pitch, width, height, stream):
+        """Copy ``height`` rows of ``width`` bytes (rows ``*_pitch`` bytes apart)."""
+        return self._copy2d, (dst, dst_pitch, src, src_pitch, width, height, self._kind,
+                              stream)
+
+    def memset(self, dst, byte, nbytes, stream):
+        return self._memset, (dst, byte, nbytes, stream)
+
+
+def cuda_copies() -> Copies:
+    """The CUDA runtime's calls, through CuPy (which the device kernels need anyway)."""
+    if not _cuda:
+        from cupy.cuda import runtime
+
+        _cuda.append(Copies(runtime))
+    return _cuda[0]
+
+
+def uniform_byte(value, dtype):
+    """The byte every byte of ``value`` as ``dtype`` equals (so memset writes it), or None."""
+    raw = np.array(value, dtype=dtype).tobytes()
+    return raw[0] if raw.count(raw[:1]) == len(raw) else None
+
+
+__all__ = ["Copies", "cuda_copies", "uniform_byte"]

@@ -1,0 +1,146 @@
+"""Ranks as threads of one process, for NCCLComm tests without mpiexec: a thread world that
+exchanges Python objects, an MPI-like host communicator for the metadata over it, a runner, an
+NCCL stand-in on host memory (:class:`FakeNccl`, installed by :func:`host_nccl`), and NumPy
+arrays taken for device arrays (:class:`DeviceOps`: the gather's device path, its fix-up's
+runtime calls done on host memory by :class:`HostRuntime`). Used by
+tests/comm/test_nccl_gather_fake.py, tests/comm/test_gather_fake_ranks_gpu.py (with an NCCL
+stand-in between device buffers) and bench/gather_calls_cpu.py."""
+import ctypes
+import threading
+import types
+
+import numpy as np
+
+from fp8blk.comm import Communicator, Handle, NCCLComm, _native
+from fp8blk.comm import nccl as nccl_module
+from fp8blk.comm._device_copy import Copies
+
+STREAM = 0x5EED  # the stream handle DeviceOps reports (HostRuntime checks it comes back)
+
+
+class World:
+    """n threads that swap one object each (two barriers: all read before anyone writes
+    again)."""
+
+    def __init__(self, n):
+        self.n = n
+        self.barrier = threading.Barrier(n, timeout=60)
+        self.slots = [None] * n
+
+    def exchange(self, rank, payload):
+        self.slots[rank] = payload
+        self.barrier.wait()
+        got = list(self.slots)
+        self.barrier.wait()
+        return got
+
+
+class FakeHost(Communicator):
+    """The MPI host communicator: metadata (NumPy int64) through the thread world."""
+
+    def __init__(self, world, rank):
+        super().__init__()
+        self.world, self.rank, self.size = world, rank, world.n
+
+    def _all_gather(self, inp, out, async_op):
+        out[...] = np.concatenate(self.world.exchange(self.rank, inp.copy()))
+        return Handle.completed()
+
+    def _all_reduce(self, buf, dtype, op, async_op):
+        assert op == "max"
+        buf[...] = np.max(np.stack(self.world.exchange(self.rank, buf.copy())), axis=0)
+        return Handle.completed()
+
+
+def run_ranks(n, body, nccl):
+    """Run ``body(comm)`` on n thread ranks (NCCLComm over ``nccl(world, rank)``); returns
+    (results, comms) and re-raises the first rank's error."""
+    world = World(n)
+    comms = []
+    for r in range(n):
+        comm = NCCLComm(nccl(world, r), r, n, host_comm=FakeHost(world, r))
+        comm.host_comm.stats = comm.stats
+        comms.append(comm)
+    results, errors = [None] * n, []
+
+    def run(r):
+        try:
+            results[r] = body(comms[r])
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append((r, error))
+            world.barrier.abort()
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0][1]
+    return results, comms
+
+
+class FakeNccl:
+    """The calls NCCLComm makes on a ``cupy.cuda.nccl.NcclCommunicator``, on host memory."""
+
+    def __init__(self, world, rank):
+        self.world, self.rank = world, rank
+        self.calls = []
+
+    def allGather(self, send, recv, count, dtype, stream):
+        self.calls.append(("allGather", count, send == recv + self.rank * count))
+        data = ctypes.string_at(send, count)
+        for r, chunk in enumerate(self.world.exchange(self.rank, data)):
+            ctypes.memmove(recv + r * count, chunk, count)
+
+    def broadcast(self, send, recv, count, dtype, root, stream):
+        self.calls.append(("broadcast", count, root))
+        data = ctypes.string_at(send, count) if root == self.rank else None
+        ctypes.memmove(recv, self.world.exchange(self.rank, data)[root], count)
+
+
+def host_nccl(setattr_):
+    """Make NCCLComm talk to :class:`FakeNccl` on host memory (``setattr_``: pytest's
+    ``monkeypatch.setattr``, or ``setattr`` for good)."""
+    fake = types.SimpleNamespace(NCCL_UINT8=0, groupStart=lambda: None, groupEnd=lambda: None)
+    setattr_(nccl_module, "_nccl", lambda: fake)
+    setattr_(nccl_module, "_host_array", lambda arr: False)  # treat as device
+    setattr_(nccl_module, "_ptr", lambda arr: arr.ctypes.data)
+    setattr_(NCCLComm, "_stream", staticmethod(lambda: types.SimpleNamespace(ptr=0)))
+
+
+class HostRuntime:
+    """``cupy.cuda.runtime``'s memcpy2DAsync and memsetAsync on host addresses, with the
+    argument checks CUDA makes (a width wider than a pitch is cudaErrorInvalidPitchValue)."""
+
+    memcpyDeviceToDevice = 3
+
+    def __init__(self):
+        self.calls = []
+
+    def memcpy2DAsync(self, dst, dpitch, src, spitch, width, height, kind, stream):
+        assert kind == 3 and stream == STREAM
+        assert 0 < width <= dpitch and width <= spitch and height > 0, (width, dpitch, spitch)
+        self.calls.append(("memcpy2D", width, height))
+        for row in range(height):
+            ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
+
+    def memsetAsync(self, ptr, value, size, stream):
+        assert stream == STREAM and 0 <= value < 256 and size > 0
+        self.calls.append(("memset", value, size))
+        ctypes.memset(ptr, value, size)
+
+
+class DeviceOps(_native.NumpyOps):
+    """NumPy arrays taken for device arrays: the gather takes its device path on them (the
+    fix-up's runtime calls, no views per call), on the stream handle ``STREAM``."""
+
+    device = True
+
+    def __init__(self):
+        self.runtime = HostRuntime()
+
+    def current_stream_ptr(self):
+        return STREAM
+
+    def copies(self):
+        return Copies(self.runtime)

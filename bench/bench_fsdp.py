@@ -9,16 +9,25 @@ FSDP2 (every layer and the root ``fully_shard``-ed, reshard_after_forward=True),
 
 Per case: median step time (GPU, CUDA events around the whole step) and the host time to
 issue it, bytes this rank sent through FSDP's all-gathers per step (counted at the
-collective), the time inside fsdp_pre_all_gather / fsdp_post_all_gather (host perf_counter
-and GPU events, per step), and the time of the per-step FP8 cast of all weights. Before timing, one step of each FP8 mode checks
-after every all-gather that the gathered bytes and scales equal
-``fb.quantize(bf16(full weight))`` (full weight: the gathered parameters, or the masters).
+collective); then, over as many further steps (so that their events and perf_counter calls
+stay out of the step times), the time inside fsdp_pre_all_gather / fsdp_post_all_gather
+(host perf_counter and GPU events, per step) and the time of the per-step FP8 cast of all
+weights. Before timing, one step of each FP8 mode checks after every all-gather that the
+gathered bytes and scales equal ``fb.quantize(bf16(full weight))`` (full weight: the
+gathered parameters, or the masters).
+
+``--profile STEPS``: after that, a cProfile of STEPS more steps per case on rank 0 (CPU or
+GPU), ~40 lines to stderr: Python calls per step, calls and own time by area (fp8blk.torch,
+FSDP2, autograd, C builtins...), the top functions by own time and the FP8 weight path's
+functions by cumulative time; ``--profile-dump DIR`` keeps DIR/<case>.pstats.
 
 Run (writes JSON with machine, date, command and the figures):
 
     torchrun --standalone --nproc-per-node=1 bench/bench_fsdp.py --out bench/results/fsdp_1gpu.json
     torchrun --standalone --nproc-per-node=2 bench/bench_fsdp.py --out bench/results/fsdp_2gpu.json
     # CPU smoke run (gloo): --device cpu --width 256 --tokens 256 --steps 2
+    # where the host time goes, on two GPUs:
+    torchrun --standalone --nproc-per-node=2 bench/bench_fsdp.py --profile 5 --out bench/results/
 """
 from __future__ import annotations
 
@@ -193,6 +202,83 @@ def full_weights(case, model, masters, rows_cols):
     return out
 
 
+_FP8_PATH = ("fp8blk/torch/weight.py", "fp8blk/torch/fsdp.py", "fp8blk/torch/_fsdp_state.py")
+
+
+def _area(filename):
+    """Which code a profiled function belongs to (the summary's columns)."""
+    f = filename.replace(os.sep, "/")
+    for key, name in (("/fp8blk/torch/", "fp8blk.torch"), ("/fp8blk/", "fp8blk"),
+                      ("/torch/distributed/fsdp/", "torch fsdp"),
+                      ("/torch/distributed/", "torch.distributed"),
+                      ("/torch/autograd/", "torch.autograd"), ("/torch/", "torch other")):
+        if key in f:
+            return name
+    return "C builtins" if f == "~" else "other"
+
+
+def profile_steps(case, args, rank, cuda, run_step):
+    """cProfile of ``args.profile`` more steps on rank 0 (every rank steps: collectives):
+    Python calls per step, calls and own time per step by area, the top functions by own
+    time, and the FP8 weight path's (hooks, casts) by cumulative time, to stderr (about 40
+    lines); with ``--profile-dump DIR`` also DIR/<case>.pstats. cProfile inflates the host
+    time; the hooks are not timed meanwhile."""
+    import cProfile
+    import pstats
+
+    steps = args.profile
+    prof = cProfile.Profile()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    if rank == 0:
+        prof.enable()
+    for _ in range(steps):
+        run_step()
+    if rank == 0:
+        prof.disable()
+    host = (time.perf_counter() - t0) * 1e3 / steps
+    if cuda:
+        torch.cuda.synchronize()
+    if rank != 0:
+        return
+    stats = pstats.Stats(prof)
+    if args.profile_dump:
+        os.makedirs(args.profile_dump, exist_ok=True)
+        stats.dump_stats(os.path.join(args.profile_dump, f"{case}.pstats"))
+    rows = [(k, nc / steps, tt * 1e3 / steps, ct * 1e3 / steps)
+            for k, (cc, nc, tt, ct, _) in stats.stats.items()]
+    areas = {}
+    for (f, _, _), n, tt, _ in rows:
+        a = areas.setdefault(_area(f), [0.0, 0.0])
+        a[0] += n
+        a[1] += tt
+    out = [f"==== {case}: {steps} profiled steps on rank 0, {stats.total_calls // steps} "
+           f"Python calls per step, host {host:.2f} ms per step under cProfile",
+           "  by area, calls / own ms per step: " + " | ".join(
+               f"{a} {n:.0f} / {t:.2f}" for a, (n, t) in
+               sorted(areas.items(), key=lambda kv: -kv[1][1]))]
+
+    def name(k):
+        f, line, fn = k
+        f = f.replace(os.sep, "/")
+        for cut in ("/site-packages/", "/fp8blk/"):
+            if cut in f:
+                f = ("fp8blk/" if cut == "/fp8blk/" else "") + f.split(cut, 1)[1]
+        return fn if f == "~" else f"{f}:{line}({fn})"
+
+    def table(title, picked):
+        out.append(f"  {title}: calls/step  own ms  cum ms")
+        out.extend(f"  {n:8.1f} {tt:8.3f} {ct:8.3f}  {name(k)}" for k, n, tt, ct in picked)
+
+    table(f"top {args.profile_top} by own time",
+          sorted(rows, key=lambda r: -r[2])[:args.profile_top])
+    path = [r for r in rows if any(r[0][0].replace(os.sep, "/").endswith(f) for f in _FP8_PATH)]
+    table("FP8 weight path (fp8blk/torch/weight.py, fsdp.py, _fsdp_state.py) by cumulative "
+          "time", sorted(path, key=lambda r: -r[3])[:10])
+    print("\n".join(out), file=sys.stderr, flush=True)
+
+
 def run_case(case, args, device, mesh, rank, world):
     gen = torch.Generator().manual_seed(1234)
     model, opt, masters = build(case, args, device, mesh, gen)
@@ -245,6 +331,10 @@ def run_case(case, args, device, mesh, rank, world):
             result["byte_checks_passed"] = checked[0]
         for _ in range(args.warmup):
             step(case, model, opt, masters, x)
+        # step times first, with nothing timing the hooks or the cast inside the step (their
+        # CUDA events and perf_counter calls would add host time the bf16 case does not pay);
+        # then as many steps again with the hooks and the cast timed, for the breakdown
+        timer.uninstall()
         if cuda:
             torch.cuda.synchronize()
         gpu, host, sent, pre_h, post_h, pre_g, post_g = [], [], [], [], [], [], []
@@ -252,54 +342,43 @@ def run_case(case, args, device, mesh, rank, world):
         for s in states_of(model):
             s.gathers.clear()
         for _ in range(args.steps):
-            timer.reset()
             counter.sent = 0
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
                     enable_timing=True)
                 start.record()
             t0 = time.perf_counter()
-            casts = []
-            step(case, model, opt, masters, x, casts)
+            step(case, model, opt, masters, x)
             host.append((time.perf_counter() - t0) * 1e3)
             if cuda:
                 end.record()
                 torch.cuda.synchronize()
                 gpu.append(start.elapsed_time(end))
-                pre_g.append(timer.gpu_ms("pre"))
-                post_g.append(timer.gpu_ms("post"))
             sent.append(counter.sent)
-            for h, ev in casts:
-                cast_h.append(h * 1e3)
-                if ev is not None:
-                    cast_g.append(ev[0].elapsed_time(ev[1]))
             if case != "bf16":
                 hook_bytes.append(sum(g["bytes"] for s in states_of(model)
                                       for g in s.gathers))
                 for s in states_of(model):
                     s.gathers.clear()
-            pre_h.append(timer.host["pre"] * 1e3)
-            post_h.append(timer.host["post"] * 1e3)
-        if args.profile:  # every rank steps (collectives), rank 0 profiles
-            import cProfile
-            import io
-            import pstats
-
-            prof = cProfile.Profile()
-            if rank == 0:
-                prof.enable()
-            for _ in range(args.profile):
-                step(case, model, opt, masters, x)
+        timer.install()
+        for _ in range(args.steps):
+            timer.reset()
+            casts = []
+            step(case, model, opt, masters, x, casts)
             if cuda:
                 torch.cuda.synchronize()
-            if rank == 0:
-                prof.disable()
-                text = io.StringIO()
-                stats = pstats.Stats(prof, stream=text)
-                print(f"==== {case}: {args.profile} steps, {stats.total_calls // args.profile} "
-                      f"Python calls per step; top by own time", file=text)
-                stats.sort_stats("tottime").print_stats(args.profile_top)
-                print(text.getvalue(), file=sys.stderr, flush=True)
+                pre_g.append(timer.gpu_ms("pre"))
+                post_g.append(timer.gpu_ms("post"))
+            for h, ev in casts:
+                cast_h.append(h * 1e3)
+                if ev is not None:
+                    cast_g.append(ev[0].elapsed_time(ev[1]))
+            pre_h.append(timer.host["pre"] * 1e3)
+            post_h.append(timer.host["post"] * 1e3)
+        timer.uninstall()
+        if args.profile:  # every rank steps (collectives), rank 0 profiles
+            profile_steps(case, args, rank, cuda,
+                          functools.partial(step, case, model, opt, masters, x))
         med = statistics.median
         result.update({
             "step_gpu_ms": med(gpu) if gpu else None,
@@ -340,6 +419,8 @@ def main():
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="after timing, cProfile STEPS more steps of each case on rank 0 (stderr)")
     p.add_argument("--profile-top", type=int, default=25)
+    p.add_argument("--profile-dump", default=None, metavar="DIR",
+                   help="with --profile: also write DIR/<case>.pstats (rank 0)")
     p.add_argument("--out", default=None, help="JSON output path, or a folder to write "
                    "fsdp-h200x<world>-<date>[-tokens<T>].json in (rank 0 writes it)")
     args = p.parse_args()

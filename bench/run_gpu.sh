@@ -23,7 +23,8 @@
 #   cold_start    bench/cold_start.py
 #   gather        bench/bench_gather.py, one rank per GPU (name to be confirmed)
 #   linear        bench/bench_linear.py
-#   fsdp          bench/bench_fsdp.py
+#   fsdp          bench/bench_fsdp.py per token count in FSDP_TOKENS (FSDP_ARGS: more
+#                 flags, e.g. "--profile 5": where the host time goes)
 #   gather_torch  bench/bench_gather.py --comm torch under torchrun, one rank per GPU
 #   multirank     the comm suites with one rank per GPU: NCCLComm (mpiexec), TorchComm (torchrun)
 #   tp            tests/torch/scripts/tp_parity.py on NCCL, one rank per GPU
@@ -134,7 +135,7 @@ fi
 if has fsdp && ! absent fsdp bench/bench_fsdp.py; then
   for tokens in ${FSDP_TOKENS:-8192}; do
     step bench_fsdp_${NGPU}_$tokens ${FSDP_TIMEOUT:-300} torchrun --standalone \
-      --nproc-per-node $NGPU bench/bench_fsdp.py --tokens $tokens --out "$OUT/"
+      --nproc-per-node $NGPU bench/bench_fsdp.py --tokens $tokens --out "$OUT/" $FSDP_ARGS
   done
 fi
 if [ -n "$TARBALL" ]; then  # the device tool returns at most 8 files: logs in one tarball

@@ -1,18 +1,34 @@
 """What the FP8 weights' FSDP2 hooks ask of FSDP2's state: the parameter group that holds a
 weight, and the usage (rowwise / columnwise) its training state needs. Uses FSDP2's private
 training-state attributes (torch >= 2.6). Shared by ``weight`` (the hooks) and ``fsdp`` (the
-registry), so neither imports the other for it."""
+registry), so neither imports the other for it.
+
+The hooks run before every all-gather: FSDP2's names are imported once, at the first hook
+(torch.distributed may be missing from a torch build, so not when fp8blk.torch is imported)."""
 from __future__ import annotations
 
+_FSDP = {}  # FSDP2's names, filled by _fsdp()
+_NAMES = {}  # id(TrainingState member) -> its name (Enum.name and hash are Python calls)
 
-def param_group_of(state, module):
-    """FSDP2 parameter group holding the weight of `state` (the hook's `module` owns it).
-    Raises RuntimeError when FSDP state has no parameter group (as TransformerEngine does)."""
-    from torch.distributed._composable_state import _get_module_state
-    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
-    st = _get_module_state(module) if module is not None else None
-    if isinstance(st, FSDPState) and st._fsdp_param_group is None:
+def _fsdp():
+    if not _FSDP:
+        from torch.distributed._composable_state import _get_module_state
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+        _FSDP.update(get_module_state=_get_module_state, FSDPState=FSDPState,
+                     PRE_BACKWARD=TrainingState.PRE_BACKWARD)
+    return _FSDP
+
+
+def fsdp_param_of(state, module):
+    """(FSDPParam, FSDP2 parameter group) of the weight of `state` (the hook's `module` owns
+    it). Raises RuntimeError when FSDP state has no parameter group (as TransformerEngine
+    does). The hooks call it once per module and keep the answer (:class:`WeightState`)."""
+    names = _fsdp()
+    st = names["get_module_state"](module) if module is not None else None
+    if isinstance(st, names["FSDPState"]) and st._fsdp_param_group is None:
         raise RuntimeError(
             f"FSDP2 state of {type(module).__name__} has no parameter group, so the FP8 "
             f"weight cannot tell the training state (forward / backward) it is gathered for: "
@@ -22,7 +38,12 @@ def param_group_of(state, module):
         raise RuntimeError(
             f"no FSDP2 parameter group holds this FP8 weight ({state.shape}): convert the "
             f"model with prepare_fsdp_fp8 and then call fully_shard on it")
-    return hit[1]
+    return hit
+
+
+def param_group_of(state, module):
+    """FSDP2 parameter group holding the weight of `state` (see :func:`fsdp_param_of`)."""
+    return fsdp_param_of(state, module)[1]
 
 
 def usage_for(group):
@@ -30,9 +51,7 @@ def usage_for(group):
     state: PRE_BACKWARD -> columnwise (dgrad); forward with reshard_after_forward -> rowwise;
     forward without resharding -> both (the backward pass reuses this gather). (FSDP runs the
     hooks under no_grad, so an inference-only forward cannot be told apart here.)"""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-
-    if group._training_state == TrainingState.PRE_BACKWARD:
+    if group._training_state is (_FSDP or _fsdp())["PRE_BACKWARD"]:
         return False, True
     if group._reshard_after_forward:
         return True, False
@@ -40,4 +59,8 @@ def usage_for(group):
 
 
 def state_name(group) -> str:
-    return group._training_state.name
+    st = group._training_state
+    name = _NAMES.get(id(st))
+    if name is None:
+        name = _NAMES[id(st)] = st.name
+    return name

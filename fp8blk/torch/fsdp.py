@@ -50,6 +50,7 @@ protocol (its columnwise plane is gathered in backward only), else a clear Runti
 """
 from __future__ import annotations
 
+import functools
 import weakref
 
 import numpy as np
@@ -96,6 +97,7 @@ def prepare_fsdp_fp8(model: torch.nn.Module, mode: str = "cast", module_filter_f
         raise ValueError("prepare_fsdp_fp8 must run before fully_shard (it replaces the "
                          "weights FSDP2 would shard)")
     registry = Registry(model)
+    _REGISTRIES.generation += 1  # the models' registry lists may have changed
     for fqn, module in model.named_modules():
         if not module_filter_fn(module, fqn):
             continue
@@ -167,6 +169,7 @@ class Registry:
         self.states = []
         self._fsdp = {}
         self._comms = {}
+        self._entries = {}  # mode -> its entries, once FSDP2 manages every weight of it
 
     def fsdp_of(self, state):
         hit = self._fsdp.get(id(state))
@@ -199,35 +202,69 @@ class Registry:
                     self._fsdp[id(local._state)] = (fp, group)
 
     def entries(self, mode):
-        """[(state, FSDPParam)] of the weights of `mode`, in conversion order."""
+        """[(state, FSDPParam, first flat index, element count, chunk rows)] of the weights
+        of `mode`, in conversion order: this rank's shard of each (see _shard_place). Kept
+        once found: the weights and FSDP2's parameters of a model do not change."""
+        hit = self._entries.get(mode)
+        if hit is not None:
+            return hit
         out = []
         for state in self.states:
             if state.mode != mode:
                 continue
-            hit = self.fsdp_of(state)
-            if hit is None:
+            found = self.fsdp_of(state)
+            if found is None:
                 raise RuntimeError(
                     "a converted weight is not managed by FSDP2: call fully_shard on the model "
                     "(or a module holding the weight) after prepare_fsdp_fp8")
-            out.append((state, hit[0]))
+            fp = found[0]
+            out.append((state, fp) + _shard_place(fp, *state.shape))
+        self._entries[mode] = out
         return out
 
     def ensure_cast(self, state):
-        """Mode "cast": see :func:`ensure_cast` (the weights' hooks reach it through their
-        registry: ``weight`` cannot import this module, which imports it)."""
-        ensure_cast(state)
+        """Mode "cast", in the pre-all-gather hook (which reaches it through the registry:
+        ``weight`` cannot import this module, which imports it): re-cast every weight of the
+        model when this one's parameter changed since its bytes were cast (every rank decides
+        alike: the optimizer's in-place update bumps the version of every rank's shard)."""
+        hit = state.fsdp if state.fsdp is not None else self.fsdp_of(state)
+        if state.frags is None or state.cast_version != hit[0].sharded_param._version:
+            _recast(self)
 
     def comm(self, fsdp_param):
-        from ..comm import TorchComm
-
         pg = fsdp_param.mesh_info.shard_process_group
         hit = self._comms.get(id(pg))
         if hit is None:
+            from ..comm import TorchComm
+
             hit = self._comms[id(pg)] = (pg, TorchComm(pg))
         return hit[1]
 
 
+class _ModelRegistries:
+    """The registries of each model the per-step functions were called with, kept while no
+    prepare_fsdp_fp8 ran since (walking every parameter of a large model each step costs
+    milliseconds)."""
+
+    def __init__(self):
+        self.generation = 0
+        self._known = weakref.WeakKeyDictionary()  # model -> (generation, registries)
+
+    def of(self, model):
+        hit = self._known.get(model)
+        if hit is None or hit[0] != self.generation:
+            hit = self._known[model] = (self.generation, _scan_registries(model))
+        return hit[1]
+
+
+_REGISTRIES = _ModelRegistries()
+
+
 def _registries(model):
+    return _REGISTRIES.of(model)
+
+
+def _scan_registries(model):
     regs = []
     for p in model.parameters():
         local = p._local_tensor if _is_dtensor(p) else p
@@ -252,46 +289,55 @@ def _shard_place(fsdp_param, rows, cols):
     return r0 * cols, (r1 - r0) * cols, chunk
 
 
-def _internal(t, cache=None, key=None):
-    """The flat internal (NumPy / CuPy) array of torch tensor `t` (None if empty). With a
-    `cache` dict, the array made for `key` is reused while `t`'s address, size and dtype are
-    the same (masters and local rows persist across steps; a DLPack import costs ~24 us on
-    the GPU)."""
+def _local_of(fsdp_param):
+    """The sharded parameter's local tensor (FSDPParam._sharded_local_tensor without its
+    typing.cast: two Python calls per weight per step)."""
+    return fsdp_param.sharded_param._local_tensor
+
+
+def _flat_array(t):
+    """The flat internal (NumPy / CuPy) array of torch tensor `t` (None if empty)."""
     if t is None or t.numel() == 0:
         return None
-    if cache is None:
-        return _arrays.to_backend(t.reshape(-1))[0]
-    sig = (t.data_ptr(), t.numel(), t.dtype)
-    hit = cache.get(key)
-    if hit is None or hit[0] != sig:
-        hit = cache[key] = (sig, _arrays.to_backend(t.reshape(-1))[0])
+    return _arrays.to_backend(t.detach().reshape(-1))[0]
+
+
+def _cast_item(j, entry, key, sources, *args):
+    """The master.Item of one weight (a scale-only weight BlockTensor, bytes into fragments),
+    reused while `key` -- where its master and fragment tensors are (addresses, sizes,
+    dtypes) -- is unchanged: building one imports them through DLPack (~24 us each on the
+    GPU). ``sources(entry, *args)`` gives the (master, row fragment, column fragment) torch
+    tensors, each flat and `count` long (or None), when the Item must be built."""
+    state = entry[0]
+    hit = state.cast_items.get(j)
+    if hit is None or hit[0] != key:
+        hit = state.cast_items[j] = (key, _new_item(j, entry, *sources(entry, *args)))
     return hit[1]
 
 
-def _cast_all(entries, masters, frags, comm):
-    """One batched ``cast_master_weights`` over the entries (scale-only weight BlockTensors,
-    bytes into the fragments): one all-reduce per recipe bucket for all weights."""
+def _new_item(j, entry, m, f_row, f_col):
+    state, fp, start, count, chunk = entry
+    rows, cols = state.shape
+    arr = _flat_array(m) if count else None
+    mdtype = _arrays.numpy_dtype(m.dtype) if arr is not None else None
+    return master.Item(j, state.scale_tensor, rows, cols, state.recipe, arr, mdtype,
+                       start if count else 0, count if arr is not None else 0,
+                       rowwise=True, columnwise=isinstance(state.recipe, MXFP8),
+                       frag_row=_flat_array(f_row) if count else None,
+                       frag_col=_flat_array(f_col) if count else None)
+
+
+def _cast_all(registry, entries, item_of):
+    """One batched ``cast_master_weights`` over the entries, one all-reduce per recipe bucket
+    for all weights. ``item_of(j, i, entry)``: the master.Item of entry i, j-th of its
+    model-dtype bucket."""
     by_dtype = {}
-    for i, (state, fp) in enumerate(entries):
-        by_dtype.setdefault(state.model_dtype, []).append(i)
+    for i, entry in enumerate(entries):
+        by_dtype.setdefault(entry[0].model_dtype, []).append(i)
     device = entries[0][0].scales[0].is_cuda if entries else False
+    comm = registry.comm(entries[0][1]) if entries else None
     for model_dtype, idx in by_dtype.items():
-        items = []
-        for j, i in enumerate(idx):
-            state, fp = entries[i]
-            rows, cols = state.shape
-            start, count, _ = _shard_place(fp, rows, cols)
-            m = masters[i]
-            cache = state.internal_cache
-            arr = _internal(m, cache, "master") if count else None
-            mdtype = _arrays.numpy_dtype(m.dtype) if arr is not None else None
-            f_row, f_col = frags[i]
-            it = master.Item(j, state.scale_tensor, rows, cols, state.recipe, arr, mdtype,
-                             start if count else 0, count if arr is not None else 0,
-                             rowwise=True, columnwise=isinstance(state.recipe, MXFP8),
-                             frag_row=_internal(f_row, cache, "row") if count else None,
-                             frag_col=_internal(f_col, cache, "col") if count else None)
-            items.append(it)
+        items = [item_of(j, i, entries[i]) for j, i in enumerate(idx)]
         with on_torch_stream(device):
             master.cast_batch(items, comm, _arrays.numpy_dtype(model_dtype), have_fragments=True,
                               device=device)
@@ -314,30 +360,35 @@ def _recast(registry):
     entries = registry.entries("cast")
     if not entries:
         return
-    masters, frags = [], []
-    for state, fp in entries:
-        rows, cols = state.shape
-        start, count, chunk = _shard_place(fp, rows, cols)
-        local = fp._sharded_local_tensor
-        hp = local._planes[0]
+    for state, fp, start, count, chunk in entries:
         if state.frags is None or state.frags[0].shape[0] != chunk:
-            state.frags = [hp.new_zeros((chunk, cols), dtype=torch.uint8)
+            hp = _local_of(fp)._planes[0]
+            state.frags = [hp.new_zeros((chunk, state.shape[1]), dtype=torch.uint8)
                            for _ in state.planes]
-        masters.append(hp.reshape(-1)[:count] if count else None)
-        frags.append(tuple(f.reshape(-1)[:count] for f in state.frags) + (None,) * (
-            2 - len(state.frags)))
-    _cast_all(entries, masters, frags, registry.comm(entries[0][1]))
-    for state, fp in entries:
+    _cast_all(registry, entries, _cast_mode_item)
+    for state, fp, *_ in entries:
         state.cast_version = fp.sharded_param._version
 
 
+def _cast_mode_item(j, i, entry):
+    """The Item of a mode-2 weight: its parameter's rows, bytes into its fragments."""
+    state, fp = entry[0], entry[1]
+    hp = _local_of(fp)._planes[0]
+    frags = state.frags
+    key = (hp.data_ptr(), hp.dtype, hp.numel(), frags[0].data_ptr(), frags[-1].data_ptr())
+    return _cast_item(j, entry, key, _cast_mode_sources)
+
+
+def _cast_mode_sources(entry):
+    state, fp, start, count, chunk = entry
+    flat = [f.reshape(-1)[:count] for f in state.frags] + [None]
+    return _local_of(fp)._planes[0].reshape(-1)[:count], flat[0], flat[1]
+
+
 def ensure_cast(state):
-    """Mode "cast", in the pre-all-gather hook: re-cast every weight of the model when this
-    one's parameter changed since its bytes were cast (every rank decides alike: the
-    optimizer's in-place update bumps the version of every rank's shard)."""
-    hit = state.registry.fsdp_of(state)
-    if state.frags is None or state.cast_version != hit[0].sharded_param._version:
-        _recast(state.registry)
+    """Mode "cast": cast the model's weights unless this one's bytes are current (see
+    :meth:`Registry.ensure_cast`)."""
+    state.registry.ensure_cast(state)
 
 
 # --------------------------------------------------------------------------------------------
@@ -347,7 +398,7 @@ def ensure_cast(state):
 def _primary_entries(model):
     out = []
     for reg in _registries(model):
-        out += [(reg, s, fp) for s, fp in reg.entries("primary")]
+        out += [(reg, entry) for entry in reg.entries("primary")]
     return out
 
 
@@ -357,9 +408,8 @@ def master_weights(model: torch.nn.Module) -> list:
     holds), as 1-D fp32 leaf tensors with ``requires_grad=True``, initialized to the FP8
     weight's values (dequantized). Pass them to the optimizer."""
     out = []
-    for reg, state, fp in _primary_entries(model):
-        rows, cols = state.shape
-        start, count, _ = _shard_place(fp, rows, cols)
+    for reg, (state, fp, start, count, chunk) in _primary_entries(model):
+        cols = state.shape[1]
         local = fp._sharded_local_tensor
         vals = _dequantize_rows(state, local._planes[0], start // cols)
         out.append(vals.reshape(-1).float().clone().requires_grad_(True))
@@ -379,6 +429,7 @@ def _dequantize_rows(state, row_bytes, r0):
         idx_r = torch.arange(r0, r0 + rows, device=sinv.device) // 128
         idx_c = torch.arange(cols, device=sinv.device) // 128
         return vals * sinv[idx_r][:, idx_c]
+    # (setup only: master_weights runs once, so this host copy is no per-step sync)
     codes = sinv[r0:r0 + rows, : cols // 32].cpu().numpy()
     mult = torch.from_numpy(scaling.e8m0_decode(codes).astype(np.float32)).to(vals.device)
     return vals * mult.repeat_interleave(32, dim=1)
@@ -391,14 +442,15 @@ def master_grads_(model: torch.nn.Module, masters: list) -> None:
     ``optimizer.zero_grad`` does for the masters). Call after backward."""
     entries = _primary_entries(model)
     _check_masters(entries, masters)
-    for (reg, state, fp), m in zip(entries, masters):
-        g = fp.sharded_param.grad
+    for (reg, (state, fp, *_)), m in zip(entries, masters):
+        param = fp.sharded_param
+        g = param.grad
         if g is None:
             m.grad = None
             continue
         g = g._local_tensor if _is_dtensor(g) else g
         m.grad = g.reshape(-1).to(torch.float32)
-        fp.sharded_param.grad = None
+        param.grad = None
 
 
 def _check_masters(entries, masters):
@@ -406,9 +458,7 @@ def _check_masters(entries, masters):
         raise ValueError(f"masters must be the list from master_weights(model) ({len(entries)} "
                          f"tensors), got {type(masters).__name__} of "
                          f"{len(masters) if hasattr(masters, '__len__') else '?'}")
-    for (reg, state, fp), m in zip(entries, masters):
-        rows, cols = state.shape
-        start, count, _ = _shard_place(fp, rows, cols)
+    for (reg, (state, fp, start, count, chunk)), m in zip(entries, masters):
         if not isinstance(m, torch.Tensor) or m.dim() != 1 or m.numel() != count:
             raise ValueError(f"masters: expected a 1-D tensor of {count} elements (this rank's "
                              f"shard of a {state.shape} weight), got "
@@ -418,23 +468,34 @@ def _check_masters(entries, masters):
 @torch.no_grad()
 def cast_master_weights_(model: torch.nn.Module, masters: list) -> None:
     """Mode "primary": write every FP8 weight of ``model`` from its fp32 master shard with ONE
-    all-reduce per recipe for all weights (``fb.cast_master_weights`` over a TorchComm of the
-    FSDP mesh): each rank writes the bytes of its own rows, every rank the global scales. After
-    the all-gather, each weight equals ``quantize(bf16(full master))`` byte for byte."""
+    all-reduce per recipe for all weights (``fb.cast_master_weights``' batched cast over a
+    TorchComm of the FSDP mesh, without its rank-agreement header -- FSDP2 gives every rank
+    the same weights and shards -- so the host never waits for the GPU): each rank writes the
+    bytes of its own rows, every rank the global scales. After the all-gather, each weight
+    equals ``quantize(bf16(full master))`` byte for byte."""
     entries = _primary_entries(model)
     _check_masters(entries, masters)
     by_reg = {}
-    for (reg, state, fp), m in zip(entries, masters):
-        by_reg.setdefault(id(reg), (reg, []))[1].append((state, fp, m))
-    for reg, group in by_reg.values():
-        ents = [(s, fp) for s, fp, _ in group]
-        ms, frags = [], []
-        for state, fp, m in group:
-            planes = fp._sharded_local_tensor._planes
-            ms.append(m.detach())
-            frags.append((planes[0].reshape(-1),
-                          planes[1].reshape(-1) if len(planes) > 1 else None))
-        _cast_all(ents, ms, frags, reg.comm(ents[0][1]))
+    for (reg, entry), m in zip(entries, masters):
+        by_reg.setdefault(id(reg), (reg, [], []))
+        by_reg[id(reg)][1].append(entry)
+        by_reg[id(reg)][2].append(m)
+    for reg, ents, ms in by_reg.values():
+        _cast_all(reg, ents, functools.partial(_primary_item, ms))
+
+
+def _primary_item(masters, j, i, entry):
+    """The Item of a mode-1 weight: master `masters[i]`, bytes into the local planes."""
+    m = masters[i]
+    planes = _local_of(entry[1])._planes
+    key = (m.data_ptr(), m.dtype, planes[0].data_ptr(), planes[-1].data_ptr(),
+           planes[0].numel())
+    return _cast_item(j, entry, key, _primary_sources, m)
+
+
+def _primary_sources(entry, m):
+    planes = _local_of(entry[1])._planes
+    return m, planes[0].reshape(-1), planes[1].reshape(-1) if len(planes) > 1 else None
 
 
 def gathered_bytes(model: torch.nn.Module) -> list:

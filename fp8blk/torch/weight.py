@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import inspect
+import weakref
 
 import numpy as np
 import torch
@@ -41,7 +42,7 @@ from .. import _arrays
 from ..formats import Block2D, MXFP8
 from ..layout import all_layouts, cdiv
 from ..tensor import BlockTensor, internal_buffers
-from ._fsdp_state import param_group_of, state_name, usage_for
+from ._fsdp_state import fsdp_param_of, state_name, usage_for
 
 aten = torch.ops.aten
 
@@ -98,16 +99,44 @@ class WeightState:
                                               _arrays.numpy_dtype(model_dtype), _arrays.TORCH)
         self.registry = None      # the Registry of the model this weight was converted in
         self.fsdp = None          # (FSDPParam, FSDPParamGroup) once looked up
+        self.hook_module = None   # the module the pre-all-gather hook found self.fsdp for
+        self.mesh_place = None    # (mesh, outer_size, world, rank, chunk rows, cols) of it
+        self.cast_items = {}      # fsdp.py: the master cast's Item per weight, while valid
         self.frags = None         # mode 2: padded local FP8 bytes per plane (torch uint8)
         self.cast_version = None  # mode 2: sharded param version the bytes were cast from
-        self.internal_cache = {}  # fsdp.py: internal arrays of the master cast's tensors
         self.gathers = collections.deque(maxlen=64)  # the latest pre-all-gathers
         self.log_gathers = True
+
+        # per usage (rowwise, columnwise): the planes the all-gather sends, and their index
+        # among the planes a rank holds
+        self.sent = {u: _planes_sent(recipe, u) for u in
+                     ((True, False), (False, True), (True, True))}
 
     @property
     def planes(self) -> tuple:
         """Byte planes a rank holds: ("row",) for Block2D, ("row", "col") for MXFP8."""
         return ("row", "col") if isinstance(self.recipe, MXFP8) else ("row",)
+
+    def fsdp_for(self, module):
+        """(FSDPParam, parameter group) of this weight, as the hook's `module` finds them:
+        checked once per module, then kept (FSDP2 never moves a parameter to another
+        group)."""
+        if module is not self.hook_module or self.fsdp is None:
+            self.fsdp = fsdp_param_of(self, module)
+            self.hook_module = module
+        return self.fsdp
+
+    def place_on(self, mesh, outer_size):
+        """(world, rank, chunk rows, cols) of this rank's shard on `mesh`: asked of the mesh
+        once (DeviceMesh.size / get_local_rank cost ~25 Python calls) and kept while FSDP2
+        passes the same mesh and size objects."""
+        p = self.mesh_place
+        if p is None or p[0] is not mesh or p[1] is not outer_size:
+            ws = mesh.size()
+            rows, cols = int(outer_size[0]), int(outer_size[-1])
+            p = self.mesh_place = (mesh, outer_size, ws, mesh.get_local_rank(),
+                                   cdiv(rows, ws), cols)
+        return p[2:]
 
     def set_scales_from(self, q: BlockTensor):
         """Copy the global scales of a full-weight BlockTensor (conversion time)."""
@@ -115,6 +144,15 @@ class WeightState:
         for dst, s in zip(self.scales, src):
             if dst is not None:
                 dst.copy_(s)
+
+
+def _planes_sent(recipe, usage):
+    """(plane names, their indices) the all-gather sends for `usage`: Block2D always the
+    rowwise plane (the columnwise copy is its FP8 transpose), MXFP8 the planes needed."""
+    if isinstance(recipe, Block2D):
+        return ("row",), (0,)
+    names = tuple(p for p, need in zip(("row", "col"), usage) if need)
+    return names, tuple(("row", "col").index(p) for p in names)
 
 
 def _torch_dtype(np_dtype):
@@ -146,6 +184,12 @@ class _PlaneWeight(torch.Tensor):
         return (f"{type(self).__name__}(shape={tuple(self.shape)}, recipe={self._state.recipe!r}, "
                 f"global shape={self._state.shape}, mode={self._state.mode})")
 
+    def _clear_non_serializable_cached_data(self):
+        # deepcopy / serialization: the cached hook (see _PreAllGatherHook) refers to this
+        # tensor, not to a copy; it is set again at the copy's first gather
+        super()._clear_non_serializable_cached_data()
+        self.__dict__.pop("fsdp_pre_all_gather", None)
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -162,35 +206,32 @@ class _PlaneWeight(torch.Tensor):
         """FSDP2 hook: the uint8 FP8 planes this rank sends (padded to FSDP's chunk rows) and
         metadata (the state, which planes, the usage). Scales do not travel: they are global
         and already on every rank."""
+        if "fsdp_pre_all_gather" not in self.__dict__:
+            self.fsdp_pre_all_gather = _PreAllGatherHook(self)
         state = self._state
-        group = param_group_of(state, module)
-        rowwise, columnwise = usage_for(group)
-        if isinstance(state.recipe, Block2D):
-            planes = ("row",)  # columnwise = FP8 transpose of the gathered rowwise bytes
-        else:
-            planes = tuple(p for p, need in (("row", rowwise), ("col", columnwise)) if need)
-        ws, rank = mesh.size(), mesh.get_local_rank()
-        rows, cols = int(outer_size[0]), int(outer_size[-1])
-        chunk = cdiv(rows, ws)
-        local = self._local_bytes(chunk, cols, rank)
-        inputs = tuple(local[state.planes.index(p)] for p in planes)
+        group = state.fsdp_for(module)[1]
+        usage = usage_for(group)
+        planes, index = state.sent[usage]
+        ws, rank, chunk, cols = state.place_on(mesh, outer_size)
+        inputs = self._local_bytes(chunk, index)
         if state.log_gathers:
-            state.gathers.append({"state": state_name(group), "usage": (rowwise, columnwise),
-                                  "planes": planes, "bytes": sum(t.numel() for t in inputs),
+            state.gathers.append({"state": state_name(group), "usage": usage,
+                                  "planes": planes, "bytes": chunk * cols * len(planes),
                                   "world": ws, "padded_numel": chunk * cols * ws})
-        return inputs, (state, planes, (rowwise, columnwise))
+        return inputs, (state, planes, usage)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """FSDP2 hook: the unsharded :class:`Float8BlockWeight` (first gather) or ``out``
-        updated in place (later gathers; no-grad, version counter kept)."""
+        updated in place (later gathers; its version counter unchanged)."""
         state, planes, usage = metadata
         if out is not None:
             # FSDP2 + TP passes the DTensor it built around our tensor the first time
-            inner = out._local_tensor if type(out).__name__ == "DTensor" else out
-            # (on the GPU the buffers are torch tensors: the transpose launches on torch's
-            # current stream by itself)
-            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
-                inner._box.update(all_gather_outputs, planes, usage)
+            inner = out if isinstance(out, Float8BlockWeight) else out._local_tensor
+            # No torch op reads or writes `out` here: the box repoints its BlockTensor and
+            # writes only its own columnwise tensor (on the GPU a kernel on torch's current
+            # stream), so neither no_grad nor a version-counter guard is needed (~15 Python
+            # calls per gather)
+            inner._box.update(all_gather_outputs, planes, usage)
             return None
         # the unsharded weight claims FSDP's compute dtype (mp_policy.param_dtype, else the
         # parameter's): the Linear produces the weight gradient in it
@@ -243,6 +284,25 @@ _PlaneWeight.fsdp_pre_all_gather.__signature__ = inspect.signature(
     _PlaneWeight.fsdp_pre_all_gather)
 
 
+class _PreAllGatherHook:
+    """The pre-all-gather hook of one sharded tensor, set on it as an instance attribute at
+    its first gather. inspect.signature of a bound method still rebuilds and re-validates the
+    signature without ``self`` (~6 us per gather); of this object it returns the stored one
+    (~1.5 us). It calls the class's hook, so patching the class (tests, the benchmark's timer)
+    still takes effect, and holds the tensor weakly (no reference cycle)."""
+
+    __slots__ = ("_tensor",)
+    __signature__ = inspect.Signature(
+        list(_PlaneWeight.fsdp_pre_all_gather.__signature__.parameters.values())[1:])
+
+    def __init__(self, tensor):
+        self._tensor = weakref.ref(tensor)
+
+    def __call__(self, mesh, outer_size, outer_stride, module, mp_policy):
+        t = self._tensor()
+        return type(t).fsdp_pre_all_gather(t, mesh, outer_size, outer_stride, module, mp_policy)
+
+
 class Float8BlockPrimaryWeight(_PlaneWeight):
     """Mode 1: the FP8 bytes of this rank's rows of an FP8 primary weight (see module doc).
 
@@ -263,8 +323,9 @@ class Float8BlockPrimaryWeight(_PlaneWeight):
             f"the optimizer must update fp32 master shards (fp8blk.torch.master_weights) and "
             f"fp8blk.torch.cast_master_weights_ writes the FP8 bytes")
 
-    def _local_bytes(self, chunk, cols, rank):
-        return tuple(_padded_rows(p, chunk) for p in self._planes)
+    def _local_bytes(self, chunk, index):
+        planes = self._planes
+        return tuple([_padded_rows(planes[i], chunk) for i in index])
 
 
 class Float8BlockCastWeight(_PlaneWeight):
@@ -280,8 +341,8 @@ class Float8BlockCastWeight(_PlaneWeight):
 
     @classmethod
     def _other_op(cls, func, args, kwargs):
-        a = tree_map_only(Float8BlockCastWeight, lambda t: t._planes[0], args)
-        k = tree_map_only(Float8BlockCastWeight, lambda t: t._planes[0], kwargs)
+        a = _hp_args(args)
+        k = {n: _hp_args(v) for n, v in kwargs.items()} if kwargs else kwargs
         out = func(*a, **k)
         if func._schema.is_mutable and args and isinstance(args[0], Float8BlockCastWeight):
             return args[0] if not isinstance(out, (list, tuple)) else out
@@ -292,10 +353,23 @@ class Float8BlockCastWeight(_PlaneWeight):
         """The high-precision parameter data (a plain tensor sharing storage)."""
         return self._planes[0]
 
-    def _local_bytes(self, chunk, cols, rank):
+    def _local_bytes(self, chunk, index):
         state = self._state
         state.registry.ensure_cast(state)
-        return tuple(state.frags)
+        frags = state.frags
+        return tuple([frags[i] for i in index])
+
+
+def _hp_args(x):
+    """`x` with each Float8BlockCastWeight replaced by its high-precision plane, inside
+    lists and tuples too (foreach optimizer ops take lists). An aten op's arguments hold no
+    other containers; pytree's tree_map cost ~160 Python calls per optimizer op."""
+    if isinstance(x, Float8BlockCastWeight):
+        return x._planes[0]
+    t = type(x)
+    if t is tuple or t is list:
+        return t([_hp_args(v) for v in x])
+    return x
 
 
 class on_torch_stream:
@@ -371,7 +445,8 @@ class _GatheredBox:
     """The gathered weight's storage, shared by the unsharded parameter and its aliases:
     the BlockTensor, the torch tensors behind its buffers, and a cache of their internal
     (NumPy/CuPy) arrays keyed by address, so a re-gather into the same memory re-imports
-    nothing (a DLPack import costs ~24 us on the GPU)."""
+    nothing (a DLPack import costs ~24 us on the GPU). The scale tensors (the global scales,
+    and the Block2D columnwise copy's) are never reallocated: imported once, here."""
 
     def __init__(self, state, dtype):
         self.state = state
@@ -379,16 +454,19 @@ class _GatheredBox:
         rows, cols = state.shape
         recipe = state.recipe
         lay = all_layouts(recipe, rows, cols)
+        self.block2d = isinstance(recipe, Block2D)
         self.col_data = None
-        self.col_sinv = None
-        if isinstance(recipe, Block2D):
+        col_sinv = state.scales[1]
+        if self.block2d:
             dev = state.scales[0].device
             # reused across iterations; its storage is FSDP's to free and re-allocate
             self.col_data = torch.empty(lay[2].shape, dtype=torch.uint8, device=dev)
-            self.col_sinv = torch.empty(lay[3].shape, dtype=torch.float32, device=dev)
+            col_sinv = torch.empty(lay[3].shape, dtype=torch.float32, device=dev)
         self._internal = {}
         self.q = _GatheredBlockTensor.empty(state.shape, recipe,
                                             _arrays.numpy_dtype(state.model_dtype))
+        self.row_sinv = self._import("row_sinv", state.scales[0], 1)
+        self.col_sinv = self._import("col_sinv", col_sinv, 3)
 
     def inner_tensors(self):
         return [self.col_data] if self.col_data is not None else []
@@ -407,22 +485,21 @@ class _GatheredBox:
     def update(self, outputs, planes, usage):
         """Point the BlockTensor at freshly gathered planes; make or drop the columnwise
         copy as `usage` = (rowwise, columnwise) says."""
-        state = self.state
-        rows, cols = state.shape
+        rows = self.state.shape[0]
         bufs = internal_buffers(self.q)
-        bufs[:] = [None, None, None, None]
-        got = dict(zip(planes, outputs))
-        if "row" in got:
-            bufs[0] = self._import("row", got["row"][:rows], 0)
-            bufs[1] = self._import("row_sinv", state.scales[0], 1)
-        if "col" in got:
-            bufs[2] = self._import("col", got["col"][:rows], 2)
-            bufs[3] = self._import("col_sinv", state.scales[1], 3)
-        rowwise, columnwise = usage
-        if isinstance(state.recipe, Block2D):
+        bufs[0] = bufs[1] = bufs[2] = bufs[3] = None
+        for name, t in zip(planes, outputs):
+            if t.shape[0] != rows:  # FSDP padded the weight to world x chunk rows
+                t = t[:rows]
+            if name == "row":
+                bufs[0], bufs[1] = self._import("row", t, 0), self.row_sinv
+            else:
+                bufs[2], bufs[3] = self._import("col", t, 2), self.col_sinv
+        if self.block2d:
+            rowwise, columnwise = usage
             if columnwise:
                 self._make_columnwise()
-            elif self.col_data is not None and self.col_data.untyped_storage().nbytes():
+            elif self.col_data.untyped_storage().nbytes():
                 self.col_data.untyped_storage().resize_(0)  # not needed in this pass
             if not rowwise:
                 bufs[0] = bufs[1] = None  # only the transpose is needed: release rowwise
@@ -434,8 +511,7 @@ class _GatheredBox:
         if storage.nbytes() != need:
             storage.resize_(need)
         bufs = internal_buffers(self.q)
-        bufs[2] = self._import("col", self.col_data, 2)
-        bufs[3] = self._import("col_sinv_made", self.col_sinv, 3)
+        bufs[2], bufs[3] = self._import("col", self.col_data, 2), self.col_sinv
         self.q.create_columnwise()
 
     def block_tensor(self, rowwise=True, columnwise=False):

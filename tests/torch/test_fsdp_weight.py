@@ -2,6 +2,8 @@
 applies when sharding and padding map onto the FP8 planes byte for byte, the post-all-gather
 hook builds the gathered BlockTensor (columnwise by FP8 transpose) equal to fb.quantize, and
 unsupported uses fail clearly. The distributed checks are in test_fsdp.py."""
+import copy
+import inspect
 import math
 
 import pytest
@@ -69,6 +71,34 @@ def test_cast_weight_updates_in_place_and_preserves_subclass(rng):
     assert isinstance(torch.zeros_like(p), W.Float8BlockCastWeight)
     doubled = p * 2
     assert type(doubled) is torch.Tensor and torch.equal(doubled, (w - 0.5) * 2)
+
+
+def test_cast_weight_foreach_update_in_place(rng):
+    # foreach optimizers (the CUDA default) pass lists of weights to one op
+    w = _spread(rng, 128, 128)
+    model, filt, _ = _model(w)
+    F.prepare_fsdp_fp8(model, mode="cast", module_filter_fn=filt)
+    p = model[0].weight
+    with torch.no_grad():
+        torch._foreach_add_([p], [torch.ones_like(w)], alpha=-0.25)
+        torch._foreach_mul_([p], 2.0)
+    assert isinstance(p, W.Float8BlockCastWeight) and torch.equal(p.hp, (w - 0.25) * 2)
+
+
+def test_pre_all_gather_hook_signature_and_copies(rng):
+    # FSDP2 reads the hook's signature before every all-gather; the first gather leaves a
+    # hook object on the tensor whose signature is stored (no self), which copies drop
+    w = _spread(rng, 128, 128)
+    model, filt, _ = _model(w)
+    F.prepare_fsdp_fp8(model, mode="cast", module_filter_fn=filt)
+    p = model[0].weight
+    names = ["mesh", "outer_size", "outer_stride", "module", "mp_policy"]
+    assert list(inspect.signature(p.fsdp_pre_all_gather).parameters) == names
+    p.fsdp_pre_all_gather = W._PreAllGatherHook(p)  # what the first gather does
+    assert list(inspect.signature(p.fsdp_pre_all_gather).parameters) == names
+    q = copy.deepcopy(p)
+    assert "fsdp_pre_all_gather" not in q.__dict__ and torch.equal(q.hp, p.hp)
+    assert q.fsdp_pre_all_gather.__self__ is q
 
 
 @pytest.mark.parametrize("usage", [(True, False), (False, True), (True, True)])

@@ -15,7 +15,8 @@
 3. Breakdown per shape: the three GEMMs alone (blockwise_scaled_mm on prequantized operands),
    the quantize kernels alone (x row+col, W row, dY row+col, W transpose), and the rest.
 4. Forward peak memory (max_memory_allocated during forward, above the start) and the bytes
-   saved for backward, against bf16 nn.Linear.
+   saved for backward, against bf16 nn.Linear, for the layer alone and for a stack of four
+   square (in -> in) layers (saved tensors add up across layers, transients do not).
 5. torch.compile(fullgraph=True) of a 2-layer model on the GPU: traces, and equals eager.
 Prints a table and writes JSON (machine, date, command, per-case figures).
 """
@@ -179,6 +180,31 @@ def memory(layer, x):
     return peak, held
 
 
+def stack_memory(m, k, depth=4):
+    """Forward peak bytes (above the start) of `depth` square (k -> k) layers in sequence, per
+    implementation: what a network's forward pass holds. Each layer's saved tensors stay
+    alive until backward (so they add up across layers), while a layer's transient buffers
+    (its FP8 copies of the input that are not saved) are freed before the next layer runs."""
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    out = {}
+    builders = {"bf16": lambda lin: lin, "fp8blk": Float8BlockLinear.from_linear}
+    try:
+        from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
+
+        builders["torchao"] = Float8BlockwiseLinear.from_float
+    except Exception:  # noqa: BLE001  (reported by speed())
+        pass
+    for name, build in builders.items():
+        try:
+            stack = torch.nn.Sequential(*[build(torch.nn.Linear(
+                k, k, bias=False, device=DEV, dtype=torch.bfloat16)) for _ in range(depth)])
+            out[name] = memory(stack, x)[0]
+            del stack
+        except Exception as err:  # noqa: BLE001
+            out[name] = f"{type(err).__name__}: {err}"
+    return {"depth": depth, "tokens": m, "width": k, "fwd_peak_bytes": out}
+
+
 def speed(m, k, n, quick):
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(m, n, device=DEV, dtype=torch.bfloat16)
@@ -204,6 +230,7 @@ def speed(m, k, n, quick):
     case["speedup_vs_bf16"] = t["bf16"] / t["fp8blk"] if "fp8blk" in t else None
     case["target_vs_bf16"] = TARGETS[(m, k, n)]
     case["speedup_vs_torchao"] = {p: t[p] / t["fp8blk"] for p in t if p.startswith("torchao")}
+    case["stack_memory"] = stack_memory(m, k)
     case["breakdown"] = breakdown(m, k, n)
     case["breakdown"]["other_ms"] = t.get("fp8blk", 0) - case["breakdown"]["gemms_ms"] \
         - case["breakdown"]["quantize_ms"]
@@ -263,7 +290,8 @@ def main():
               f"vs bf16 (target {c['target_vs_bf16']}) {ao} | gemms {b['gemms_ms']:.3f} "
               f"quant {b['quantize_ms']:.3f} other {b['other_ms']:.3f} (bf16 gemms "
               f"{b['bf16_gemms_ms']:.3f}) | host us {c['host_us']} | fwd peak "
-              f"{c['fwd_peak_bytes']} saved {c['saved_bytes']} | errors {c['errors']} "
+              f"{c['fwd_peak_bytes']} saved {c['saved_bytes']} | 4-layer stack fwd peak "
+              f"{c['stack_memory']['fwd_peak_bytes']} | errors {c['errors']} "
               f"{c['torchao_error'] or ''}")
     print("compile:", result["compile"])
     if args.out:

@@ -15,8 +15,8 @@
 3. Breakdown per shape: the three GEMMs alone (blockwise_scaled_mm on prequantized operands),
    the quantize kernels alone (x row+col, W row, dY row+col, W transpose), and the rest.
 4. Forward peak memory (max_memory_allocated during forward, above the start) and the bytes
-   saved for backward, against bf16 nn.Linear, for the layer alone and for a stack of four
-   square (in -> in) layers (saved tensors add up across layers, transients do not).
+   saved for backward, against bf16 nn.Linear, for the layer alone and for stacks of four and
+   eight square (in -> in) layers (saved tensors add up across layers, transients do not).
 5. torch.compile(fullgraph=True) of a 2-layer model on the GPU: traces, and equals eager.
 Prints a table and writes JSON (machine, date, command, per-case figures).
 """
@@ -230,7 +230,7 @@ def speed(m, k, n, quick):
     case["speedup_vs_bf16"] = t["bf16"] / t["fp8blk"] if "fp8blk" in t else None
     case["target_vs_bf16"] = TARGETS[(m, k, n)]
     case["speedup_vs_torchao"] = {p: t[p] / t["fp8blk"] for p in t if p.startswith("torchao")}
-    case["stack_memory"] = stack_memory(m, k)
+    case["stack_memory"] = [stack_memory(m, k, depth) for depth in (4, 8)]
     case["breakdown"] = breakdown(m, k, n)
     case["breakdown"]["other_ms"] = t.get("fp8blk", 0) - case["breakdown"]["gemms_ms"] \
         - case["breakdown"]["quantize_ms"]
@@ -290,8 +290,9 @@ def main():
               f"vs bf16 (target {c['target_vs_bf16']}) {ao} | gemms {b['gemms_ms']:.3f} "
               f"quant {b['quantize_ms']:.3f} other {b['other_ms']:.3f} (bf16 gemms "
               f"{b['bf16_gemms_ms']:.3f}) | host us {c['host_us']} | fwd peak "
-              f"{c['fwd_peak_bytes']} saved {c['saved_bytes']} | 4-layer stack fwd peak "
-              f"{c['stack_memory']['fwd_peak_bytes']} | errors {c['errors']} "
+              f"{c['fwd_peak_bytes']} saved {c['saved_bytes']} | stack fwd peak "
+              f"{[(s['depth'], s['fwd_peak_bytes']) for s in c['stack_memory']]} | errors "
+              f"{c['errors']} "
               f"{c['torchao_error'] or ''}")
     print("compile:", result["compile"])
     if args.out:

@@ -83,7 +83,7 @@ def _transposed(buffers, recipe):
 def _weight_transposed(qw, recipe):
     if isinstance(recipe, MXFP8):
         return mxfp8_columnwise_as_rows(qw[2], qw[3])
-    if qw[2].numel():                       # the FSDP weight may hand columnwise buffers
+    if qw[2].numel():                       # the backward pass asks for columnwise buffers
         return qw[2], qw[3]
     return block2d_columnwise(qw[0], qw[1], recipe)
 
@@ -117,34 +117,28 @@ class _Float8BlockLinearFn(torch.autograd.Function):
             x2d = x2d.contiguous()
         need_wgrad = weight.requires_grad
         qx = quantize_input(x2d, cfg.activation, need_wgrad)
-        # A weight that hands out its FP8 form (the FSDP2 weight) is asked for what each pass
-        # needs -- rowwise now, columnwise in the backward pass, when FSDP2 has gathered (or
-        # transposed) it for that pass -- and the weight itself is saved, not its buffers, so
-        # that resharding after the forward pass frees them (TransformerEngine's protocol).
-        hooked = hasattr(weight, "fp8blk_block_tensor")
-        qw = _weight_block_tensor(weight, cfg, True,
-                                  not hooked and isinstance(cfg.weight, MXFP8))
+        # The weight is asked for what each pass needs -- rowwise now, columnwise in the
+        # backward pass -- and the weight itself is saved, not its FP8 buffers: an FSDP2 FP8
+        # weight hands out what FSDP2 gathered for that pass (resharding after the forward
+        # pass frees it: TransformerEngine's protocol), any other weight is quantized again
+        # in backward, columnwise only. Keeping W's FP8 form until backward would hold N*K
+        # bytes per layer through the whole forward pass of a network, for ~15 us saved.
+        qw = _weight_block_tensor(weight, cfg, True, False)
         y = blockwise_scaled_mm(*_forward_operands(qx, qw, cfg), out_dtype=out_dtype)
         if bias is not None:
             y = y + bias.to(y.dtype)
         qx_t = _transposed(qx, cfg.activation) if need_wgrad else (None, None)
-        # FP8 saved: x's columnwise buffers and W's buffers (or W), nothing in high precision
-        if hooked:
-            ctx.save_for_backward(qx_t[0], qx_t[1], weight)
-        else:
-            ctx.save_for_backward(qx_t[0], qx_t[1], *qw)
-        ctx.hooked = hooked
+        # saved: x's columnwise FP8 buffers and W (a parameter: held anyway), no activation in
+        # high precision
+        ctx.save_for_backward(qx_t[0], qx_t[1], weight)
         ctx.cfg = cfg
         ctx.shapes = (x.shape, x.dtype, weight.dtype, bias is not None)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
-        if ctx.hooked:
-            xt_d, xt_s, weight = ctx.saved_tensors
-            qw = _weight_block_tensor(weight, ctx.cfg, False, True)
-        else:
-            xt_d, xt_s, *qw = ctx.saved_tensors
+        xt_d, xt_s, weight = ctx.saved_tensors
+        qw = _weight_block_tensor(weight, ctx.cfg, False, True)
         x_shape, x_dtype, w_dtype, has_bias = ctx.shapes
         n = dy.shape[-1]
         dy2d = dy.reshape(-1, n)

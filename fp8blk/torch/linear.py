@@ -5,13 +5,15 @@ Math (TransformerEngine's block-scaling recipe, docs/torch.md), for x (..., K) v
 W (N, K), dY (M, N):
 
     forward   y  = x[1x128] @ W[128x128].T            (+ bias in high precision)
-    dgrad     dx = dY[1x128] @ W.columnwise[128x128]  (FP8 transpose of W's tiles, no requant)
+    dgrad     dx = dY[1x128] @ W.columnwise[128x128]  (W's tiles transposed: the same bytes)
     wgrad     dW = dY.columnwise[128x1].T @ x.columnwise[128x1]   (reduction over tokens)
 
 x and dY are each quantized ONCE, rowwise and columnwise in one fused pass. The activation
 saved for the backward pass is x's columnwise FP8 buffer (M*K bytes plus scales), not the
-high-precision x (2*M*K bytes in bf16): about half the activation memory of nn.Linear. W's
-rowwise FP8 buffers (N*K bytes) are saved too, so the backward pass needs no requantization.
+high-precision x (2*M*K bytes in bf16): about half the activation memory of nn.Linear. W
+itself is saved (a parameter, held anyway), not its FP8 buffers: the backward pass quantizes
+it again, columnwise only (the same bytes as the FP8 transpose of its rowwise tiles), which
+costs one read of W and keeps N*K bytes per layer out of the memory held between the passes.
 Output dtype = x's dtype; dW is produced in W's dtype, dbias = dY summed over tokens.
 
 Interface with the FSDP2 weight subclass (``fp8blk/torch/fsdp.py``): the layer gets its
@@ -19,9 +21,9 @@ quantized weight only through :func:`_weight_block_tensor`. A weight with a meth
 ``fp8blk_block_tensor(rowwise: bool, columnwise: bool) -> fp8blk.BlockTensor`` (Block2D, or
 MXFP8 under an MXFP8 config; the recipe must equal ``config.weight``) is asked for its FP8 form
 and used as it is (no requantization); any other weight is quantized from its high-precision
-values. The forward pass asks for ``rowwise=True, columnwise=False`` (Block2D; MXFP8 asks for
-both, since its columnwise blocks differ); the backward pass derives the columnwise buffers by
-FP8 transpose. The weight is an input of the autograd function either way, so dW flows to it.
+values. The forward pass asks for ``rowwise=True, columnwise=False``, the backward pass for
+``rowwise=False, columnwise=True``. The weight is an input of the autograd function and is
+saved for backward either way, so dW flows to it.
 
 torch.compile: quantize, transpose and GEMM are custom ops with fake implementations, so
 ``torch.compile(model, fullgraph=True)`` traces the layer without graph breaks (plain weights;

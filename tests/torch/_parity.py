@@ -185,7 +185,7 @@ def check_against_oracle(model, recorder, cfg, check_bias=True):
 def set_plant(name):
     """Plant a known bug in fp8blk.torch (for the planted-bug checks); returns an undo
     function. Names: "scale_layout" (1x128 scales read as [m, kb] instead of [kb, m]),
-    "dropped_transpose" (dgrad uses W's rowwise instead of its columnwise buffers),
+    "dropped_transpose" (dgrad uses W's bytes untransposed instead of its columnwise buffers),
     "wgrad_rowwise" (wgrad uses the rowwise instead of the columnwise buffers)."""
     from fp8blk.torch import functional as linear, scaled_mm
 
@@ -204,7 +204,10 @@ def set_plant(name):
         orig = linear._weight_transposed
 
         def planted(qw, recipe):
-            return qw[0], qw[1]
+            # W's FP8 bytes in W's own (N, K) orientation where dgrad needs them transposed
+            # (the backward pass holds W's columnwise buffers only: transpose them back)
+            data = qw[2].t().contiguous() if qw[2].numel() else qw[0]
+            return data, qw[3] if qw[3].numel() else qw[1]
     elif name == "wgrad_rowwise":
         target, attr = linear, "_transposed"
         orig = linear._transposed

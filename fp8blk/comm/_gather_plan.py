@@ -13,7 +13,11 @@ peers skip):
   ``sizes`` included); later calls with the same key issue no metadata collective at all. A
   rank whose own input no longer matches its cached plan (rows != sizes[rank], a BlockTensor
   holding other directions) still joins the planned data collectives with zeros, so that no
-  peer waits forever, and raises.
+  peer waits forever, and raises. So does a rank whose input is invalid (no key at all): it
+  joins out='s steady-state lane for these sizes, else the plan last used with them
+  (``PlanCache.by_sizes``); with neither (a first call) it takes the exchange, as its peers
+  miss too. Malformed sizes on one rank only cannot be matched to a plan: that rank is left
+  to the exchange, which peers with a cached plan skip (the ranks must pass the same sizes).
 * no ``sizes``: each call makes one small host all-reduce (MAX of [h, -h], 16 bytes) of the
   hash of the plan its local key finds (or a per-rank miss value). All ranks equal: the
   cached plan is everyone's plan. Anything else (a miss, or one rank changed its shape): every
@@ -448,11 +452,16 @@ class PlanCache:
     ``lanes``: {id(out): lane} of the ``sizes=``/``out=`` steady state (fp8blk.comm.gather):
     at most one lane per cached plan (``plan.lane``), dropped with its plan, so that a lane
     is found only while the plan it belongs to is cached, on every rank alike (a lane hit
-    then issues exactly what a plan-cache hit issues: no metadata)."""
+    then issues exactly what a plan-cache hit issues: no metadata).
+
+    ``by_sizes``: {sizes: (plan, ops)} of the last checked ``sizes=`` call with those sizes
+    (``ops``: the array operations its data moved with), dropped with its plan like a lane:
+    what a rank whose own input is invalid joins so that peers on a cache hit complete."""
 
     def __init__(self):
         self.plans = collections.OrderedDict()
         self.lanes = {}
+        self.by_sizes = {}
         self.hits = self.misses = 0
 
     def get(self, key):
@@ -461,10 +470,23 @@ class PlanCache:
     def put(self, key, plan):
         old = self.plans.get(key)
         if old is not None:
-            self._forget_lane(old)
+            self._forget(old)
         self.plans[key] = plan
         while len(self.plans) > CACHE_SIZE:
-            self._forget_lane(self.plans.popitem(last=False)[1])
+            self._forget(self.plans.popitem(last=False)[1])
+
+    def note_sizes_call(self, sizes, plan, ops):
+        """Record ``plan`` (cached, keyed with ``sizes``) as the last one used with them."""
+        self.by_sizes[sizes] = (plan, ops)
+
+    def _forget(self, plan):
+        """``plan`` leaves the cache: so do its lane and its ``by_sizes`` record (a plan made
+        with ``sizes=`` has them as its dim0s), so that neither outlives what peers can hit."""
+        self._forget_lane(plan)
+        sizes = tuple(plan.dim0s)
+        entry = self.by_sizes.get(sizes)
+        if entry is not None and entry[0] is plan:
+            del self.by_sizes[sizes]
 
     def keep_lane(self, plan, lane, out):
         """Make ``lane`` the steady-state lane of ``plan`` for ``out`` (one per plan, and one

@@ -44,7 +44,10 @@ rank raises the same ValueError if anything disagrees, or if any rank's input is
 rank is left waiting). The resulting plan is cached per communicator: later calls cost one
 16-byte host all-reduce (a check that every rank found the same plan), or nothing at all with
 ``sizes=`` (see :mod:`fp8blk.comm._gather_plan` for the protocol). World size 1 never
-exchanges anything.
+exchanges anything. With ``sizes=`` and a plan for them, a rank whose input is invalid (or
+whose rows no longer match) cannot tell its peers, who skip the metadata: it joins their data
+collectives with zeros and raises; they complete (see ``_join_peers_and_raise``). A rank whose
+own ``sizes`` is malformed cannot find their plan and is left to the exchange they skip.
 
 Steady state: with ``sizes=`` and ``out=``, a call that repeats the last such call into the
 same ``out`` (equal recipe, usages and sizes; an input of the same type, dtype, shape and
@@ -112,18 +115,15 @@ def plan_cache(comm) -> PlanCache:
     return cache
 
 
-def _resolve(comm, x, recipe, rowwise, columnwise, sizes):
+def _resolve(comm, x, recipe, rowwise, columnwise, sizes, out=None):
     """(source, plan, local_error, sizes as a checked tuple or None): ``local_error`` is set
     only on the ``sizes=`` steady state when this rank's input does not fit the plan its
-    peers use."""
-    src = error = None
-    try:
-        src = Source(x, recipe, rowwise, columnwise)
-        if sizes is not None:
-            sizes = check_sizes(sizes, comm.size)
-    except Exception as caught:  # every rank must learn of it, or its peers would wait
-        error = caught
+    peers use. An invalid input with well-formed ``sizes`` for which a plan is known raises
+    here, after joining that plan's collectives (:func:`_join_peers_and_raise`)."""
+    src, sizes, error = _checked_input(comm, x, recipe, rowwise, columnwise, sizes)
     cache = plan_cache(comm)
+    if error is not None and sizes is not None and comm.size > 1:
+        _join_peers_and_raise(comm, cache, sizes, out, error)
     key = None if error is not None else local_key(src, sizes)
     plan = None if key is None else cache.get(key)
     if comm.size == 1:
@@ -132,6 +132,8 @@ def _resolve(comm, x, recipe, rowwise, columnwise, sizes):
     elif sizes is not None and plan is not None:
         problem = plan.expects(src)
         cache.hits += 1
+        if problem is None:
+            cache.note_sizes_call(sizes, plan, _data_ops(plan, src))
         return src, plan, (None if problem is None else ValueError(
             f"gather_along_first_dim: {problem}; this rank joined the collectives with zeros "
             f"so that no rank waits forever (the other ranks received zeros for its rows): "
@@ -153,7 +155,27 @@ def _resolve(comm, x, recipe, rowwise, columnwise, sizes):
     columns, table_hash = exchange(comm, src, sizes, error)
     plan = Plan(src, columns, comm.size, comm.rank, table_hash)
     cache.put(key, plan)
+    if sizes is not None and comm.size > 1:
+        cache.note_sizes_call(sizes, plan, _data_ops(plan, src))
     return src, plan, None, sizes
+
+
+def _checked_input(comm, x, recipe, rowwise, columnwise, sizes):
+    """(source or None, sizes as a checked tuple or None, this rank's error or None). Sizes
+    are checked apart from the input, so that an invalid input still knows them; malformed
+    sizes are dropped (that rank then cannot find its peers' plan, see
+    :func:`_join_peers_and_raise`)."""
+    src = error = None
+    try:
+        src = Source(x, recipe, rowwise, columnwise)
+    except Exception as caught:  # every rank must learn of it, or its peers would wait
+        error = caught
+    if sizes is not None:
+        try:
+            sizes = check_sizes(sizes, comm.size)
+        except Exception as caught:
+            error, sizes = error or caught, None
+    return src, sizes, error
 
 
 # --------------------------------------------------------------------------------------------
@@ -775,10 +797,48 @@ def _nothing():
     return None
 
 
-def _join_with_zeros(comm, plan, src):
-    """The ``sizes=`` steady state when this rank's input does not fit the plan: issue the
-    plan's collectives with zeros (so that no peer waits forever), then raise."""
-    ops = _internal_ops(src) if plan.path != PLAIN else ops_for(src.x)
+def _data_ops(plan, src):
+    """The array operations ``plan``'s data moves with for ``src`` (what its path uses)."""
+    return _internal_ops(src) if plan.path != PLAIN else ops_for(src.x)
+
+
+def _join_peers_and_raise(comm, cache, sizes, out, error):
+    """This rank's input is invalid, its ``sizes`` well-formed. Peers that hit their cached
+    plan for ``sizes`` go straight to its data collectives and would wait forever for this
+    rank, so it joins them with zeros and raises ``error``. Their plan, as far as this rank
+    can tell without the metadata exchange they skip: ``out``'s steady-state lane, else the
+    plan of the last checked call with these sizes (the ranks' caches change alike, so theirs
+    hold it too). Neither known (e.g. a first call): return, and the caller probes and
+    exchanges, where every rank raises as the peers miss too."""
+    lane = cache.lanes.get(id(out)) if out is not None else None
+    if lane is not None and lane.out is out and lane.sizes == sizes:
+        plan, ops = lane.plan, lane.ops
+    else:
+        entry = cache.by_sizes.get(sizes)
+        if entry is None:
+            return
+        plan, ops = entry
+    _join_with_zeros(comm, plan, ops)
+    note = (f"; this rank joined the collectives of its cached plan for sizes={list(sizes)} "
+            f"with zeros so that no rank waits forever (the other ranks received zeros for "
+            f"its rows and did not raise)")
+    raise _with_note(error, note)
+
+
+def _with_note(error, note):
+    """``error`` with ``note`` appended to its message (its type and traceback kept)."""
+    if len(error.args) == 1 and isinstance(error.args[0], str):
+        error.args = (error.args[0] + note,)
+    elif hasattr(error, "add_note"):  # Python >= 3.11
+        error.add_note(note.lstrip("; "))
+    return error
+
+
+def _join_with_zeros(comm, plan, ops):
+    """Issue ``plan``'s collectives with zeros as this rank's bytes (so that no peer waits
+    forever) on arrays of ``ops``: the sizes= steady state when this rank's input does not fit
+    the plan, or is invalid. Every count, item and call is the one the peers issue, as their
+    issue depends only on the counts (NCCL's precomputed issuer included)."""
     if plan.path == PLAIN:
         count_sets = [plan.counts]
     elif plan.path == FAST:
@@ -791,6 +851,7 @@ def _join_with_zeros(comm, plan, src):
         send = ops.empty(counts[plan.rank], U8)
         ops.fill(send, 0)
         items.append((send, ops.empty(sum(counts), U8), counts))
+    comm._record("all_gather_v", plan.sent_bytes())  # the peers count it: so does this rank
     streams, ptr = _streams_for(comm, ops, None, False)
     _run(comm, _issuer(comm, items), _nothing, streams, ptr, False, None)
 
@@ -836,7 +897,8 @@ def gather_along_first_dim(x, comm, recipe=None, rowwise=True, columnwise=False,
     if not isinstance(comm, Communicator):
         raise TypeError(f"comm must be an fp8blk communicator (MPIComm, NCCLComm, "
                         f"TorchComm), got {type(comm).__name__}")
-    src, plan, local_error, sizes = _resolve(comm, x, recipe, rowwise, columnwise, sizes)
+    src, plan, local_error, sizes = _resolve(comm, x, recipe, rowwise, columnwise, sizes,
+                                             out)
     comm.stats.record_gather_path(plan.path)
     with _on_device_of(src):
         return _gather(comm, src, plan, local_error, async_op, out, stream, sizes, frame)
@@ -860,7 +922,7 @@ def _on_device_of(src):
 
 def _gather(comm, src, plan, local_error, async_op, out, stream, sizes, frame):
     if local_error is not None:
-        _join_with_zeros(comm, plan, src)
+        _join_with_zeros(comm, plan, _data_ops(plan, src))
         raise local_error
     if plan.path == PLAIN:
         result, handle = _plain(comm, src, plan, out, async_op, stream)

@@ -20,19 +20,23 @@ STREAM = 0x5EED  # the stream handle DeviceOps reports (HostRuntime checks it co
 
 class World:
     """n threads that swap one object each (two barriers: all read before anyone writes
-    again)."""
+    again). ``call`` names the collective a rank issues (op, counts): ranks that issue
+    different ones all raise, as real collectives would hang or mix bytes instead."""
 
     def __init__(self, n):
         self.n = n
         self.barrier = threading.Barrier(n, timeout=60)
         self.slots = [None] * n
 
-    def exchange(self, rank, payload):
-        self.slots[rank] = payload
+    def exchange(self, rank, payload, call=None):
+        self.slots[rank] = (call, payload)
         self.barrier.wait()
         got = list(self.slots)
         self.barrier.wait()
-        return got
+        calls = [c for c, _ in got]
+        if any(c != calls[0] for c in calls):
+            raise RuntimeError(f"the ranks issued different collectives: {calls}")
+        return [p for _, p in got]
 
 
 class FakeHost(Communicator):
@@ -43,12 +47,14 @@ class FakeHost(Communicator):
         self.world, self.rank, self.size = world, rank, world.n
 
     def _all_gather(self, inp, out, async_op):
-        out[...] = np.concatenate(self.world.exchange(self.rank, inp.copy()))
+        out[...] = np.concatenate(self.world.exchange(self.rank, inp.copy(),
+                                                      ("host all_gather", inp.size)))
         return Handle.completed()
 
     def _all_reduce(self, buf, dtype, op, async_op):
         assert op == "max"
-        buf[...] = np.max(np.stack(self.world.exchange(self.rank, buf.copy())), axis=0)
+        got = self.world.exchange(self.rank, buf.copy(), ("host all_reduce", buf.size))
+        buf[...] = np.max(np.stack(got), axis=0)
         return Handle.completed()
 
 
@@ -89,13 +95,14 @@ class FakeNccl:
     def allGather(self, send, recv, count, dtype, stream):
         self.calls.append(("allGather", count, send == recv + self.rank * count))
         data = ctypes.string_at(send, count)
-        for r, chunk in enumerate(self.world.exchange(self.rank, data)):
+        for r, chunk in enumerate(self.world.exchange(self.rank, data, ("allGather", count))):
             ctypes.memmove(recv + r * count, chunk, count)
 
     def broadcast(self, send, recv, count, dtype, root, stream):
         self.calls.append(("broadcast", count, root))
         data = ctypes.string_at(send, count) if root == self.rank else None
-        ctypes.memmove(recv, self.world.exchange(self.rank, data)[root], count)
+        got = self.world.exchange(self.rank, data, ("broadcast", count, root))
+        ctypes.memmove(recv, got[root], count)
 
 
 def host_nccl(setattr_):

@@ -293,3 +293,80 @@ def test_steady_state_lane(fake_nccl, monkeypatch, rng):
     # lane calls: the tuple sizes, the equal recipe, the stale call (peers only), the good
     # call after it, the call after out's buffer came back
     assert results == [5, 5, 4]
+
+
+# --------------------------------------------------------------------------------------------
+# One rank's invalid input in the sizes= steady state
+
+INVALID = [("fast", "int32"), ("fast", "1-D"), ("fallback", "int32"), ("fallback", "1-D"),
+           ("plain", "0-d")]
+
+
+def _invalid(x, bad):
+    if bad == "int32":
+        return np.ones(x.shape, np.int32)  # not a high-precision dtype
+    return x[0] if bad == "1-D" else np.ones((), np.float32)  # 0-d
+
+
+@pytest.mark.parametrize("device", [False, True], ids=["host", "device"])
+@pytest.mark.parametrize("with_out", [False, True], ids=["no-out", "out"])
+@pytest.mark.parametrize("path,bad", INVALID)
+def test_invalid_input_on_one_rank_with_sizes(fake_nccl, monkeypatch, path, bad, with_out,
+                                              device, rng):
+    """After a few sizes= calls (peers then hit their cached plan or out's lane and skip all
+    metadata), one rank passes an invalid input: it joins the peers' collectives with zeros
+    and raises its own error; the peers complete (zeros for its rows); the next call on every
+    rank is exact. Without the join the ranks issue different collectives (the fake world
+    raises; real ones hang)."""
+    from fp8blk.comm import gather as gather_module
+
+    if device:  # the device path: NCCL's issuer, the fix-up as runtime calls
+        ops = DeviceOps()
+        monkeypatch.setattr(gather_module, "_internal_ops", lambda src: ops)
+    n, k = 3, 256
+    rows = [100, 64, 128] if path == "fallback" else [128, 64, 128]
+    recipe = None if path == "plain" else fb.Block1D()
+    columnwise = path == "fallback"  # Block1D columnwise, ranks not at multiples of 128
+    every = [[_data(rng, r, k) for r in rows] for _ in range(5)]
+    zeroed = [list(e[:-1]) + [np.zeros_like(e[-1])] for e in every]
+
+    def expected(data):
+        full = np.concatenate(data)
+        return full if recipe is None else fb.quantize(full, recipe, True, columnwise)
+
+    def check(got, want):
+        if recipe is None:
+            assert np.array_equal(got, want)
+        elif path == "fast":  # the zeros are the bad rank's FP8 bytes and scales, as sent
+            assert np.array_equal(got.rowwise_data.view(np.uint8),
+                                  want.rowwise_data.view(np.uint8))
+        else:
+            _same(got, want)
+
+    def call(comm, x, out):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", GatherFallbackWarning)
+            return gather_along_first_dim(x, comm, recipe, True, columnwise, sizes=rows,
+                                          out=out)[0]
+
+    def body(comm):
+        me, out = comm.rank, None
+        for step in range(3):
+            got = call(comm, every[step][me], out)
+            check(got, expected(every[step]))
+            out = got if with_out else None
+        if with_out and path == "fast":  # the lane outranks the last call with these sizes
+            call(comm, np.ones((rows[me], 64), np.float32), None)
+        comm.reset_stats()
+        if me == n - 1:
+            kind = TypeError if bad == "int32" else ValueError
+            with pytest.raises(kind, match="joined the collectives .* with zeros"):
+                call(comm, _invalid(every[3][me], bad), out)
+        else:
+            check(call(comm, every[3][me], out), expected(zeroed[3]))
+        got = call(comm, every[4][me], out)
+        check(got, expected(every[4]))
+        assert comm.stats.meta_calls == 0  # the peers' steady state, joined: no metadata
+        return comm.stats.calls
+    results, _ = _run_ranks(n, body)
+    assert results == [2] * n  # the joined collective and the next call's, everywhere

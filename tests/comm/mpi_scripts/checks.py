@@ -706,6 +706,70 @@ def check_gather_reuse(s: Suite):
 
 
 
+def _invalid_input(fam, x, bad):
+    if bad == "int32":
+        return fam.make(np.ones(x.shape, np.int32))  # TypeError: not a high-precision dtype
+    if bad == "1-D":
+        return fam.make(x[0])  # ValueError: a 1-D input with a recipe
+    return fam.make(np.ones((), x.dtype))  # ValueError: a 0-d input
+
+
+def check_gather_invalid_with_sizes(s: Suite):
+    """The sizes= steady state (peers hit their cached plan, or out='s lane, and skip every
+    metadata collective) when one rank's input is invalid: that rank joins the peers'
+    collectives with zeros and raises its own error, the peers complete with zeros for its
+    rows, and the next call is exact everywhere. (It used to probe for metadata its peers
+    never exchanged: a hang.)"""
+    comm, fam, n, me = s.comm, s.family, s.comm.size, s.comm.rank
+    if n == 1:
+        return
+    f32, k, last = np.dtype(np.float32), 256, n - 1
+    for path, bad, with_out in (("fast", "int32", False), ("fast", "1-D", True),
+                                ("fast", "int32", True), ("fallback", "1-D", False),
+                                ("fallback", "int32", True), ("plain", "0-d", False),
+                                ("plain", "0-d", True)):
+        label = f"invalid input on rank {last} ({bad}), {path}, out={with_out}"
+        rng = s.rng()
+        recipe = None if path == "plain" else fb.Block1D()
+        columnwise = path == "fallback"  # Block1D columnwise across unaligned ranks
+        rows = [100 if path == "fallback" and r == 0 else 64 * (1 + r % 2) for r in range(n)]
+        every = [[_global_input(rng, r, (k,), f32) for r in rows] for _ in range(5)]
+
+        def call(x, out):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", GatherFallbackWarning)
+                return gather_along_first_dim(x, comm, recipe, True, columnwise, sizes=rows,
+                                              out=out)[0]
+
+        def exact(got, data, what):
+            if recipe is None:
+                s.equal(fam.back(got), np.concatenate(data), f"{label}: {what}")
+            else:
+                _compare(s, fam, got, _expected_gather(data, recipe, True, columnwise),
+                         f"{label}: {what}")
+        out = None
+        for step in range(3):
+            got = call(fam.make(every[step][me]), out)
+            exact(got, every[step], f"call {step}")
+            out = got if with_out else None
+        comm.reset_stats()
+        if me == last:
+            s.raises(TypeError if bad == "int32" else ValueError,
+                     lambda: call(_invalid_input(fam, every[3][me], bad), out),
+                     f"{label}: raises", contains="with zeros so that no rank waits")
+        else:
+            got = call(fam.make(every[3][me]), out)
+            zeroed = every[3][:last] + [np.zeros_like(every[3][last])]
+            if path == "fast":  # zero FP8 bytes and zero scales, as the bad rank sent them
+                want = _expected_gather(zeroed, recipe, True, False).rowwise_data
+                s.check(np.array_equal(fam.back(got.rowwise_data).view(np.uint8),
+                                       want.view(np.uint8)), f"{label}: the peers' data")
+            else:
+                exact(got, zeroed, "the peers, zeros for the bad rank's rows")
+        exact(call(fam.make(every[4][me]), out), every[4], "the next call")
+        s.check(comm.stats.meta_calls == 0, f"{label}: no metadata moved {comm.stats}")
+
+
 def check_plain_gather(s: Suite):
     """Plain gathers (no recipe): 1-D inputs of different lengths per rank, with and without
     sizes=, into out=; one rank's invalid input makes every rank raise."""
@@ -743,6 +807,7 @@ def run_suite(comm, family, label, parts=("collectives", "packed", "gather")):
     if "gather" in parts:
         check_gather(s)
         check_gather_reuse(s)
+        check_gather_invalid_with_sizes(s)
     if "gather" in parts or "plain" in parts:
         check_plain_gather(s)
     comm.barrier()

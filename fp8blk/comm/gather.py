@@ -313,10 +313,13 @@ def _torch_stream(stream):
 # Running a plan's collective and its post-processing
 
 
-def _run(comm, issue, post, streams, ptr, async_op, result):
+def _run(comm, issue, post, streams, ptr, async_op, result, keep=None):
     """Issue the grouped gather (``issue(stream_ptr)``; None: nothing to gather), then
     ``post()`` (the fix-up). ``streams``/``ptr`` as :func:`_streams_for` gives them. Returns
-    the Handle (async) or None."""
+    the Handle (async) or None. ``keep``: the temporaries (staging, inputs) the issued work
+    reads or writes; an asynchronous handle holds them until it is waited for, since the
+    memory pools would otherwise hand their memory to new work on the caller's stream while
+    the communication stream still uses it."""
     if streams is None:
         finish = None if issue is None else issue(ptr)
         if ptr is None and async_op:  # host arrays: complete in wait()
@@ -347,9 +350,20 @@ def _run(comm, issue, post, streams, ptr, async_op, result):
                 finish()
                 post()
             streams.end(False)
+            return keep
         return Handle(waiter=complete, result=result)
     waiter = streams.end(async_op)
-    return Handle(waiter=waiter, result=result) if async_op else None
+    if not async_op:  # the caller's stream waits for the communication stream already
+        return None
+    return Handle(waiter=waiter if keep is None else _holding(waiter, keep), result=result)
+
+
+def _holding(waiter, keep):
+    """``waiter`` that keeps ``keep`` alive for as long as the handle holds it."""
+    def wait():
+        waiter()
+        return keep
+    return wait
 
 
 def _streams_for(comm, ops, stream, async_op):
@@ -494,7 +508,8 @@ def _fast(comm, src, plan, out, async_op, stream, sizes):
         quantize_into(_local_x2d(src.x, src.m, src.k, plan.local_rows()), plan.recipe,
                       plan.row_q, plan.col_q, src.dtype, prepared.local_out)
     comm._record("all_gather_v", plan.sent_bytes())
-    handle = _run(comm, prepared.issue, prepared.post, streams, ptr, async_op, result)
+    handle = _run(comm, prepared.issue, prepared.post, streams, ptr, async_op, result,
+                  (prepared, src.x))
     if sizes is not None and out is not None and src.kind == 0:
         _keep_lane(comm, plan, src, sizes, out, ops, prepared)
     return result, handle
@@ -743,7 +758,7 @@ def _gather_steady(comm, lane, x, async_op, streams, ptr):
         quantize_into(_local_x2d(x, lane.m, lane.k, lane.rows), plan.recipe, plan.row_q,
                       plan.col_q, lane.dtype, prepared.local_out)
     comm._record("all_gather_v", lane.sent)
-    handle = _run(comm, prepared.issue, prepared.post, streams, ptr, async_op, lane.out)
+    handle = _run(comm, prepared.issue, prepared.post, streams, ptr, async_op, lane.out, x)
     if async_op:
         return lane.out, handle if handle is not None else Handle.completed(lane.out)
     return lane.out, None
@@ -772,7 +787,8 @@ def _fallback(comm, src, plan, out, async_op, stream):
         if plan.M:
             quantize_into(full, plan.recipe, plan.rowwise, plan.columnwise, plan.dtype,
                           targets)
-    handle = _run(comm, _issuer(comm, items), post, streams, ptr, async_op, result)
+    handle = _run(comm, _issuer(comm, items), post, streams, ptr, async_op, result,
+                  (items, full))
     return result, handle
 
 
@@ -790,7 +806,8 @@ def _plain(comm, src, plan, out, async_op, stream):
     streams, ptr = _streams_for(comm, ops, stream, async_op)
     items = [(ops.flat_bytes(src.x), ops.flat_bytes(full), plan.counts)]
     comm._record("all_gather_v", plan.counts[plan.rank])
-    return full, _run(comm, _issuer(comm, items), _nothing, streams, ptr, async_op, full)
+    return full, _run(comm, _issuer(comm, items), _nothing, streams, ptr, async_op, full,
+                      items)
 
 
 def _nothing():

@@ -112,8 +112,6 @@ class TorchOps:
         self.torch = torch
         self.device = device.type == "cuda"
         self.where = device
-        # torch's current stream of this device without building a Stream object (~5 us)
-        self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         self._dtypes = {np.dtype(np.uint8): torch.uint8, np.dtype(np.float32): torch.float32,
                         np.dtype(np.float16): torch.float16, _arrays.BF16: torch.bfloat16,
                         np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
@@ -153,12 +151,22 @@ class TorchOps:
     def current_stream_ptr(self):
         if not self.device:
             return None
-        if self._raw_stream is not None:
-            return self._raw_stream(self.where.index)
-        return self.torch.cuda.current_stream(self.where).cuda_stream
+        return torch_stream_ptr(self.torch, self.where.index)
 
     def copies(self):
         return _device_copy.cuda_copies()
+
+
+def torch_stream_ptr(torch, index=None):
+    """The raw handle of torch's current CUDA stream on device ``index`` (None: the current
+    device), without building a Stream object (~5 us): ``torch._C._cuda_getCurrentRawStream``,
+    what torch's own generated code uses, where this torch has it."""
+    if index is None:
+        index = torch.cuda.current_device()
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(index)
+    return torch.cuda.current_stream(index).cuda_stream
 
 
 _NUMPY = NumpyOps()

@@ -82,7 +82,8 @@ from ..tensor import BlockTensor, internal_buffers
 from ._device_copy import uniform_byte
 from ._gather_plan import (FALLBACK, FAST, PLAIN, SLOT, Plan, PlanCache, Source, check_sizes,
                            exchange, local_key)
-from ._native import U8, contiguous, internal_ops, logical_dtype, ops_for, quantize_into
+from ._native import (U8, contiguous, internal_ops, logical_dtype, ops_for, quantize_into,
+                      torch_stream_ptr)
 from .base import Communicator, Handle
 
 ROW, COL = "rowwise", "columnwise"
@@ -198,7 +199,7 @@ class _DeviceStreams:
             self.lib = torch
             if stream is None:  # the common case: no Stream objects (~5 us each in torch)
                 self.compute = self.comm = None
-                self.ptr = _torch_current_stream_ptr(torch)
+                self.ptr = torch_stream_ptr(torch)
                 self.same = True
                 return
             self.compute = torch.cuda.current_stream()
@@ -269,14 +270,6 @@ _NULL = _Null()
 
 def _torch():
     return sys.modules["torch"]
-
-
-def _torch_current_stream_ptr(torch):
-    """The raw pointer of torch's current CUDA stream (without building a Stream object)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return raw(torch.cuda.current_device())
-    return torch.cuda.current_stream().cuda_stream
 
 
 def _torch_stream_for_ptr(ptr):

@@ -29,6 +29,7 @@ import contextlib
 import numpy as np
 
 from .. import _arrays
+from ._native import torch_stream_ptr
 from .base import Communicator, Handle, torch_gather_out
 
 _F16 = np.dtype(np.float16)
@@ -75,9 +76,7 @@ def _direct_pair(inp, out, size):
         out = torch_gather_out(torch, inp, out, size) if inp.is_cuda else None
         if out is None:
             return None
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        stream = raw(inp.device.index) if raw is not None else \
-            torch.cuda.current_stream(inp.device).cuda_stream
+        stream = torch_stream_ptr(torch, inp.device.index)
         return (inp.numel() * inp.element_size(), inp.data_ptr(), out.data_ptr(), stream, out)
     cupy = _arrays._cupy()
     if cupy is None or type(inp) is not cupy.ndarray or inp.ndim == 0 \

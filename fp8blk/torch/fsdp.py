@@ -197,7 +197,7 @@ class Registry:
                 continue
             group = st._fsdp_param_group
             for fp in group.fsdp_params:
-                local = fp._sharded_local_tensor
+                local = _local_of(fp)
                 if isinstance(local, _PlaneWeight) and local._state.registry is self:
                     self._fsdp[id(local._state)] = (fp, group)
 
@@ -385,12 +385,6 @@ def _cast_mode_sources(entry):
     return _local_of(fp)._planes[0].reshape(-1)[:count], flat[0], flat[1]
 
 
-def ensure_cast(state):
-    """Mode "cast": cast the model's weights unless this one's bytes are current (see
-    :meth:`Registry.ensure_cast`)."""
-    state.registry.ensure_cast(state)
-
-
 # --------------------------------------------------------------------------------------------
 # Mode 1: FP8 primary weights from fp32 masters
 
@@ -410,7 +404,7 @@ def master_weights(model: torch.nn.Module) -> list:
     out = []
     for reg, (state, fp, start, count, chunk) in _primary_entries(model):
         cols = state.shape[1]
-        local = fp._sharded_local_tensor
+        local = _local_of(fp)
         vals = _dequantize_rows(state, local._planes[0], start // cols)
         out.append(vals.reshape(-1).float().clone().requires_grad_(True))
     return out

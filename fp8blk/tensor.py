@@ -178,7 +178,9 @@ class BlockTensor:
                              "columnwise data (see update_usage)")
         out = backend_for(some).dequantize(self.recipe, self.shape2d, *self._buffers,
                                            dtype=out_dtype)
-        return _arrays.from_backend(out.reshape(self.shape), self._family, out_dtype)
+        if len(self.shape) != 2:  # a 2-D result is already (M, K): skip a ~1 us reshape
+            out = out.reshape(self.shape)
+        return _arrays.from_backend(out, self._family, out_dtype)
 
     def create_columnwise(self):
         """Block2D only: fill the columnwise buffers by FP8 transpose of the rowwise ones

@@ -270,37 +270,40 @@ def test_cupy_side_stream_orders_input_and_outputs(rng):
     stream (a long chain of copies, so a kernel on another stream would read stale data)."""
     import cupy
 
-    x_h = rng.standard_normal((2048, 4096)).astype(np.float32) * 3
+    x_h = _spread(rng, (2048, 4096))
     want = fb.quantize(x_h, fb.Block1D(), rowwise=True, columnwise=True)
-    with cupy.cuda.Stream(non_blocking=True) as s:
-        x = cupy.zeros(x_h.shape, np.float32)
-        src = cupy.asarray(x_h)
-        for _ in range(50):  # ~ms of work queued on s before the input holds its values
-            x[...] = src * np.float32(1.0)
-        q = fb.quantize(x, fb.Block1D(), rowwise=True, columnwise=True)
-        s.synchronize()
-    assert_same_buffers(_host_buffers(q), buffers(want))
+    for _ in range(2):  # the second call runs the repeat-call hot path
+        with cupy.cuda.Stream(non_blocking=True) as s:
+            x = cupy.zeros(x_h.shape, np.float32)
+            src = cupy.asarray(x_h)
+            for _ in range(50):  # ~ms of work queued on s before the input holds its values
+                x[...] = src * np.float32(1.0)
+            q = fb.quantize(x, fb.Block1D(), rowwise=True, columnwise=True)
+            s.synchronize()
+        assert_same_buffers(_host_buffers(q), buffers(want))
 
 
 @pytest.mark.gpu
 @needs_torch
 def test_torch_side_stream_orders_input_and_outputs(rng):
     """A torch CUDA tensor written on a torch side stream (after a 20 ms GPU spin) and
-    quantized under that stream gives the reference bytes, and the outputs can be read on it."""
-    x_h = rng.standard_normal((1024, 2048)).astype(np.float32)
+    quantized under that stream gives the reference bytes, and the outputs can be read on it;
+    twice, so that the second call runs the repeat-call hot path."""
+    x_h = _spread(rng, (1024, 2048))
     want = fb.quantize(x_h, fb.Block2D(), rowwise=True, columnwise=True)
     src = torch.from_numpy(x_h).cuda()
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        x = torch.zeros_like(src)
-        torch.cuda._sleep(40_000_000)  # ~20 ms of GPU time before x is written
-        x.copy_(src)
-        q = fb.quantize(x, fb.Block2D(), rowwise=True, columnwise=True)
-        row_sum = q.rowwise_data.to(torch.int64).sum()  # consumed on the side stream
-    torch.cuda.synchronize()
-    assert_same_buffers(_host_buffers(q), buffers(want))
-    assert int(row_sum) == int(buffers(want)[0].astype(np.int64).sum())
+    for _ in range(2):
+        with torch.cuda.stream(side):
+            x = torch.zeros_like(src)
+            torch.cuda._sleep(40_000_000)  # ~20 ms of GPU time before x is written
+            x.copy_(src)
+            q = fb.quantize(x, fb.Block2D(), rowwise=True, columnwise=True)
+            row_sum = q.rowwise_data.to(torch.int64).sum()  # consumed on the side stream
+        torch.cuda.synchronize()
+        assert_same_buffers(_host_buffers(q), buffers(want))
+        assert int(row_sum) == int(buffers(want)[0].astype(np.int64).sum())
 
 
 @pytest.mark.gpu
@@ -364,7 +367,98 @@ def test_torch_tensor_on_another_device(rng):
     x_h = rng.standard_normal((300, 260)).astype(np.float32)
     want = fb.quantize(x_h, fb.Block1D(), rowwise=True, columnwise=True)
     torch.cuda.set_device(0)
-    q = fb.quantize(torch.from_numpy(x_h).to("cuda:1"), fb.Block1D(), rowwise=True,
-                    columnwise=True)
-    assert q.rowwise_data.device == torch.device("cuda:1")
-    assert_same_buffers(_host_buffers(q), buffers(want))
+    fb.quantize(torch.from_numpy(x_h).to("cuda:0"), fb.Block1D(), True, True)  # device 0's key
+    for _ in range(2):  # the second call runs the repeat-call hot path
+        q = fb.quantize(torch.from_numpy(x_h).to("cuda:1"), fb.Block1D(), rowwise=True,
+                        columnwise=True)
+        assert q.rowwise_data.device == torch.device("cuda:1")
+        assert_same_buffers(_host_buffers(q), buffers(want))
+
+
+# -- GPU: the repeat-call hot path (fp8blk.ops: a key validated once skips the checks) ---------
+
+def _spread(rng, shape, dtype=np.float32):
+    """Rows and columns spanning orders of magnitude: every tile gets its own scale."""
+    m = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    x = rng.standard_normal((m, shape[-1])) * np.exp(rng.uniform(-8, 8, (m, 1))) \
+        * np.exp(rng.uniform(-4, 4, (1, shape[-1])))
+    return x.astype(dtype).reshape(shape)
+
+
+def _to_torch_cuda(a):
+    return from_numpy(np.ascontiguousarray(a)).cuda()
+
+
+def _forbid_general_path(monkeypatch):
+    """Make the general (validating) path raise: a call that returns ran the hot path."""
+    from fp8blk import _arrays
+
+    def forbidden(*a, **k):
+        raise AssertionError("general path taken")
+    monkeypatch.setattr(_arrays, "to_internal", forbidden)
+
+
+@pytest.mark.gpu
+@needs_torch
+@pytest.mark.parametrize("recipe,rowwise,columnwise",
+                         [(fb.Block1D(), True, False), (fb.Block1D(), True, True),
+                          (fb.Block2D(), False, True), (fb.MXFP8(), True, False)], ids=repr)
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
+def test_torch_repeat_calls_take_the_hot_path_exactly(rng, monkeypatch, recipe, rowwise,
+                                                      columnwise, dtype):
+    """The second and later calls of a key run the hot path (the general path is made to
+    raise) and give the reference bytes on fresh data each time, for an N-D input."""
+    shape = (3, 160, 384)
+    fb.quantize(_to_torch_cuda(_spread(rng, shape, dtype)), recipe, rowwise, columnwise)
+    _forbid_general_path(monkeypatch)
+    for _ in range(3):
+        x_h = _spread(rng, shape, dtype)
+        q = fb.quantize(_to_torch_cuda(x_h), recipe, rowwise, columnwise)
+        assert q.shape == shape and q.recipe == recipe and q.dtype == np.dtype(dtype)
+        want = O.quantize_loop(x_h.reshape(-1, shape[-1]), recipe, rowwise, columnwise)
+        assert_same_buffers(_host_buffers(q), want)
+        assert all(b is None or isinstance(b, torch.Tensor) for b in buffers(q))
+
+
+@pytest.mark.gpu
+def test_cupy_repeat_calls_take_the_hot_path_exactly(rng, monkeypatch):
+    import cupy
+
+    recipe, shape = fb.Block1D(), (300, 260)
+    fb.quantize(cupy.asarray(_spread(rng, shape)), recipe, True, True)
+    _forbid_general_path(monkeypatch)
+    for _ in range(3):
+        x_h = _spread(rng, shape)
+        q = fb.quantize(cupy.asarray(x_h), recipe, True, True)
+        assert all(b is None or isinstance(b, cupy.ndarray) for b in buffers(q))
+        assert_same_buffers(_host_buffers(q), O.quantize_loop(x_h, recipe, True, True))
+
+
+@pytest.mark.gpu
+@needs_torch
+def test_torch_repeat_key_still_refuses_what_the_general_path_refuses(rng):
+    """A recorded key does not let through what its checks would refuse: a non-contiguous
+    tensor of the same shape and dtype, flags 1 / 1.0 (equal to True as dict keys), a tensor
+    of the same shape at an unaligned address (another key: exact bytes), a CPU tensor (the
+    reference), an nn.Parameter (a subclass: the general path)."""
+    recipe = fb.Block1D()
+    x_h = _spread(rng, (256, 256))
+    x = _to_torch_cuda(x_h)
+    fb.quantize(x, recipe, True, False)
+    fb.quantize(x, recipe, True, False)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        fb.quantize(x.t(), recipe, True, False)
+    for flag in (1, 1.0):
+        with pytest.raises(TypeError):
+            fb.quantize(x, recipe, flag, False)
+    base = _to_torch_cuda(np.concatenate([np.zeros(1, np.float32), x_h.ravel()]))
+    shifted = base[1:].view(256, 256)  # 4 bytes past an aligned block: not 16-byte aligned
+    assert shifted.data_ptr() % 16
+    want = O.quantize_loop(x_h, recipe, True, False)
+    for _ in range(2):
+        assert_same_buffers(_host_buffers(fb.quantize(shifted, recipe, True, False)), want)
+    q_cpu = fb.quantize(torch.from_numpy(x_h), recipe, True, False)
+    assert not q_cpu.rowwise_data.is_cuda
+    assert_same_buffers(_host_buffers(q_cpu), want)
+    p = torch.nn.Parameter(x.clone())
+    assert_same_buffers(_host_buffers(fb.quantize(p, recipe, True, False)), want)

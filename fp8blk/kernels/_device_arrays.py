@@ -170,32 +170,49 @@ class _Torch:
         """One torch tensor per buffer from the caching allocator (its blocks are 512-byte
         aligned), so that a direction dropped later frees its memory (a saved FP8 activation
         must not pin the other direction)."""
-        empty = like.new_empty
+        empty, device = sys.modules["torch"].empty_strided, like.device
         dtypes = _TORCH_DTYPES or _torch_dtypes()
-        return tuple([None if s is None else empty(s[0], dtype=dtypes[s[1]])
+        return tuple([None if s is None else empty(s[0], contiguous_strides(s[0]),
+                                                   dtype=dtypes[s[1]], device=device)
                       for s in layouts])
 
     @staticmethod
     def launch(kernel, grid, block, args, like):
-        runtime = (_cuda or _cupy_cuda())[1]
-        index = like.get_device()
-        stream = _raw_stream()(index)
-        if runtime.getDevice() == index:
-            try:
-                raw_launch(kernel, grid, block, args, stream)
-            except Exception as exc:
-                if getattr(exc, "status", None) != _INVALID_CONTEXT:
-                    raise
-                # A thread on which no CUDA runtime call made the device's context current:
-                # autograd's worker thread for GPU 0 (torch skips cudaSetDevice when the
-                # runtime already reports device 0). setDevice binds the primary context.
-                runtime.setDevice(index)
-                raw_launch(kernel, grid, block, args, stream)
-        else:
-            import cupy
+        torch_launch(kernel, grid, block, args, like.get_device())
 
-            with cupy.cuda.Device(index):
-                raw_launch(kernel, grid, block, args, stream)
+
+def torch_launch(kernel, grid, block, args, index):
+    """Launch `kernel` with `args` (ints: pointers and int64 scalars) on torch's current stream
+    of CUDA device `index` (what ``_Torch.launch`` does; the torch hot paths call it with the
+    device index they keyed their plan by)."""
+    runtime = (_cuda or _cupy_cuda())[1]
+    stream = (_RAW_STREAM or _raw_stream_init())[0](index)
+    if runtime.getDevice() == index:
+        try:
+            raw_launch(kernel, grid, block, args, stream)
+        except Exception as exc:
+            if getattr(exc, "status", None) != _INVALID_CONTEXT:
+                raise
+            # A thread on which no CUDA runtime call made the device's context current:
+            # autograd's worker thread for GPU 0 (torch skips cudaSetDevice when the
+            # runtime already reports device 0). setDevice binds the primary context.
+            runtime.setDevice(index)
+            raw_launch(kernel, grid, block, args, stream)
+    else:
+        import cupy
+
+        with cupy.cuda.Device(index):
+            raw_launch(kernel, grid, block, args, stream)
+
+
+def contiguous_strides(shape):
+    """C-contiguous strides, in elements, of `shape` (a tuple): what ``torch.empty_strided``
+    takes, the cheapest of torch's allocating calls from Python."""
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
 
 
 _INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
@@ -210,11 +227,12 @@ def _torch_dtypes():
     return _TORCH_DTYPES
 
 
-def _raw_stream():
-    """``torch._C._cuda_getCurrentRawStream`` (device index -> the current stream's handle)."""
+def _raw_stream_init():
+    """Look up ``torch._C._cuda_getCurrentRawStream`` (device index -> the current stream's
+    handle) once; returns the one-element list holding it."""
     if not _RAW_STREAM:
         _RAW_STREAM.append(sys.modules["torch"]._C._cuda_getCurrentRawStream)
-    return _RAW_STREAM[0]
+    return _RAW_STREAM
 
 
 class _Sim(_NumpyLike):
@@ -273,4 +291,4 @@ def adapter_of(arr):
     return hit
 
 
-__all__ = ["adapter_of", "CUPY", "TORCH", "SIM"]
+__all__ = ["adapter_of", "contiguous_strides", "torch_launch", "CUPY", "TORCH", "SIM"]

@@ -143,7 +143,7 @@ def make_gemm(xp):
             out = blockwise_scaled_mm(t(a_data).view(f8), t(a_sinv), t(b_data).view(f8),
                                       t(b_sinv), "1x128", "128x128", torch.bfloat16)
         else:
-            # FACTS.md: fp8blk's buffers feed torch._scaled_mm with no copy: A scales
+            # fp8blk's buffers feed torch._scaled_mm with no copy (docs/torch.md): A scales
             # (M, K/128) column-major = our (K/128, M) read transposed; B scales 128x128,
             # K-major, K-block count padded to a multiple of 4 -- which is our layout already.
             m, k = a_data.shape

@@ -29,8 +29,9 @@ Two ways to own the weights (convert with :func:`prepare_fsdp_fp8` after
 Usage follows FSDP's training state, as in TE: forward gathers for the rowwise direction;
 ``PRE_BACKWARD`` (``reshard_after_forward=True``) for the columnwise one; with
 ``reshard_after_forward=False`` the forward gather serves both (Block2D: the columnwise copy
-is made right after the gather; MXFP8 gathers both planes). Needs torch >= 2.6 FSDP2; uses
-FSDP2's private training-state attributes (FACTS.md).
+is made right after the gather; MXFP8 gathers both planes). Needs torch >= 2.6 FSDP2; reads
+FSDP2's private state (``FSDPState``, its parameter group's ``_training_state``; see
+``_fsdp_state``).
 
 What the layer must do (TransformerEngine's protocol): ask the gathered weight for
 ``fp8blk_block_tensor(rowwise=True, columnwise=False)`` in forward, save the weight itself

@@ -20,6 +20,9 @@ gathered parameters, or the masters).
 GPU), ~40 lines to stderr: Python calls per step, calls and own time by area (fp8blk.torch,
 FSDP2, autograd, C builtins...), the top functions by own time and the FP8 weight path's
 functions by cumulative time; ``--profile-dump DIR`` keeps DIR/<case>.pstats.
+``--trace STEPS``: a torch.profiler trace of STEPS more steps per case on rank 0 (GPU): the
+kernel time per step by area (GEMM, NCCL, fp8blk kernels, other torch kernels, copies) and
+the top kernels, to stderr: where the GPU time goes.
 
 Run (writes JSON with machine, date, command and the figures):
 
@@ -279,21 +282,82 @@ def profile_steps(case, args, rank, cuda, run_step):
     print("\n".join(out), file=sys.stderr, flush=True)
 
 
-def run_case(case, args, device, mesh, rank, world):
-    gen = torch.Generator().manual_seed(1234)
-    model, opt, masters = build(case, args, device, mesh, gen)
-    dtype = torch.bfloat16
-    x = torch.randn(args.tokens, args.width, generator=gen).to(device=device, dtype=dtype)
-    cuda = device.type == "cuda"
-    timer = Timer(cuda)
+def _kernel_area(name):
+    n = name.lower()
+    for key, area in (("nccl", "NCCL"), ("kernel_", "fp8blk kernels"), ("gemm", "GEMM"),
+                      ("sm90", "GEMM"), ("cutlass", "GEMM"), ("memcpy", "copies"),
+                      ("memset", "copies")):
+        if key in n:
+            return area
+    return "torch other"
+
+
+def trace_steps(case, args, rank, run_step):
+    """torch.profiler over ``args.trace`` more steps on rank 0 (every rank steps): the GPU
+    kernel time per step by area (GEMM, NCCL, fp8blk kernels, torch other, copies) and the
+    top kernels, to stderr, against the step's wall time: where the GPU time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    steps = args.trace
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA], record_shapes=False) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            run_step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3 / steps
+    if rank != 0:
+        return
+    kernels, areas = {}, {}
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+        k = kernels.setdefault(ev.name, [0, 0.0])
+        k[0] += 1
+        k[1] += us
+        a = _kernel_area(ev.name)
+        areas[a] = areas.get(a, 0.0) + us
+    total = sum(areas.values())
+    out = [f"==== {case}: {steps} traced steps on rank 0: {wall:.2f} ms wall per step, GPU "
+           f"kernels {total / 1e3 / steps:.2f} ms per step (overlapping streams add up)",
+           "  by area, ms per step: " + " | ".join(
+               f"{a} {t / 1e3 / steps:.3f}" for a, t in sorted(areas.items(),
+                                                               key=lambda kv: -kv[1]))]
+    for name, (n, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:args.trace_top]:
+        out.append(f"  {n / steps:6.1f} x {us / n:9.1f} us = {us / 1e3 / steps:7.3f} ms  "
+                   f"{name[:110]}")
+    print("\n".join(out), file=sys.stderr, flush=True)
+
+
+class Case:
+    """One configuration's model, optimizer, input and results, alive for the whole run so
+    that the timed steps of all cases can be interleaved."""
+
+    def __init__(self, case, args, device, mesh, world):
+        gen = torch.Generator().manual_seed(1234)
+        self.name = case
+        self.model, self.opt, self.masters = build(case, args, device, mesh, gen)
+        self.x = torch.randn(args.tokens, args.width, generator=gen).to(
+            device=device, dtype=torch.bfloat16)
+        self.cuda = device.type == "cuda"
+        self.result = {"case": case, "world": world, "width": args.width,
+                       "layers": args.layers, "tokens": args.tokens}
+        self.gpu, self.host, self.sent, self.hook_bytes = [], [], [], []
+
+    def step(self, cast_times=None):
+        step(self.name, self.model, self.opt, self.masters, self.x, cast_times)
+
+
+def prepare(c, args):
+    """Warm-up steps, and for the FP8 modes one step checking after every all-gather that the
+    gathered bytes and scales equal fb.quantize(bf16(full weight))."""
+    case, model, opt, masters = c.name, c.model, c.opt, c.masters
+    timer = Timer(c.cuda)
     timer.install()
-    counter = ByteCounter(world)
-    result = {"case": case, "world": world, "width": args.width, "layers": args.layers,
-              "tokens": args.tokens}
     try:
-        step(case, model, opt, masters, x)  # warm-up (and the primary mode's first cast)
+        c.step()  # warm-up (and the primary mode's first cast)
         if case != "bf16":
-            # byte check: one step with a comparison after every all-gather
             shapes = [(args.width, args.width)] * args.layers
             full = full_weights(case, model, masters, shapes)
             states = [lin.weight._local_tensor._state for lin in model]
@@ -323,49 +387,63 @@ def run_case(case, args, device, mesh, rank, world):
             lrs = [g["lr"] for g in opt.param_groups]
             for g in opt.param_groups:
                 g["lr"] = 0.0
-            step(case, model, opt, masters, x)
+            c.step()
             for g, lr in zip(opt.param_groups, lrs):
                 g["lr"] = lr
             timer.check = None
             del want
-            result["byte_checks_passed"] = checked[0]
+            c.result["byte_checks_passed"] = checked[0]
         for _ in range(args.warmup):
-            step(case, model, opt, masters, x)
-        # step times first, with nothing timing the hooks or the cast inside the step (their
-        # CUDA events and perf_counter calls would add host time the bf16 case does not pay);
-        # then as many steps again with the hooks and the cast timed, for the breakdown
+            c.step()
+    finally:
         timer.uninstall()
-        if cuda:
-            torch.cuda.synchronize()
-        gpu, host, sent, pre_h, post_h, pre_g, post_g = [], [], [], [], [], [], []
-        hook_bytes, cast_h, cast_g = [], [], []
-        for s in states_of(model):
+
+
+def timed_steps(cases, args, counter):
+    """``args.steps`` rounds; each round times one step of every case, in an order rotated by
+    one per round: GPU clocks drift by several percent over a run (FP8 GEMMs are power
+    bound), and interleaving gives every case the same drift. Nothing times the hooks or the
+    cast inside these steps (their events and perf_counter calls would add host time the
+    bf16 case does not pay)."""
+    for c in cases:
+        for s in states_of(c.model):
             s.gathers.clear()
-        for _ in range(args.steps):
+    if cases[0].cuda:
+        torch.cuda.synchronize()
+    for r in range(args.steps):
+        for c in cases[r % len(cases):] + cases[:r % len(cases)]:
             counter.sent = 0
-            if cuda:
+            if c.cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
                     enable_timing=True)
                 start.record()
             t0 = time.perf_counter()
-            step(case, model, opt, masters, x)
-            host.append((time.perf_counter() - t0) * 1e3)
-            if cuda:
+            c.step()
+            c.host.append((time.perf_counter() - t0) * 1e3)
+            if c.cuda:
                 end.record()
                 torch.cuda.synchronize()
-                gpu.append(start.elapsed_time(end))
-            sent.append(counter.sent)
-            if case != "bf16":
-                hook_bytes.append(sum(g["bytes"] for s in states_of(model)
-                                      for g in s.gathers))
-                for s in states_of(model):
+                c.gpu.append(start.elapsed_time(end))
+            c.sent.append(counter.sent)
+            if c.name != "bf16":
+                c.hook_bytes.append(sum(g["bytes"] for s in states_of(c.model)
+                                        for g in s.gathers))
+                for s in states_of(c.model):
                     s.gathers.clear()
-        timer.install()
+
+
+def breakdown(c, args, rank):
+    """As many steps again with the hooks and the per-step cast timed (host and GPU), then
+    the optional trace and profile; fills ``c.result``."""
+    timer = Timer(c.cuda)
+    pre_h, post_h, pre_g, post_g, cast_h, cast_g = [], [], [], [], [], []
+    timer.install()
+    try:
         for _ in range(args.steps):
             timer.reset()
             casts = []
-            step(case, model, opt, masters, x, casts)
-            if cuda:
+            c.step(casts)
+            if c.cuda:
                 torch.cuda.synchronize()
                 pre_g.append(timer.gpu_ms("pre"))
                 post_g.append(timer.gpu_ms("post"))
@@ -375,36 +453,48 @@ def run_case(case, args, device, mesh, rank, world):
                     cast_g.append(ev[0].elapsed_time(ev[1]))
             pre_h.append(timer.host["pre"] * 1e3)
             post_h.append(timer.host["post"] * 1e3)
-        timer.uninstall()
-        if args.profile:  # every rank steps (collectives), rank 0 profiles
-            profile_steps(case, args, rank, cuda,
-                          functools.partial(step, case, model, opt, masters, x))
-        med = statistics.median
-        result.update({
-            "step_gpu_ms": med(gpu) if gpu else None,
-            "step_host_ms": med(host),
-            "bytes_sent_per_step": med(sent),
-            # bytes the pre-all-gather hooks hand FSDP per step (this rank's FP8 inputs)
-            "hook_bytes_per_step": med(hook_bytes) if hook_bytes else None,
-            "hook_calls_per_step": dict(timer.calls),
-            "pre_all_gather_host_ms": med(pre_h), "post_all_gather_host_ms": med(post_h),
-            "pre_all_gather_gpu_ms": med(pre_g) if pre_g else None,
-            "post_all_gather_gpu_ms": med(post_g) if post_g else None,
-            # the per-step FP8 cast of all weights (mode 1: cast_master_weights_, mode 2:
-            # precompute_fp8_scales): one packed all-reduce plus the batched kernels
-            "fp8_cast_host_ms": med(cast_h) if cast_h else None,
-            "fp8_cast_gpu_ms": med(cast_g) if cast_g else None,
-            "peak_memory_gib": (torch.cuda.max_memory_allocated() / 2 ** 30) if cuda else None,
-        })
     finally:
         timer.uninstall()
+    run = functools.partial(step, c.name, c.model, c.opt, c.masters, c.x)
+    if args.trace and c.cuda:
+        trace_steps(c.name, args, rank, run)
+    if args.profile:  # every rank steps (collectives), rank 0 profiles
+        profile_steps(c.name, args, rank, c.cuda, run)
+    med = statistics.median
+    c.result.update({
+        "step_gpu_ms": med(c.gpu) if c.gpu else None,
+        "step_gpu_ms_all": [round(t, 3) for t in c.gpu],
+        "step_host_ms": med(c.host),
+        "bytes_sent_per_step": med(c.sent),
+        # bytes the pre-all-gather hooks hand FSDP per step (this rank's FP8 inputs)
+        "hook_bytes_per_step": med(c.hook_bytes) if c.hook_bytes else None,
+        "hook_calls_per_step": dict(timer.calls),
+        "pre_all_gather_host_ms": med(pre_h), "post_all_gather_host_ms": med(post_h),
+        "pre_all_gather_gpu_ms": med(pre_g) if pre_g else None,
+        "post_all_gather_gpu_ms": med(post_g) if post_g else None,
+        # the per-step FP8 cast of all weights (mode 1: cast_master_weights_, mode 2:
+        # precompute_fp8_scales): one packed all-reduce plus the batched kernels
+        "fp8_cast_host_ms": med(cast_h) if cast_h else None,
+        "fp8_cast_gpu_ms": med(cast_g) if cast_g else None,
+    })
+
+
+def run_cases(names, args, device, mesh, rank, world):
+    counter = ByteCounter(world)
+    try:
+        cases = [Case(n, args, device, mesh, world) for n in names]
+        for c in cases:
+            prepare(c, args)
+        timed_steps(cases, args, counter)
+        for c in cases:
+            breakdown(c, args, rank)
+    finally:
         for n in counter.names:
             setattr(dist, n, counter.orig[n])
-    del model, opt, masters
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    return result
+    peak = (torch.cuda.max_memory_allocated() / 2 ** 30) if device.type == "cuda" else None
+    for c in cases:
+        c.result["peak_memory_gib_all_cases"] = peak
+    return [c.result for c in cases]
 
 
 def main():
@@ -419,6 +509,10 @@ def main():
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="after timing, cProfile STEPS more steps of each case on rank 0 (stderr)")
     p.add_argument("--profile-top", type=int, default=25)
+    p.add_argument("--trace", type=int, default=0, metavar="STEPS",
+                   help="after timing, torch.profiler over STEPS more steps of each case on "
+                        "rank 0: GPU kernel time per step by area and the top kernels (stderr)")
+    p.add_argument("--trace-top", type=int, default=18)
     p.add_argument("--profile-dump", default=None, metavar="DIR",
                    help="with --profile: also write DIR/<case>.pstats (rank 0)")
     p.add_argument("--out", default=None, help="JSON output path, or a folder to write "
@@ -431,7 +525,7 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     mesh = init_device_mesh(args.device, (world,))
-    results = [run_case(c, args, device, mesh, rank, world) for c in args.cases.split(",")]
+    results = run_cases(args.cases.split(","), args, device, mesh, rank, world)
     base = next((r for r in results if r["case"] == "bf16"), None)
     if base is not None:
         for r in results:

@@ -25,6 +25,10 @@ Two ways to own the weights (convert with :func:`prepare_fsdp_fp8` after
    Once per step (:func:`precompute_fp8_scales` after ``opt.step()``, or else lazily at the
    first all-gather after the parameters changed) the global scales of all weights come from
    one packed all-reduce and each rank's rows are cast to FP8, which the all-gather sends.
+   Where a Block2D weight's shards hold whole 128-row tiles (FSDP2's chunk of rows a multiple
+   of 128) and the parameter has the model dtype, its rank quantizes its rows in one pass
+   (tile amaxes are local) and only the scales are all-reduced (one packed SUM for all such
+   weights); the other weights take the partial-amax cast.
 
 Usage follows FSDP's training state, as in TE: forward gathers for the rowwise direction;
 ``PRE_BACKWARD`` (``reshard_after_forward=True``) for the columnwise one; with
@@ -171,6 +175,8 @@ class Registry:
         self._fsdp = {}
         self._comms = {}
         self._entries = {}  # mode -> its entries, once FSDP2 manages every weight of it
+        self.tile_split = None  # mode 2: (tile-local entries, the others), once found
+        self.tile_pack = None   # mode 2: the tile-local weights' packed scales
 
     def fsdp_of(self, state):
         hit = self._fsdp.get(id(state))
@@ -240,6 +246,10 @@ class Registry:
 
             hit = self._comms[id(pg)] = (pg, TorchComm(pg))
         return hit[1]
+
+    def process_group(self, fsdp_param):
+        """The torch process group the weight is sharded over."""
+        return fsdp_param.mesh_info.shard_process_group
 
 
 class _ModelRegistries:
@@ -366,9 +376,82 @@ def _recast(registry):
             hp = _local_of(fp)._planes[0]
             state.frags = [hp.new_zeros((chunk, state.shape[1]), dtype=torch.uint8)
                            for _ in state.planes]
-    _cast_all(registry, entries, _cast_mode_item)
+    split = registry.tile_split
+    if split is None:
+        split = registry.tile_split = _split_tile_local(entries)
+    local, other = split
+    if local:
+        _cast_tile_local(registry, local)
+    if other:
+        _cast_all(registry, other, _cast_mode_item)
     for state, fp, *_ in entries:
         state.cast_version = fp.sharded_param._version
+
+
+def _split_tile_local(entries):
+    """(tile-local entries, the others): a Block2D weight whose shard holds whole 128-row
+    tiles (FSDP2's chunk of rows a multiple of 128: the same on every rank) and whose
+    parameter already has the model dtype is cast tile by tile on its own rank -- every
+    tile's amax is local, so ``quantize`` of the local rows writes the bytes and those
+    tiles' scales of ``quantize(bf16(full weight))`` in one pass; only the scales travel.
+    The others take the batched partial-amax cast."""
+    local, other = [], []
+    for e in entries:
+        state, fp, start, count, chunk = e
+        ok = (isinstance(state.recipe, Block2D) and chunk % 128 == 0
+              and _local_of(fp)._planes[0].dtype == state.model_dtype)
+        (local if ok else other).append(e)
+    return local, other
+
+
+class _TilePack:
+    """One fp32 buffer holding the rowwise scale_inv of every tile-local weight (views in
+    conversion order): each rank zeroes it, writes its own tiles' rows, and one SUM
+    all-reduce gives every rank all scales (each entry has one nonzero addend, so the sum is
+    exact: x + 0 = x, NaN stays NaN)."""
+
+    def __init__(self, entries):
+        scales = [e[0].scales[0] for e in entries]
+        sizes = [t.numel() for t in scales]
+        self.buf = torch.empty(sum(sizes), dtype=torch.float32, device=scales[0].device)
+        self.views, o = [], 0
+        for t, n in zip(scales, sizes):
+            self.views.append(self.buf[o:o + n].view(t.shape))
+            o += n
+        self.scales = scales
+
+
+def _cast_tile_local(registry, entries):
+    from ..ops import quantize
+
+    pack = registry.tile_pack
+    if pack is None:
+        pack = registry.tile_pack = _TilePack(entries)
+    pack.buf.zero_()
+    for (state, fp, start, count, chunk), view in zip(entries, pack.views):
+        if not count:
+            continue
+        cols = state.shape[1]
+        rows = count // cols
+        t0 = start // cols // 128
+        x2d = _local_of(fp)._planes[0].reshape(-1)[:count].view(rows, cols)
+        data, sinv = state.frags[0][:rows], view[t0:t0 + cdiv(rows, 128)]
+        if x2d.is_cuda:  # straight into the fragment and the packed scales
+            _kernels().quantize(x2d, state.recipe, True, False, out=(data, sinv, None, None))
+        else:
+            q = quantize(x2d, state.recipe, rowwise=True)
+            data.copy_(q.rowwise_data)
+            sinv.copy_(q.rowwise_scale_inv)
+    pg = registry.process_group(entries[0][1])
+    if pg.size() > 1:
+        torch.distributed.all_reduce(pack.buf, group=pg)
+    torch._foreach_copy_(pack.scales, pack.views)
+
+
+def _kernels():
+    from .. import kernels
+
+    return kernels
 
 
 def _cast_mode_item(j, i, entry):

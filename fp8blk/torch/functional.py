@@ -133,6 +133,10 @@ class _Float8BlockLinearFn(torch.autograd.Function):
         ctx.save_for_backward(qx_t[0], qx_t[1], weight)
         ctx.cfg = cfg
         ctx.shapes = (x.shape, x.dtype, weight.dtype, bias is not None)
+        if x.dim() == 2:
+            # not a view of y: FSDP2 warns that an in-place op on a module's view output
+            # drops its pre-backward hook
+            return y
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod

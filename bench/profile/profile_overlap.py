@@ -9,32 +9,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
+_BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _BENCH)
+sys.path.insert(0, os.path.dirname(_BENCH))
 
 import torch  # noqa: E402
 
 import fp8blk as fb  # noqa: E402
+from bench_linear import gpu_ms  # noqa: E402
 from fp8blk.torch import blockwise_scaled_mm  # noqa: E402
-
-
-def event_ms(fn, n=20, repeats=5):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(repeats):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(n):
-            fn()
-        e.record()
-        e.synchronize()
-        out.append(s.elapsed_time(e) / n)
-    return statistics.median(out)
 
 
 def main():
@@ -83,7 +68,7 @@ def main():
              "x row+col | W rowwise on a side stream": pair(xquant, wrow)}
     print(f"shape (M, K, N) = ({m}, {k}, {n})")
     for name, fn in cases.items():
-        print(f"{name:56s} {event_ms(fn) * 1e3:9.1f} us", flush=True)
+        print(f"{name:56s} {gpu_ms(fn, inner=20, repeats=5) * 1e3:9.1f} us", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,31 +9,17 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import statistics
 import sys
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
+_BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _BENCH)
+sys.path.insert(0, os.path.dirname(_BENCH))
 
 import torch  # noqa: E402
 
 import fp8blk as fb  # noqa: E402
+from bench_host import host_us  # noqa: E402
 from fp8blk.kernels import _device_arrays as da  # noqa: E402
-
-
-def host_us(fn, n, repeats=7):
-    for _ in range(300):
-        fn()
-    torch.cuda.synchronize()
-    per = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        per.append((time.perf_counter() - t0) / n * 1e6)
-        torch.cuda.synchronize()
-    return min(per), statistics.median(per)
 
 
 def main():

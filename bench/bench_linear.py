@@ -1,6 +1,7 @@
 """GPU benchmark of fp8blk.torch.Float8BlockLinear (issue 13), one H200:
 
     python3 bench/bench_linear.py --out bench/results/linear-h200-$(date +%F).json [--quick]
+        [--speed-only] [--shapes 0,1,2]
 
 1. Accuracy: SQNR (dB) of the output, input gradient and weight gradient against bf16
    nn.Linear (same weights, inputs and output gradient; the fp32 GEMM of the same bf16 data as
@@ -9,7 +10,8 @@
    (8192, 4096, 4096), bf16, no bias: Float8BlockLinear, bf16 nn.Linear, torchao 0.18
    ``torchao.prototype.blockwise_fp8_training.linear.Float8BlockwiseLinear`` when importable
    (its default GEMM path, and use_triton=True when that argument exists). GPU time: CUDA events
-   around back-to-back iterations (median of repeats). Host time: wall time to issue one
+   around back-to-back iterations (median of repeats, the cases' repeats interleaved so that
+   clock drift falls on all of them alike). Host time: wall time to issue one
    iteration when the GPU is not the bottleneck (a 256-token layer of the same widths).
    Targets: >= 1.5x bf16 at the two large shapes, >= 1.2x at the small one, faster than torchao.
 3. Breakdown per shape: the three GEMMs alone (blockwise_scaled_mm on prequantized operands),
@@ -62,6 +64,30 @@ def gpu_ms(fn, inner=10, repeats=7, warmup=3):
         stop.synchronize()
         samples.append(start.elapsed_time(stop) / inner)
     return statistics.median(samples)
+
+
+def interleaved_ms(fns, inner=10, repeats=7, warmup=3):
+    """{name: median ms per call} of several callables timed like :func:`gpu_ms`, one repeat
+    of each in turn (the order rotated per round): FP8 and bf16 GEMMs are power bound and the
+    GPU's clocks drift over a run, so timing the cases one after the other biases their
+    ratios by a few percent."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    names = list(fns)
+    samples = {n: [] for n in names}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                enable_timing=True)
+            start.record()
+            for _ in range(inner):
+                fns[name]()
+            stop.record()
+            stop.synchronize()
+            samples[name].append(start.elapsed_time(stop) / inner)
+    return {n: statistics.median(v) for n, v in samples.items()}
 
 
 def host_us(fn, n=50, repeats=7):
@@ -205,7 +231,7 @@ def stack_memory(m, k, depth=4):
     return {"depth": depth, "tokens": m, "width": k, "fwd_peak_bytes": out}
 
 
-def speed(m, k, n, quick):
+def speed(m, k, n, quick, speed_only=False):
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(m, n, device=DEV, dtype=torch.bfloat16)
     bf16 = torch.nn.Linear(k, n, bias=False, device=DEV, dtype=torch.bfloat16)
@@ -218,19 +244,24 @@ def speed(m, k, n, quick):
             "host_us": {}, "fwd_peak_bytes": {}, "saved_bytes": {}, "errors": {}}
     small_x = torch.randn(256, k, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     small_g = torch.randn(256, n, device=DEV, dtype=torch.bfloat16)
+    steps = {}
     for name, layer in layers.items():
         try:
-            case["gpu_ms"][name] = gpu_ms(fwd_bwd(layer, x, g), inner=3 if quick else 10)
+            fwd_bwd(layer, x, g)()  # a peer that fails here is left out of the timing
+            steps[name] = fwd_bwd(layer, x, g)
             case["host_us"][name] = host_us(fwd_bwd(layer, small_x, small_g))
-            peak, held = memory(layer, x)
-            case["fwd_peak_bytes"][name], case["saved_bytes"][name] = peak, held
+            if not speed_only:
+                peak, held = memory(layer, x)
+                case["fwd_peak_bytes"][name], case["saved_bytes"][name] = peak, held
         except Exception as err:  # noqa: BLE001  (a peer failing must not hide our numbers)
             case["errors"][name] = f"{type(err).__name__}: {err}"
+            steps.pop(name, None)
+    case["gpu_ms"] = interleaved_ms(steps, inner=3 if quick else 10)
     t = case["gpu_ms"]
     case["speedup_vs_bf16"] = t["bf16"] / t["fp8blk"] if "fp8blk" in t else None
     case["target_vs_bf16"] = TARGETS[(m, k, n)]
     case["speedup_vs_torchao"] = {p: t[p] / t["fp8blk"] for p in t if p.startswith("torchao")}
-    case["stack_memory"] = [stack_memory(m, k, depth) for depth in (4, 8)]
+    case["stack_memory"] = [] if speed_only else [stack_memory(m, k, depth) for depth in (4, 8)]
     case["breakdown"] = breakdown(m, k, n)
     case["breakdown"]["other_ms"] = t.get("fp8blk", 0) - case["breakdown"]["gemms_ms"] \
         - case["breakdown"]["quantize_ms"]
@@ -268,14 +299,19 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    parser.add_argument("--speed-only", action="store_true",
+                        help="only the speed cases: no accuracy, memory or compile checks")
+    parser.add_argument("--shapes", default=None,
+                        help="comma-separated indices into SHAPES (default: all)")
     args = parser.parse_args()
+    shapes = SHAPES if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
     result = {"machine": {"gpu": torch.cuda.get_device_name(), "host": platform.node(),
                           "torch": torch.__version__, "python": platform.python_version()},
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "command": " ".join([sys.executable] + sys.argv),
-              "accuracy": [accuracy(w) for w in (4096, 8192)],
-              "speed": [speed(*s, args.quick) for s in SHAPES],
-              "compile": compile_check()}
+              "accuracy": [] if args.speed_only else [accuracy(w) for w in (4096, 8192)],
+              "speed": [speed(*s, args.quick, args.speed_only) for s in shapes],
+              "compile": {} if args.speed_only else compile_check()}
     for a in result["accuracy"]:
         s = a["sqnr_db"]
         print(f"SQNR width {a['width']}: out {s['output']:.1f} dB, dgrad {s['input_grad']:.1f} "

@@ -10,6 +10,7 @@ data in the backward pass: MXFP8 with reshard_after_forward=True needs that). Sh
 (75 per rank on 4), 290 rows on 4 ranks (73+73+73+71: FSDP pads), MXFP8 288 rows (72 per
 rank, cutting 32-row blocks).
 """
+import json
 import sys
 from pathlib import Path
 
@@ -45,6 +46,28 @@ def test_fsdp_fp8_weights_four_ranks_uneven(rng):
     # + FSDP2 x TP on a 2x2 (dp, tp) mesh against TP alone
     _torchrun(4, rng, "primary:block2d:1", "cast:block2d:0", "primary:mxfp8:0",
               "cast:mxfp8:1", "ffn_tp")
+
+
+def test_bench_fsdp_runs_on_the_cpu(tmp_path):
+    """The FSDP2 benchmark's own code (four cases built up front, interleaved timed steps, the
+    byte checks after every all-gather, the hook and cast breakdown, the JSON) on 2 gloo
+    ranks with tiny layers, so that it cannot rot between GPU sessions."""
+    script = Path(__file__).resolve().parents[2] / "bench" / "bench_fsdp.py"
+    out = tmp_path / "fsdp.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node=2", str(script), "--device", "cpu", "--width", "256",
+               "--tokens", "128", "--steps", "2", "--warmup", "1", "--out", str(out)]
+    code, output, _ = run(command, 300, {"OMP_NUM_THREADS": "1"})
+    assert code == 0, output[-8000:]
+    cases = {c["case"]: c for c in json.loads(out.read_text())["cases"]}
+    assert sorted(cases) == ["bf16", "bf16_master", "cast", "primary"]
+    for mode in ("primary", "cast"):
+        c = cases[mode]
+        assert c["byte_checks_passed"] == 8  # 4 layers, forward and backward gathers
+        assert c["bytes_vs_bf16"] == 0.5 and c["hook_bytes_per_step"] == c["bytes_sent_per_step"]
+        assert c["hook_calls_per_step"] == {"pre": 8, "post": 8}
+    assert cases["bf16_master"]["bytes_vs_bf16"] == 1.0
+    assert all(len(c["step_gpu_ms_all"]) == 0 and c["step_host_ms"] > 0 for c in cases.values())
 
 
 @pytest.mark.gpu

@@ -32,6 +32,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """Simulator tests go last and their jobs start now in the background (tests/sim_jobs.py:
+    ~6.5 min of one core, overlapping the rest of the suite on a second core). An xdist
+    worker leaves its jobs to start when its tests ask for them."""
+    from tests import sim_jobs
+
+    items = session.items
+    sim = [it for it in items if sim_jobs.job_of(it.nodeid)]
+    if not sim:
+        return
+    items[:] = [it for it in items if not sim_jobs.job_of(it.nodeid)] + sim
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        sim_jobs.JOBS.start({sim_jobs.job_of(it.nodeid) for it in sim
+                             if not it.get_closest_marker("skip")})
+
+
+def pytest_sessionfinish(session):
+    from tests import sim_jobs
+
+    sim_jobs.stop()
+
+
 @pytest.fixture
 def rng(request):
     """A fresh, reported seed per test: failures print the seed, reruns draw new data."""

@@ -3,10 +3,6 @@ master_batch.py): PTX for
 sm_90 without a GPU, byte-exact results under the simulator (subprocess), the batch table
 (constant launches for 100 weights), and the same on the GPU (-m gpu, see tests/test_master.py).
 """
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
@@ -16,22 +12,18 @@ from fp8blk.kernels import _numba
 from fp8blk.kernels import _partial_amax_kernel as pak
 from fp8blk.kernels import _specs as dev
 from fp8blk.kernels import master_batch as mb
+from tests import sim_jobs
 from tests.master_scripts import cases
 
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 needs_compiler = pytest.mark.skipif(_numba.SIM, reason="compile_ptx needs the real Numba CUDA "
                                                         "target (this process is simulated)")
 
 
-def run_sim(what, timeout=300):
-    """Run tests/master_scripts/sim_checks.py `what` under the simulator; assert it passed."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, os.path.join(_REPO, "tests", "master_scripts",
-                                                        "sim_checks.py"), what, str(seed)],
-                          cwd=_REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0 and f"OK {what}" in proc.stdout, (
-        f"seed={seed}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+def run_sim(what):
+    """The result of tests/master_scripts/sim_checks.py `what` under the simulator (run in the
+    background from the end of collection: tests/sim_jobs.py); assert it passed."""
+    code, out, err, seed = sim_jobs.result(what)
+    assert code == 0 and f"OK {what}" in out, f"seed={seed}\n{out[-3000:]}\n{err[-6000:]}"
 
 
 @needs_compiler

@@ -66,7 +66,10 @@ class _Jobs:
                     return
                 name = self._queue.pop(0)
                 self._started.add(name)
-            out = _run(name)
+            try:
+                out = _run(name)
+            except Exception as exc:  # e.g. the interpreter could not start: fail the tests
+                out = (-1, "", f"could not run the job: {exc!r}", None)
             with self._cond:
                 self._results[name] = out
                 self._cond.notify_all()
@@ -81,9 +84,7 @@ class _Jobs:
         self.start([name])
         with self._cond:
             while name not in self._results:
-                self._cond.wait(timeout=5)
-                if name not in self._results and not self._thread.is_alive():
-                    self.start([name])  # the thread ended before this job (cannot happen)
+                self._cond.wait()
             return self._results[name]
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import scaling
-from .._arrays import BF16
+from .._arrays import BF16, numpy_to_torch_dtype
 from ..formats import Block1D, Block2D, E4M3, MXFP8
 from ..layout import buffer_layouts
 from . import _compiled
@@ -167,9 +167,9 @@ class _TorchCall:
         import torch
 
         self.kernel, self.grid, self.block = plan.kernel, plan.grid, plan.block
-        tdt = {np.dtype(np.uint8): torch.uint8, np.dtype(np.float32): torch.float32}
         self.outs = [None if s is None else (s[0], contiguous_strides(s[0]),
-                                             tdt[np.dtype(s[1])]) for s in plan.shapes]
+                                             numpy_to_torch_dtype(np.dtype(s[1])))
+                     for s in plan.shapes]
         self.scalars = [int(v) for v in plan.scalars]
         self.index, self.device = x.get_device(), x.device
         self.shape, self.dtype = tuple(x.shape), dtype

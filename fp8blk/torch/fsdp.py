@@ -239,7 +239,7 @@ class Registry:
             _recast(self)
 
     def comm(self, fsdp_param):
-        pg = fsdp_param.mesh_info.shard_process_group
+        pg = self.process_group(fsdp_param)
         hit = self._comms.get(id(pg))
         if hit is None:
             from ..comm import TorchComm

@@ -1,63 +1,114 @@
-"""Where the host time of a Float8BlockLinear forward+backward goes (issues 13 and 14: the
-FSDP2 step is host-bound). Per shape: host us per fwd+bwd (back-to-back, median of 7 x 50),
-a cProfile of 200 steps by own time, and torch.profiler's CPU self time per op.
+"""Where the host time of a Float8BlockLinear forward+backward goes (issue 13). Per shape:
+host us per fwd+bwd of bf16 nn.Linear and of Float8BlockLinear on its per-signature plan and
+on its general path (``_linear_plans.plan_for`` patched to None), each with autograd's
+multithreading on (the default: the backward half runs on autograd's device thread) and off
+(it runs on the calling thread); then the host us of each piece of a planned step (quantize
+launcher, ``torch._scaled_mm``, ``torch.empty_strided``) and a cProfile of the planned step.
+Host time is measured while a sleep kernel queued first holds the GPU, so the launch queue
+never fills (median of 9 x 10 steps).
 
-    python3 bench/profile/profile_linear_host.py [--shapes 256x8192x8192,8192x8192x8192]
+    python3 bench/profile/profile_linear_host.py [--shapes 8192x4096x4096,256x8192x8192]
 """
 import argparse
+import collections
 import cProfile
+import os
 import pstats
 import statistics
+import sys
 import time
 
 import torch
 
-from fp8blk.torch import Float8BlockLinear
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, BENCH)               # bench_linear (which puts the repository on the path)
+from bench_linear import host_us  # noqa: E402  (the benchmark's own host timing)
+
+from fp8blk.torch import Float8BlockLinear, _linear_plans  # noqa: E402
 
 
-def step(layer, x, g):
-    y = layer(x)
-    y.backward(g)
+def pieces(step):
+    """Median host us of each piece of a planned step (the pieces timed by wrapping them)."""
+    import fp8blk.kernels.quantize  # noqa: F401  (the module, not the function of that name)
+    kq = sys.modules["fp8blk.kernels.quantize"]
+    acc = collections.defaultdict(list)
+    saved = []
+
+    def wrap(obj, name, label):
+        f = getattr(obj, name)
+        saved.append((obj, name, f))
+
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            out = f(*a, **kw)
+            acc[label].append(time.perf_counter() - t0)
+            return out
+        setattr(obj, name, timed)
+
+    wrap(torch, "_scaled_mm", "torch._scaled_mm")
+    wrap(kq._TorchCall, "__call__", "quantize launcher (allocations + launch)")
+    _linear_plans.plans.clear()      # new plans take the wrapped torch.empty_strided
+    wrap(torch, "empty_strided", "torch.empty_strided")
+    try:
+        host_us(step)
+    finally:
+        for obj, name, f in reversed(saved):
+            setattr(obj, name, f)
+        _linear_plans.plans.clear()
+    steps = 3 + 9 * 10
+    return {k: (statistics.median(v) * 1e6, len(v) / steps) for k, v in acc.items()}
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="256x8192x8192,8192x8192x8192")
+    ap.add_argument("--shapes", default="8192x4096x4096")
     args = ap.parse_args()
     dev = torch.device("cuda")
     for shape in args.shapes.split(","):
         m, k, n = map(int, shape.split("x"))
         bf16 = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
-        layers = {"bf16": bf16, "fp8blk": Float8BlockLinear.from_linear(bf16)}
+        fp8 = Float8BlockLinear.from_linear(bf16)
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, requires_grad=True)
         g = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
-        for name, layer in layers.items():
-            for _ in range(20):
-                step(layer, x, g)
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(7):
-                t0 = time.perf_counter()
-                for _ in range(50):
-                    step(layer, x, g)
-                times.append((time.perf_counter() - t0) / 50 * 1e6)
-                torch.cuda.synchronize()
-            print(f"== {shape} {name}: host {statistics.median(times):.1f} us per fwd+bwd "
-                  f"(min {min(times):.1f})", flush=True)
-            if name == "bf16":
-                continue
-            pr = cProfile.Profile()
-            pr.enable()
-            for _ in range(200):
-                step(layer, x, g)
-            pr.disable()
-            torch.cuda.synchronize()
-            pstats.Stats(pr).sort_stats("tottime").print_stats(18)
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                for _ in range(20):
-                    step(layer, x, g)
-            torch.cuda.synchronize()
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+
+        def step_of(layer):
+            def step():
+                layer.weight.grad = None
+                x.grad = None
+                layer(x).backward(g)
+            return step
+
+        plan_for = _linear_plans.plan_for
+        for mt in (True, False):
+            torch.autograd.set_multithreading_enabled(mt)
+            row = {"bf16": host_us(step_of(bf16)), "fp8blk plan": host_us(step_of(fp8))}
+            _linear_plans.plan_for = lambda *a: None
+            try:
+                row["fp8blk general path"] = host_us(step_of(fp8))
+            finally:
+                _linear_plans.plan_for = plan_for
+            print(f"== {shape} autograd multithreading={mt}: host us per fwd+bwd "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
+        torch.autograd.set_multithreading_enabled(True)
+        print(f"   {len(_linear_plans.plans)} plan(s); pieces of a planned step "
+              "(median us, calls per step):")
+        for name, (us, per) in pieces(step_of(fp8)).items():
+            print(f"   {name:42s} {us:7.1f} us  x{per:.0f}")
+        torch.autograd.set_multithreading_enabled(False)   # cProfile sees this thread only
+        step = step_of(fp8)
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(300_000_000)
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(50):
+            step()
+        pr.disable()
+        torch.cuda.synchronize()
+        torch.autograd.set_multithreading_enabled(True)
+        print("   cProfile of 50 planned steps (multithreading off):")
+        pstats.Stats(pr).sort_stats("tottime").print_stats(15)
 
 
 if __name__ == "__main__":

@@ -163,13 +163,15 @@ class _TorchCall:
     __slots__ = ("kernel", "grid", "block", "outs", "scalars", "index", "device", "shape",
                  "dtype", "empty")
 
-    def __init__(self, plan, x, dtype):
+    def __init__(self, plan, x, dtype, views=None):
         import torch
 
         self.kernel, self.grid, self.block = plan.kernel, plan.grid, plan.block
         self.outs = [None if s is None else (s[0], contiguous_strides(s[0]),
                                              numpy_to_torch_dtype(np.dtype(s[1])))
                      for s in plan.shapes]
+        if views is not None:
+            self.outs = _checked_views(self.outs, views)
         self.scalars = [int(v) for v in plan.scalars]
         self.index, self.device = x.get_device(), x.device
         self.shape, self.dtype = tuple(x.shape), dtype
@@ -212,6 +214,45 @@ class _CupyCall:
         self.kernel(self.grid, self.block,
                     tuple([x if o is None else o for o in [x] + outs]) + self.scalars)
         return outs
+
+
+def _checked_views(outs, views):
+    """`views` (per output None or (shape, strides, torch dtype)) after checking that each
+    covers exactly the bytes of its buffer's layout: the same byte count, dense (its strides
+    a permutation of contiguous strides of its shape), a direction held iff its layout is."""
+    checked = []
+    for out, view in zip(outs, views):
+        if (out is None) != (view is None):
+            raise ValueError("torch_call: a view per buffer held, None for one not held")
+        if view is None:
+            checked.append(None)
+            continue
+        shape, strides, dtype = tuple(view[0]), tuple(view[1]), view[2]
+        order = sorted(range(len(shape)), key=lambda i: strides[i])
+        dense = contiguous_strides(tuple(shape[i] for i in reversed(order)))[::-1]
+        if int(np.prod(shape)) * dtype.itemsize != int(np.prod(out[0])) * out[2].itemsize \
+                or tuple(strides[i] for i in order) != tuple(dense):
+            raise ValueError(f"torch_call: view {view} does not cover the {out[2]} buffer "
+                             f"{out[0]} exactly")
+        checked.append((shape, strides, dtype))
+    return checked
+
+
+def torch_call(x, recipe, rowwise, columnwise, dtype, views):
+    """A launcher like the hot path's, ``call(x, ptr) -> [4 tensors]``, for torch CUDA tensors
+    of `x`'s dtype, 2-D shape, 16-byte alignment and device (`x` validated by the caller; the
+    caller checks those per call): each output is allocated as ``views[i] = (shape, strides,
+    torch dtype)``, the same bytes as its docs/layouts.md buffer seen as the consumer wants
+    them (e.g. FP8 data as ``torch.float8_e4m3fn``, a scale buffer transposed), so a consumer
+    such as ``torch._scaled_mm`` takes them without view calls. ``views[i]`` is None for a
+    direction not asked for."""
+    ad = adapter_of(x)
+    ptr = ad.ptr(x)
+    rows, cols = x.shape
+    vec = cols % sp.ELEMS_PER_CHUNK[kind_of(ad.dtype(x), dtype)] == 0 and ptr % 16 == 0
+    plan = _plan_for(recipe, kind_of(ad.dtype(x), dtype), rows, cols, rowwise, columnwise, vec,
+                     ad.device(x))
+    return _TorchCall(plan, x, dtype, views)
 
 
 def record_call(x, x2d, recipe, rowwise, columnwise, dtype):

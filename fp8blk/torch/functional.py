@@ -11,12 +11,14 @@ from __future__ import annotations
 import torch
 
 from ..formats import MXFP8
+from . import _linear_plans
 from .config import Float8BlockConfig
 from .quantize_ops import (FP8_DTYPE, block2d_columnwise, block_tensor_buffers,
                            mxfp8_columnwise_as_rows, quantize_buffers)
 from .scaled_mm import blockwise_scaled_mm
 
 _HIGH = (torch.float32, torch.bfloat16, torch.float16)
+_compiling = torch.compiler.is_compiling
 
 
 def _blocks(recipe) -> str:
@@ -96,9 +98,11 @@ def fp8_gemms_backward(dy2d, qx_t, qw, cfg, need_dgrad, need_wgrad, dx_dtype, dw
                        qdy=None):
     """(dx (M, K) or None, dW (N, K) or None) from dY (M, N). ``qdy``: dY's buffers when the
     caller already has them (the sequence-parallel FP8 gather)."""
+    dx = dw = None
+    if not (need_dgrad or need_wgrad):     # only the bias needs a gradient
+        return dx, dw
     if qdy is None:
         qdy = quantize_buffers(dy2d, cfg.grad, need_dgrad, need_wgrad)
-    dx = dw = None
     if need_dgrad:
         dx = blockwise_scaled_mm(*_dgrad_operands(qdy, _weight_transposed(qw, cfg.weight), cfg),
                                  out_dtype=dx_dtype)
@@ -116,6 +120,16 @@ class _Float8BlockLinearFn(torch.autograd.Function):
         if not x2d.is_contiguous():
             x2d = x2d.contiguous()
         need_wgrad = weight.requires_grad
+        plan = None if _compiling() else _linear_plans.plan_for(
+            x2d, weight, cfg, out_dtype, ctx.needs_input_grad[0], need_wgrad)
+        ctx.plan = plan
+        if plan is not None:
+            y, (xt_d, xt_s) = plan.forward(x2d, weight)
+            if bias is not None:
+                y = y + bias.to(y.dtype)
+            ctx.save_for_backward(xt_d, xt_s, weight)
+            ctx.shapes = (x.shape, x.dtype, weight.dtype, bias is not None)
+            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
         qx = quantize_input(x2d, cfg.activation, need_wgrad)
         # The weight is asked for what each pass needs -- rowwise now, columnwise in the
         # backward pass -- and the weight itself is saved, not its FP8 buffers: an FSDP2 FP8
@@ -142,15 +156,18 @@ class _Float8BlockLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         xt_d, xt_s, weight = ctx.saved_tensors
-        qw = _weight_block_tensor(weight, ctx.cfg, False, True)
         x_shape, x_dtype, w_dtype, has_bias = ctx.shapes
         n = dy.shape[-1]
         dy2d = dy.reshape(-1, n)
-        if not dy2d.is_contiguous():
-            dy2d = dy2d.contiguous()
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dx, dw = fp8_gemms_backward(dy2d, (xt_d, xt_s), qw, ctx.cfg, need_dgrad, need_wgrad,
-                                    x_dtype, w_dtype)
+        if ctx.plan is not None:
+            dx, dw = ctx.plan.backward(dy2d, xt_d, xt_s, weight, need_dgrad, need_wgrad)
+        else:
+            if not dy2d.is_contiguous():
+                dy2d = dy2d.contiguous()
+            qw = _weight_block_tensor(weight, ctx.cfg, False, True) if need_dgrad else None
+            dx, dw = fp8_gemms_backward(dy2d, (xt_d, xt_s), qw, ctx.cfg, need_dgrad,
+                                        need_wgrad, x_dtype, w_dtype)
         dbias = dy2d.sum(0) if has_bias and ctx.needs_input_grad[2] else None
         if dx is not None:
             dx = dx.reshape(x_shape)

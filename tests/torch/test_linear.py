@@ -73,6 +73,20 @@ def test_bf16_model_and_no_input_grad(gen):
     assert lin.weight.grad.dtype == torch.bfloat16 and lin.bias.grad is not None
 
 
+def test_only_the_bias_needs_a_gradient(gen):
+    """Frozen weight and an input without grad: only dbias = dY summed over tokens (this raised
+    "quantize needs rowwise=True or columnwise=True" before: dY was quantized for no GEMM)."""
+    from fp8blk.torch import _linear_plans
+    lin = Float8BlockLinear(256, 128)
+    lin.weight.requires_grad_(False)
+    x = spread((3, 64, 256), gen)
+    g = spread((3, 64, 128), gen)
+    lin(x).backward(g)
+    assert lin.weight.grad is None
+    assert torch.equal(lin.bias.grad, g.reshape(-1, 128).sum(0))
+    assert not _linear_plans.plans          # the per-signature plans are CUDA-only
+
+
 def _saved(fn, params):
     """Tensors autograd saves for backward during fn(), minus the parameters (no new memory)."""
     saved = []

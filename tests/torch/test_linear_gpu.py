@@ -97,9 +97,10 @@ import threading, torch, fp8blk as fb
 from fp8blk.torch import convert_to_float8_block
 torch.cuda.set_device(0)
 # 1. the backward pass starts with fp8blk's kernels on autograd's worker thread for GPU 0
-model = convert_to_float8_block(torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False)))
+M, K = {M}, {K}   # (512, 512): the per-signature hot path (_linear_plans) runs the step
+model = convert_to_float8_block(torch.nn.Sequential(torch.nn.Linear(K, K, bias=False)))
 model.cuda()
-x = torch.randn(128, 256, device="cuda", requires_grad=True)
+x = torch.randn(M, K, device="cuda", requires_grad=True)
 y = model(x)
 y.backward(torch.randn_like(y))
 assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
@@ -120,7 +121,8 @@ print("OK")
 """
 
 
-def test_kernels_on_threads_without_a_current_context(tmp_path):
+@pytest.mark.parametrize("mk", [(128, 256), (512, 512)])
+def test_kernels_on_threads_without_a_current_context(mk, tmp_path):
     """Regression (H200, 2 ranks): the first backward on GPU 0 raised
     CUDA_ERROR_INVALID_CONTEXT: autograd's worker thread had no current CUDA context (torch
     skips cudaSetDevice when the runtime already reports device 0) and the raw driver launch
@@ -128,6 +130,7 @@ def test_kernels_on_threads_without_a_current_context(tmp_path):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-c", _FRESH_THREAD_SCRIPT], capture_output=True,
+    script = _FRESH_THREAD_SCRIPT.replace("{M}", str(mk[0])).replace("{K}", str(mk[1]))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr

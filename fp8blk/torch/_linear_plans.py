@@ -1,0 +1,137 @@
+"""The eager CUDA hot path of Float8BlockLinear: one plan per call signature.
+
+A Float8BlockLinear step on the general path validates every operand, wraps each quantized
+operand in a BlockTensor, views its buffers as ``torch._scaled_mm`` wants them and checks the
+GEMM layouts: ~400 Python calls per forward+backward, and autograd runs the backward half on
+its device thread, where that Python costs about twice as much again (measured on the H200:
+a (8192, 4096, 4096) fwd+bwd took ~900 us of host time against ~350 us with autograd's
+multithreading off). A plan does the same arithmetic with what only depends on the signature
+worked out once: each quantize launcher allocates its outputs directly in the dtype and
+strides the GEMM takes (FP8 data as float8, scale buffers transposed: the same bytes as
+docs/layouts.md, seen another way), so a step is four quantize launches, three
+``torch._scaled_mm`` calls and the autograd bookkeeping.
+
+Signatures a plan serves (everything else takes the general path in ``functional.py``):
+plain CUDA tensors (x a ``torch.Tensor``, the weight a ``torch.Tensor`` or ``nn.Parameter``,
+so not the FSDP2 FP8 weight), Block1D/Block2D configs, x (M, K) and W (N, K) with M, K and N
+multiples of 512 (no GEMM needs padding: torch's blockwise kernel wants K-block counts that are
+multiples of 4, docs/torch.md), 16-byte aligned operands, float32/bfloat16/float16. The bytes
+are the general path's: the same kernels on the same inputs, the same GEMMs on the same bytes
+(tests/torch/test_linear_plans.py compares them on the GPU).
+
+Plans are keyed by the signature (:func:`plan_for`); :data:`plans` is emptied when it grows past 1024 entries.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import _arrays
+from ..formats import MXFP8, Format
+from ..layout import cdiv
+
+_F8 = {Format.E4M3: torch.float8_e4m3fn, Format.E5M2: torch.float8_e5m2}
+_HIGH = (torch.float32, torch.bfloat16, torch.float16)
+_WEIGHT_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+plans = {}
+
+
+def eligible(x2d, weight, cfg, out_dtype):
+    """True when a plan can serve this signature (see the module docstring); the per-call
+    conditions (contiguity, alignment) are :func:`plan_for`'s."""
+    if type(x2d) is not torch.Tensor or type(weight) not in _WEIGHT_TYPES \
+            or not x2d.is_cuda or isinstance(cfg.weight, MXFP8) or x2d.dim() != 2 \
+            or weight.dim() != 2:
+        return False
+    (m, k), n = x2d.shape, weight.shape[0]
+    return (weight.device == x2d.device and weight.shape[1] == k and not m % 512
+            and not k % 512 and not n % 512 and x2d.dtype in _HIGH and weight.dtype in _HIGH
+            and out_dtype in _HIGH)
+
+
+def _launcher(t, recipe, rowwise, columnwise, views):
+    from ..kernels.quantize import torch_call
+    return torch_call(t, recipe, rowwise, columnwise, _arrays.numpy_dtype(t.dtype), views)
+
+
+def _scale_t(rows, blocks):
+    """An fp32 scale buffer (blocks, rows) seen as (rows, blocks) with strides (1, rows)."""
+    return ((rows, blocks), (1, rows), torch.float32)
+
+
+class LinearPlan:
+    """The launchers and GEMM operands of one signature. ``forward(x2d, weight)`` returns
+    ``(y, saved)``; ``backward(dy2d, saved, weight, need_dgrad, need_wgrad)`` returns
+    ``(dx, dw)`` (None where not needed). `saved` is x's columnwise FP8 data and scales."""
+
+    __slots__ = ("qx", "qw", "qwt", "qdy", "out_dtype", "x_dtype", "w_dtype", "grad_rows",
+                 "grad_cols")
+
+    def __init__(self, x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad):
+        (m, k), n = x2d.shape, weight.shape[0]
+        mt, kt, nt = cdiv(m, 128), cdiv(k, 128), cdiv(n, 128)
+        fa, fw, fg = _F8[cfg.activation.fmt], _F8[cfg.weight.fmt], _F8[cfg.grad.fmt]
+        w = weight.detach()
+        # y = x @ W.T: a = x (M, K) row-major, its 1x128 scales (kt, M) as (M, kt); b = W's
+        # (N, K) bytes as the column-major (K, N) torch takes, its tile scales (nt, kt) as
+        # (kt, nt). wgrad's b is x's columnwise (K, M) bytes as column-major (M, K) with its
+        # (mt, K) scales as they are.
+        self.qx = _launcher(x2d, cfg.activation, True, need_wgrad, [
+            ((m, k), (k, 1), fa), _scale_t(m, kt),
+            ((m, k), (1, m), fa) if need_wgrad else None,
+            ((mt, k), (k, 1), torch.float32) if need_wgrad else None])
+        self.qw = _launcher(w, cfg.weight, True, False, [
+            ((k, n), (1, k), fw), _scale_t(kt, nt), None, None])
+        # dx = dY @ W: b is W's columnwise (K, N) bytes as column-major (N, K), its (kt, nt)
+        # tile scales as (nt, kt). dY: a of dgrad (M, N) with (nt, M) scales as (M, nt); a of
+        # wgrad its columnwise (N, M) bytes, (mt, N) scales as (N, mt).
+        self.qwt = _launcher(w, cfg.weight, False, True, [
+            None, None, ((n, k), (1, n), fw), _scale_t(nt, kt)]) if need_dgrad else None
+        self.qdy = None
+        self.grad_rows, self.grad_cols = need_dgrad, need_wgrad
+        self.out_dtype, self.x_dtype, self.w_dtype = out_dtype, x2d.dtype, weight.dtype
+        if need_dgrad or need_wgrad:
+            dy = torch.empty((m, n), dtype=out_dtype, device=x2d.device)
+            self.qdy = _launcher(dy, cfg.grad, need_dgrad, need_wgrad, [
+                ((m, n), (n, 1), fg) if need_dgrad else None,
+                _scale_t(m, nt) if need_dgrad else None,
+                ((n, m), (m, 1), fg) if need_wgrad else None,
+                _scale_t(n, mt) if need_wgrad else None])
+
+    def forward(self, x2d, weight):
+        xd, xs, xtd, xts = self.qx(x2d, x2d.data_ptr())
+        wd, ws = self.qw(weight, weight.data_ptr())[:2]
+        y = torch._scaled_mm(xd, wd, xs, ws, out_dtype=self.out_dtype)
+        return y, (xtd, xts)
+
+    def backward(self, dy2d, xt_d, xt_s, weight, need_dgrad, need_wgrad):
+        if not dy2d.is_contiguous() or dy2d.data_ptr() & 15:
+            dy2d = dy2d.clone(memory_format=torch.contiguous_format)
+        dx = dw = None
+        if self.qdy is None:
+            return dx, dw
+        gd, gs, gtd, gts = self.qdy(dy2d, dy2d.data_ptr())
+        if need_dgrad:
+            wtd, wts = self.qwt(weight, weight.data_ptr())[2:]
+            dx = torch._scaled_mm(gd, wtd, gs, wts, out_dtype=self.x_dtype)
+        if need_wgrad:
+            dw = torch._scaled_mm(gtd, xt_d, gts, xt_s, out_dtype=self.w_dtype)
+        return dx, dw
+
+
+def plan_for(x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad):
+    """The plan of this forward call's signature (made on first use), or None when a plan
+    cannot serve it. `x2d` must be C-contiguous (the caller makes it so); `need_dgrad`,
+    `need_wgrad`: whether x and the weight need gradients."""
+    if weight.data_ptr() & 15 or x2d.data_ptr() & 15 or not weight.is_contiguous():
+        return None
+    k = (x2d.shape, x2d.dtype, weight.shape, weight.dtype, type(weight), type(x2d),
+         x2d.get_device(), weight.get_device(), cfg, out_dtype, need_dgrad, need_wgrad)
+    plan = plans.get(k)
+    if plan is None:
+        if not eligible(x2d, weight, cfg, out_dtype):
+            return None
+        if len(plans) > 1024:
+            plans.clear()
+        plan = plans[k] = LinearPlan(x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad)
+    return plan

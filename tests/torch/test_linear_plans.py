@@ -1,0 +1,131 @@
+"""GPU checks of Float8BlockLinear's per-signature hot path (fp8blk/torch/_linear_plans.py):
+a step it serves gives the general path's bytes exactly -- output, input gradient, weight
+gradient, bias gradient -- on fresh data each step (rows and columns spanning orders of
+magnitude, so every block gets its own scale), and signatures it must not serve take the
+general path. Exact equality is the right bar: both paths run the same quantize kernels on
+the same inputs and the same cuBLAS GEMMs on the same bytes."""
+import pytest
+import torch
+
+import fp8blk as fb
+from fp8blk.torch import Float8BlockConfig, Float8BlockLinear
+from fp8blk.torch import _linear_plans, functional
+
+from ._parity import spread
+
+pytestmark = pytest.mark.gpu
+
+
+def _step(layer, x, g):
+    layer.weight.grad = None
+    if layer.bias is not None:
+        layer.bias.grad = None
+    x = x.detach().requires_grad_(x.requires_grad)
+    y = layer(x)
+    y.backward(g)
+    return [y, x.grad, layer.weight.grad, None if layer.bias is None else layer.bias.grad]
+
+
+def _general(monkeypatch):
+    monkeypatch.setattr(_linear_plans, "plan_for", lambda *a: None)
+
+
+def _assert_same(got, want, what):
+    for name, a, b in zip(("y", "dx", "dW", "dbias"), got, want):
+        assert (a is None) == (b is None), (what, name)
+        if a is not None:
+            assert a.dtype == b.dtype and a.shape == b.shape, (what, name)
+            assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a, b), \
+                (what, name, (a.float() - b.float()).abs().max())
+
+
+@pytest.mark.parametrize("case", [
+    dict(shape=(512, 1024), n=1536, dtype=torch.bfloat16, bias=True),
+    dict(shape=(2, 512, 512), n=1024, dtype=torch.bfloat16, bias=False),
+    dict(shape=(1024, 512), n=512, dtype=torch.float32, bias=True),
+    dict(shape=(512, 512), n=512, dtype=torch.float16, bias=False),
+    dict(shape=(512, 1024), n=512, dtype=torch.bfloat16, bias=True,
+         cfg=Float8BlockConfig(grad=fb.Block1D(fb.E5M2))),
+    dict(shape=(512, 512), n=1024, dtype=torch.bfloat16, bias=True, x_grad=False),
+    dict(shape=(512, 512), n=1024, dtype=torch.bfloat16, bias=True, w_grad=False),
+])
+def test_plan_steps_equal_the_general_path(case, rng, monkeypatch):
+    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+    shape, n, dtype = case["shape"], case["n"], case["dtype"]
+    cfg = case.get("cfg", Float8BlockConfig())
+    layer = Float8BlockLinear(shape[-1], n, bias=case["bias"], config=cfg, device="cuda",
+                              dtype=dtype)
+    with torch.no_grad():
+        layer.weight.copy_(spread(layer.weight.shape, gen, dtype))
+        if layer.bias is not None:
+            layer.bias.copy_(spread(layer.bias.shape, gen, dtype))
+    layer.weight.requires_grad_(case.get("w_grad", True))
+    _linear_plans.plans.clear()
+    for i in range(3):                  # fresh data each step; the plan made on step 0
+        x = spread(shape, gen, dtype).cuda().requires_grad_(case.get("x_grad", True))
+        g = spread(shape[:-1] + (n,), gen, dtype).cuda()
+        got = _step(layer, x, g)
+        assert len(_linear_plans.plans) == 1, "the step did not take the plan"
+        with monkeypatch.context() as m:
+            _general(m)
+            want = _step(layer, x, g)
+        _assert_same(got, want, (case, i))
+
+
+def test_plan_path_skips_the_general_quantize(rng, monkeypatch):
+    """Once a plan exists, a step never enters the general path's quantize or GEMM check."""
+    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+    layer = Float8BlockLinear(512, 512, device="cuda", dtype=torch.bfloat16)
+    x = spread((512, 512), gen, torch.bfloat16).cuda().requires_grad_(True)
+    _step(layer, x, torch.ones(512, 512, device="cuda", dtype=torch.bfloat16))
+
+    def boom(*a, **k):
+        raise AssertionError("general path taken")
+    monkeypatch.setattr(functional, "quantize_buffers", boom)
+    monkeypatch.setattr(functional, "blockwise_scaled_mm", boom)
+    out = _step(layer, x, spread((512, 512), gen, torch.bfloat16).cuda())
+    assert all(torch.isfinite(t).all() for t in out)
+
+
+@pytest.mark.parametrize("what", ["rows", "features", "unaligned", "noncontig_dy", "param_sub"])
+def test_signatures_the_plan_must_not_serve(what, rng, monkeypatch):
+    """Shapes needing padding, an unaligned input and a weight subclass take the general path
+    (no plan made); a non-contiguous dY in a planned step is copied first. All give the
+    general path's bytes."""
+    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+    m, k, n = {"rows": (384, 512, 512), "features": (512, 640, 512)}.get(what, (512, 512, 512))
+    layer = Float8BlockLinear(k, n, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(spread((n, k), gen, torch.bfloat16))
+    if what == "param_sub":
+        class Sub(torch.nn.Parameter):
+            pass
+        layer.weight = Sub(layer.weight.detach().clone())
+    if what == "unaligned":             # 2 bytes past an allocation's start
+        x = torch.empty(m * k + 1, device="cuda", dtype=torch.bfloat16)[1:].view(m, k)
+        x.copy_(spread((m, k), gen, torch.bfloat16))
+    else:
+        x = spread((m, k), gen, torch.bfloat16).cuda()
+    x.requires_grad_(True)
+    g = spread((m, n), gen, torch.bfloat16).cuda()
+    if what == "noncontig_dy":
+        g = spread((n, m), gen, torch.bfloat16).cuda().t()
+    _linear_plans.plans.clear()
+    got = _step(layer, x, g)
+    assert len(_linear_plans.plans) == (1 if what == "noncontig_dy" else 0)
+    with monkeypatch.context() as mp:
+        _general(mp)
+        want = _step(layer, x, g)
+    _assert_same(got, want, what)
+
+
+def test_only_the_bias_needs_a_gradient(rng):
+    """Frozen weight, input without grad, trainable bias: dbias only (both paths)."""
+    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+    for m in (512, 384):
+        layer = Float8BlockLinear(512, 512, device="cuda", dtype=torch.bfloat16)
+        layer.weight.requires_grad_(False)
+        x = spread((m, 512), gen, torch.bfloat16).cuda()
+        g = spread((m, 512), gen, torch.bfloat16).cuda()
+        layer(x).backward(g)
+        assert torch.equal(layer.bias.grad, g.sum(0))

@@ -28,9 +28,9 @@ _TORCH_DTYPE = {"uint8": torch.uint8, "float32": torch.float32}
 FP8_DTYPE = {Format.E4M3: torch.float8_e4m3fn, Format.E5M2: torch.float8_e5m2}
 
 
-@functools.lru_cache(maxsize=None)
 def recipe_key(recipe) -> str:
-    """A string naming ``recipe`` exactly (``recipe_from_key`` inverts it)."""
+    """A string naming ``recipe`` exactly (``recipe_from_key`` inverts it). Not cached: it runs
+    only while torch.compile traces, and dynamo warns about lru_cache-wrapped calls."""
     name = type(recipe).__name__
     if name == "MXFP8":
         return f"MXFP8:{recipe.fmt.value}"

@@ -94,7 +94,9 @@ def _fast_ok(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype):
 def check_operands(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype):
     """Raise a ValueError/TypeError naming the layout needed if the operands do not follow the
     contract in the module docstring."""
-    if _fast_ok(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype):
+    # (the fast check's shape cache is an lru_cache, which dynamo warns about when tracing)
+    if not torch.compiler.is_compiling() and _fast_ok(a, a_scale_inv, b, b_scale_inv,
+                                                       a_blocks, b_blocks, out_dtype):
         return
     for name, blocks in (("a_blocks", a_blocks), ("b_blocks", b_blocks)):
         if blocks not in BLOCKS:

@@ -119,8 +119,9 @@ def _plan_for(recipe, kind, rows, cols, rowwise, columnwise, vec, device):
 def quantize(x2d, recipe, rowwise=True, columnwise=False, dtype=None, out=None):
     """Quantize a C-contiguous 2-D (M, K) device array: a CuPy array (float32, float16, or bf16
     held as uint16 with ``dtype`` = bfloat16) or a torch CUDA tensor (outputs are then torch
-    tensors and the kernel runs on torch's current stream). Returns ``(row_data, row_sinv, col_data, col_sinv)``
-    (None for a direction not asked for) in docs/layouts.md layouts, without synchronizing.
+    tensors and the kernel runs on torch's current stream). Returns ``(row_data, row_sinv,
+    col_data, col_sinv)`` (None for a direction not asked for) in docs/layouts.md layouts,
+    without synchronizing.
 
     The outputs are views of one allocation (each 256-byte aligned): it is freed when the last
     of them is. ``out``: None, or four arrays (None for a direction not asked for) of exactly

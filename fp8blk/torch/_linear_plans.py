@@ -2,14 +2,12 @@
 
 A Float8BlockLinear step on the general path validates every operand, wraps each quantized
 operand in a BlockTensor, views its buffers as ``torch._scaled_mm`` wants them and checks the
-GEMM layouts: ~400 Python calls per forward+backward, and autograd runs the backward half on
-its device thread, where that Python costs about twice as much again (measured on the H200:
-a (8192, 4096, 4096) fwd+bwd took ~900 us of host time against ~350 us with autograd's
-multithreading off). A plan does the same arithmetic with what only depends on the signature
-worked out once: each quantize launcher allocates its outputs directly in the dtype and
-strides the GEMM takes (FP8 data as float8, scale buffers transposed: the same bytes as
-docs/layouts.md, seen another way), so a step is four quantize launches, three
-``torch._scaled_mm`` calls and the autograd bookkeeping.
+GEMM layouts: ~420 Python calls per forward+backward. A plan does the same arithmetic with
+what only depends on the signature worked out once (~160 Python calls per step): each
+quantize launcher allocates its outputs directly in the dtype and strides the GEMM takes (FP8
+data as float8, scale buffers transposed: the same bytes as docs/layouts.md, seen another
+way), so a step is four quantize launches, three ``torch._scaled_mm`` calls and the autograd
+bookkeeping.
 
 Signatures a plan serves (everything else takes the general path in ``functional.py``):
 plain CUDA tensors (x a ``torch.Tensor``, the weight a ``torch.Tensor`` or ``nn.Parameter``,
@@ -17,9 +15,13 @@ so not the FSDP2 FP8 weight), Block1D/Block2D configs, x (M, K) and W (N, K) wit
 multiples of 512 (no GEMM needs padding: torch's blockwise kernel wants K-block counts that are
 multiples of 4, docs/torch.md), 16-byte aligned operands, float32/bfloat16/float16. The bytes
 are the general path's: the same kernels on the same inputs, the same GEMMs on the same bytes
-(tests/torch/test_linear_plans.py compares them on the GPU).
+(tests/torch/test_linear_plans.py compares them on the GPU). Host time per (8192, 4096, 4096)
+bf16 fwd+bwd on the H200: 815 us against 990 on the general path; most of either is autograd
+running the backward half on its device thread, on another CPU core than the caller's (294
+against 379 us with autograd's multithreading off; bench/README.md).
 
-Plans are keyed by the signature (:func:`plan_for`); :data:`plans` is emptied when it grows past 1024 entries.
+Plans are keyed by the signature (:func:`plan_for`); :data:`plans` is emptied when it grows
+past 1024 entries.
 """
 from __future__ import annotations
 
@@ -64,8 +66,7 @@ class LinearPlan:
     ``(y, saved)``; ``backward(dy2d, saved, weight, need_dgrad, need_wgrad)`` returns
     ``(dx, dw)`` (None where not needed). `saved` is x's columnwise FP8 data and scales."""
 
-    __slots__ = ("qx", "qw", "qwt", "qdy", "out_dtype", "x_dtype", "w_dtype", "grad_rows",
-                 "grad_cols")
+    __slots__ = ("qx", "qw", "qwt", "qdy", "out_dtype", "x_dtype", "w_dtype")
 
     def __init__(self, x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad):
         (m, k), n = x2d.shape, weight.shape[0]
@@ -88,7 +89,6 @@ class LinearPlan:
         self.qwt = _launcher(w, cfg.weight, False, True, [
             None, None, ((n, k), (1, n), fw), _scale_t(nt, kt)]) if need_dgrad else None
         self.qdy = None
-        self.grad_rows, self.grad_cols = need_dgrad, need_wgrad
         self.out_dtype, self.x_dtype, self.w_dtype = out_dtype, x2d.dtype, weight.dtype
         if need_dgrad or need_wgrad:
             dy = torch.empty((m, n), dtype=out_dtype, device=x2d.device)

@@ -250,17 +250,18 @@ def speed(m, k, n, quick, speed_only=False, inner=None):
     steps = {}
     for name, layer in layers.items():
         try:
-            fwd_bwd(layer, x, g)()  # a peer that fails here is left out of the timing
-            steps[name] = fwd_bwd(layer, x, g)
-            case["host_us"][name] = host_us(fwd_bwd(layer, x, g))
+            step = fwd_bwd(layer, x, g)
+            step()  # a peer that fails here is left out of the timing
+            steps[name] = step
+            case["host_us"][name] = host_us(step)
             if not speed_only:
                 peak, held = memory(layer, x)
                 case["fwd_peak_bytes"][name], case["saved_bytes"][name] = peak, held
         except Exception as err:  # noqa: BLE001  (a peer failing must not hide our numbers)
             case["errors"][name] = f"{type(err).__name__}: {err}"
             steps.pop(name, None)
-    case["gpu_ms"] = interleaved_ms(steps, inner=inner or (3 if quick else 10))
     case["inner"] = inner or (3 if quick else 10)
+    case["gpu_ms"] = interleaved_ms(steps, inner=case["inner"])
     t = case["gpu_ms"]
     case["speedup_vs_bf16"] = t["bf16"] / t["fp8blk"] if "fp8blk" in t else None
     case["target_vs_bf16"] = TARGETS[(m, k, n)]

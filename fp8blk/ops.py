@@ -49,24 +49,24 @@ def quantize(x, recipe, rowwise: bool = True, columnwise: bool = False) -> Block
                         rowwise=True, columnwise=True)
         q.rowwise_data.shape, q.columnwise_data.shape   # (256, 512), (512, 256)
     """
-    if _repeat:  # a device call validated before: its launcher, without re-checking
+    # a device call validated before: its launcher, without re-checking. The flags' identity
+    # tests: 1 and 1.0 hash like True and must still be refused.
+    if _repeat and (rowwise is True or rowwise is False) \
+            and (columnwise is True or columnwise is False):
         t = type(x)
         if t is _TORCH_TENSOR:
             if x.is_cuda and x.layout is _STRIDED:
                 ptr = x.data_ptr()
                 call = _repeat.get((t, recipe, x.dtype, x.shape, rowwise, columnwise,
                                     not ptr & 15, x.get_device()))
-                # the flags' identity tests: 1 and 1.0 hash like True and must still be refused
-                if call is not None and (rowwise is True or rowwise is False) \
-                        and (columnwise is True or columnwise is False) and x.is_contiguous():
+                if call is not None and x.is_contiguous():
                     return BlockTensor._wrap(call.shape, recipe, call(x, ptr), call.dtype,
                                              _arrays.TORCH)
         elif t is _CUPY_ARRAY:
             ptr = x.data.ptr
             call = _repeat.get((t, recipe, x.dtype, x.shape, rowwise, columnwise, not ptr & 15,
                                 x.data.device_id))
-            if call is not None and (rowwise is True or rowwise is False) \
-                    and (columnwise is True or columnwise is False) and x.flags.c_contiguous:
+            if call is not None and x.flags.c_contiguous:
                 return BlockTensor._wrap(call.shape, recipe, call(x, ptr), call.dtype,
                                          _arrays.CUPY)
     arr, family, dtype = _arrays.to_internal(x)

@@ -116,6 +116,15 @@ def _plan_for(recipe, kind, rows, cols, rowwise, columnwise, vec, device):
                        _Plan)
 
 
+def _call_plan(ad, x2d, recipe, rowwise, columnwise, kind):
+    """``(plan, data pointer)`` of a quantize of the non-empty 2-D array `x2d` (adapter `ad`,
+    input kind `kind`): the vector path when K fills whole chunks and x is 16-byte aligned."""
+    ptr = ad.ptr(x2d)
+    rows, cols = x2d.shape
+    vec = cols % sp.ELEMS_PER_CHUNK[kind] == 0 and ptr % 16 == 0
+    return _plan_for(recipe, kind, rows, cols, rowwise, columnwise, vec, ad.device(x2d)), ptr
+
+
 def quantize(x2d, recipe, rowwise=True, columnwise=False, dtype=None, out=None):
     """Quantize a C-contiguous 2-D (M, K) device array: a CuPy array (float32, float16, or bf16
     held as uint16 with ``dtype`` = bfloat16) or a torch CUDA tensor (outputs are then torch
@@ -134,9 +143,7 @@ def quantize(x2d, recipe, rowwise=True, columnwise=False, dtype=None, out=None):
     if rows == 0 or cols == 0:  # every scale tensor is empty too (docs/layouts.md shapes)
         return tuple(None if s is None else ad.empty(s.shape, s.dtype, x2d)
                      for s in buffer_layouts(recipe, rows, cols, rowwise, columnwise))
-    x_ptr = ad.ptr(x2d)
-    vec = cols % sp.ELEMS_PER_CHUNK[kind] == 0 and x_ptr % 16 == 0
-    plan = _plan_for(recipe, kind, rows, cols, rowwise, columnwise, vec, ad.device(x2d))
+    plan = _call_plan(ad, x2d, recipe, rowwise, columnwise, kind)[0]
     if out is None:
         out = ad.alloc(x2d, plan.nbytes, plan.shapes, plan.offsets)
     else:
@@ -248,11 +255,7 @@ def torch_call(x, recipe, rowwise, columnwise, dtype, views):
     such as ``torch._scaled_mm`` takes them without view calls. ``views[i]`` is None for a
     direction not asked for."""
     ad = adapter_of(x)
-    ptr = ad.ptr(x)
-    rows, cols = x.shape
-    vec = cols % sp.ELEMS_PER_CHUNK[kind_of(ad.dtype(x), dtype)] == 0 and ptr % 16 == 0
-    plan = _plan_for(recipe, kind_of(ad.dtype(x), dtype), rows, cols, rowwise, columnwise, vec,
-                     ad.device(x))
+    plan = _call_plan(ad, x, recipe, rowwise, columnwise, kind_of(ad.dtype(x), dtype))[0]
     return _TorchCall(plan, x, dtype, views)
 
 
@@ -265,11 +268,7 @@ def record_call(x, x2d, recipe, rowwise, columnwise, dtype):
     if SIM:
         return
     ad = adapter_of(x2d)
-    ptr = ad.ptr(x2d)
-    kind = kind_of(ad.dtype(x2d), dtype)
-    rows, cols = x2d.shape
-    vec = cols % sp.ELEMS_PER_CHUNK[kind] == 0 and ptr % 16 == 0
-    plan = _plan_for(recipe, kind, rows, cols, rowwise, columnwise, vec, ad.device(x2d))
+    plan, ptr = _call_plan(ad, x2d, recipe, rowwise, columnwise, kind_of(ad.dtype(x2d), dtype))
     call = (_CupyCall if ad.name == "cupy" else _TorchCall)(plan, x, dtype)
     if len(repeat_calls) > 4096:
         repeat_calls.clear()

@@ -437,7 +437,9 @@ def _cast_tile_local(registry, entries):
         x2d = _local_of(fp)._planes[0].reshape(-1)[:count].view(rows, cols)
         data, sinv = state.frags[0][:rows], view[t0:t0 + cdiv(rows, 128)]
         if x2d.is_cuda:  # straight into the fragment and the packed scales
-            _kernels().quantize(x2d, state.recipe, True, False, out=(data, sinv, None, None))
+            from .. import kernels
+
+            kernels.quantize(x2d, state.recipe, True, False, out=(data, sinv, None, None))
         else:
             q = quantize(x2d, state.recipe, rowwise=True)
             data.copy_(q.rowwise_data)
@@ -446,12 +448,6 @@ def _cast_tile_local(registry, entries):
     if pg.size() > 1:
         torch.distributed.all_reduce(pack.buf, group=pg)
     torch._foreach_copy_(pack.scales, pack.views)
-
-
-def _kernels():
-    from .. import kernels
-
-    return kernels
 
 
 def _cast_mode_item(j, i, entry):

@@ -124,24 +124,21 @@ class _Float8BlockLinearFn(torch.autograd.Function):
             x2d, weight, cfg, out_dtype, ctx.needs_input_grad[0], need_wgrad)
         ctx.plan = plan
         if plan is not None:
-            y, (xt_d, xt_s) = plan.forward(x2d, weight)
-            if bias is not None:
-                y = y + bias.to(y.dtype)
-            ctx.save_for_backward(xt_d, xt_s, weight)
-            ctx.shapes = (x.shape, x.dtype, weight.dtype, bias is not None)
-            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
-        qx = quantize_input(x2d, cfg.activation, need_wgrad)
-        # The weight is asked for what each pass needs -- rowwise now, columnwise in the
-        # backward pass -- and the weight itself is saved, not its FP8 buffers: an FSDP2 FP8
-        # weight hands out what FSDP2 gathered for that pass (resharding after the forward
-        # pass frees it: TransformerEngine's protocol), any other weight is quantized again
-        # in backward, columnwise only. Keeping W's FP8 form until backward would hold N*K
-        # bytes per layer through the whole forward pass of a network, for ~15 us saved.
-        qw = _weight_block_tensor(weight, cfg, True, False)
-        y = blockwise_scaled_mm(*_forward_operands(qx, qw, cfg), out_dtype=out_dtype)
+            y, qx_t = plan.forward(x2d, weight)
+        else:
+            qx = quantize_input(x2d, cfg.activation, need_wgrad)
+            # The weight is asked for what each pass needs -- rowwise now, columnwise in the
+            # backward pass -- and the weight itself is saved, not its FP8 buffers: an FSDP2
+            # FP8 weight hands out what FSDP2 gathered for that pass (resharding after the
+            # forward pass frees it: TransformerEngine's protocol), any other weight is
+            # quantized again in backward, columnwise only. Keeping W's FP8 form until
+            # backward would hold N*K bytes per layer through the whole forward pass of a
+            # network, for ~15 us saved.
+            qw = _weight_block_tensor(weight, cfg, True, False)
+            y = blockwise_scaled_mm(*_forward_operands(qx, qw, cfg), out_dtype=out_dtype)
+            qx_t = _transposed(qx, cfg.activation) if need_wgrad else (None, None)
         if bias is not None:
             y = y + bias.to(y.dtype)
-        qx_t = _transposed(qx, cfg.activation) if need_wgrad else (None, None)
         # saved: x's columnwise FP8 buffers and W (a parameter: held anyway), no activation in
         # high precision
         ctx.save_for_backward(qx_t[0], qx_t[1], weight)

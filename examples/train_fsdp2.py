@@ -19,7 +19,9 @@ target is a fixed random function of the token):
   ``precompute_fp8_scales`` after ``optimizer.step()``).
 
 Prints a progress bar, then per model the loss at the start and the end, tokens/s (all
-ranks), and the bytes each rank sent in weight all-gathers. Checks (exit 1 on failure): both
+ranks), and the bytes each rank sent in weight all-gathers; then saves the trained FP8 model
+with torch.distributed.checkpoint and loads it into a fresh FP8 model. Checks (exit 1 on
+failure): the reloaded model gives the trained one's loss bit for bit, both
 losses fall well below their start, the FP8 loss ends within 10% of the bf16 loss plus 1% of
 the starting loss (a sanity bound for a short run: FP8's per-element rounding is ~2^-4 relative, bf16's 2^-8; the losses
 of this synthetic task differ by a few percent), and the FP8 gathers sent half the bytes of
@@ -176,6 +178,34 @@ def gather_bytes(model, fp8, args):
     return sum(sent) / max(gathers, 1)
 
 
+def checkpoint_roundtrip(model, base, args, rank, device):
+    """Save the trained FP8 model with torch.distributed.checkpoint (each rank writes its
+    shards: plain tensors of the parameters' values, loadable by any model), load it into a
+    fresh FP8 copy of the untrained model and compare their losses on one batch, bit for bit
+    (the load writes the parameters; the next all-gather re-casts their FP8 bytes). The
+    folder is a temporary one on rank 0's machine: one node, as here."""
+    import shutil
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+
+    path = [tempfile.mkdtemp(prefix="fp8blk-ckpt-") if rank == 0 else None]
+    dist.broadcast_object_list(path)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=path[0])
+    fresh = shard(copy.deepcopy(base), True)
+    dcp.load({"model": fresh.state_dict()}, checkpoint_id=path[0])
+    x, y = next(batches(args, rank + 1000, device))
+    with torch.no_grad():
+        same = torch.equal(F.cross_entropy(model(x).float(), y),
+                           F.cross_entropy(fresh(x).float(), y))
+    same = torch.tensor(float(same), device=device)
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(path[0])
+    return bool(same.item())
+
+
 def main(argv=None):
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -197,6 +227,8 @@ def main(argv=None):
         model = shard(copy.deepcopy(base), fp8)
         losses, tok_s = train(name, model, args, rank, device, world)
         results[name] = (losses, tok_s, gather_bytes(model, fp8, args))
+        if fp8:
+            reloaded = checkpoint_roundtrip(model, base, args, rank, device)
         del model
 
     say(f"\n{'model':<6}{'loss first':>11}{'loss last':>11}{'tokens/s':>12}"
@@ -211,6 +243,7 @@ def main(argv=None):
         # relative comparison of two tiny numbers means nothing)
         "FP8 loss within 10% of bf16": abs(l8[-1] - l16[-1]) <= 0.1 * l16[-1] + 0.01 * l16[0],
         "FP8 weight gathers sent half of bf16's bytes": 2 * b8 == b16,
+        "FP8 model saved and loaded (torch.distributed.checkpoint): same loss": reloaded,
     }
     for what, ok in checks.items():
         say(f"  {'ok  ' if ok else 'FAIL'} {what}")

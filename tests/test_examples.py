@@ -155,7 +155,8 @@ def test_tensor_parallel_on_2_ranks():
 def test_train_fsdp2_on_2_ranks():
     pytest.importorskip("fp8blk.torch.fsdp")
     output = _torchrun_example("train_fsdp2.py", "--steps", "12")
-    assert "FAIL" not in output and output.count("  ok   ") == 3, output[-3000:]
+    assert "FAIL" not in output and output.count("  ok   ") == 4, output[-3000:]
+    assert "checkpoint): same loss" in output
 
 
 def test_run_notebook_runs_cells_saves_figures_and_stops_at_a_failure(tmp_path):

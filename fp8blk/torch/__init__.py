@@ -1,5 +1,6 @@
 """PyTorch adapters (docs/torch.md): ``blockwise_scaled_mm``, ``Float8BlockConfig``,
-``Float8BlockLinear``, ``convert_to_float8_block``, and tensor/sequence-parallel styles.
+``Float8BlockLinear``, ``convert_to_float8_block``, tensor/sequence-parallel styles, FSDP2
+with FP8 weights and their checkpoints.
 
 Importing this package needs torch; ``import fp8blk`` does not.
 
@@ -16,7 +17,9 @@ from .scaled_mm import blockwise_scaled_mm
 from .linear import Float8BlockLinear, convert_to_float8_block, float8_block_linear
 from .fsdp import (cast_master_weights_, master_grads_, master_weights, precompute_fp8_scales,
                    prepare_fsdp_fp8)
+from .checkpoint import master_state_dict
 
 __all__ = ["Float8BlockConfig", "Float8BlockLinear", "convert_to_float8_block",
            "float8_block_linear", "blockwise_scaled_mm", "prepare_fsdp_fp8",
-           "precompute_fp8_scales", "master_weights", "master_grads_", "cast_master_weights_"]
+           "precompute_fp8_scales", "master_weights", "master_grads_", "cast_master_weights_",
+           "master_state_dict"]

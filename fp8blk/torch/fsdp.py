@@ -233,10 +233,22 @@ class Registry:
         """Mode "cast", in the pre-all-gather hook (which reaches it through the registry:
         ``weight`` cannot import this module, which imports it): re-cast every weight of the
         model when this one's parameter changed since its bytes were cast (every rank decides
-        alike: the optimizer's in-place update bumps the version of every rank's shard)."""
+        alike: the optimizer's in-place update bumps the version of every rank's shard).
+        Two counts tell: the sharded parameter's version (the optimizer, ``load_state_dict``)
+        and the state's count of plain-tensor copies into a shard (torch.distributed.
+        checkpoint's load writes the local shards past the DTensor)."""
         hit = state.fsdp if state.fsdp is not None else self.fsdp_of(state)
-        if state.frags is None or state.cast_version != hit[0].sharded_param._version:
+        if state.frags is None or state.cast_version != _cast_version(state, hit[0]):
             _recast(self)
+
+    def local_values(self, state, row_bytes):
+        """Mode "primary": fp32 values of this rank's rows of `state`'s weight, given their
+        rowwise FP8 bytes (on any device: the scales' device computes them); the rows start
+        at this rank's FSDP2 shard (row 0 when FSDP2 does not manage the weight)."""
+        found = self.fsdp_of(state)
+        r0 = _shard_place(found[0], *state.shape)[0] // state.shape[1] if found else 0
+        dev = state.scales[0].device
+        return _dequantize_rows(state, row_bytes.to(dev), r0).to(row_bytes.device)
 
     def comm(self, fsdp_param):
         pg = self.process_group(fsdp_param)
@@ -385,7 +397,11 @@ def _recast(registry):
     if other:
         _cast_all(registry, other, _cast_mode_item)
     for state, fp, *_ in entries:
-        state.cast_version = fp.sharded_param._version
+        state.cast_version = _cast_version(state, fp)
+
+
+def _cast_version(state, fsdp_param):
+    return fsdp_param.sharded_param._version, state.writes
 
 
 def _split_tile_local(entries):
@@ -482,12 +498,18 @@ def master_weights(model: torch.nn.Module) -> list:
     holds), as 1-D fp32 leaf tensors with ``requires_grad=True``, initialized to the FP8
     weight's values (dequantized). Pass them to the optimizer."""
     out = []
-    for reg, (state, fp, start, count, chunk) in _primary_entries(model):
-        cols = state.shape[1]
-        local = _local_of(fp)
-        vals = _dequantize_rows(state, local._planes[0], start // cols)
+    for reg, (state, fp, *_) in _primary_entries(model):
+        vals = reg.local_values(state, _local_of(fp)._planes[0])
         out.append(vals.reshape(-1).float().clone().requires_grad_(True))
     return out
+
+
+def primary_shards(model: torch.nn.Module) -> list:
+    """Internal door (fp8blk.torch.checkpoint): per FP8 primary weight of ``model``, in
+    :func:`master_weights`' order, the sharded parameter FSDP2 registered on the module (a
+    DTensor) and its local shape."""
+    return [(fp.sharded_param, tuple(_local_of(fp).shape))
+            for reg, (state, fp, *_) in _primary_entries(model)]
 
 
 def _dequantize_rows(state, row_bytes, r0):

@@ -103,7 +103,8 @@ class WeightState:
         self.mesh_place = None    # (mesh, outer_size, world, rank, chunk rows, cols) of it
         self.cast_items = {}      # fsdp.py: the master cast's Item per weight, while valid
         self.frags = None         # mode 2: padded local FP8 bytes per plane (torch uint8)
-        self.cast_version = None  # mode 2: sharded param version the bytes were cast from
+        self.cast_version = None  # mode 2: (parameter version, writes) the bytes come from
+        self.writes = 0           # mode 2: copies of plain tensors into a shard of it
         self.gathers = collections.deque(maxlen=64)  # the latest pre-all-gathers
         self.log_gathers = True
 
@@ -184,6 +185,16 @@ class _PlaneWeight(torch.Tensor):
         return (f"{type(self).__name__}(shape={tuple(self.shape)}, recipe={self._state.recipe!r}, "
                 f"global shape={self._state.shape}, mode={self._state.mode})")
 
+    def __reduce_ex__(self, protocol):
+        # torch.save and torch.distributed.checkpoint (which torch.saves each local shard)
+        # store the shard as a plain tensor of its high-precision values: a checkpoint any
+        # model loads, without the FP8 state (device scales, the model's registry)
+        return self.high_precision().__reduce_ex__(protocol)
+
+    def high_precision(self) -> torch.Tensor:
+        """This shard's values as a plain tensor of the weight's dtype (a compact copy)."""
+        raise NotImplementedError
+
     def _clear_non_serializable_cached_data(self):
         # deepcopy / serialization: the cached hook (see _PreAllGatherHook) refers to this
         # tensor, not to a copy; it is set again at the copy's first gather
@@ -195,6 +206,8 @@ class _PlaneWeight(torch.Tensor):
         kwargs = kwargs or {}
         if func in _PLANE_OPS:
             return _plane_op(func, args, kwargs)
+        if func is aten.is_pinned.default:  # a query (torch.distributed.checkpoint asks it)
+            return args[0]._planes[0].is_pinned()
         return cls._other_op(func, args, kwargs)
 
     @classmethod
@@ -314,7 +327,9 @@ class Float8BlockPrimaryWeight(_PlaneWeight):
     def _copy_from_plain(cls, dst, src):
         raise NotImplementedError(
             "copying a high-precision tensor into an FP8 primary weight is not supported: "
-            "update the fp32 masters and call fp8blk.torch.cast_master_weights_(model, masters)")
+            "update the fp32 masters and call fp8blk.torch.cast_master_weights_(model, masters) "
+            "(to resume from a checkpoint, load the masters through "
+            "fp8blk.torch.checkpoint.master_state_dict, then cast)")
 
     @classmethod
     def _other_op(cls, func, args, kwargs):
@@ -327,6 +342,16 @@ class Float8BlockPrimaryWeight(_PlaneWeight):
         planes = self._planes
         return tuple([_padded_rows(planes[i], chunk) for i in index])
 
+    def high_precision(self) -> torch.Tensor:
+        """The dequantized values of this rank's rows (global scales), in the weight's dtype:
+        what a checkpoint of the model stores. Exact where the dtype holds FP8 value x scale
+        (always with power-of-two scales)."""
+        state = self._state
+        if state.registry is None:
+            raise RuntimeError("this FP8 primary weight has no model registry "
+                               "(it was not made by prepare_fsdp_fp8)")
+        return state.registry.local_values(state, self._planes[0]).to(state.dtype)
+
 
 class Float8BlockCastWeight(_PlaneWeight):
     """Mode 2: a bf16/fp32 parameter shard that all-gathers as FP8 (see module doc).
@@ -337,6 +362,11 @@ class Float8BlockCastWeight(_PlaneWeight):
     @classmethod
     def _copy_from_plain(cls, dst, src):
         dst._planes[0].copy_(src)
+        # a copy into a local shard that bypasses the DTensor (torch.distributed.checkpoint
+        # loads into a detached alias of it) bumps no version counter the cast can see: the
+        # alias is a new wrapper, and its planes were made below autograd's view tracking.
+        # The shared state counts it, so the next all-gather re-casts (Registry.ensure_cast)
+        dst._state.writes += 1
         return dst
 
     @classmethod
@@ -352,6 +382,15 @@ class Float8BlockCastWeight(_PlaneWeight):
     def hp(self) -> torch.Tensor:
         """The high-precision parameter data (a plain tensor sharing storage)."""
         return self._planes[0]
+
+    def high_precision(self) -> torch.Tensor:
+        """The high-precision parameter values, compact (a view into a larger storage, as
+        FSDP2's padded shards are, is copied): what a checkpoint of the model stores."""
+        t = self._planes[0].detach()
+        if t.untyped_storage().nbytes() != t.numel() * t.element_size() \
+                or not t.is_contiguous():
+            t = t.clone(memory_format=torch.contiguous_format)
+        return t
 
     def _local_bytes(self, chunk, index):
         state = self._state

@@ -81,6 +81,16 @@ def check_equal(name, got, want):
                              f"{want.dtype}{tuple(want.shape)})")
 
 
+def three_layers(dims, gen):
+    """Linear(dims[0], dims[1]), ReLU, Linear, ReLU, Linear(dims[2], dims[3]): no bias,
+    ``spread`` weights scaled by 1/sqrt(in features)."""
+    layers = [torch.nn.Linear(dims[i], dims[i + 1], bias=False) for i in range(3)]
+    with torch.no_grad():
+        for lin in layers:
+            lin.weight.copy_(spread(tuple(lin.weight.shape), gen) / math.sqrt(lin.in_features))
+    return torch.nn.Sequential(layers[0], torch.nn.ReLU(), layers[1], torch.nn.ReLU(), layers[2])
+
+
 def run_case(mode, recipe_name, raf, ws, rank, mesh, seed):
     recipe = fb.Block2D() if recipe_name == "block2d" else fb.MXFP8()
     cfg = Float8BlockConfig() if recipe_name == "block2d" else Float8BlockConfig.mxfp8()
@@ -90,12 +100,8 @@ def run_case(mode, recipe_name, raf, ws, rank, mesh, seed):
     if recipe_name == "block2d" and ws == 4:
         dims[3] = 290
     gen = torch.Generator().manual_seed(seed)
-    layers = [torch.nn.Linear(dims[i], dims[i + 1], bias=False) for i in range(3)]
-    with torch.no_grad():
-        for lin in layers:
-            lin.weight.copy_(spread(tuple(lin.weight.shape), gen) / math.sqrt(lin.in_features))
-    model = torch.nn.Sequential(layers[0], torch.nn.ReLU(), layers[1], torch.nn.ReLU(), layers[2])
-    full = [lin.weight.detach().clone() for lin in layers]  # reference weights / masters
+    model = three_layers(dims, gen)
+    full = [model[i].weight.detach().clone() for i in (0, 2, 4)]  # reference weights / masters
     tokens = 32
     xs = [spread((tokens, dims[0]), gen) for _ in range(ws)]
     # loss = sum(y * t): dY = t. The SGD learning rate is the power of two that moves the
@@ -428,25 +434,29 @@ def check_ffn(world, rank, seed, tp):
     print(f"rank {rank}: ffn parity (tp={tp}) OK", flush=True)
 
 
-def main():
+def run_suite(case):
+    """``case(spec, world, rank, mesh, seed)`` for each command-line spec on a gloo group (the
+    seeds count up from $FP8BLK_SEED); every rank prints "SUITE OK" at the end."""
     dist.init_process_group("gloo")
     rank, ws = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (ws,))
     seed = int(os.environ.get("FP8BLK_SEED", "1234"))
-    for spec in sys.argv[1:]:
-        if spec == "errors":
-            check_errors(ws, rank, mesh)
-            continue
-        if spec in ("ffn", "ffn_tp"):
-            check_ffn(ws, rank, seed, spec == "ffn_tp")
-            continue
-        mode, recipe_name, raf = spec.split(":")
-        run_case(mode, recipe_name, raf == "1", ws, rank, mesh, seed)
-        seed += 1
+    for i, spec in enumerate(sys.argv[1:]):
+        case(spec, ws, rank, mesh, seed + i)
     dist.barrier()
     print(f"rank {rank}: SUITE OK", flush=True)
     dist.destroy_process_group()
 
 
+def case(spec, ws, rank, mesh, seed):
+    if spec == "errors":
+        check_errors(ws, rank, mesh)
+    elif spec in ("ffn", "ffn_tp"):
+        check_ffn(ws, rank, seed, spec == "ffn_tp")
+    else:
+        mode, recipe_name, raf = spec.split(":")
+        run_case(mode, recipe_name, raf == "1", ws, rank, mesh, seed)
+
+
 if __name__ == "__main__":
-    main()
+    run_suite(case)

@@ -1,0 +1,200 @@
+"""Checkpoints of FSDP2 FP8-weight models under torchrun, gloo (tests/torch/test_checkpoint.py).
+
+Per case ``mode:recipe`` (2 ranks; weights of 384 / 300 (MXFP8: 288) / 256 rows, so shards cut
+128-row tiles and 32-row blocks), with an FP8 model A trained for two steps and then saved
+with torch.distributed.checkpoint (DCP) into ``$FP8BLK_CKPT_DIR``:
+
+* ``torch.save(model.state_dict())`` works, and every FP8 weight's local shard pickles as a
+  plain tensor of its high-precision values (mode cast: the parameter's; mode primary: the FP8
+  weight dequantized with its global scales);
+* the DCP checkpoint loads into an unconverted, unsharded fp32 model: each weight equals the
+  full parameter (cast) or ``fb.quantize(bf16(full master)).dequantize()`` (primary), bit for
+  bit;
+* mode cast: a second FP8 model B (other weights, one forward already run, so its FP8 bytes
+  were cast before) loads the model state and then gives A's outputs bit for bit (the load,
+  which writes the local shards past the DTensor, makes the next all-gather re-cast);
+* mode primary: B loads ``master_state_dict(B, masters, AdamW)`` (masters and optimizer state
+  as DTensors), casts, and its next two steps give A's losses, outputs and masters bit for
+  bit (the same arithmetic on the same state); loading the model state into B's FP8 primary
+  weights fails with a message naming master_state_dict; master_state_dict refuses a wrong
+  masters list, masters of another dtype and an optimizer that does not hold them.
+Any failure raises; each rank prints "SUITE OK" at the end.
+"""
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.fsdp import fully_shard
+
+import fp8blk as fb
+from fp8blk.torch import Float8BlockConfig, convert_to_float8_block
+from fp8blk.torch import fsdp as F
+from fp8blk.torch.checkpoint import master_state_dict
+
+from fsdp_worker import check_equal, run_suite, spread, three_layers  # same folder
+
+
+def build(mode, recipe_name, seed, mesh):
+    cfg = Float8BlockConfig() if recipe_name == "block2d" else Float8BlockConfig.mxfp8()
+    dims = [256, 384, 300 if recipe_name == "block2d" else 288, 256]
+    model = three_layers(dims, torch.Generator().manual_seed(seed))
+    convert_to_float8_block(model, cfg)  # swaps the modules: take the new ones
+    F.prepare_fsdp_fp8(model, mode=mode, model_dtype=torch.bfloat16)
+    layers = [model[i] for i in (0, 2, 4)]
+    for lin in layers:
+        fully_shard(lin, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, layers, cfg.weight
+
+
+def gathered(t):
+    """The full tensor from every rank's (uneven) row shard, in rank order."""
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, t.detach().cpu())
+    return torch.cat(parts, 0)
+
+
+def local(p):
+    return p._local_tensor
+
+
+class Trainer:
+    def __init__(self, model, mode, data):
+        self.model, self.mode, self.data = model, mode, data
+        if mode == "primary":
+            self.masters = F.master_weights(model)
+            self.opt = torch.optim.AdamW(self.masters, lr=2.0 ** -9, weight_decay=0.01)
+        else:
+            self.opt = torch.optim.AdamW(model.parameters(), lr=2.0 ** -9, weight_decay=0.01)
+
+    def step(self, i):
+        x, t = self.data[i % len(self.data)]
+        loss = (self.model(x) * t).sum()
+        loss.backward()
+        if self.mode == "primary":
+            F.master_grads_(self.model, self.masters)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.mode == "primary":
+            F.cast_master_weights_(self.model, self.masters)
+        return loss.detach()
+
+
+def run_case(mode, recipe_name, seed, mesh, root):
+    rank = dist.get_rank()
+    path = os.path.join(root, f"{mode}-{recipe_name}")
+    gen = torch.Generator().manual_seed(seed + 100 + rank)
+    data = [(spread((32, 256), gen), spread((32, 256), gen, (1.0, 1.0))) for _ in range(4)]
+    a, a_layers, recipe = build(mode, recipe_name, seed, mesh)
+    ta = Trainer(a, mode, data)
+    for i in range(2):
+        ta.step(i)
+
+    # what the checkpoint must hold, per weight: the full high-precision values
+    if mode == "cast":
+        want = [gathered(local(lin.weight).hp) for lin in a_layers]
+    else:
+        want = []
+        for lin, m in zip(a_layers, ta.masters):
+            full = gathered(m.detach().view(-1, lin.in_features))
+            q = fb.quantize(full.to(torch.bfloat16).contiguous(), recipe, rowwise=True)
+            want.append(q.dequantize(torch.float32))
+    # torch.save: the local shards pickle as plain tensors of those values
+    blob = os.path.join(path + f"-rank{rank}.pt")
+    os.makedirs(os.path.dirname(blob), exist_ok=True)
+    torch.save(a.state_dict(), blob)
+    loaded = torch.load(blob, weights_only=False)
+    for i, lin in enumerate(a_layers):
+        v = loaded[f"{2 * i}.weight"]
+        v = v._local_tensor if hasattr(v, "_local_tensor") else v
+        if type(v) is not torch.Tensor:
+            raise AssertionError(f"torch.save stored a {type(v).__name__}, not a plain tensor")
+        rows = list(torch.chunk(want[i], dist.get_world_size(), 0))
+        check_equal(f"torch.save layer {i}", v, rows[rank] if rank < len(rows) else v[:0])
+
+    if mode == "primary":
+        for bad, why in (((ta.masters[:2], None), "master_weights"),
+                         ((ta.masters, torch.optim.SGD([torch.zeros(1, requires_grad=True)])),
+                          "does not hold every master"),
+                         (([m.double() for m in ta.masters], None), "fp32")):
+            try:
+                master_state_dict(a, *bad)
+            except ValueError as err:
+                if why not in str(err):
+                    raise
+            else:
+                raise AssertionError(f"master_state_dict accepted bad input ({why})")
+        extra = {"masters": master_state_dict(a, ta.masters, ta.opt)}
+    else:
+        extra = {"optim": get_optimizer_state_dict(a, ta.opt)}
+    dcp.save({"model": a.state_dict(), **extra}, checkpoint_id=path)
+    dist.barrier()
+
+    # an unconverted, unsharded model loads the checkpoint
+    plain = torch.nn.Sequential(*[torch.nn.Linear(lin.in_features, lin.out_features, bias=False)
+                                  for lin in a_layers])
+    sd = {f"{2 * i}.weight": lin.weight for i, lin in enumerate(plain)}
+    dcp.load({"model": sd}, checkpoint_id=path)
+    for i, lin in enumerate(plain):
+        check_equal(f"plain model layer {i}", lin.weight.detach(), want[i])
+
+    x0 = data[0][0]
+    with torch.no_grad():
+        ya = a(x0)
+    b, b_layers, _ = build(mode, recipe_name, seed + 7, mesh)
+    tb = Trainer(b, mode, data)
+    with torch.no_grad():
+        yb0 = b(x0)  # B's FP8 bytes exist before the load (a stale cast would show)
+    if torch.equal(yb0, ya):
+        raise AssertionError("B gives A's outputs before loading: the check could not fail")
+    if mode == "cast":
+        # DCP loads in place (no load_state_dict after it): the writes reach the local
+        # shards only, and the next all-gather must still re-cast
+        dcp.load({"model": b.state_dict()}, checkpoint_id=path)
+        with torch.no_grad():
+            check_equal("cast: B's output after loading", b(x0), ya)
+        # (loading the optimizer state steps it with lr 0: that alone would re-cast)
+        optim = {"optim": get_optimizer_state_dict(b, tb.opt)}
+        dcp.load(optim, checkpoint_id=path)
+        set_optimizer_state_dict(b, tb.opt, optim["optim"])
+        for i in range(2, 4):
+            check_equal(f"cast: step {i} loss", tb.step(i), ta.step(i))
+        with torch.no_grad():
+            check_equal("cast: outputs after two more steps", b(x0), a(x0))
+    else:
+        try:
+            dcp.load({"model": b.state_dict()}, checkpoint_id=path)
+        except CheckpointException as err:  # every rank's exception, a BaseException
+            if "master_state_dict" not in str(err):
+                raise
+        else:
+            raise AssertionError("loading the model state into FP8 primary weights did not fail")
+        dcp.load({"masters": master_state_dict(b, tb.masters, tb.opt)}, checkpoint_id=path)
+        F.cast_master_weights_(b, tb.masters)
+        for m_a, m_b in zip(ta.masters, tb.masters):
+            check_equal("primary: loaded master", m_b.detach(), m_a.detach())
+        for m_a, m_b in zip(ta.masters, tb.masters):
+            for k, v in ta.opt.state[m_a].items():
+                check_equal(f"primary: optimizer state {k}", tb.opt.state[m_b][k], v)
+        with torch.no_grad():
+            check_equal("primary: B's output after loading", b(x0), ya)
+        for i in range(2, 4):
+            check_equal(f"primary: step {i} loss", tb.step(i), ta.step(i))
+        for m_a, m_b in zip(ta.masters, tb.masters):
+            check_equal("primary: master after two more steps", m_b.detach(), m_a.detach())
+        with torch.no_grad():
+            check_equal("primary: outputs after two more steps", b(x0), a(x0))
+    print(f"rank {rank}: checkpoint {mode}:{recipe_name} OK", flush=True)
+
+
+def case(spec, ws, rank, mesh, seed):
+    mode, recipe_name = spec.split(":")
+    run_case(mode, recipe_name, seed, mesh, os.environ["FP8BLK_CKPT_DIR"])
+
+
+if __name__ == "__main__":
+    run_suite(case)

@@ -10,6 +10,9 @@ with torch.distributed.checkpoint (DCP) into ``$FP8BLK_CKPT_DIR``:
 * the DCP checkpoint loads into an unconverted, unsharded fp32 model: each weight equals the
   full parameter (cast) or ``fb.quantize(bf16(full master)).dequantize()`` (primary), bit for
   bit;
+* a third FP8 model, sharded over a one-rank mesh on each rank, loads the checkpoint (DCP
+  reshards it) and gives A's outputs; in mode primary its masters and optimizer state are
+  A's ranks' concatenated;
 * mode cast: a second FP8 model B (other weights, one forward already run, so its FP8 bytes
   were cast before) loads the model state and then gives A's outputs bit for bit (the load,
   which writes the local shards past the DTensor, makes the next all-gather re-cast);
@@ -28,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import fp8blk as fb
@@ -82,6 +86,30 @@ class Trainer:
         if self.mode == "primary":
             F.cast_master_weights_(self.model, self.masters)
         return loss.detach()
+
+
+def check_reshard(mode, recipe_name, seed, path, x0, ya, ta, a_layers):
+    """Load the 2-rank checkpoint into a model sharded over a ONE-rank mesh on each rank (DCP
+    reshards): the same outputs as A's, and in mode primary the full masters and optimizer
+    state of A's ranks, concatenated."""
+    one = init_device_mesh("cpu", (dist.get_world_size(), 1),
+                           mesh_dim_names=("replica", "shard"))["shard"]
+    c, c_layers, _ = build(mode, recipe_name, seed + 11, one)
+    tc = Trainer(c, mode, ta.data)
+    if mode == "cast":
+        dcp.load({"model": c.state_dict()}, checkpoint_id=path)
+    else:
+        dcp.load({"masters": master_state_dict(c, tc.masters, tc.opt)}, checkpoint_id=path)
+        F.cast_master_weights_(c, tc.masters)
+        for lin, m_a, m_c in zip(a_layers, ta.masters, tc.masters):
+            cols = lin.in_features
+            check_equal("reshard: master", m_c.detach().view(-1, cols),
+                        gathered(m_a.detach().view(-1, cols)))
+            for k, v in ta.opt.state[m_a].items():
+                want = v if v.dim() == 0 else gathered(v.view(-1, cols)).reshape(-1)
+                check_equal(f"reshard: optimizer state {k}", tc.opt.state[m_c][k], want)
+    with torch.no_grad():
+        check_equal("reshard: output", c(x0), ya)
 
 
 def run_case(mode, recipe_name, seed, mesh, root):
@@ -145,6 +173,7 @@ def run_case(mode, recipe_name, seed, mesh, root):
     x0 = data[0][0]
     with torch.no_grad():
         ya = a(x0)
+    check_reshard(mode, recipe_name, seed, path, x0, ya, ta, a_layers)
     b, b_layers, _ = build(mode, recipe_name, seed + 7, mesh)
     tb = Trainer(b, mode, data)
     with torch.no_grad():

@@ -15,11 +15,11 @@ except ImportError as err:  # pragma: no cover
 from .config import Float8BlockConfig
 from .scaled_mm import blockwise_scaled_mm
 from .linear import Float8BlockLinear, convert_to_float8_block, float8_block_linear
-from .fsdp import (cast_master_weights_, master_grads_, master_weights, precompute_fp8_scales,
-                   prepare_fsdp_fp8)
+from .fsdp import (cast_master_weights_, clip_master_grad_norm_, master_grads_, master_weights,
+                   precompute_fp8_scales, prepare_fsdp_fp8)
 from .checkpoint import master_state_dict
 
 __all__ = ["Float8BlockConfig", "Float8BlockLinear", "convert_to_float8_block",
            "float8_block_linear", "blockwise_scaled_mm", "prepare_fsdp_fp8",
            "precompute_fp8_scales", "master_weights", "master_grads_", "cast_master_weights_",
-           "master_state_dict"]
+           "clip_master_grad_norm_", "master_state_dict"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .fsdp import primary_shards
+from .fsdp import as_sharded, primary_shards
 
 
 def master_state_dict(model: torch.nn.Module, masters: list, optimizer=None) -> dict:
@@ -38,8 +38,6 @@ def master_state_dict(model: torch.nn.Module, masters: list, optimizer=None) -> 
         sd = master_state_dict(model, masters, opt)
         torch.distributed.checkpoint.save({"masters": sd}, checkpoint_id=path)
     """
-    from torch.distributed.tensor import DTensor
-
     shards = primary_shards(model)
     if not isinstance(masters, (list, tuple)) or len(masters) != len(shards):
         raise ValueError(f"masters must be the list from master_weights(model) ({len(shards)} "
@@ -52,9 +50,7 @@ def master_state_dict(model: torch.nn.Module, masters: list, optimizer=None) -> 
         # a tensor shaped like the master, as the master: a view with the weight's sharding
         if not isinstance(t, torch.Tensor) or t.shape != m.shape:
             return t
-        return DTensor.from_local(t.detach().view(local_shape), param.device_mesh,
-                                  param.placements, shape=param.shape, stride=param.stride(),
-                                  run_check=False)
+        return as_sharded(t, param, local_shape)
 
     out = {}
     for (param, local_shape), m in zip(shards, masters):

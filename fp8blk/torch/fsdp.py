@@ -17,8 +17,12 @@ Two ways to own the weights (convert with :func:`prepare_fsdp_fp8` after
 
        masters = fsdp.master_weights(model)          # fp32 leaves, one per FP8 weight
        opt = torch.optim.AdamW(masters + other_params)
-       loss.backward(); fsdp.master_grads_(model, masters); opt.step()
+       loss.backward(); fsdp.master_grads_(model, masters)
+       fsdp.clip_master_grad_norm_(model, masters, 1.0, other_parameters=other_params)
+       opt.step()
        fsdp.cast_master_weights_(model, masters)      # one all-reduce per recipe, all weights
+
+   Checkpoints: :mod:`fp8blk.torch.checkpoint` (``master_state_dict``).
 
 2. ``mode="cast"`` (torchao's float8-FSDP pattern): parameters stay bf16/fp32, wrapped in
    :class:`~fp8blk.torch.weight.Float8BlockCastWeight`; the optimizer updates them as usual.
@@ -512,6 +516,63 @@ def primary_shards(model: torch.nn.Module) -> list:
             for reg, (state, fp, *_) in _primary_entries(model)]
 
 
+def as_sharded(t, param, local_shape):
+    """Internal door: `t`, this rank's flat shard of a weight (a master, its gradient or an
+    optimizer state of it), seen as a DTensor with the weight's FSDP2 sharding and shape (a
+    view: writes reach `t`)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(t.detach().view(local_shape), param.device_mesh, param.placements,
+                              shape=param.shape, stride=param.stride(), run_check=False)
+
+
+def clip_master_grad_norm_(model: torch.nn.Module, masters: list, max_norm: float,
+                           norm_type: float = 2.0, other_parameters=(),
+                           error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Mode "primary": ``torch.nn.utils.clip_grad_norm_`` over the masters' gradients (after
+    :func:`master_grads_`) and the gradients of ``other_parameters`` (the model's other
+    parameters the optimizer updates, e.g. norms and embeddings under FSDP2). The norm is the
+    one of the whole weights: each master's gradient is seen as a DTensor with its weight's
+    FSDP2 sharding, so every rank gets the same norm and scales by the same factor.
+    (``torch.nn.utils.clip_grad_norm_(masters, ...)`` would see plain tensors and use each
+    rank's own shard: a different factor per rank.) Returns the total norm, a plain tensor,
+    equal on every rank.
+
+        fsdp.master_grads_(model, masters)
+        fsdp.clip_master_grad_norm_(model, masters, 1.0, other_parameters=others)
+        opt.step()
+    """
+    from torch.distributed.tensor import DTensor
+
+    shards = primary_shards(model)
+    _check_masters(_primary_entries(model), masters)
+    sharded = [as_sharded(m.grad, p, shape) for (p, shape), m in zip(shards, masters)
+               if m.grad is not None]
+    others = [p.grad for p in other_parameters if p.grad is not None]
+    dist_grads = sharded + [g for g in others if isinstance(g, DTensor)]
+    plain = [g for g in others if not isinstance(g, DTensor)]
+    norms = []
+    for group in (dist_grads, plain):
+        if group:
+            n = torch.nn.utils.get_total_norm(group, norm_type, error_if_nonfinite)
+            norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    if not norms:
+        return torch.tensor(0.0)
+    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(
+        torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    # the scaling is elementwise: each rank scales its own shards (torch's clip_grads_with_norm_
+    # formula)
+    local = [m.grad for m in masters if m.grad is not None] + \
+        [g.to_local() if isinstance(g, DTensor) else g for g in others]
+    by_device = {}
+    for g in local:
+        by_device.setdefault(g.device, []).append(g)
+    for device, grads in by_device.items():
+        torch._foreach_mul_(grads, coef.to(device))
+    return total
+
+
 def _dequantize_rows(state, row_bytes, r0):
     """fp32 values of the rowwise FP8 bytes of rows [r0, r0 + len) (global scales)."""
     rows, cols = row_bytes.shape
@@ -611,4 +672,4 @@ def gathered_bytes(model: torch.nn.Module) -> list:
 
 
 __all__ = ["prepare_fsdp_fp8", "precompute_fp8_scales", "master_weights", "master_grads_",
-           "cast_master_weights_", "gathered_bytes", "MODES"]
+           "clip_master_grad_norm_", "cast_master_weights_", "gathered_bytes", "MODES"]

@@ -37,6 +37,7 @@ from fp8blk.torch import weight as W
 from fp8blk.torch.linear import float8_block_linear
 
 STEPS = 5
+U32 = 2.0 ** -24  # fp32's unit roundoff
 
 
 def spread(shape, gen, decades=(2.0, 1.5)):
@@ -298,6 +299,63 @@ def check_usage(seen, raf, recipe_name, step):
         raise AssertionError(f"step {step}: no backward gathers without resharding: {seen}")
 
 
+def check_clip(ws, rank, mesh, seed):
+    """clip_master_grad_norm_ (mode primary): the FP8 weights' masters of a 3-layer model whose
+    last layer keeps a plain FSDP2 weight (an "other parameter"). Every rank returns the same
+    norm, that of the full gradients: against a float64 reference within (N/2 + 3) u
+    relative (N the element count, u = 2^-24: the fp32 sum of N squares is within (N-1) u,
+    each square adds u, the square root halves the relative error and adds u); the local
+    norm of some rank's shards (what torch.nn.utils.clip_grad_norm_(masters) would use) is
+    off by more than twice the tolerance with these spread gradients. Each gradient is then
+    its old value times clamp(max_norm / (norm + 1e-6), max=1), bit for bit, with max_norm a
+    quarter of the norm."""
+    dims = [256, 384, 300, 256]
+    gen = torch.Generator().manual_seed(seed)
+    model = three_layers(dims, gen)
+    convert_to_float8_block(model)
+    F.prepare_fsdp_fp8(model, mode="primary", module_filter_fn=lambda m, fqn: fqn in ("0", "2"))
+    for i in (0, 2, 4):
+        fully_shard(model[i], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    masters = F.master_weights(model)
+    x = spread((32, 256), torch.Generator().manual_seed(seed + 1 + rank))
+    t = spread((32, 256), torch.Generator().manual_seed(seed + 9 + rank), (1.0, 1.0))
+    (model(x) * t).sum().backward()
+    F.master_grads_(model, masters)
+    other = model[4].weight
+    before = [m.grad.clone() for m in masters] + [other.grad.to_local().clone()]
+
+    def full(g, cols):
+        parts = [None] * ws
+        dist.all_gather_object(parts, g.detach().reshape(-1, cols))
+        return torch.cat(parts).double()
+
+    grads = [full(m.grad, c) for m, c in zip(masters, (256, 384))] + \
+        [full(other.grad.to_local(), 300)]
+    ref = math.sqrt(sum(float(g.square().sum()) for g in grads))
+    local = math.sqrt(sum(float(g.double().square().sum()) for g in before))
+    n = sum(g.numel() for g in grads)
+    total = F.clip_master_grad_norm_(model, masters, ref / 4, other_parameters=[other])
+    norms = [None] * ws
+    dist.all_gather_object(norms, total)
+    if not all(torch.equal(v, norms[0]) for v in norms):
+        raise AssertionError(f"clip: ranks returned different norms {norms}")
+    tol = (n / 2 + 3) * U32
+    if abs(float(total) - ref) > tol * ref:
+        raise AssertionError(f"clip: norm {float(total)} vs full {ref} (tolerance {tol:.2e} rel)")
+    locals_ = [None] * ws
+    dist.all_gather_object(locals_, local)
+    if all(abs(v - ref) <= 2 * tol * ref for v in locals_):
+        raise AssertionError("clip: every rank's local norm is the global one: the check "
+                             "could not tell them apart")
+    coef = torch.clamp(ref / 4 / (total + 1e-6), max=1.0)
+    after = [m.grad for m in masters] + [other.grad.to_local()]
+    for i, (b, a) in enumerate(zip(before, after)):
+        check_equal(f"clip: gradient {i}", a, b * coef)
+    print(f"rank {rank}: clip_master_grad_norm_ OK (norm {float(total):.6g}, full {ref:.6g}, "
+          f"local {local:.6g})", flush=True)
+
+
 def check_errors(ws, rank, mesh):
     """A module whose FSDP2 state has no parameter group gives a clear RuntimeError; bad
     conversions name the fix."""
@@ -451,6 +509,8 @@ def run_suite(case):
 def case(spec, ws, rank, mesh, seed):
     if spec == "errors":
         check_errors(ws, rank, mesh)
+    elif spec == "clip":
+        check_clip(ws, rank, mesh, seed)
     elif spec in ("ffn", "ffn_tp"):
         check_ffn(ws, rank, seed, spec == "ffn_tp")
     else:

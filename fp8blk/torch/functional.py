@@ -193,6 +193,8 @@ def float8_block_linear(x, weight, bias=None, config: Float8BlockConfig = None):
     # under torch.autocast the output takes the autocast dtype, as F.linear's would; the
     # quantized operands do not care which high-precision dtype they came from
     device = x.device.type
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"Float8BlockLinear runs on CUDA or CPU tensors, got a {device} tensor")
     out_dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
                  else x.dtype)
     return _Float8BlockLinearFn.apply(x, weight, bias, config, out_dtype)

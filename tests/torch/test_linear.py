@@ -243,6 +243,8 @@ def test_bad_features_dtypes_and_configs():
         lin(torch.randn(4, 64))
     with pytest.raises(TypeError, match="weight dtype"):
         linear_mod.float8_block_linear(torch.randn(4, 128), torch.randn(64, 128).double())
+    with pytest.raises(ValueError, match="CUDA or CPU tensors, got a meta tensor"):
+        lin.to("meta")(torch.randn(4, 128, device="meta"))
 
 
 def test_autocast_output_dtype_and_grads(gen):

@@ -25,6 +25,15 @@ def test_checkpoint_save_load_resume_two_ranks(rng, tmp_path):
     assert code == 0 and suite_passes(output) == 2, output[-8000:]
 
 
+def test_checkpoint_fsdp2_x_tp_four_ranks(rng, tmp_path):
+    seed = str(int(rng.integers(2 ** 31)))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node=4", str(WORKER), "tp"]
+    code, output, _ = run(command, 300, {"OMP_NUM_THREADS": "1", "FP8BLK_SEED": seed,
+                                         "FP8BLK_CKPT_DIR": str(tmp_path)})
+    assert code == 0 and suite_passes(output) == 4, output[-8000:]
+
+
 @pytest.mark.parametrize("mode", ["cast", "primary"])
 def test_state_dict_pickles_as_plain_high_precision_values(mode, rng):
     """Without FSDP2 (one process): torch.save of a prepared model stores plain tensors, the

@@ -21,6 +21,7 @@ with torch.distributed.checkpoint (DCP) into ``$FP8BLK_CKPT_DIR``:
   bit (the same arithmetic on the same state); loading the model state into B's FP8 primary
   weights fails with a message naming master_state_dict; master_state_dict refuses a wrong
   masters list, masters of another dtype and an optimizer that does not hold them.
+* ``tp`` (4 ranks): FSDP2 x TP, see :func:`check_tp`.
 Any failure raises; each rank prints "SUITE OK" at the end.
 """
 import os
@@ -220,7 +221,74 @@ def run_case(mode, recipe_name, seed, mesh, root):
     print(f"rank {rank}: checkpoint {mode}:{recipe_name} OK", flush=True)
 
 
+def check_tp(ws, rank, seed, root):
+    """FSDP2 x TP (a 2x2 (dp, tp) mesh; issue 13's FeedForward, w1/w2 column-wise, out_proj
+    row-wise, FP8 primary weights): master_state_dict saves after one AdamW step; a second
+    model of the same layout loads it and gives the same outputs bit for bit, and a model
+    under FSDP2 alone on the 4 ranks loads the same full masters and optimizer state (its
+    outputs differ: with TP every tensor-parallel shard of a weight has its own tiles)."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    from tests.torch._parity import FeedForward, init_spread_
+
+    path = os.path.join(root, "tp")
+
+    def build_ffn(seed_, tp):
+        model = FeedForward(256, 384, bias=False)
+        init_spread_(model, torch.Generator().manual_seed(seed_))
+        convert_to_float8_block(model, Float8BlockConfig())
+        if tp:
+            mesh2 = init_device_mesh("cpu", (ws // 2, 2), mesh_dim_names=("dp", "tp"))
+            dp = mesh2["dp"]
+            parallelize_module(model, mesh2["tp"], {"w1": ColwiseParallel(),
+                                                   "w2": ColwiseParallel(),
+                                                   "out_proj": RowwiseParallel()})
+        else:
+            dp = init_device_mesh("cpu", (ws,))
+        F.prepare_fsdp_fp8(model, mode="primary")
+        for name in ("w1", "w2", "out_proj"):
+            fully_shard(getattr(model, name), mesh=dp)
+        fully_shard(model, mesh=dp)
+        masters = F.master_weights(model)
+        return model, masters, torch.optim.AdamW(masters, lr=2.0 ** -9)
+
+    def full(sd):
+        return {k: (v.full_tensor() if k.endswith("weight") else
+                    {n: t.full_tensor() if hasattr(t, "full_tensor") else t
+                     for n, t in v.items()}) for k, v in sd.items()}
+
+    a, ma, oa = build_ffn(seed, True)
+    x = spread((32, 256), torch.Generator().manual_seed(seed + 1 + rank // 2))  # per dp rank
+    a(x).square().sum().backward()
+    F.master_grads_(a, ma)
+    oa.step()
+    F.cast_master_weights_(a, ma)
+    dcp.save({"masters": master_state_dict(a, ma, oa)}, checkpoint_id=path)
+    with torch.no_grad():
+        ya = a(x)
+    want = full(master_state_dict(a, ma, oa))
+    for tp in (True, False):
+        b, mb, ob = build_ffn(seed + 5, tp)
+        dcp.load({"masters": master_state_dict(b, mb, ob)}, checkpoint_id=path)
+        F.cast_master_weights_(b, mb)
+        got = full(master_state_dict(b, mb, ob))
+        for k, v in want.items():
+            if isinstance(v, dict):
+                for n, t in v.items():
+                    check_equal(f"tp={tp}: {k} {n}", torch.as_tensor(got[k][n]),
+                                torch.as_tensor(t))
+            else:
+                check_equal(f"tp={tp}: {k}", got[k], v)
+        if tp:
+            with torch.no_grad():
+                check_equal("tp: output after loading", b(x), ya)
+    print(f"rank {rank}: checkpoint FSDP2 x TP OK", flush=True)
+
+
 def case(spec, ws, rank, mesh, seed):
+    if spec == "tp":
+        check_tp(ws, rank, seed, os.environ["FP8BLK_CKPT_DIR"])
+        return
     mode, recipe_name = spec.split(":")
     run_case(mode, recipe_name, seed, mesh, os.environ["FP8BLK_CKPT_DIR"])
 

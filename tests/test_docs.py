@@ -5,9 +5,8 @@ order in one namespace (later examples may use earlier names), all files in ONE 
 (mpi4py and torch are imported at most once, and a crash cannot take pytest down). Blocks
 marked ``<!-- runnable: gpu -->`` run the same way in a second subprocess where a GPU is
 present (``-m gpu``), and are only compiled elsewhere; blocks marked ``<!-- runnable: mpi N -->``
-need ``mpiexec -n N`` (N > 1 ranks): they are only compiled, unless FP8BLK_DOCS_MPI=1 is set,
-which runs each under ``mpiexec -n N python -m mpi4py`` with a timeout (a few seconds each on
-2 cores). Every other ```python block must compile too.
+run each under ``mpiexec -n N python -m mpi4py`` with a timeout (a few seconds each on 2
+cores; skipped where no mpiexec is found). Every other ```python block must compile too.
 """
 import json
 import os
@@ -87,7 +86,9 @@ def gpu_results():
 
 
 ALL = blocks()
-PARAMS = [pytest.param(*b, id=f"{b[0]}:{b[1]}", marks=[pytest.mark.gpu] if b[2] == "gpu" else [])
+PARAMS = [pytest.param(*b, id=f"{b[0]}:{b[1]}",
+                       marks=[pytest.mark.gpu] if b[2] == "gpu" else
+                       [pytest.mark.mpi] if (b[2] or "").startswith("mpi") else [])
           for b in ALL]
 
 
@@ -110,10 +111,7 @@ def test_block(name, line, tag, code, request):
     if tag is None:
         pytest.skip("not marked runnable (compiled only)")
     if tag.startswith("mpi"):
-        ranks = int(tag.split()[1])
-        if os.environ.get("FP8BLK_DOCS_MPI") != "1":
-            pytest.skip(f"needs mpiexec -n {ranks} (compiled only; FP8BLK_DOCS_MPI=1 runs it)")
-        _run_mpi(name, line, code, ranks, request)
+        _run_mpi(name, line, code, int(tag.split()[1]), request)  # skips without mpiexec
         return
     fixture = "gpu_results" if tag == "gpu" else "run_results"
     error = request.getfixturevalue(fixture)[f"{name}:{line}"]

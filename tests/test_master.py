@@ -2,7 +2,8 @@
 bucket, payload bytes, fragments, in-range writes, repeated steps, model dtypes, validation.
 
 Ranks are threads sharing an in-process communicator (tests/master_scripts/fake_comm.py); the
-same scenarios run under real MPI in tests/test_master_mpi.py.
+same scenarios run under real MPI (mpiexec, tests/master_scripts/mpi_invariance.py) in
+test_mpi_world_size_invariance.
 """
 import os
 import subprocess

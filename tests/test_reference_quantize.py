@@ -25,8 +25,8 @@ def assert_same_buffers(got, want, names=("rowwise_data", "rowwise_scale_inv",
         if w is None:
             assert g is None, f"{name}: expected None"
             continue
-        g = np.asarray(g)
         assert g is not None, f"{name}: missing"
+        g = np.asarray(g)
         assert (g.shape, g.dtype) == (w.shape, w.dtype), (name, g.shape, g.dtype, w.shape,
                                                           w.dtype)
         gb = np.ascontiguousarray(g).view(np.uint8)

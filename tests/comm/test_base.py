@@ -70,7 +70,9 @@ def test_stats_record_and_reset():
 def test_max_keys_give_fmax(dtype, rng):
     specials = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-40, -1e-40], np.float64)
     stack = (rng.standard_normal((3, 400)) * 10.0 ** rng.integers(-5, 5, (3, 400)))
-    stack[rng.random((3, 400)) < 0.2] = rng.choice(specials, size=1)[0]
+    mask = rng.random((3, 400)) < 0.2
+    stack[mask] = rng.choice(specials, size=int(mask.sum()))  # every special, every run
+    stack[0, 4:4 + len(specials)] = specials                   # (and for sure)
     stack[:, :3] = np.nan  # all-NaN columns stay NaN
     stack[0, 3], stack[1, 3], stack[2, 3] = -0.0, 0.0, np.nan  # +0 beats -0
     stack = stack.astype(dtype)

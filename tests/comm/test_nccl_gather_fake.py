@@ -334,12 +334,20 @@ def test_invalid_input_on_one_rank_with_sizes(fake_nccl, monkeypatch, path, bad,
         full = np.concatenate(data)
         return full if recipe is None else fb.quantize(full, recipe, True, columnwise)
 
-    def check(got, want):
+    def check(got, want, joined=False):
         if recipe is None:
             assert np.array_equal(got, want)
-        elif path == "fast":  # the zeros are the bad rank's FP8 bytes and scales, as sent
+        elif path == "fast" and joined:
+            # the bad rank's FP8 bytes and scales are the zeros it sent: its data equals the
+            # quantize of zero rows, its scale columns are 0 (quantize would write 1.0); the
+            # peers' scale columns and the padding are quantize's
             assert np.array_equal(got.rowwise_data.view(np.uint8),
                                   want.rowwise_data.view(np.uint8))
+            m0, m1 = sum(rows[:-1]), sum(rows)
+            gs, ws = got.rowwise_scale_inv, want.rowwise_scale_inv
+            assert np.array_equal(gs[:, :m0].view(np.uint32), ws[:, :m0].view(np.uint32))
+            assert not gs[:, m0:m1].any()
+            assert np.array_equal(gs[:, m1:].view(np.uint32), ws[:, m1:].view(np.uint32))
         else:
             _same(got, want)
 
@@ -363,7 +371,7 @@ def test_invalid_input_on_one_rank_with_sizes(fake_nccl, monkeypatch, path, bad,
             with pytest.raises(kind, match="joined the collectives .* with zeros"):
                 call(comm, _invalid(every[3][me], bad), out)
         else:
-            check(call(comm, every[3][me], out), expected(zeroed[3]))
+            check(call(comm, every[3][me], out), expected(zeroed[3]), joined=True)
         got = call(comm, every[4][me], out)
         check(got, expected(every[4]))
         assert comm.stats.meta_calls == 0  # the peers' steady state, joined: no metadata

@@ -4,7 +4,8 @@ scripts and the GPU tests.
 A scenario is a list of :class:`Spec` (shape, recipe, which directions the weight holds, the
 master dtype). Full master weights come from :func:`make_full`: random magnitudes per 32x32
 region plus special regions (an all-NaN tile, a tile of tiny values whose scale overflows fp32,
-zeros, huge values that round to bf16 inf, exact bf16 ties, scattered NaN/inf). Shards are cut
+zeros, huge values that round to bf16 inf, exact bf16 ties, scattered NaN and subnormals, +-inf
+scattered in one tile), so the tiles' scales differ. Shards are cut
 from the concatenation of all weights at random points (:func:`cut_ranges`), as a ZeRO flat
 buffer would be, so most ranks own nothing of most weights and boundaries fall inside blocks.
 
@@ -124,9 +125,14 @@ def make_full(rng, shape):
     x[_region(rng, h, w, 1, 1)] = np.float32(3.4e38)       # rounds to bf16 inf
     scatter = rng.random((h, w))
     x[scatter < 2e-4] = np.nan
-    x[(scatter >= 2e-4) & (scatter < 3e-4)] = np.inf
-    x[(scatter >= 3e-4) & (scatter < 4e-4)] = -np.inf
     x[(scatter >= 4e-4) & (scatter < 8e-4)] = np.float32(2.0 ** -133)  # fp32/bf16 subnormal
+    # +-inf scattered inside ONE tile (1% each): a tile holding an inf gets scale 1, so infs
+    # scattered over the whole weight (~3 per 128x128 tile) gave 96% of the tiles that same
+    # scale and would hide a wrong tile amax
+    region = _region(rng, h, w, *tile)
+    sub, part = scatter[region], x[region]  # a view: writes reach x
+    part[(sub >= 0.2) & (sub < 0.21)] = np.inf
+    part[(sub >= 0.21) & (sub < 0.22)] = -np.inf
     return x
 
 

@@ -106,8 +106,9 @@ def check_fast_paths(rng, xp=np, scale=1):
     == 0) next to edge blocks that take the general path, in one batch: partial amaxes
     against the reference, then the whole device path against quantize(bf16(full))."""
     def make_full(rng, shape):
-        # make_full's scattered infs put inf in nearly every 128x128 tile, which would hide a
-        # wrong tile amax: keep infs and near-max values to the last 32 rows only
+        # infs and near-max values give their tile scale 1 or a tiny one whatever the other
+        # amaxes are: keep them out of the interior tiles the fast paths take (the last 32
+        # rows only), so that a wrong tile amax there shows
         x = cases.make_full(rng, shape)
         top = x[:-32]
         big = np.isinf(top) | (np.abs(top) > np.float32(1e38))

@@ -12,8 +12,8 @@ from fp8blk.torch import (Float8BlockConfig, Float8BlockLinear, blockwise_scaled
                           convert_to_float8_block)
 from fp8blk.torch import linear as linear_mod
 
-from ._parity import (PLANTS, FeedForward, Recorder, check_against_oracle, init_spread_,
-                      set_plant, spread)
+from ._parity import (PLANTS, U32, FeedForward, Recorder, assert_within, check_against_oracle,
+                      init_spread_, oracle_linear, set_plant, spread)
 
 
 @pytest.fixture
@@ -66,11 +66,27 @@ def test_unaligned_shapes_and_bias(shape, gen):
 
 def test_bf16_model_and_no_input_grad(gen):
     lin = Float8BlockLinear(256, 128, dtype=torch.bfloat16)
+    init_spread_(lin, gen)
     x = spread((64, 256), gen, torch.bfloat16)             # no requires_grad: no dgrad GEMM
     y = lin(x)
     assert y.dtype == torch.bfloat16 and lin.weight.grad is None
-    y.float().sum().backward()
+    g = spread(y.shape, gen, torch.bfloat16)
+    (y.float() * g.float()).sum().backward()               # dY = g, exactly
     assert lin.weight.grad.dtype == torch.bfloat16 and lin.bias.grad is not None
+    # the same FP8 math as the fp32 oracle (bf16 values quantize to the same bytes as their
+    # fp32 copies), then bf16 roundings (u = 2^-8): the GEMM's result, the bias add, the weight
+    # gradient, the bias gradient (an fp32 sum rounded to bf16)
+    ref = oracle_linear(x.float(), lin.weight.detach().float(), g.float(), Float8BlockConfig())
+    value, bound = ref["y"]
+    b = lin.bias.detach().double()
+    bf16 = 2.0 ** -8
+    assert_within(y, value + b, bound + bf16 * (value.abs() + b.abs() + (value + b).abs()),
+                  "bf16 forward")
+    value, bound = ref["dw"]
+    assert_within(lin.weight.grad, value, bound + bf16 * value.abs(), "bf16 weight grad")
+    gsum, m = g.double().sum(0), g.shape[0]
+    assert_within(lin.bias.grad, gsum, m * U32 / (1 - m * U32) * g.double().abs().sum(0)
+                  + bf16 * gsum.abs(), "bf16 bias grad")
 
 
 def test_only_the_bias_needs_a_gradient(gen):
@@ -201,18 +217,20 @@ def test_converter_filter_and_in_place():
 
 # -- bad input ---------------------------------------------------------------------------------
 
-def _operands(m=64, k=256, n=128):
-    qx = fb.quantize(torch.randn(m, k), fb.Block1D())
-    qw = fb.quantize(torch.randn(n, k), fb.Block2D())
+def _operands(gen, m=64, k=256, n=128):
+    x, w = spread((m, k), gen), spread((n, k), gen)
+    qx, qw = fb.quantize(x, fb.Block1D()), fb.quantize(w, fb.Block2D())
     f8 = torch.float8_e4m3fn
     return [qx.rowwise_data.view(f8), qx.rowwise_scale_inv, qw.rowwise_data.view(f8),
-            qw.rowwise_scale_inv]
+            qw.rowwise_scale_inv], x, w
 
 
-def test_scaled_mm_matches_oracle_and_rejects_bad_layouts():
-    a, sa, b, sb = _operands()
+def test_scaled_mm_matches_oracle_and_rejects_bad_layouts(gen):
+    (a, sa, b, sb), x, w = _operands(gen)
     out = blockwise_scaled_mm(a, sa, b, sb, "1x128", "128x128", torch.float32)
+    value, bound = oracle_linear(x, w, None, Float8BlockConfig())["y"]
     assert out.shape == (64, 128)
+    assert_within(out, value, bound, "blockwise_scaled_mm")
     with pytest.raises(TypeError, match="float8_e4m3fn"):
         blockwise_scaled_mm(a.view(torch.uint8), sa, b, sb, "1x128", "128x128")
     with pytest.raises(ValueError, match="row-major"):

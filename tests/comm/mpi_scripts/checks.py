@@ -373,19 +373,29 @@ DIRECTIONS = [(True, False), (False, True), (True, True)]
 
 
 def _global_input(rng, rows, rest, dtype):
-    """(rows, *rest) high-precision data with blocks of special values."""
+    """(rows, *rest) high-precision data whose blocks get different scales: in the (M, K) view
+    a magnitude 10^U{-4..3} per 128x128 tile times 2^U{0..3} per row (so 1x32 / 1x128 / 128x1
+    blocks and 128x128 tiles differ), special values in two rows of one tile (a block holding
+    an inf or 3e38 takes that value's scale: scattered everywhere they would give every tile
+    the same scale), and an all-zero 1x128 block."""
     shape = (rows,) + rest
-    x = (rng.standard_normal(shape) * 10.0 ** rng.integers(-4, 4)).astype(np.float32)
-    flat = x.reshape(-1)
-    if flat.size:
-        picks = rng.integers(0, flat.size, max(1, flat.size // 97))
-        flat[picks] = rng.choice(np.array([np.nan, np.inf, -np.inf, 0.0, 3e38, 1e-30, -7e4],
-                                          np.float32), picks.size)
-        x2 = x.reshape(-1, rest[-1])
-        r = int(rng.integers(0, x2.shape[0]))
-        x2[r, : min(128, x2.shape[1])] = 0.0  # an all-zero block
+    k = rest[-1]
+    m = int(np.prod(shape)) // k if k else 0
+    tiles = 10.0 ** rng.integers(-4, 4, (-(-m // 128), -(-k // 128)))
+    mag = np.repeat(np.repeat(tiles, 128, 0), 128, 1)[:m, :k] * 2.0 ** rng.integers(0, 4, (m, 1))
+    x2 = (rng.standard_normal((m, k)) * mag).astype(np.float32)
+    if x2.size:
+        specials = np.array([np.nan, np.inf, -np.inf, 0.0, 3e38, 1e-30, -7e4], np.float32)
+        # one 128x128 tile holds them all
+        r0, c0 = 128 * int(rng.integers(0, -(-m // 128))), 128 * int(rng.integers(0, -(-k // 128)))
+        width = min(128, k - c0)
+        for r in rng.integers(r0, min(r0 + 128, m), 2):
+            picks = c0 + rng.integers(0, width, max(1, width // 8))
+            x2[r, picks] = rng.choice(specials, picks.size)
+        r = int(rng.integers(0, m))
+        x2[r, : min(128, k)] = 0.0  # an all-zero block
     with np.errstate(over="ignore"):
-        return x.astype(dtype)
+        return x2.reshape(shape).astype(dtype)
 
 
 def _row_split(rng, kind, n, unit, multiple):

@@ -26,8 +26,9 @@ values. The forward pass asks for ``rowwise=True, columnwise=False``, the backwa
 saved for backward either way, so dW flows to it.
 
 torch.compile: quantize, transpose and GEMM are custom ops with fake implementations, so
-``torch.compile(model, fullgraph=True)`` traces the layer without graph breaks (plain weights;
-the FSDP2 hook path is eager-only).
+``torch.compile(model, fullgraph=True)`` traces the layer without graph breaks (plain weights).
+A layer whose weight is an FSDP2 FP8 weight runs eagerly under torch.compile (a graph break
+around the layer; see ``_forward_eagerly``).
 
     import torch, fp8blk as fb
     from fp8blk.torch import convert_to_float8_block
@@ -78,6 +79,11 @@ class Float8BlockLinear(torch.nn.Linear):
         return new
 
     def forward(self, x):
+        if torch.compiler.is_compiling() and _fsdp_fp8_weight(self.weight):
+            return _forward_eagerly(self, x)
+        return self._forward(x)
+
+    def _forward(self, x):
         if self._fp8blk_tp is not None:
             return self._fp8blk_tp.forward(self, x)
         if is_dtensor(self.weight):
@@ -86,6 +92,19 @@ class Float8BlockLinear(torch.nn.Linear):
 
     def extra_repr(self):
         return f"{super().extra_repr()}, config={self.config!r}"
+
+
+def _fsdp_fp8_weight(weight) -> bool:
+    """Whether `weight` is FSDP2's unsharded FP8 weight (fp8blk.torch.weight.Float8BlockWeight),
+    or a DTensor of one (FSDP2 x TP)."""
+    local = weight._local_tensor if is_dtensor(weight) else weight
+    return hasattr(local, "fp8blk_block_tensor")
+
+
+# Under torch.compile a layer whose weight is an FSDP2 FP8 weight runs eagerly (a graph break):
+# dynamo does not trace the weight subclass, and the traced layer lost the weight's
+# requires_grad -- no weight gradient, silently, in every backend (eager, aot_eager, inductor)
+_forward_eagerly = torch.compiler.disable(Float8BlockLinear._forward)
 
 
 def convert_to_float8_block(model: torch.nn.Module, config: Float8BlockConfig = None,

@@ -27,8 +27,8 @@ saved for backward either way, so dW flows to it.
 
 torch.compile: quantize, transpose and GEMM are custom ops with fake implementations, so
 ``torch.compile(model, fullgraph=True)`` traces the layer without graph breaks (plain weights).
-A layer whose weight is an FSDP2 FP8 weight runs eagerly under torch.compile (a graph break
-around the layer; see ``_forward_eagerly``).
+A layer whose weight is an FSDP2 FP8 weight, or that runs an fp8blk sequence-parallel style,
+runs eagerly under torch.compile (a graph break around the layer; see ``_forward_eagerly``).
 
     import torch, fp8blk as fb
     from fp8blk.torch import convert_to_float8_block
@@ -79,7 +79,8 @@ class Float8BlockLinear(torch.nn.Linear):
         return new
 
     def forward(self, x):
-        if torch.compiler.is_compiling() and _fsdp_fp8_weight(self.weight):
+        if torch.compiler.is_compiling() and (self._fp8blk_tp is not None
+                                              or _fsdp_fp8_weight(self.weight)):
             return _forward_eagerly(self, x)
         return self._forward(x)
 
@@ -101,9 +102,11 @@ def _fsdp_fp8_weight(weight) -> bool:
     return hasattr(local, "fp8blk_block_tensor")
 
 
-# Under torch.compile a layer whose weight is an FSDP2 FP8 weight runs eagerly (a graph break):
-# dynamo does not trace the weight subclass, and the traced layer lost the weight's
-# requires_grad -- no weight gradient, silently, in every backend (eager, aot_eager, inductor)
+# Under torch.compile a layer whose weight is an FSDP2 FP8 weight, or that runs an fp8blk
+# sequence-parallel style, runs eagerly (a graph break). Dynamo does not trace the weight
+# subclass: the traced layer lost the weight's requires_grad -- no weight gradient, silently,
+# in every backend (eager, aot_eager, inductor). The styles' FP8 all-gather crosses into
+# CuPy/NumPy arrays, which fake tensors cannot (dynamo raised)
 _forward_eagerly = torch.compiler.disable(Float8BlockLinear._forward)
 
 

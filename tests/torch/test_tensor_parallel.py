@@ -36,10 +36,11 @@ def test_tp_parity_and_planted_bugs(rng):
 
 
 def test_sequence_parallel_fp8_gather_and_fallback(rng):
-    code, out = _torchrun(_seed(rng), "sp_fast", "sp_fallback")
+    code, out = _torchrun(_seed(rng), "sp_fast", "sp_fallback", "compile")
     assert code == 0, out[-6000:]
     assert out.count("CASE sp_fast OK") == 2 and out.count("CASE sp_fallback OK") == 2, \
         out[-6000:]
+    assert out.count("CASE compile OK") == 2, out[-6000:]  # TP and SP under torch.compile
     # the script asserts the path and the exact bytes; this keeps them visible in the log
     assert "gather path fast" in out and "gather path fallback" in out
 
@@ -53,8 +54,8 @@ def test_tp_and_sp_parity_on_two_gpus(rng):
         pytest.skip("needs 2 GPUs (the 2-GPU H200 machine)")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node=2", str(SCRIPT), str(_seed(rng)), "tp", "tp_nobias",
-               "sp_fast", "sp_fallback"]
+               "sp_fast", "sp_fallback", "compile"]
     code, out, _ = run(command, 600, {"OMP_NUM_THREADS": "1", "FP8BLK_TP_DEVICE": "cuda"})
     assert code == 0, out[-6000:]
-    for case in ("tp", "sp_fast", "sp_fallback"):
+    for case in ("tp", "sp_fast", "sp_fallback", "compile"):
         assert out.count(f"CASE {case} OK") == 2, out[-6000:]

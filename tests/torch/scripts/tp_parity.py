@@ -198,6 +198,40 @@ def report_traffic(case, comm, seq, world, D):
           f"{stats.meta_calls}", flush=True)
 
 
+def run_compile(seed, rank, world, mesh):
+    """torch.compile (backend "eager": dynamo's tracing) of the FeedForward under torch's TP
+    styles and under fp8blk's SP styles: output, input gradient and parameter gradients equal
+    the eager model's bit for bit. (Traced, the SP styles' FP8 all-gather failed on fake
+    tensors; such layers now run eagerly under compile.)"""
+    d, hidden = 256, 512
+    for sp in (False, True):
+        results = []
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            model = FeedForward(d, hidden, bias=True, dtype=torch.float32).to(DEVICE)
+            init_spread_(model, torch.Generator().manual_seed(seed))
+            convert_to_float8_block(model, Float8BlockConfig())
+            plan = ({"w1": Float8BlockColwiseSequenceParallel(),
+                     "w2": Float8BlockColwiseSequenceParallel(),
+                     "out_proj": Float8BlockRowwiseSequenceParallel()} if sp else
+                    {"w1": ColwiseParallel(), "w2": ColwiseParallel(),
+                     "out_proj": RowwiseParallel()})
+            parallelize_module(model, mesh, plan)
+            x = spread((128 * world, d), torch.Generator().manual_seed(seed + 1)).to(DEVICE)
+            if sp:
+                x = x[rank * 128:(rank + 1) * 128]
+            x = x.clone().requires_grad_(True)
+            run = torch.compile(model, backend="eager") if compiled else model
+            y = run(x)
+            y = y.to_local() if isinstance(y, DTensor) else y
+            (y * y).sum().backward()
+            grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                     for p in model.parameters()]
+            results.append([y.detach(), x.grad] + grads)
+        for i, (got, want) in enumerate(zip(results[1], results[0])):
+            same(got, want, f"compile {'sp' if sp else 'tp'} tensor {i}")
+
+
 def main():
     seed, cases = int(sys.argv[1]), sys.argv[2:]
     dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
@@ -220,7 +254,10 @@ def main():
                 undo()
             continue
         try:
-            run_case(case, seed, rank, world, mesh)
+            if case == "compile":
+                run_compile(seed, rank, world, mesh)
+            else:
+                run_case(case, seed, rank, world, mesh)
             print(f"CASE {case} OK", flush=True)
         except Exception:
             traceback.print_exc()

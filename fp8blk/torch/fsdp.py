@@ -29,6 +29,8 @@ Two ways to own the weights (convert with :func:`prepare_fsdp_fp8` after
    Once per step (:func:`precompute_fp8_scales` after ``opt.step()``, or else lazily at the
    first all-gather after the parameters changed) the global scales of all weights come from
    one packed all-reduce and each rank's rows are cast to FP8, which the all-gather sends.
+   A meta-device init works in this mode (the scales follow the parameters off the meta
+   device at ``model.to_empty``; the first gather casts whatever the parameters then hold).
    Where a Block2D weight's shards hold whole 128-row tiles (FSDP2's chunk of rows a multiple
    of 128) and the parameter has the model dtype, its rank quantizes its rows in one pass
    (tile amaxes are local) and only the scales are all-reduced (one packed SUM for all such
@@ -145,6 +147,11 @@ def _convert(weight, recipe, mode, model_dtype, fqn):
     if local.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"{fqn}: the weight must be float32 or bfloat16 (it is the master "
                         f"for the FP8 cast), got {local.dtype}")
+    if local.is_meta and mode == "primary":
+        raise ValueError(f"{fqn}: mode 'primary' quantizes the weight when converting it, so it "
+                         f"needs the weight's values: initialize the model on a device before "
+                         f"prepare_fsdp_fp8, or use mode='cast' (which supports a meta-device "
+                         f"init followed by model.to_empty)")
     state = WeightState(recipe, (rows, cols), local.dtype, model_dtype, mode, local.device)
     if mode == "cast":
         new = Float8BlockCastWeight([local.contiguous()], state)

@@ -83,20 +83,7 @@ class WeightState:
         self.dtype = dtype
         self.model_dtype = model_dtype
         self.mode = mode
-        rows, cols = self.shape
-        layouts = all_layouts(recipe, rows, cols)
-        want = (1, 3) if isinstance(recipe, MXFP8) else (1,)
-        self.scales = [None, None]
-        for slot, i in enumerate((1, 3)):
-            if i in want:
-                lay = layouts[i]
-                self.scales[slot] = torch.full(lay.shape, lay.fill,
-                                               dtype=_torch_dtype(lay.dtype), device=device)
-        internal = [None if t is None else _arrays.to_internal(t)[0] for t in self.scales]
-        # scales only: the master cast writes data bytes into fragments (the local rows)
-        self.scale_tensor = BlockTensor._wrap(self.shape, recipe,
-                                              [None, internal[0], None, internal[1]],
-                                              _arrays.numpy_dtype(model_dtype), _arrays.TORCH)
+        self._alloc_scales(device)
         self.registry = None      # the Registry of the model this weight was converted in
         self.fsdp = None          # (FSDPParam, FSDPParamGroup) once looked up
         self.hook_module = None   # the module the pre-all-gather hook found self.fsdp for
@@ -112,6 +99,33 @@ class WeightState:
         # among the planes a rank holds
         self.sent = {u: _planes_sent(recipe, u) for u in
                      ((True, False), (False, True), (True, True))}
+
+    def _alloc_scales(self, device):
+        rows, cols = self.shape
+        layouts = all_layouts(self.recipe, rows, cols)
+        want = (1, 3) if isinstance(self.recipe, MXFP8) else (1,)
+        self.scales = [None, None]
+        for slot, i in enumerate((1, 3)):
+            if i in want:
+                lay = layouts[i]
+                self.scales[slot] = torch.full(lay.shape, lay.fill,
+                                               dtype=_torch_dtype(lay.dtype), device=device)
+        if torch.device(device).type == "meta":  # no data to import until materialized
+            self.scale_tensor = None
+            return
+        internal = [None if t is None else _arrays.to_internal(t)[0] for t in self.scales]
+        # scales only: the master cast writes data bytes into fragments (the local rows)
+        self.scale_tensor = BlockTensor._wrap(self.shape, self.recipe,
+                                              [None, internal[0], None, internal[1]],
+                                              _arrays.numpy_dtype(self.model_dtype),
+                                              _arrays.TORCH)
+
+    def materialize(self, device):
+        """The scales on `device`, once the weight's planes left the meta device (FSDP2's
+        ``model.to_empty(device=...)`` after a meta-device init, mode "cast"): their values
+        come from the first cast."""
+        self._alloc_scales(device)
+        self.frags, self.cast_items, self.cast_version = None, {}, None
 
     @property
     def planes(self) -> tuple:
@@ -279,6 +293,8 @@ def _plane_op(func, args, kwargs):
         outs.append(func(*a_i, **k_i))
     if isinstance(outs[0], (list, tuple)):
         return type(outs[0])(cls(list(parts), state) for parts in zip(*outs))
+    if state.scales[0].is_meta and not outs[0].is_meta:  # materialized (to_empty)
+        state.materialize(outs[0].device)
     return cls(outs, state)
 
 

@@ -37,9 +37,9 @@ def _torchrun(n, rng, *cases, timeout=300):
 
 def test_fsdp_fp8_weights_two_ranks(rng):
     # both modes, both recipes, reshard_after_forward True and False, the error cases,
-    # clip_master_grad_norm_, torch.compile
+    # clip_master_grad_norm_, torch.compile, a meta-device init
     # + issue 13's FSDP2 parity of the FeedForward (fully_shard on projections and parent)
-    _torchrun(2, rng, "errors", "clip", "compile", "cast:block2d:1", "primary:block2d:0", "cast:mxfp8:0",
+    _torchrun(2, rng, "errors", "clip", "compile", "meta", "cast:block2d:1", "primary:block2d:0", "cast:mxfp8:0",
               "primary:mxfp8:1", "ffn")
 
 

@@ -386,6 +386,59 @@ def check_compile(ws, rank, mesh, seed):
     print(f"rank {rank}: torch.compile with FP8 weights OK", flush=True)
 
 
+def check_meta_init(ws, rank, mesh, seed):
+    """Mode cast after a meta-device init (torchtitan's order: build on meta, convert,
+    prepare_fsdp_fp8, fully_shard, model.to_empty, then load the weights -- here with DCP's
+    set_model_state_dict from full tensors): two training steps give the outputs and
+    gradients of the same model built on the CPU, bit for bit. Mode primary refuses a meta
+    weight with a message naming mode cast."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         set_model_state_dict)
+
+    dims = [256, 384, 300, 256]
+    ref = three_layers(dims, torch.Generator().manual_seed(seed))
+    full = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    convert_to_float8_block(ref)
+    F.prepare_fsdp_fp8(ref, mode="cast")
+    with torch.device("meta"):
+        meta = torch.nn.Sequential(
+            torch.nn.Linear(dims[0], dims[1], bias=False), torch.nn.ReLU(),
+            torch.nn.Linear(dims[1], dims[2], bias=False), torch.nn.ReLU(),
+            torch.nn.Linear(dims[2], dims[3], bias=False))
+    convert_to_float8_block(meta)
+    F.prepare_fsdp_fp8(meta, mode="cast")
+    for model in (ref, meta):
+        for i in (0, 2, 4):
+            fully_shard(model[i], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    meta.to_empty(device="cpu")
+    set_model_state_dict(meta, full, options=StateDictOptions(full_state_dict=True))
+    opts = [torch.optim.SGD(m.parameters(), lr=2.0 ** -12) for m in (ref, meta)]
+    for step in range(2):
+        x = spread((32, 256), torch.Generator().manual_seed(seed + 1 + rank + 10 * step))
+        ys = [m(x) for m in (ref, meta)]
+        check_equal(f"meta init: step {step} output", ys[1].detach(), ys[0].detach())
+        for y, opt in zip(ys, opts):
+            (y * y).sum().backward()
+        for i, (p, q) in enumerate(zip(ref.parameters(), meta.parameters())):
+            check_equal(f"meta init: step {step} gradient {i}", q.grad.to_local(),
+                        p.grad.to_local())
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    with torch.device("meta"):
+        bad = torch.nn.Sequential(torch.nn.Linear(256, 128, bias=False))
+    convert_to_float8_block(bad)
+    try:
+        F.prepare_fsdp_fp8(bad, mode="primary")
+    except ValueError as err:
+        if "mode='cast'" not in str(err):
+            raise
+    else:
+        raise AssertionError("mode primary accepted a meta weight")
+    print(f"rank {rank}: meta-device init (mode cast) OK", flush=True)
+
+
 def check_errors(ws, rank, mesh):
     """A module whose FSDP2 state has no parameter group gives a clear RuntimeError; bad
     conversions name the fix."""
@@ -543,6 +596,8 @@ def case(spec, ws, rank, mesh, seed):
         check_clip(ws, rank, mesh, seed)
     elif spec == "compile":
         check_compile(ws, rank, mesh, seed)
+    elif spec == "meta":
+        check_meta_init(ws, rank, mesh, seed)
     elif spec in ("ffn", "ffn_tp"):
         check_ffn(ws, rank, seed, spec == "ffn_tp")
     else:

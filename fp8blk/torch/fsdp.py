@@ -257,7 +257,13 @@ class Registry:
         rowwise FP8 bytes (on any device: the scales' device computes them); the rows start
         at this rank's FSDP2 shard (row 0 when FSDP2 does not manage the weight)."""
         found = self.fsdp_of(state)
-        r0 = _shard_place(found[0], *state.shape)[0] // state.shape[1] if found else 0
+        rows, cols = state.shape
+        r0, count = _shard_place(found[0], rows, cols)[:2] if found else (0, rows * cols)
+        if row_bytes.shape != (count // cols, cols):
+            raise RuntimeError(f"the values of an FP8 primary weight are defined for this rank's "
+                               f"whole shard ({count // cols} x {cols}), not for a "
+                               f"{tuple(row_bytes.shape)} part of it")
+        r0 //= cols
         dev = state.scales[0].device
         return _dequantize_rows(state, row_bytes.to(dev), r0).to(row_bytes.device)
 

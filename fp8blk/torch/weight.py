@@ -336,8 +336,9 @@ class Float8BlockPrimaryWeight(_PlaneWeight):
     """Mode 1: the FP8 bytes of this rank's rows of an FP8 primary weight (see module doc).
 
     Planes: rowwise bytes uint8 (rows, K) and, for MXFP8, columnwise bytes uint8 (rows, K).
-    Ops other than FSDP's reshaping/copying raise: the weights change only through
-    :func:`fp8blk.torch.cast_master_weights_`."""
+    Besides FSDP's reshaping/copying, reads (a norm for logging, ``DTensor.full_tensor``'s
+    all-gather, a full state dict) see the dequantized values, as plain tensors; writes raise:
+    the weights change only through :func:`fp8blk.torch.cast_master_weights_`."""
 
     @classmethod
     def _copy_from_plain(cls, dst, src):
@@ -349,10 +350,15 @@ class Float8BlockPrimaryWeight(_PlaneWeight):
 
     @classmethod
     def _other_op(cls, func, args, kwargs):
-        raise NotImplementedError(
-            f"Float8BlockPrimaryWeight (mode 1, FP8 primary weights) does not support {func}: "
-            f"the optimizer must update fp32 master shards (fp8blk.torch.master_weights) and "
-            f"fp8blk.torch.cast_master_weights_ writes the FP8 bytes")
+        if func._schema.is_mutable:
+            raise NotImplementedError(
+                f"Float8BlockPrimaryWeight (mode 1, FP8 primary weights) does not support "
+                f"{func}: the optimizer must update fp32 master shards "
+                f"(fp8blk.torch.master_weights) and fp8blk.torch.cast_master_weights_ writes "
+                f"the FP8 bytes")
+        values = lambda t: t.high_precision()  # noqa: E731
+        return func(*tree_map_only(Float8BlockPrimaryWeight, values, args),
+                    **tree_map_only(Float8BlockPrimaryWeight, values, kwargs or {}))
 
     def _local_bytes(self, chunk, index):
         planes = self._planes

@@ -57,6 +57,12 @@ def test_primary_planes_follow_fsdp_chunk_pad_copy(rng, recipe):
         p.add_(1.0)
     with pytest.raises(NotImplementedError, match="cast_master_weights_"):
         local.copy_(torch.zeros(local.shape))
+    # reads see the dequantized values, as plain tensors (of the whole shard only: a part's
+    # rows would need their place among the weight's tiles)
+    doubled = p * 2
+    assert type(doubled) is torch.Tensor and torch.equal(doubled, q.dequantize(torch.float32) * 2)
+    with pytest.raises(RuntimeError, match="whole shard"):
+        chunks[1] * 2
 
 
 def test_cast_weight_updates_in_place_and_preserves_subclass(rng):

@@ -4,6 +4,7 @@ Per case ``mode:recipe`` (2 ranks; weights of 384 / 300 (MXFP8: 288) / 256 rows,
 128-row tiles and 32-row blocks), with an FP8 model A trained for two steps and then saved
 with torch.distributed.checkpoint (DCP) into ``$FP8BLK_CKPT_DIR``:
 
+* ``get_model_state_dict(full_state_dict=True)`` gives those values (below) as full tensors;
 * ``torch.save(model.state_dict())`` works, and every FP8 weight's local shard pickles as a
   plain tensor of its high-precision values (mode cast: the parameter's; mode primary: the FP8
   weight dequantized with its global scales);
@@ -30,7 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -132,6 +134,11 @@ def run_case(mode, recipe_name, seed, mesh, root):
             full = gathered(m.detach().view(-1, lin.in_features))
             q = fb.quantize(full.to(torch.bfloat16).contiguous(), recipe, rowwise=True)
             want.append(q.dequantize(torch.float32))
+    # a full (consolidated) state dict holds them too: DTensor.full_tensor's all-gather reads
+    # the weights' values (mode primary: dequantized)
+    full_sd = get_model_state_dict(a, options=StateDictOptions(full_state_dict=True))
+    for i in range(len(a_layers)):
+        check_equal(f"full state dict layer {i}", full_sd[f"{2 * i}.weight"], want[i])
     # torch.save: the local shards pickle as plain tensors of those values
     blob = os.path.join(path + f"-rank{rank}.pt")
     os.makedirs(os.path.dirname(blob), exist_ok=True)

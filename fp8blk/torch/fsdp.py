@@ -61,6 +61,7 @@ protocol (its columnwise plane is gathered in backward only), else a clear Runti
 """
 from __future__ import annotations
 
+import copy
 import functools
 import weakref
 
@@ -189,6 +190,19 @@ class Registry:
         self.tile_split = None  # mode 2: (tile-local entries, the others), once found
         self.tile_pack = None   # mode 2: the tile-local weights' packed scales
 
+    def __deepcopy__(self, memo):
+        """A registry of the copied states (see WeightState.__deepcopy__), its FSDP2 lookups
+        and communicators to be found again; the model, if it is being copied too, its copy."""
+        new = copy.copy(self)
+        memo[id(self)] = new
+        model = self.model()
+        if model is not None and id(model) in memo:
+            new.model = weakref.ref(memo[id(model)])
+        new.states = copy.deepcopy(self.states, memo)
+        new._fsdp, new._comms, new._entries = {}, {}, {}
+        new.tile_split = new.tile_pack = None
+        return new
+
     def fsdp_of(self, state):
         hit = self._fsdp.get(id(state))
         if hit is None:
@@ -237,6 +251,7 @@ class Registry:
                     "(or a module holding the weight) after prepare_fsdp_fp8")
             fp = found[0]
             out.append((state, fp) + _shard_place(fp, *state.shape))
+            state.shard_place = out[-1][2:4]
         self._entries[mode] = out
         return out
 
@@ -256,9 +271,12 @@ class Registry:
         """Mode "primary": fp32 values of this rank's rows of `state`'s weight, given their
         rowwise FP8 bytes (on any device: the scales' device computes them); the rows start
         at this rank's FSDP2 shard (row 0 when FSDP2 does not manage the weight)."""
-        found = self.fsdp_of(state)
         rows, cols = state.shape
-        r0, count = _shard_place(found[0], rows, cols)[:2] if found else (0, rows * cols)
+        if state.shard_place is not None:  # (a deep copy of the state keeps it)
+            r0, count = state.shard_place
+        else:
+            found = self.fsdp_of(state)
+            r0, count = _shard_place(found[0], rows, cols)[:2] if found else (0, rows * cols)
         if row_bytes.shape != (count // cols, cols):
             raise RuntimeError(f"the values of an FP8 primary weight are defined for this rank's "
                                f"whole shard ({count // cols} x {cols}), not for a "

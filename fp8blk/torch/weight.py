@@ -31,6 +31,7 @@ shard boundaries may cut tiles anywhere and the gathered weight equals
 from __future__ import annotations
 
 import collections
+import copy
 import inspect
 import weakref
 
@@ -89,6 +90,7 @@ class WeightState:
         self.hook_module = None   # the module the pre-all-gather hook found self.fsdp for
         self.mesh_place = None    # (mesh, outer_size, world, rank, chunk rows, cols) of it
         self.cast_items = {}      # fsdp.py: the master cast's Item per weight, while valid
+        self.shard_place = None   # (first flat index, element count) of this rank's shard
         self.frags = None         # mode 2: padded local FP8 bytes per plane (torch uint8)
         self.cast_version = None  # mode 2: (parameter version, writes) the bytes come from
         self.writes = 0           # mode 2: copies of plain tensors into a shard of it
@@ -110,7 +112,10 @@ class WeightState:
                 lay = layouts[i]
                 self.scales[slot] = torch.full(lay.shape, lay.fill,
                                                dtype=_torch_dtype(lay.dtype), device=device)
-        if torch.device(device).type == "meta":  # no data to import until materialized
+        self._wrap_scales()
+
+    def _wrap_scales(self):
+        if self.scales[0].is_meta:  # no data to import until materialized
             self.scale_tensor = None
             return
         internal = [None if t is None else _arrays.to_internal(t)[0] for t in self.scales]
@@ -119,6 +124,21 @@ class WeightState:
                                               [None, internal[0], None, internal[1]],
                                               _arrays.numpy_dtype(self.model_dtype),
                                               _arrays.TORCH)
+
+    def __deepcopy__(self, memo):
+        """The weight's definition, scales and shard place, copied; what ties it to FSDP2 (its
+        FSDPParam and group, the module, the cached casts) is not: FSDP2's objects refuse
+        deepcopy, and torch.distributed.checkpoint's async staging deep-copies the weights
+        of a model in training (so does copy.deepcopy of a prepared model)."""
+        new = copy.copy(self)
+        memo[id(self)] = new
+        new.scales = copy.deepcopy(self.scales, memo)
+        new._wrap_scales()
+        new.registry = copy.deepcopy(self.registry, memo)
+        new.fsdp = new.hook_module = new.mesh_place = None
+        new.cast_items, new.frags, new.cast_version = {}, None, None
+        new.gathers = collections.deque(maxlen=64)
+        return new
 
     def materialize(self, device):
         """The scales on `device`, once the weight's planes left the meta device (FSDP2's

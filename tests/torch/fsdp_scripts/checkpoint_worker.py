@@ -8,6 +8,7 @@ with torch.distributed.checkpoint (DCP) into ``$FP8BLK_CKPT_DIR``:
 * ``torch.save(model.state_dict())`` works, and every FP8 weight's local shard pickles as a
   plain tensor of its high-precision values (mode cast: the parameter's; mode primary: the FP8
   weight dequantized with its global scales);
+* ``dcp.async_save`` (which deep-copies the weights to stage them) writes the same checkpoint;
 * the DCP checkpoint loads into an unconverted, unsharded fp32 model: each weight equals the
   full parameter (cast) or ``fb.quantize(bf16(full master)).dequantize()`` (primary), bit for
   bit;
@@ -168,15 +169,21 @@ def run_case(mode, recipe_name, seed, mesh, root):
     else:
         extra = {"optim": get_optimizer_state_dict(a, ta.opt)}
     dcp.save({"model": a.state_dict(), **extra}, checkpoint_id=path)
+    # async_save stages a deep copy of the trained model's weights (FSDP2's objects, which
+    # the weights' state refers to, refuse deepcopy): the same checkpoint
+    dcp.async_save({"model": a.state_dict(), **extra}, checkpoint_id=path + "-async").result()
     dist.barrier()
 
     # an unconverted, unsharded model loads the checkpoint
     plain = torch.nn.Sequential(*[torch.nn.Linear(lin.in_features, lin.out_features, bias=False)
                                   for lin in a_layers])
-    sd = {f"{2 * i}.weight": lin.weight for i, lin in enumerate(plain)}
-    dcp.load({"model": sd}, checkpoint_id=path)
-    for i, lin in enumerate(plain):
-        check_equal(f"plain model layer {i}", lin.weight.detach(), want[i])
+    for where in (path, path + "-async"):
+        sd = {f"{2 * i}.weight": lin.weight for i, lin in enumerate(plain)}
+        dcp.load({"model": sd}, checkpoint_id=where)
+        for i, lin in enumerate(plain):
+            check_equal(f"plain model layer {i} ({where})", lin.weight.detach(), want[i])
+            with torch.no_grad():
+                lin.weight.zero_()
 
     x0 = data[0][0]
     with torch.no_grad():

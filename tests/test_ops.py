@@ -364,7 +364,7 @@ def test_torch_tensor_on_another_device(rng):
     """A tensor on cuda:1 while cuda:0 is current: the kernel runs on the tensor's device."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
-    x_h = rng.standard_normal((300, 260)).astype(np.float32)
+    x_h = _spread(rng, (300, 260))  # blocks with different scales, so a mix-up shows
     want = fb.quantize(x_h, fb.Block1D(), rowwise=True, columnwise=True)
     torch.cuda.set_device(0)
     fb.quantize(torch.from_numpy(x_h).to("cuda:0"), fb.Block1D(), True, True)  # device 0's key

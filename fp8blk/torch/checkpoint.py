@@ -38,10 +38,7 @@ def master_state_dict(model: torch.nn.Module, masters: list, optimizer=None) -> 
         sd = master_state_dict(model, masters, opt)
         torch.distributed.checkpoint.save({"masters": sd}, checkpoint_id=path)
     """
-    shards = primary_shards(model)
-    if not isinstance(masters, (list, tuple)) or len(masters) != len(shards):
-        raise ValueError(f"masters must be the list from master_weights(model) ({len(shards)} "
-                         f"tensors), got {type(masters).__name__}")
+    shards = primary_shards(model, masters)
     names = {id(p): n for n, p in model.named_parameters()}
     if optimizer is not None:
         _init_state(optimizer, masters)
@@ -57,12 +54,8 @@ def master_state_dict(model: torch.nn.Module, masters: list, optimizer=None) -> 
         name = names.get(id(param))
         if name is None:
             raise RuntimeError("an FP8 primary weight is not a parameter of this model")
-        numel = local_shape[0] * local_shape[1]
-        if not isinstance(m, torch.Tensor) or m.dim() != 1 or m.numel() != numel \
-                or m.dtype != torch.float32:
-            raise ValueError(f"masters: {name} needs a 1-D fp32 tensor of {numel} elements, "
-                             f"got {getattr(m, 'dtype', type(m).__name__)} "
-                             f"{tuple(getattr(m, 'shape', ()))}")
+        if m.dtype != torch.float32:  # (shapes: checked by primary_shards)
+            raise ValueError(f"masters: {name} needs an fp32 tensor, got {m.dtype}")
         out[name] = as_dtensor(m, m, param, local_shape)
         if optimizer is not None:
             out[name + ".optimizer"] = {k: as_dtensor(v, m, param, local_shape)

@@ -539,12 +539,14 @@ def master_weights(model: torch.nn.Module) -> list:
     return out
 
 
-def primary_shards(model: torch.nn.Module) -> list:
+def primary_shards(model: torch.nn.Module, masters: list) -> list:
     """Internal door (fp8blk.torch.checkpoint): per FP8 primary weight of ``model``, in
     :func:`master_weights`' order, the sharded parameter FSDP2 registered on the module (a
-    DTensor) and its local shape."""
-    return [(fp.sharded_param, tuple(_local_of(fp).shape))
-            for reg, (state, fp, *_) in _primary_entries(model)]
+    DTensor) and its local shape, once ``masters`` is checked to be one 1-D shard per
+    weight (ValueError otherwise)."""
+    entries = _primary_entries(model)
+    _check_masters(entries, masters)
+    return [(fp.sharded_param, tuple(_local_of(fp).shape)) for reg, (state, fp, *_) in entries]
 
 
 def as_sharded(t, param, local_shape):
@@ -575,8 +577,7 @@ def clip_master_grad_norm_(model: torch.nn.Module, masters: list, max_norm: floa
     """
     from torch.distributed.tensor import DTensor
 
-    shards = primary_shards(model)
-    _check_masters(_primary_entries(model), masters)
+    shards = primary_shards(model, masters)
     sharded = [as_sharded(m.grad, p, shape) for (p, shape), m in zip(shards, masters)
                if m.grad is not None]
     others = [p.grad for p in other_parameters if p.grad is not None]

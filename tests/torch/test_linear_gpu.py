@@ -101,9 +101,16 @@ M, K = {M}, {K}   # (512, 512): the per-signature hot path (_linear_plans) runs 
 model = convert_to_float8_block(torch.nn.Sequential(torch.nn.Linear(K, K, bias=False)))
 model.cuda()
 x = torch.randn(M, K, device="cuda", requires_grad=True)
-y = model(x)
-y.backward(torch.randn_like(y))
-assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+g = torch.randn(M, K, device="cuda")
+model(x).backward(g)
+got = x.grad.clone(), model[0].weight.grad.clone()
+assert got[0].abs().sum() > 0 and got[1].abs().sum() > 0
+# the same step with its backward pass on this thread gives the same bytes
+x.grad = model[0].weight.grad = None
+torch.autograd.set_multithreading_enabled(False)
+model(x).backward(g)
+torch.autograd.set_multithreading_enabled(True)
+assert torch.equal(x.grad, got[0]) and torch.equal(model[0].weight.grad, got[1])
 # 2. a quantize on a new thread whose allocations all come from torch's cache
 t = torch.randn(512, 512, device="cuda", dtype=torch.bfloat16)
 want = fb.quantize(t, fb.Block1D()).rowwise_data.clone()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import os
 import sys
 import time
@@ -89,6 +90,19 @@ def main(argv=None):
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
+    ok = run(args, cuda)
+    # The run's models, mesh and comm (and any reference cycles among them) are freed before
+    # the groups are torn down, and every rank is done with its collectives: a process group
+    # still alive at interpreter exit dies during finalization, where gloo's teardown can
+    # abort ("terminate called without an active exception" after PASSED)
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+def run(args, cuda):
+    """Build, run and check the TP + SP model on this rank; True if every rank's checks pass."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else \
         torch.device("cpu")
@@ -227,12 +241,7 @@ def main(argv=None):
         say(f"  {'ok  ' if all(r[what] for r in results) else 'FAIL'} {what:<32}"
             f"{details[what]}")
     say("checks: " + ("PASSED" if ok else "FAILED"))
-    # every rank done with its collectives before any tears its groups down (a rank exiting
-    # while gloo work of another is in flight aborted once: "terminate called without an
-    # active exception" after PASSED)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0 if ok else 1
+    return ok
 
 
 def _all_gather(t):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import os
 import sys
 import time
@@ -249,9 +250,12 @@ def main(argv=None):
         say(f"  {'ok  ' if ok else 'FAIL'} {what}")
     ok = all(checks.values())
     say("checks: " + ("PASSED" if ok else "FAILED"))
-    # every rank done with its collectives before any tears its groups down (a rank exiting
-    # while gloo work of another is in flight aborted once: "terminate called without an
-    # active exception" after PASSED)
+    # every rank done with its collectives, and the models (with any reference cycles among
+    # their FSDP2 hooks) freed, before any rank tears its groups down: a process group still
+    # alive at interpreter exit dies during finalization, where gloo's teardown can abort
+    # ("terminate called without an active exception" after PASSED)
+    del base
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1

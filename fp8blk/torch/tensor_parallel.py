@@ -47,6 +47,8 @@ Two ways in:
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -155,16 +157,20 @@ class _RowwiseSPFn(torch.autograd.Function):
         return dx, dw, dbias, None, None
 
 
-_COMMS = {}
+# id(group) -> TorchComm, held weakly: a module-level strong reference kept every group (and
+# its gloo/NCCL threads) alive until interpreter finalization, past destroy_process_group,
+# where gloo's teardown can abort. An entry's comm holds its group, so the id is not reused
+# while the entry exists
+_COMMS = weakref.WeakValueDictionary()
 
 
 def comm_for(mesh) -> TorchComm:
     """The one TorchComm of a 1-D mesh's process group (shared by every layer on it, so
-    ``comm_for(mesh).stats`` counts all their traffic)."""
+    ``comm_for(mesh).stats`` counts all their traffic), kept while a layer or caller holds it."""
     group = mesh.get_group()
-    comm = _COMMS.get(group)
+    comm = _COMMS.get(id(group))
     if comm is None:
-        comm = _COMMS[group] = TorchComm(group)
+        comm = _COMMS[id(group)] = TorchComm(group)
     return comm
 
 

@@ -7,7 +7,8 @@ what only depends on the signature worked out once (~160 Python calls per step):
 quantize launcher allocates its outputs directly in the dtype and strides the GEMM takes (FP8
 data as float8, scale buffers transposed: the same bytes as docs/layouts.md, seen another
 way), so a step is four quantize launches, three ``torch._scaled_mm`` calls and the autograd
-bookkeeping.
+bookkeeping. (Opt-in, not yet verified on a GPU: ``FP8BLK_CUBLASLT=1`` runs the GEMMs on
+cuBLASLt directly, ``_cublaslt.ScaledMM``, torch's algorithm found once per signature.)
 
 Signatures a plan serves (everything else takes the general path in ``functional.py``):
 plain CUDA tensors (x a ``torch.Tensor``, the weight a ``torch.Tensor`` or ``nn.Parameter``,
@@ -30,6 +31,7 @@ import torch
 from .. import _arrays
 from ..formats import MXFP8, Format
 from ..layout import cdiv
+from . import _cublaslt
 
 _F8 = {Format.E4M3: torch.float8_e4m3fn, Format.E5M2: torch.float8_e5m2}
 _HIGH = (torch.float32, torch.bfloat16, torch.float16)
@@ -67,7 +69,8 @@ class LinearPlan:
     ``(dx, dw)`` (None where not needed; `dy2d` C-contiguous). `saved` is x's columnwise FP8
     data and scales."""
 
-    __slots__ = ("qx", "qw", "qwt", "qdy", "out_dtype", "x_dtype", "w_dtype")
+    __slots__ = ("qx", "qw", "qwt", "qdy", "out_dtype", "x_dtype", "w_dtype", "mm_fwd",
+                 "mm_dgrad", "mm_wgrad")
 
     def __init__(self, x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad):
         (m, k), n = x2d.shape, weight.shape[0]
@@ -91,6 +94,15 @@ class LinearPlan:
             None, None, ((n, k), (1, n), fw), _scale_t(nt, kt)]) if need_dgrad else None
         self.qdy = None
         self.out_dtype, self.x_dtype, self.w_dtype = out_dtype, x2d.dtype, weight.dtype
+        # each GEMM on cuBLASLt directly where that is on and serves the signature (the same
+        # algorithm as torch._scaled_mm without its per-call algorithm search), else None:
+        # torch._scaled_mm
+        dev = x2d.device
+        self.mm_fwd = _cublaslt.make(m, n, k, fa, fw, "128x128", out_dtype, dev)
+        self.mm_dgrad = _cublaslt.make(m, k, n, fg, fw, "128x128", x2d.dtype, dev) \
+            if need_dgrad else None
+        self.mm_wgrad = _cublaslt.make(n, k, m, fg, fa, "1x128", weight.dtype, dev) \
+            if need_wgrad else None
         if need_dgrad or need_wgrad:
             dy = torch.empty((m, n), dtype=out_dtype, device=x2d.device)
             self.qdy = _launcher(dy, cfg.grad, need_dgrad, need_wgrad, [
@@ -102,7 +114,9 @@ class LinearPlan:
     def forward(self, x2d, weight):
         xd, xs, xtd, xts = self.qx(x2d, x2d.data_ptr())
         wd, ws = self.qw(weight, weight.data_ptr())[:2]
-        y = torch._scaled_mm(xd, wd, xs, ws, out_dtype=self.out_dtype)
+        mm = self.mm_fwd
+        y = mm(xd, wd, xs, ws) if mm is not None else \
+            torch._scaled_mm(xd, wd, xs, ws, out_dtype=self.out_dtype)
         return y, (xtd, xts)
 
     def backward(self, dy2d, xt_d, xt_s, weight, need_dgrad, need_wgrad):
@@ -114,9 +128,13 @@ class LinearPlan:
         gd, gs, gtd, gts = self.qdy(dy2d, dy2d.data_ptr())
         if need_dgrad:
             wtd, wts = self.qwt(weight, weight.data_ptr())[2:]
-            dx = torch._scaled_mm(gd, wtd, gs, wts, out_dtype=self.x_dtype)
+            mm = self.mm_dgrad
+            dx = mm(gd, wtd, gs, wts) if mm is not None else \
+                torch._scaled_mm(gd, wtd, gs, wts, out_dtype=self.x_dtype)
         if need_wgrad:
-            dw = torch._scaled_mm(gtd, xt_d, gts, xt_s, out_dtype=self.w_dtype)
+            mm = self.mm_wgrad
+            dw = mm(gtd, xt_d, gts, xt_s) if mm is not None else \
+                torch._scaled_mm(gtd, xt_d, gts, xt_s, out_dtype=self.w_dtype)
         return dx, dw
 
 

@@ -1,0 +1,90 @@
+"""fp8blk/torch/_cublaslt.py: the Linear's GEMMs on cuBLASLt directly (off by default until
+these GPU tests pass: the module docstring says why; each test turns it on).
+
+On the GPU each signature's ScaledMM gives ``torch._scaled_mm``'s bytes exactly (the same
+cuBLASLt algorithm on the same operands), on operands whose scales differ block by block (a
+scale or layout mix-up changes the output), on the current stream. On the CPU (CI): where it
+cannot serve -- no libcublasLt loaded, turned off, an output dtype other than bf16 --
+``make`` returns None, so the caller keeps ``torch._scaled_mm``."""
+import pytest
+import torch
+
+from fp8blk.torch import _cublaslt
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _operands(m, n, k, a_dtype, b_dtype, b_blocks, gen):
+    """FP8 operands and scales in the layouts torch._scaled_mm takes (module docstring)."""
+    def fp8(rows, cols, dtype):
+        vals = torch.randn(rows, cols, generator=gen) * 100
+        return vals.clamp(-400, 400).to(dtype).cuda()
+
+    def scales(*shape):
+        exp = torch.randint(-12, 12, shape, generator=gen).float()
+        return (torch.exp2(exp) * (1 + 0.5 * torch.rand(shape, generator=gen))).cuda()
+
+    a = fp8(m, k, a_dtype)
+    b = fp8(n, k, b_dtype).t()                          # (k, n) column-major
+    scale_a = scales(k // 128, m).t()                   # (m, k/128), strides (1, m)
+    if b_blocks == "128x128":
+        scale_b = scales(n // 128, k // 128).t()        # (k/128, n/128), strides (1, k/128)
+    else:
+        scale_b = scales(k // 128, n)                   # (k/128, n) contiguous
+    return a, b, scale_a, scale_b
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(512, 512, 512), (1024, 1536, 2048), (512, 1536, 1024)])
+@pytest.mark.parametrize("b_blocks", ["128x128", "1x128"])
+@pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E5M2, E4M3)])
+def test_equals_torch_scaled_mm(m, n, k, b_blocks, dtypes, rng, monkeypatch):
+    monkeypatch.setattr(_cublaslt, "enabled", True)
+    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+    mm = _cublaslt.make(m, n, k, *dtypes, b_blocks, torch.bfloat16, torch.device("cuda", 0))
+    assert mm is not None, f"cuBLASLt did not serve the signature: {_cublaslt.refusals}"
+    for _ in range(2):                      # the same descriptor, new operands and scales
+        a, b, sa, sb = _operands(m, n, k, *dtypes, b_blocks, gen)
+        want = torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
+        got = mm(a, b, sa, sb)
+        assert got.shape == want.shape == (m, n) and got.is_contiguous()
+        assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+
+
+@pytest.mark.gpu
+def test_runs_on_the_current_stream(rng, monkeypatch):
+    monkeypatch.setattr(_cublaslt, "enabled", True)
+    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+    m = n = k = 1024
+    mm = _cublaslt.make(m, n, k, E4M3, E4M3, "128x128", torch.bfloat16,
+                        torch.device("cuda", 0))
+    assert mm is not None, _cublaslt.refusals
+    a, b, sa, sb = _operands(m, n, k, E4M3, E4M3, "128x128", gen)
+    want = torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(20_000_000)       # the GEMM must wait for this, in stream order
+        got = mm(a, b, sa, sb)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(got, want)
+
+
+def test_signatures_it_does_not_serve(monkeypatch):
+    monkeypatch.setattr(_cublaslt, "enabled", True)
+    dev = torch.device("cuda", 0)
+    assert _cublaslt.make(512, 512, 512, E4M3, E4M3, "128x128", torch.float32, dev) is None
+    assert _cublaslt.make(512, 512, 512, E4M3, E4M3, "1x32", torch.bfloat16, dev) is None
+    assert _cublaslt.make(512, 512, 500, E4M3, E4M3, "1x128", torch.bfloat16, dev) is None
+    assert _cublaslt.make(512, 512, 512, torch.uint8, E4M3, "1x128", torch.bfloat16,
+                          dev) is None
+    monkeypatch.setattr(_cublaslt, "enabled", False)
+    assert _cublaslt.make(512, 512, 512, E4M3, E4M3, "128x128", torch.bfloat16, dev) is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_none_without_cublaslt(monkeypatch):
+    """torch without CUDA loads no libcublasLt: the Linear keeps torch's path."""
+    monkeypatch.setattr(_cublaslt, "enabled", True)
+    assert _cublaslt.make(512, 512, 512, E4M3, E4M3, "128x128", torch.bfloat16,
+                          torch.device("cuda", 0)) is None

@@ -13,10 +13,14 @@
    around back-to-back iterations (median of repeats, the cases' repeats interleaved so that
    clock drift falls on all of them alike). Host time: wall time to issue one
    iteration of the same shape while the GPU is held by a sleep kernel queued first (so the
-   launch queue never fills: the host alone; median of 9 x 10 iterations).
+   launch queue never fills: the host alone; median of 9 x 10 iterations). GPU time alone:
+   the same steps with a GPU sleep queued before each sample, so the host has issued them all
+   before the GPU starts (the step's time without host gaps: what bounds the back-to-back
+   figure when the host keeps up).
    Targets: >= 1.5x bf16 at the two large shapes, >= 1.2x at the small one, faster than torchao.
-3. Breakdown per shape: the three GEMMs alone (blockwise_scaled_mm on prequantized operands),
-   the quantize kernels alone (x row+col, W row, dY row+col, W transpose), and the rest.
+3. Breakdown per shape, timed like the GPU time alone and interleaved with it: the three GEMMs
+   alone (blockwise_scaled_mm on prequantized operands), the quantize kernels alone (x
+   row+col, W row, dY row+col, W col), bf16's three GEMMs, and the rest.
 4. Forward peak memory (max_memory_allocated during forward, above the start) and the bytes
    saved for backward, against bf16 nn.Linear, for the layer alone and for stacks of four and
    eight square (in -> in) layers (saved tensors add up across layers, transients do not).
@@ -67,11 +71,31 @@ def gpu_ms(fn, inner=10, repeats=7, warmup=3):
     return statistics.median(samples)
 
 
-def interleaved_ms(fns, inner=10, repeats=7, warmup=3):
+_sleep_cycles_per_ms = []
+
+
+def sleep_ms(ms):
+    """Queue a GPU sleep kernel of about `ms` milliseconds (its cycles per ms measured once)."""
+    if not _sleep_cycles_per_ms:
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(20_000_000)
+        stop.record()
+        stop.synchronize()
+        _sleep_cycles_per_ms.append(20_000_000 / start.elapsed_time(stop))
+    torch.cuda._sleep(int(ms * _sleep_cycles_per_ms[0]))
+
+
+def interleaved_ms(fns, inner=10, repeats=7, warmup=3, prefill_ms=None):
     """{name: median ms per call} of several callables timed like :func:`gpu_ms`, one repeat
     of each in turn (the order rotated per round): FP8 and bf16 GEMMs are power bound and the
     GPU's clocks drift over a run, so timing the cases one after the other biases their
-    ratios by a few percent."""
+    ratios by a few percent.
+
+    `prefill_ms`: a GPU sleep of that many ms is queued before each sample's start event, so
+    the host issues all `inner` calls while the GPU sleeps and the sample times the GPU work
+    alone (no host gaps; the sleep must outlast the issuing: the caller sizes it)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -82,6 +106,8 @@ def interleaved_ms(fns, inner=10, repeats=7, warmup=3):
         for name in names[r % len(names):] + names[:r % len(names)]:
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
                 enable_timing=True)
+            if prefill_ms:
+                sleep_ms(prefill_ms)
             start.record()
             for _ in range(inner):
                 fns[name]()
@@ -163,8 +189,10 @@ def accuracy(width, tokens=8192):
                              zip(("output", "input_grad", "weight_grad"), exact, out["ref"])}}
 
 
-def breakdown(m, k, n):
-    """GPU ms of the three GEMMs alone and of the quantize kernels alone."""
+def breakdown_fns(m, k, n):
+    """{name: callable} of the pieces of a step, timed beside the steps: the three GEMMs
+    alone on prequantized operands, the four quantize kernels alone (x row+col, W row, dY
+    row+col, W col: what a planned step launches), bf16's three GEMMs."""
     cfg = Float8BlockConfig()
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
     w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
@@ -182,16 +210,15 @@ def breakdown(m, k, n):
 
     def quants():
         quantize_buffers(x, cfg.activation, True, True)
-        q = quantize_buffers(w, cfg.weight, True, False)
+        quantize_buffers(w, cfg.weight, True, False)
         quantize_buffers(dy, cfg.grad, True, True)
-        block2d_columnwise(q[0], q[1], cfg.weight)
+        quantize_buffers(w, cfg.weight, False, True)
 
     def bf16_gemms():
         x @ w.t()
         dy @ w
         dy.t() @ x
-    return {"gemms_ms": gpu_ms(gemms), "quantize_ms": gpu_ms(quants),
-            "bf16_gemms_ms": gpu_ms(bf16_gemms)}
+    return {"gemms": gemms, "quantize": quants, "bf16_gemms": bf16_gemms}
 
 
 def memory(layer, x):
@@ -260,16 +287,24 @@ def speed(m, k, n, quick, speed_only=False, inner=None):
         except Exception as err:  # noqa: BLE001  (a peer failing must not hide our numbers)
             case["errors"][name] = f"{type(err).__name__}: {err}"
             steps.pop(name, None)
-    case["inner"] = inner or (3 if quick else 10)
-    case["gpu_ms"] = interleaved_ms(steps, inner=case["inner"])
+    case["inner"] = inner = inner or (3 if quick else 10)
+    case["gpu_ms"] = interleaved_ms(steps, inner=inner)
     t = case["gpu_ms"]
     case["speedup_vs_bf16"] = t["bf16"] / t["fp8blk"] if "fp8blk" in t else None
     case["target_vs_bf16"] = TARGETS[(m, k, n)]
     case["speedup_vs_torchao"] = {p: t[p] / t["fp8blk"] for p in t if p.startswith("torchao")}
+    # the same steps with the GPU queue filled first (the GPU work alone: what the step would
+    # take with no host gaps), beside the pieces of a step, all interleaved
+    pieces = breakdown_fns(m, k, n)
+    prefill = 2 + 1.5 * inner * max(case["host_us"].values()) / 1000
+    alone = interleaved_ms({**steps, **pieces}, inner=inner, prefill_ms=prefill)
+    case["gpu_alone_ms"] = {p: alone[p] for p in steps}
+    case["gpu_alone_speedup_vs_bf16"] = (alone["bf16"] / alone["fp8blk"]
+                                         if "fp8blk" in alone else None)
+    case["prefill_ms"] = prefill
     case["stack_memory"] = [] if speed_only else [stack_memory(m, k, depth) for depth in (4, 8)]
-    case["breakdown"] = breakdown(m, k, n)
-    case["breakdown"]["other_ms"] = t.get("fp8blk", 0) - case["breakdown"]["gemms_ms"] \
-        - case["breakdown"]["quantize_ms"]
+    case["breakdown"] = {f"{p}_ms": alone[p] for p in pieces}
+    case["breakdown"]["other_ms"] = alone.get("fp8blk", 0) - alone["gemms"] - alone["quantize"]
     flops = 6 * m * k * n
     case["tflops"] = {p: flops / (ms * 1e-3) / 1e12 for p, ms in t.items()}
     return case
@@ -330,8 +365,10 @@ def main():
         peers = " ".join(f"{p} {ms:.3f}" for p, ms in t.items())
         ao = " ".join(f"x{v:.2f} vs {p}" for p, v in c["speedup_vs_torchao"].items())
         b = c["breakdown"]
+        alone = " ".join(f"{p} {ms:.3f}" for p, ms in c["gpu_alone_ms"].items())
         print(f"({c['tokens']}, {c['in']}, {c['out']}) ms: {peers} | x{c['speedup_vs_bf16']:.2f} "
-              f"vs bf16 (target {c['target_vs_bf16']}) {ao} | gemms {b['gemms_ms']:.3f} "
+              f"vs bf16 (target {c['target_vs_bf16']}) {ao} | GPU alone (queue filled first) "
+              f"{alone} x{c['gpu_alone_speedup_vs_bf16']:.2f} | gemms {b['gemms_ms']:.3f} "
               f"quant {b['quantize_ms']:.3f} other {b['other_ms']:.3f} (bf16 gemms "
               f"{b['bf16_gemms_ms']:.3f}) | host us {c['host_us']} | fwd peak "
               f"{c['fwd_peak_bytes']} saved {c['saved_bytes']} | stack fwd peak "

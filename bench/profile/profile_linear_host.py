@@ -1,11 +1,12 @@
 """Where the host time of a Float8BlockLinear forward+backward goes (issue 13). Per shape:
-host us per fwd+bwd of bf16 nn.Linear and of Float8BlockLinear on its per-signature plan and
-on its general path (``_linear_plans.plan_for`` patched to None), each with autograd's
-multithreading on (the default: the backward half runs on autograd's device thread) and off
-(it runs on the calling thread); then the host us of each piece of a planned step (quantize
-launcher, ``torch._scaled_mm``, ``torch.empty_strided``) and a cProfile of the planned step.
-Host time is measured while a sleep kernel queued first holds the GPU, so the launch queue
-never fills (median of 9 x 10 steps).
+host us per fwd+bwd of bf16 nn.Linear and of Float8BlockLinear on its per-signature plan (as
+configured, and with its GEMMs on cuBLASLt directly: ``_cublaslt``) and on its general path
+(``_linear_plans.plan_for`` patched to None), each with autograd's multithreading on (the
+default: the backward half runs on autograd's device thread) and off (it runs on the calling
+thread); then the host us of each piece of a planned step (quantize launcher,
+``torch._scaled_mm`` / cuBLASLt ``ScaledMM``, ``torch.empty_strided``) and a cProfile of the
+planned step. Host time is measured while a sleep kernel queued first holds the GPU, so the
+launch queue never fills (median of 9 x 10 steps).
 
     python3 bench/profile/profile_linear_host.py [--shapes 8192x4096x4096,256x8192x8192]
 """
@@ -24,7 +25,7 @@ BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, BENCH)               # bench_linear (which puts the repository on the path)
 from bench_linear import host_us  # noqa: E402  (the benchmark's own host timing)
 
-from fp8blk.torch import Float8BlockLinear, _linear_plans  # noqa: E402
+from fp8blk.torch import Float8BlockLinear, _cublaslt, _linear_plans  # noqa: E402
 
 
 def pieces(step):
@@ -46,6 +47,7 @@ def pieces(step):
         setattr(obj, name, timed)
 
     wrap(torch, "_scaled_mm", "torch._scaled_mm")
+    wrap(_cublaslt.ScaledMM, "__call__", "cuBLASLt ScaledMM (allocation + call)")
     wrap(kq._TorchCall, "__call__", "quantize launcher (allocations + launch)")
     _linear_plans.plans.clear()      # new plans take the wrapped torch.empty_strided
     wrap(torch, "empty_strided", "torch.empty_strided")
@@ -82,6 +84,14 @@ def main():
         for mt in (True, False):
             torch.autograd.set_multithreading_enabled(mt)
             row = {"bf16": host_us(step_of(bf16)), "fp8blk plan": host_us(step_of(fp8))}
+            default = _cublaslt.enabled         # the plan's GEMMs on cuBLASLt directly
+            _cublaslt.enabled = True
+            _linear_plans.plans.clear()
+            row["fp8blk plan, cuBLASLt direct"] = host_us(step_of(fp8))
+            if len(_cublaslt.refusals):
+                print(f"   cuBLASLt refused: {_cublaslt.refusals}")
+            _cublaslt.enabled = default
+            _linear_plans.plans.clear()
             _linear_plans.plan_for = lambda *a: None
             try:
                 row["fp8blk general path"] = host_us(step_of(fp8))

@@ -17,9 +17,9 @@ multiples of 512 (no GEMM needs padding: torch's blockwise kernel wants K-block 
 multiples of 4, docs/torch.md), 16-byte aligned operands, float32/bfloat16/float16. The bytes
 are the general path's: the same kernels on the same inputs, the same GEMMs on the same bytes
 (tests/torch/test_linear_plans.py compares them on the GPU). Host time per (8192, 4096, 4096)
-bf16 fwd+bwd on the H200: 815 us against 990 on the general path; most of either is autograd
-running the backward half on its device thread, on another CPU core than the caller's (294
-against 379 us with autograd's multithreading off; bench/README.md).
+bf16 fwd+bwd on the H200: 540-815 us against 920-990 on the general path, as the host's
+speed moves (with autograd's multithreading off, so no handoff to its device thread: 294-513
+against 379-677 us; bench/README.md).
 
 Plans are keyed by the signature (:func:`plan_for`); :data:`plans` is emptied when it grows
 past 1024 entries.

@@ -43,7 +43,6 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-import fp8blk as fb  # noqa: E402
 from fp8blk.torch import Float8BlockLinear, blockwise_scaled_mm  # noqa: E402
 from fp8blk.torch import Float8BlockConfig, convert_to_float8_block  # noqa: E402
 from fp8blk.torch import functional as fl  # noqa: E402
@@ -54,21 +53,26 @@ TARGETS = {SHAPES[0]: 1.5, SHAPES[1]: 1.5, SHAPES[2]: 1.2}
 DEV = "cuda"
 
 
+def sample_ms(fn, inner, prefill_ms=None):
+    """ms per call of one sample: `inner` back-to-back calls between CUDA events, behind a GPU
+    sleep of `prefill_ms` (see :func:`interleaved_ms`) when given."""
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if prefill_ms:
+        sleep_ms(prefill_ms)
+    start.record()
+    for _ in range(inner):
+        fn()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) / inner
+
+
 def gpu_ms(fn, inner=10, repeats=7, warmup=3):
     """Median ms per call over `repeats` runs of `inner` back-to-back calls (CUDA events)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            fn()
-        stop.record()
-        stop.synchronize()
-        samples.append(start.elapsed_time(stop) / inner)
-    return statistics.median(samples)
+    return statistics.median(sample_ms(fn, inner) for _ in range(repeats))
 
 
 _sleep_cycles_per_ms = []
@@ -104,16 +108,7 @@ def interleaved_ms(fns, inner=10, repeats=7, warmup=3, prefill_ms=None):
     samples = {n: [] for n in names}
     for r in range(repeats):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                enable_timing=True)
-            if prefill_ms:
-                sleep_ms(prefill_ms)
-            start.record()
-            for _ in range(inner):
-                fns[name]()
-            stop.record()
-            stop.synchronize()
-            samples[name].append(start.elapsed_time(stop) / inner)
+            samples[name].append(sample_ms(fns[name], inner, prefill_ms))
     return {n: statistics.median(v) for n, v in samples.items()}
 
 

@@ -25,7 +25,7 @@ import torch
 
 BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, BENCH)
-from bench_linear import fwd_bwd, host_us, sleep_ms  # noqa: E402
+from bench_linear import fwd_bwd, host_us, sample_ms  # noqa: E402
 
 from fp8blk.torch import Float8BlockLinear  # noqa: E402
 
@@ -56,14 +56,7 @@ def prefilled(step, seconds, inner, fill):
     t0 = time.time()
     times = []
     while time.time() - t0 < seconds:
-        sleep_ms(fill)
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            step()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / inner)
+        times.append(sample_ms(step, inner, fill))
     return (statistics.median(times) if times else float("nan")), (t0, time.time())
 
 

@@ -45,7 +45,7 @@ import torch  # noqa: E402
 
 from fp8blk.torch import Float8BlockLinear, blockwise_scaled_mm  # noqa: E402
 from fp8blk.torch import Float8BlockConfig, convert_to_float8_block  # noqa: E402
-from fp8blk.torch import functional as fl  # noqa: E402
+from fp8blk.torch import _cublaslt, functional as fl  # noqa: E402
 from fp8blk.torch.quantize_ops import block2d_columnwise, quantize_buffers  # noqa: E402
 
 SHAPES = [(16384, 8192, 8192), (16384, 4096, 14336), (8192, 4096, 4096)]
@@ -347,6 +347,7 @@ def main():
                           "torch": torch.__version__, "python": platform.python_version()},
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "command": " ".join([sys.executable] + sys.argv),
+              "cublaslt_gemms": _cublaslt.enabled,   # the plan's GEMMs (FP8BLK_CUBLASLT)
               "accuracy": [] if args.speed_only else [accuracy(w) for w in (4096, 8192)],
               "speed": [speed(*s, args.quick, args.speed_only, args.inner) for s in shapes],
               "compile": {} if args.speed_only else compile_check()}
@@ -371,6 +372,8 @@ def main():
               f"{c['errors']} "
               f"{c['torchao_error'] or ''}")
     print("compile:", result["compile"])
+    print("plan GEMMs on", "cuBLASLt directly" if _cublaslt.enabled else "torch._scaled_mm",
+          f"(cuBLASLt refusals: {list(_cublaslt.refusals)})")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

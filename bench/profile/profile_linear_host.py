@@ -1,6 +1,7 @@
 """Where the host time of a Float8BlockLinear forward+backward goes (issue 13). Per shape:
-host us per fwd+bwd of bf16 nn.Linear and of Float8BlockLinear on its per-signature plan (as
-configured, and with its GEMMs on cuBLASLt directly: ``_cublaslt``) and on its general path
+host us per fwd+bwd of bf16 nn.Linear and of Float8BlockLinear on its per-signature plan (its
+GEMMs on cuBLASLt directly, ``_cublaslt``, the default, and on ``torch._scaled_mm``) and on
+its general path
 (``_linear_plans.plan_for`` patched to None), each with autograd's multithreading on (the
 default: the backward half runs on autograd's device thread) and off (it runs on the calling
 thread); then the host us of each piece of a planned step (quantize launcher,
@@ -83,14 +84,15 @@ def main():
         plan_for = _linear_plans.plan_for
         for mt in (True, False):
             torch.autograd.set_multithreading_enabled(mt)
-            row = {"bf16": host_us(step_of(bf16)), "fp8blk plan": host_us(step_of(fp8))}
-            default = _cublaslt.enabled         # the plan's GEMMs on cuBLASLt directly
-            _cublaslt.enabled = True
-            _linear_plans.plans.clear()
-            row["fp8blk plan, cuBLASLt direct"] = host_us(step_of(fp8))
+            row = {"bf16": host_us(step_of(bf16))}
+            default = _cublaslt.enabled
+            for lt, label in ((True, "cuBLASLt"), (False, "torch._scaled_mm")):
+                _cublaslt.enabled = lt          # new plans take it
+                _linear_plans.plans.clear()
+                row[f"fp8blk plan, {label}"] = host_us(step_of(fp8))
+            _cublaslt.enabled = default
             if len(_cublaslt.refusals):
                 print(f"   cuBLASLt refused: {_cublaslt.refusals}")
-            _cublaslt.enabled = default
             _linear_plans.plans.clear()
             _linear_plans.plan_for = lambda *a: None
             try:

@@ -10,17 +10,15 @@ torch's current stream. tests/torch/test_cublaslt.py compares the outputs with
 ``torch._scaled_mm`` byte for byte on the GPU.
 
 Served (everything else: :func:`make` returns None and the caller keeps ``torch._scaled_mm``):
-bf16 output; E4M3/E5M2 operands; a with 1x128 scales; b with 128x128 or 1x128 scales; an
-algorithm that needs no workspace (so no workspace is ever allocated or shared between
-streams); the libcublasLt that torch itself loaded.
+bf16 output; E4M3/E5M2 operands; a with 1x128 scales; b with 128x128 or 1x128 scales; the
+libcublasLt that torch itself loaded, version 12.9 or later (the first with block scaling).
+Algorithms that need a workspace (the H200 picks one of 4 bytes for the 8192-token GEMMs) get
+one per (device, stream), grown to the largest asked and used on that stream only, so two
+streams never share one.
 
-Status: OFF by default (``FP8BLK_CUBLASLT=1`` in the environment, or :data:`enabled` set True,
-turns it on for signatures planned after that). Its first GPU run (2026-12-01) refused every
-signature: ``cublasLtMatmulAlgoGetHeuristic`` returned status 7 (invalid value) while the
-descriptor's scale pointers were still null -- the probe, which set real pointers first, got
-an algorithm. :func:`make` now sets placeholder pointers before the query; that fix and the
-byte comparison with ``torch._scaled_mm`` (tests/torch/test_cublaslt.py) have not run on a GPU
-yet. Turn it on by default once they pass.
+On by default; ``FP8BLK_CUBLASLT=0`` in the environment, or :data:`enabled` set False, turns
+it off for signatures planned after that (the plan then calls ``torch._scaled_mm``).
+:data:`refusals` keeps the last few reasons :func:`make` declined a signature it takes.
 
 Operands as ``torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.bfloat16)`` takes them
 (fp8blk/torch/scaled_mm.py): a (M, K) row-major; b (K, N) column-major; scale_a (M, K/128)
@@ -37,8 +35,7 @@ import threading
 
 import torch
 
-# off by default until its GPU tests have passed (see the module docstring)
-enabled = os.environ.get("FP8BLK_CUBLASLT", "0") == "1"
+enabled = os.environ.get("FP8BLK_CUBLASLT", "1") != "0"
 
 # cublasLt.h / cublas_api.h / library_types.h (CUDA 13; the values the probe read from the
 # headers of torch's nvidia wheel, bench/results/cublaslt-algos-h200-2026-12-01.log)
@@ -65,6 +62,8 @@ class _HeuristicResult(C.Structure):
 _lib = []          # [the bound library] once found, [None] when it cannot be
 refusals = []      # why make() returned None for a signature it takes (the last few)
 _handles = {}      # device index -> cublasLtHandle_t (an int)
+_workspaces = {}   # (device index, raw stream) -> uint8 tensor allocated on that stream
+_MIN_VERSION = 120900
 _lock = threading.Lock()
 
 
@@ -113,6 +112,9 @@ def _library(device):
             _VP, _VP, _VP, _VP, _VP, _VP, _VP, C.c_int, C.POINTER(_HeuristicResult),
             C.POINTER(C.c_int)]
         lib.cublasLtMatmul.argtypes = [_VP] * 14 + [C.c_size_t, _VP]
+        lib.cublasLtGetVersion.restype = C.c_size_t
+        if lib.cublasLtGetVersion() < _MIN_VERSION:
+            lib = None
     _lib.append(lib)
     return lib
 
@@ -152,9 +154,9 @@ class ScaledMM:
     Descriptors live as long as the process (one set per signature, a few hundred bytes)."""
 
     __slots__ = ("m", "n", "device", "index", "lib", "handle", "desc", "layouts", "keep",
-                 "addrs", "slots", "lock", "empty", "stream", "current")
+                 "addrs", "slots", "lock", "empty", "stream", "current", "ws_size")
 
-    def __init__(self, lib, handle, desc, layouts, algo, m, n, device):
+    def __init__(self, lib, handle, desc, layouts, algo, ws_size, m, n, device):
         self.lib, self.handle, self.desc, self.layouts = lib, handle, desc, layouts
         self.m, self.n, self.device, self.index = m, n, device, device.index
         # host memory cuBLASLt reads by address: a pointer-sized slot per scale pointer
@@ -167,6 +169,18 @@ class ScaledMM:
         self.empty = torch.empty_strided
         self.stream = torch._C._cuda_getCurrentRawStream
         self.current = torch._C._cuda_getDevice
+        self.ws_size = ws_size
+
+    def _workspace(self, stream):
+        """This stream's workspace (uint8, at least ws_size bytes). Allocated while `stream` is
+        current, so when a larger one replaces it the caching allocator reuses its memory in
+        that stream's order; the caller holds it until its GEMM is queued."""
+        key = (self.index, stream)
+        ws = _workspaces.get(key)
+        if ws is None or ws.numel() < self.ws_size:
+            ws = _workspaces[key] = torch.empty(self.ws_size, dtype=torch.uint8,
+                                                device=self.device)
+        return ws
 
     def __call__(self, a, b, scale_a, scale_b):
         if self.current() != self.index:     # as torch's ops: run with the tensors' device
@@ -179,6 +193,8 @@ class ScaledMM:
         p_a, p_b, p_alpha, p_beta, p_algo = self.addrs
         d = out.data_ptr()
         stream = self.stream(self.index)
+        ws = self._workspace(stream) if self.ws_size else None
+        w_ptr, w_size = (ws.data_ptr(), ws.numel()) if self.ws_size else (None, 0)
         set_attr = lib.cublasLtMatmulDescSetAttribute
         # the scale pointers are attributes of the shared descriptor: set and run as one
         with self.lock:
@@ -186,8 +202,8 @@ class ScaledMM:
             set_attr(desc, _DESC_A_SCALE_POINTER, p_a, 8)
             set_attr(desc, _DESC_B_SCALE_POINTER, p_b, 8)
             status = lib.cublasLtMatmul(self.handle, desc, p_alpha, b.data_ptr(), la,
-                                        a.data_ptr(), lb, p_beta, d, lc, d, lc, p_algo, None, 0,
-                                        stream)
+                                        a.data_ptr(), lb, p_beta, d, lc, d, lc, p_algo, w_ptr,
+                                        w_size, stream)
         if status != 0:
             raise RuntimeError(f"cublasLtMatmul failed with status {status} (out {self.m} x "
                                f"{self.n} on cuda:{self.index})")
@@ -243,9 +259,9 @@ def _make(m, n, k, a_dtype, b_dtype, b_blocks, device):
         status = lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, la, lb, lc, lc, pref, 1,
                                                     C.byref(result), C.byref(count))
         lib.cublasLtMatmulPreferenceDestroy(pref)
-    if status != 0 or count.value < 1 or result.state != 0 or result.workspace_size != 0:
+    if status != 0 or count.value < 1 or result.state != 0:
         _refuse(f"heuristic: status {status}, {count.value} algorithms, state {result.state}, "
                 f"workspace {result.workspace_size} bytes")
         return None
     algo = (C.c_uint64 * 8)(*result.algo)
-    return ScaledMM(lib, handle, desc, layouts, algo, m, n, device)
+    return ScaledMM(lib, handle, desc, layouts, algo, result.workspace_size, m, n, device)

@@ -6,9 +6,10 @@ GEMM layouts: ~420 Python calls per forward+backward. A plan does the same arith
 what only depends on the signature worked out once (~160 Python calls per step): each
 quantize launcher allocates its outputs directly in the dtype and strides the GEMM takes (FP8
 data as float8, scale buffers transposed: the same bytes as docs/layouts.md, seen another
-way), so a step is four quantize launches, three ``torch._scaled_mm`` calls and the autograd
-bookkeeping. (Opt-in, not yet verified on a GPU: ``FP8BLK_CUBLASLT=1`` runs the GEMMs on
-cuBLASLt directly, ``_cublaslt.ScaledMM``, torch's algorithm found once per signature.)
+way), so a step is four quantize launches, three GEMM calls and the autograd bookkeeping. The GEMMs
+run on cuBLASLt directly (``_cublaslt.ScaledMM``: torch's algorithm, found once per signature)
+where it serves the signature, else on ``torch._scaled_mm``; ``FP8BLK_CUBLASLT=0`` keeps them
+on ``torch._scaled_mm``.
 
 Signatures a plan serves (everything else takes the general path in ``functional.py``):
 plain CUDA tensors (x a ``torch.Tensor``, the weight a ``torch.Tensor`` or ``nn.Parameter``,
@@ -17,9 +18,9 @@ multiples of 512 (no GEMM needs padding: torch's blockwise kernel wants K-block 
 multiples of 4, docs/torch.md), 16-byte aligned operands, float32/bfloat16/float16. The bytes
 are the general path's: the same kernels on the same inputs, the same GEMMs on the same bytes
 (tests/torch/test_linear_plans.py compares them on the GPU). Host time per (8192, 4096, 4096)
-bf16 fwd+bwd on the H200: 540-815 us against 920-990 on the general path, as the host's
-speed moves (with autograd's multithreading off, so no handoff to its device thread: 294-513
-against 379-677 us; bench/README.md).
+bf16 fwd+bwd on the H200: 540-815 us against 920-1010 on the general path, as the host's
+speed moves (with autograd's multithreading off, so no handoff to its device thread: 294-545
+against 379-922 us; bench/README.md).
 
 Plans are keyed by the signature (:func:`plan_for`); :data:`plans` is emptied when it grows
 past 1024 entries.

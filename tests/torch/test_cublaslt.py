@@ -1,5 +1,5 @@
-"""fp8blk/torch/_cublaslt.py: the Linear's GEMMs on cuBLASLt directly (off by default until
-these GPU tests pass: the module docstring says why; each test turns it on).
+"""fp8blk/torch/_cublaslt.py: the Linear's GEMMs on cuBLASLt directly (on by default; each
+test sets it on or off itself).
 
 On the GPU each signature's ScaledMM gives ``torch._scaled_mm``'s bytes exactly (the same
 cuBLASLt algorithm on the same operands), on operands whose scales differ block by block (a
@@ -15,14 +15,15 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
 def _operands(m, n, k, a_dtype, b_dtype, b_blocks, gen):
-    """FP8 operands and scales in the layouts torch._scaled_mm takes (module docstring)."""
+    """FP8 operands and scales in the layouts torch._scaled_mm takes (module docstring);
+    `gen` a CUDA generator."""
     def fp8(rows, cols, dtype):
-        vals = torch.randn(rows, cols, generator=gen) * 100
-        return vals.clamp(-400, 400).to(dtype).cuda()
+        vals = torch.randn(rows, cols, generator=gen, device="cuda") * 100
+        return vals.clamp(-400, 400).to(dtype)
 
     def scales(*shape):
-        exp = torch.randint(-12, 12, shape, generator=gen).float()
-        return (torch.exp2(exp) * (1 + 0.5 * torch.rand(shape, generator=gen))).cuda()
+        exp = torch.randint(-12, 12, shape, generator=gen, device="cuda").float()
+        return torch.exp2(exp) * (1 + 0.5 * torch.rand(shape, generator=gen, device="cuda"))
 
     a = fp8(m, k, a_dtype)
     b = fp8(n, k, b_dtype).t()                          # (k, n) column-major
@@ -34,13 +35,24 @@ def _operands(m, n, k, a_dtype, b_dtype, b_blocks, gen):
     return a, b, scale_a, scale_b
 
 
+def _cuda_gen(rng):
+    return torch.Generator(device="cuda").manual_seed(int(rng.integers(2 ** 31)))
+
+
+# the benchmark's 8192-token GEMMs (forward/dgrad 128x128, wgrad 1x128): on the H200 cuBLASLt
+# picks algorithms for them that need a workspace
+BENCH = [(8192, 4096, 4096, "128x128"), (4096, 4096, 8192, "1x128"),
+         (16384, 14336, 4096, "128x128"), (4096, 14336, 16384, "1x128")]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(512, 512, 512), (1024, 1536, 2048), (512, 1536, 1024)])
-@pytest.mark.parametrize("b_blocks", ["128x128", "1x128"])
+@pytest.mark.parametrize("m,n,k,b_blocks", [
+    (m, n, k, b) for m, n, k in [(512, 512, 512), (1024, 1536, 2048), (512, 1536, 1024)]
+    for b in ("128x128", "1x128")] + BENCH)
 @pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E5M2, E4M3)])
 def test_equals_torch_scaled_mm(m, n, k, b_blocks, dtypes, rng, monkeypatch):
     monkeypatch.setattr(_cublaslt, "enabled", True)
-    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+    gen = _cuda_gen(rng)
     mm = _cublaslt.make(m, n, k, *dtypes, b_blocks, torch.bfloat16, torch.device("cuda", 0))
     assert mm is not None, f"cuBLASLt did not serve the signature: {_cublaslt.refusals}"
     for _ in range(2):                      # the same descriptor, new operands and scales
@@ -52,10 +64,11 @@ def test_equals_torch_scaled_mm(m, n, k, b_blocks, dtypes, rng, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_runs_on_the_current_stream(rng, monkeypatch):
+@pytest.mark.parametrize("m,n,k", [(1024, 1024, 1024), (8192, 4096, 4096)])
+def test_runs_on_the_current_stream(m, n, k, rng, monkeypatch):
+    """Also on a side stream with its own workspace (the 8192-token GEMM needs one)."""
     monkeypatch.setattr(_cublaslt, "enabled", True)
-    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
-    m = n = k = 1024
+    gen = _cuda_gen(rng)
     mm = _cublaslt.make(m, n, k, E4M3, E4M3, "128x128", torch.bfloat16,
                         torch.device("cuda", 0))
     assert mm is not None, _cublaslt.refusals
@@ -68,6 +81,40 @@ def test_runs_on_the_current_stream(rng, monkeypatch):
         got = mm(a, b, sa, sb)
     torch.cuda.current_stream().wait_stream(side)
     assert torch.equal(got, want)
+    if mm.ws_size:
+        assert (0, side.cuda_stream) in _cublaslt._workspaces
+
+
+@pytest.mark.gpu
+def test_the_linear_plan_runs_its_gemms_on_it(rng, monkeypatch):
+    """A Float8BlockLinear step at the benchmark's small shape plans its three GEMMs on
+    cuBLASLt (on by default) and gives the bytes of the general path (torch._scaled_mm)."""
+    from fp8blk.torch import Float8BlockLinear, _linear_plans
+    monkeypatch.setattr(_cublaslt, "enabled", True)
+    gen = _cuda_gen(rng)
+    layer = Float8BlockLinear(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    scale = torch.exp2(torch.randint(-6, 6, (8192, 1), generator=gen, device="cuda").float())
+    x = (torch.randn(8192, 4096, generator=gen, device="cuda") * scale).bfloat16()
+    g = (torch.randn(8192, 4096, generator=gen, device="cuda") * scale.flip(0)).bfloat16()
+    results = []
+    for general in (False, True):
+        with monkeypatch.context() as m:
+            if general:
+                m.setattr(_linear_plans, "plan_for", lambda *a: None)
+            else:
+                _linear_plans.plans.clear()
+            layer.weight.grad = None
+            xr = x.clone().requires_grad_()
+            y = layer(xr)
+            y.backward(g)
+            results.append((y, xr.grad, layer.weight.grad))
+            if not general:
+                (plan,) = _linear_plans.plans.values()
+                assert all(isinstance(mm, _cublaslt.ScaledMM)
+                           for mm in (plan.mm_fwd, plan.mm_dgrad, plan.mm_wgrad)), \
+                    _cublaslt.refusals
+    for got, want in zip(*results):
+        assert torch.equal(got, want), (got.float() - want.float()).abs().max()
 
 
 def test_signatures_it_does_not_serve(monkeypatch):

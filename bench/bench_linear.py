@@ -53,15 +53,19 @@ TARGETS = {SHAPES[0]: 1.5, SHAPES[1]: 1.5, SHAPES[2]: 1.2}
 DEV = "cuda"
 
 
-def sample_ms(fn, inner, prefill_ms=None):
+def sample_ms(fn, inner, prefill_ms=None, host_loop=None):
     """ms per call of one sample: `inner` back-to-back calls between CUDA events, behind a GPU
-    sleep of `prefill_ms` (see :func:`interleaved_ms`) when given."""
+    sleep of `prefill_ms` (see :func:`interleaved_ms`) when given. `host_loop`, a list, gets the
+    host's wall us per call of the issuing loop (in a host-bound sample, about the step)."""
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     if prefill_ms:
         sleep_ms(prefill_ms)
     start.record()
+    t0 = time.perf_counter()
     for _ in range(inner):
         fn()
+    if host_loop is not None:
+        host_loop.append((time.perf_counter() - t0) / inner * 1e6)
     stop.record()
     stop.synchronize()
     return start.elapsed_time(stop) / inner
@@ -91,7 +95,7 @@ def sleep_ms(ms):
     torch.cuda._sleep(int(ms * _sleep_cycles_per_ms[0]))
 
 
-def interleaved_ms(fns, inner=10, repeats=7, warmup=3, prefill_ms=None):
+def interleaved_ms(fns, inner=10, repeats=7, warmup=3, prefill_ms=None, host_out=None):
     """{name: median ms per call} of several callables timed like :func:`gpu_ms`, one repeat
     of each in turn (the order rotated per round): FP8 and bf16 GEMMs are power bound and the
     GPU's clocks drift over a run, so timing the cases one after the other biases their
@@ -99,16 +103,20 @@ def interleaved_ms(fns, inner=10, repeats=7, warmup=3, prefill_ms=None):
 
     `prefill_ms`: a GPU sleep of that many ms is queued before each sample's start event, so
     the host issues all `inner` calls while the GPU sleeps and the sample times the GPU work
-    alone (no host gaps; the sleep must outlast the issuing: the caller sizes it)."""
+    alone (no host gaps; the sleep must outlast the issuing: the caller sizes it).
+    `host_out`, a dict, gets {name: median host us per call of the issuing loops}."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     torch.cuda.synchronize()
     names = list(fns)
     samples = {n: [] for n in names}
+    host = {n: [] for n in names}
     for r in range(repeats):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            samples[name].append(sample_ms(fns[name], inner, prefill_ms))
+            samples[name].append(sample_ms(fns[name], inner, prefill_ms, host[name]))
+    if host_out is not None:
+        host_out.update({n: statistics.median(v) for n, v in host.items()})
     return {n: statistics.median(v) for n, v in samples.items()}
 
 
@@ -283,7 +291,11 @@ def speed(m, k, n, quick, speed_only=False, inner=None):
             case["errors"][name] = f"{type(err).__name__}: {err}"
             steps.pop(name, None)
     case["inner"] = inner = inner or (3 if quick else 10)
-    case["gpu_ms"] = interleaved_ms(steps, inner=inner)
+    # host_loop_us: the host's us per step while issuing the back-to-back samples; beside
+    # host_us (issued behind a sleeping GPU) it shows whether the back-to-back loop waited on
+    # the host
+    case["host_loop_us"] = {}
+    case["gpu_ms"] = interleaved_ms(steps, inner=inner, host_out=case["host_loop_us"])
     t = case["gpu_ms"]
     case["speedup_vs_bf16"] = t["bf16"] / t["fp8blk"] if "fp8blk" in t else None
     case["target_vs_bf16"] = TARGETS[(m, k, n)]
@@ -330,6 +342,10 @@ def compile_check():
     return out
 
 
+def _us(d):
+    return "{" + ", ".join(f"{k} {v:.0f}" for k, v in d.items()) + "}"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None)
@@ -366,7 +382,8 @@ def main():
               f"vs bf16 (target {c['target_vs_bf16']}) {ao} | GPU alone (queue filled first) "
               f"{alone} x{c['gpu_alone_speedup_vs_bf16']:.2f} | gemms {b['gemms_ms']:.3f} "
               f"quant {b['quantize_ms']:.3f} other {b['other_ms']:.3f} (bf16 gemms "
-              f"{b['bf16_gemms_ms']:.3f}) | host us {c['host_us']} | fwd peak "
+              f"{b['bf16_gemms_ms']:.3f}) | host us {_us(c['host_us'])} (in the back-to-back loop "
+              f"{_us(c['host_loop_us'])}) | fwd peak "
               f"{c['fwd_peak_bytes']} saved {c['saved_bytes']} | stack fwd peak "
               f"{[(s['depth'], s['fwd_peak_bytes']) for s in c['stack_memory']]} | errors "
               f"{c['errors']} "

@@ -414,12 +414,25 @@ def check_meta_init(ws, rank, mesh, seed):
     meta.to_empty(device="cpu")
     set_model_state_dict(meta, full, options=StateDictOptions(full_state_dict=True))
     opts = [torch.optim.SGD(m.parameters(), lr=2.0 ** -12) for m in (ref, meta)]
+    cast_bytes = []
     for step in range(2):
         x = spread((32, 256), torch.Generator().manual_seed(seed + 1 + rank + 10 * step))
+        # a loss linear in y: (y * y) overflowed fp32 in the gradients at some seeds (outputs
+        # ~1e10), so step 1 compared NaN with NaN
+        t = spread((32, 256), torch.Generator().manual_seed(seed + 9 + rank + 10 * step),
+                   (1.0, 1.0))
         ys = [m(x) for m in (ref, meta)]
+        if not bool(ys[0].isfinite().all()):
+            raise AssertionError(f"meta init: step {step} reference output not finite: the "
+                                 "check would compare NaN with NaN")
         check_equal(f"meta init: step {step} output", ys[1].detach(), ys[0].detach())
+        # the step must change the weights' FP8 bytes, or a stale cast would pass unseen
+        cast_bytes.append([p.to_local()._state.frags[0].clone() for p in meta.parameters()])
+        if step and all(torch.equal(a, b) for a, b in zip(*cast_bytes)):
+            raise AssertionError("meta init: no FP8 byte changed after the optimizer step (a "
+                                 "stale cast, or a step too small to move any byte)")
         for y, opt in zip(ys, opts):
-            (y * y).sum().backward()
+            (y * t).sum().backward()
         for i, (p, q) in enumerate(zip(ref.parameters(), meta.parameters())):
             check_equal(f"meta init: step {step} gradient {i}", q.grad.to_local(),
                         p.grad.to_local())

@@ -108,6 +108,8 @@ def _library(device):
         lib.cublasLtMatmulPreferenceCreate.argtypes = [C.POINTER(_VP)]
         lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [_VP, C.c_int, _VP, C.c_size_t]
         lib.cublasLtMatmulPreferenceDestroy.argtypes = [_VP]
+        lib.cublasLtMatmulDescDestroy.argtypes = [_VP]
+        lib.cublasLtMatrixLayoutDestroy.argtypes = [_VP]
         lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [
             _VP, _VP, _VP, _VP, _VP, _VP, _VP, C.c_int, C.POINTER(_HeuristicResult),
             C.POINTER(C.c_int)]
@@ -151,7 +153,7 @@ class ScaledMM:
     """``mm(a, b, scale_a, scale_b) -> out``: ``torch._scaled_mm(a, b, scale_a, scale_b,
     out_dtype=torch.bfloat16)`` for one signature (see the module docstring for the operand
     layouts; the caller guarantees them: nothing is checked per call). Made by :func:`make`.
-    Descriptors live as long as the process (one set per signature, a few hundred bytes)."""
+    Its cuBLASLt descriptors (host memory only) are freed with it."""
 
     __slots__ = ("m", "n", "device", "index", "lib", "handle", "desc", "layouts", "keep",
                  "addrs", "slots", "lock", "empty", "stream", "current", "ws_size")
@@ -170,6 +172,14 @@ class ScaledMM:
         self.stream = torch._C._cuda_getCurrentRawStream
         self.current = torch._C._cuda_getDevice
         self.ws_size = ws_size
+
+    def __del__(self):
+        try:
+            self.lib.cublasLtMatmulDescDestroy(self.desc)
+            for layout in self.layouts:
+                self.lib.cublasLtMatrixLayoutDestroy(layout)
+        except Exception:  # noqa: BLE001  (interpreter shutdown: the library may be gone)
+            pass
 
     def _workspace(self, stream):
         """This stream's workspace (uint8, at least ws_size bytes). Allocated while `stream` is
@@ -231,37 +241,54 @@ def _make(m, n, k, a_dtype, b_dtype, b_blocks, device):
             _refuse("no libcublasLt loaded by torch")
             return None
         handle = _handle(lib, device.index)
-        desc = _VP()
-        _check(lib.cublasLtMatmulDescCreate(C.byref(desc), _COMPUTE_32F, _R_32F),
-               "cublasLtMatmulDescCreate")
-        desc = desc.value
-        _set(lib, desc, _DESC_TRANSA, _OP_T, C.c_int32)
-        _set(lib, desc, _DESC_TRANSB, _OP_N, C.c_int32)
-        _set(lib, desc, _DESC_FAST_ACCUM, 0, C.c_int8)
-        _set(lib, desc, _DESC_A_SCALE_MODE, _SCALE_BLK128x128_32F if b_blocks == "128x128"
-             else _SCALE_VEC128_32F, C.c_int32)
-        _set(lib, desc, _DESC_B_SCALE_MODE, _SCALE_VEC128_32F, C.c_int32)
-        # block-scaled modes need scale pointers for the heuristic query too (status 7 with
-        # null ones); each call sets the real ones
-        placeholder = torch.empty(64, dtype=torch.float32, device=device)
-        _set(lib, desc, _DESC_A_SCALE_POINTER, placeholder.data_ptr(), C.c_uint64)
-        _set(lib, desc, _DESC_B_SCALE_POINTER, placeholder.data_ptr(), C.c_uint64)
-        layouts = (_layout(lib, _F8[b_dtype], k, n, k), _layout(lib, _F8[a_dtype], k, m, k),
-                   _layout(lib, _R_16BF, n, m, n))
-        pref = _VP()
-        _check(lib.cublasLtMatmulPreferenceCreate(C.byref(pref)),
-               "cublasLtMatmulPreferenceCreate")
-        ws = C.c_uint64(_WORKSPACE_ASKED)
-        lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, C.byref(ws),
-                                                 8)
-        result, count = _HeuristicResult(), C.c_int(0)
-        la, lb, lc = layouts
-        status = lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, la, lb, lc, lc, pref, 1,
-                                                    C.byref(result), C.byref(count))
-        lib.cublasLtMatmulPreferenceDestroy(pref)
+        made = []      # (destroy, descriptor): freed unless a ScaledMM keeps them
+        try:
+            mm = _query(lib, handle, made, m, n, k, a_dtype, b_dtype, b_blocks, device)
+        finally:
+            if made and made[-1] is not None:  # refused or failed: nothing keeps them
+                for destroy, obj in reversed(made):
+                    destroy(obj)
+        return mm
+
+
+def _query(lib, handle, made, m, n, k, a_dtype, b_dtype, b_blocks, device):
+    """The ScaledMM of a signature, or None (a refusal noted); appends each descriptor it
+    creates to `made` as (destroy, descriptor), then None once a ScaledMM owns them."""
+    desc = _VP()
+    _check(lib.cublasLtMatmulDescCreate(C.byref(desc), _COMPUTE_32F, _R_32F),
+           "cublasLtMatmulDescCreate")
+    desc = desc.value
+    made.append((lib.cublasLtMatmulDescDestroy, desc))
+    _set(lib, desc, _DESC_TRANSA, _OP_T, C.c_int32)
+    _set(lib, desc, _DESC_TRANSB, _OP_N, C.c_int32)
+    _set(lib, desc, _DESC_FAST_ACCUM, 0, C.c_int8)
+    _set(lib, desc, _DESC_A_SCALE_MODE, _SCALE_BLK128x128_32F if b_blocks == "128x128"
+         else _SCALE_VEC128_32F, C.c_int32)
+    _set(lib, desc, _DESC_B_SCALE_MODE, _SCALE_VEC128_32F, C.c_int32)
+    # block-scaled modes need scale pointers for the heuristic query too (status 7 with
+    # null ones); each call sets the real ones
+    placeholder = torch.empty(64, dtype=torch.float32, device=device)
+    _set(lib, desc, _DESC_A_SCALE_POINTER, placeholder.data_ptr(), C.c_uint64)
+    _set(lib, desc, _DESC_B_SCALE_POINTER, placeholder.data_ptr(), C.c_uint64)
+    layouts = []
+    for dtype, rows, cols in ((_F8[b_dtype], k, n), (_F8[a_dtype], k, m), (_R_16BF, n, m)):
+        layouts.append(_layout(lib, dtype, rows, cols, rows))
+        made.append((lib.cublasLtMatrixLayoutDestroy, layouts[-1]))
+    pref = _VP()
+    _check(lib.cublasLtMatmulPreferenceCreate(C.byref(pref)), "cublasLtMatmulPreferenceCreate")
+    made.append((lib.cublasLtMatmulPreferenceDestroy, pref.value))
+    ws = C.c_uint64(_WORKSPACE_ASKED)
+    lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, C.byref(ws), 8)
+    result, count = _HeuristicResult(), C.c_int(0)
+    la, lb, lc = layouts
+    status = lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, la, lb, lc, lc, pref, 1,
+                                                C.byref(result), C.byref(count))
     if status != 0 or count.value < 1 or result.state != 0:
         _refuse(f"heuristic: status {status}, {count.value} algorithms, state {result.state}, "
                 f"workspace {result.workspace_size} bytes")
         return None
+    lib.cublasLtMatmulPreferenceDestroy(made.pop()[1])   # the query's only
+    made.append(None)                                     # the ScaledMM owns the rest
     algo = (C.c_uint64 * 8)(*result.algo)
-    return ScaledMM(lib, handle, desc, layouts, algo, result.workspace_size, m, n, device)
+    return ScaledMM(lib, handle, desc, tuple(layouts), algo, result.workspace_size, m, n,
+                    device)

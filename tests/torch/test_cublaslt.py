@@ -117,6 +117,25 @@ def test_the_linear_plan_runs_its_gemms_on_it(rng, monkeypatch):
         assert torch.equal(got, want), (got.float() - want.float()).abs().max()
 
 
+@pytest.mark.gpu
+def test_a_refused_signature_frees_its_descriptors(monkeypatch):
+    monkeypatch.setattr(_cublaslt, "enabled", True)
+    dev = torch.device("cuda", 0)
+    args = (512, 512, 512, E4M3, E4M3, "128x128", torch.bfloat16, dev)
+    assert _cublaslt.make(*args) is not None        # (loads the library; freed at once)
+    lib = _cublaslt._lib[0]
+    freed = []
+    monkeypatch.setattr(lib, "cublasLtMatmulAlgoGetHeuristic", lambda *a: 7)
+    for name in ("cublasLtMatmulDescDestroy", "cublasLtMatrixLayoutDestroy",
+                 "cublasLtMatmulPreferenceDestroy"):
+        monkeypatch.setattr(lib, name, lambda obj, real=getattr(lib, name), name=name:
+                            freed.append(name) or real(obj))
+    assert _cublaslt.make(*args) is None
+    assert _cublaslt.refusals[-1].startswith("heuristic: status 7")
+    assert sorted(freed) == ["cublasLtMatmulDescDestroy", "cublasLtMatmulPreferenceDestroy"] \
+        + ["cublasLtMatrixLayoutDestroy"] * 3
+
+
 def test_signatures_it_does_not_serve(monkeypatch):
     monkeypatch.setattr(_cublaslt, "enabled", True)
     dev = torch.device("cuda", 0)

@@ -224,7 +224,11 @@ def run_compile(seed, rank, world, mesh):
             run = torch.compile(model, backend="eager") if compiled else model
             y = run(x)
             y = y.to_local() if isinstance(y, DTensor) else y
-            (y * y).sum().backward()
+            # a loss linear in y: y * y can overflow fp32 in the gradients with spread data,
+            # and NaN never compares equal
+            t = spread(tuple(y.shape), torch.Generator().manual_seed(seed + 2),
+                       decades=(1.0, 1.0)).to(DEVICE)
+            (y * t).sum().backward()
             grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                      for p in model.parameters()]
             results.append([y.detach(), x.grad] + grads)

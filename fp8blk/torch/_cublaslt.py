@@ -149,17 +149,37 @@ def _layout(lib, dtype, rows, cols, ld):
     return out.value
 
 
+class _Descriptors:
+    """A signature's matmul descriptor and three matrix layouts (host memory), destroyed when
+    the last holder drops it: a ScaledMM, or the query that was refused or failed."""
+
+    __slots__ = ("lib", "desc", "layouts")
+
+    def __init__(self, lib):
+        self.lib, self.desc, self.layouts = lib, None, []
+
+    def __del__(self):
+        try:
+            if self.desc is not None:
+                self.lib.cublasLtMatmulDescDestroy(self.desc)
+            for layout in self.layouts:
+                self.lib.cublasLtMatrixLayoutDestroy(layout)
+        except Exception:  # noqa: BLE001  (interpreter shutdown: the library may be gone)
+            pass
+
+
 class ScaledMM:
     """``mm(a, b, scale_a, scale_b) -> out``: ``torch._scaled_mm(a, b, scale_a, scale_b,
     out_dtype=torch.bfloat16)`` for one signature (see the module docstring for the operand
     layouts; the caller guarantees them: nothing is checked per call). Made by :func:`make`.
-    Its cuBLASLt descriptors (host memory only) are freed with it."""
+    Its cuBLASLt descriptors are freed with it."""
 
-    __slots__ = ("m", "n", "device", "index", "lib", "handle", "desc", "layouts", "keep",
-                 "addrs", "slots", "lock", "empty", "stream", "current", "ws_size")
+    __slots__ = ("m", "n", "device", "index", "lib", "handle", "owned", "desc", "layouts",
+                 "keep", "addrs", "slots", "lock", "empty", "stream", "current", "ws_size")
 
-    def __init__(self, lib, handle, desc, layouts, algo, ws_size, m, n, device):
-        self.lib, self.handle, self.desc, self.layouts = lib, handle, desc, layouts
+    def __init__(self, lib, handle, owned, algo, ws_size, m, n, device):
+        self.lib, self.handle, self.owned = lib, handle, owned
+        self.desc, self.layouts = owned.desc, tuple(owned.layouts)
         self.m, self.n, self.device, self.index = m, n, device, device.index
         # host memory cuBLASLt reads by address: a pointer-sized slot per scale pointer
         # (cuBLAS's A = torch's b, B = torch's a), alpha = 1, beta = 0, the algorithm; the
@@ -172,14 +192,6 @@ class ScaledMM:
         self.stream = torch._C._cuda_getCurrentRawStream
         self.current = torch._C._cuda_getDevice
         self.ws_size = ws_size
-
-    def __del__(self):
-        try:
-            self.lib.cublasLtMatmulDescDestroy(self.desc)
-            for layout in self.layouts:
-                self.lib.cublasLtMatrixLayoutDestroy(layout)
-        except Exception:  # noqa: BLE001  (interpreter shutdown: the library may be gone)
-            pass
 
     def _workspace(self, stream):
         """This stream's workspace (uint8, at least ws_size bytes). Allocated while `stream` is
@@ -203,8 +215,10 @@ class ScaledMM:
         p_a, p_b, p_alpha, p_beta, p_algo = self.addrs
         d = out.data_ptr()
         stream = self.stream(self.index)
-        ws = self._workspace(stream) if self.ws_size else None
-        w_ptr, w_size = (ws.data_ptr(), ws.numel()) if self.ws_size else (None, 0)
+        ws, w_ptr, w_size = None, None, 0
+        if self.ws_size:
+            ws = self._workspace(stream)
+            w_ptr, w_size = ws.data_ptr(), ws.numel()
         set_attr = lib.cublasLtMatmulDescSetAttribute
         # the scale pointers are attributes of the shared descriptor: set and run as one
         with self.lock:
@@ -241,54 +255,41 @@ def _make(m, n, k, a_dtype, b_dtype, b_blocks, device):
             _refuse("no libcublasLt loaded by torch")
             return None
         handle = _handle(lib, device.index)
-        made = []      # (destroy, descriptor): freed unless a ScaledMM keeps them
+        owned = _Descriptors(lib)   # freed on return unless the ScaledMM keeps it
+        desc = _VP()
+        _check(lib.cublasLtMatmulDescCreate(C.byref(desc), _COMPUTE_32F, _R_32F),
+               "cublasLtMatmulDescCreate")
+        desc = owned.desc = desc.value
+        _set(lib, desc, _DESC_TRANSA, _OP_T, C.c_int32)
+        _set(lib, desc, _DESC_TRANSB, _OP_N, C.c_int32)
+        _set(lib, desc, _DESC_FAST_ACCUM, 0, C.c_int8)
+        _set(lib, desc, _DESC_A_SCALE_MODE, _SCALE_BLK128x128_32F if b_blocks == "128x128"
+             else _SCALE_VEC128_32F, C.c_int32)
+        _set(lib, desc, _DESC_B_SCALE_MODE, _SCALE_VEC128_32F, C.c_int32)
+        # block-scaled modes need scale pointers for the heuristic query too (status 7 with
+        # null ones); each call sets the real ones
+        placeholder = torch.empty(64, dtype=torch.float32, device=device)
+        _set(lib, desc, _DESC_A_SCALE_POINTER, placeholder.data_ptr(), C.c_uint64)
+        _set(lib, desc, _DESC_B_SCALE_POINTER, placeholder.data_ptr(), C.c_uint64)
+        for dtype, rows, cols in ((_F8[b_dtype], k, n), (_F8[a_dtype], k, m),
+                                  (_R_16BF, n, m)):
+            owned.layouts.append(_layout(lib, dtype, rows, cols, rows))
+        la, lb, lc = owned.layouts
+        pref = _VP()
+        _check(lib.cublasLtMatmulPreferenceCreate(C.byref(pref)),
+               "cublasLtMatmulPreferenceCreate")
         try:
-            mm = _query(lib, handle, made, m, n, k, a_dtype, b_dtype, b_blocks, device)
+            ws = C.c_uint64(_WORKSPACE_ASKED)
+            lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES,
+                                                     C.byref(ws), 8)
+            result, count = _HeuristicResult(), C.c_int(0)
+            status = lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, la, lb, lc, lc, pref, 1,
+                                                        C.byref(result), C.byref(count))
         finally:
-            if made and made[-1] is not None:  # refused or failed: nothing keeps them
-                for destroy, obj in reversed(made):
-                    destroy(obj)
-        return mm
-
-
-def _query(lib, handle, made, m, n, k, a_dtype, b_dtype, b_blocks, device):
-    """The ScaledMM of a signature, or None (a refusal noted); appends each descriptor it
-    creates to `made` as (destroy, descriptor), then None once a ScaledMM owns them."""
-    desc = _VP()
-    _check(lib.cublasLtMatmulDescCreate(C.byref(desc), _COMPUTE_32F, _R_32F),
-           "cublasLtMatmulDescCreate")
-    desc = desc.value
-    made.append((lib.cublasLtMatmulDescDestroy, desc))
-    _set(lib, desc, _DESC_TRANSA, _OP_T, C.c_int32)
-    _set(lib, desc, _DESC_TRANSB, _OP_N, C.c_int32)
-    _set(lib, desc, _DESC_FAST_ACCUM, 0, C.c_int8)
-    _set(lib, desc, _DESC_A_SCALE_MODE, _SCALE_BLK128x128_32F if b_blocks == "128x128"
-         else _SCALE_VEC128_32F, C.c_int32)
-    _set(lib, desc, _DESC_B_SCALE_MODE, _SCALE_VEC128_32F, C.c_int32)
-    # block-scaled modes need scale pointers for the heuristic query too (status 7 with
-    # null ones); each call sets the real ones
-    placeholder = torch.empty(64, dtype=torch.float32, device=device)
-    _set(lib, desc, _DESC_A_SCALE_POINTER, placeholder.data_ptr(), C.c_uint64)
-    _set(lib, desc, _DESC_B_SCALE_POINTER, placeholder.data_ptr(), C.c_uint64)
-    layouts = []
-    for dtype, rows, cols in ((_F8[b_dtype], k, n), (_F8[a_dtype], k, m), (_R_16BF, n, m)):
-        layouts.append(_layout(lib, dtype, rows, cols, rows))
-        made.append((lib.cublasLtMatrixLayoutDestroy, layouts[-1]))
-    pref = _VP()
-    _check(lib.cublasLtMatmulPreferenceCreate(C.byref(pref)), "cublasLtMatmulPreferenceCreate")
-    made.append((lib.cublasLtMatmulPreferenceDestroy, pref.value))
-    ws = C.c_uint64(_WORKSPACE_ASKED)
-    lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, C.byref(ws), 8)
-    result, count = _HeuristicResult(), C.c_int(0)
-    la, lb, lc = layouts
-    status = lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, la, lb, lc, lc, pref, 1,
-                                                C.byref(result), C.byref(count))
+            lib.cublasLtMatmulPreferenceDestroy(pref)
     if status != 0 or count.value < 1 or result.state != 0:
         _refuse(f"heuristic: status {status}, {count.value} algorithms, state {result.state}, "
                 f"workspace {result.workspace_size} bytes")
         return None
-    lib.cublasLtMatmulPreferenceDestroy(made.pop()[1])   # the query's only
-    made.append(None)                                     # the ScaledMM owns the rest
     algo = (C.c_uint64 * 8)(*result.algo)
-    return ScaledMM(lib, handle, desc, tuple(layouts), algo, result.workspace_size, m, n,
-                    device)
+    return ScaledMM(lib, handle, owned, algo, result.workspace_size, m, n, device)

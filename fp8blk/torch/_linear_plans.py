@@ -27,6 +27,8 @@ past 1024 entries.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import _arrays
@@ -70,8 +72,7 @@ class LinearPlan:
     ``(dx, dw)`` (None where not needed; `dy2d` C-contiguous). `saved` is x's columnwise FP8
     data and scales."""
 
-    __slots__ = ("qx", "qw", "qwt", "qdy", "out_dtype", "x_dtype", "w_dtype", "mm_fwd",
-                 "mm_dgrad", "mm_wgrad")
+    __slots__ = ("qx", "qw", "qwt", "qdy", "mm_fwd", "mm_dgrad", "mm_wgrad")
 
     def __init__(self, x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad):
         (m, k), n = x2d.shape, weight.shape[0]
@@ -94,16 +95,18 @@ class LinearPlan:
         self.qwt = _launcher(w, cfg.weight, False, True, [
             None, None, ((n, k), (1, n), fw), _scale_t(nt, kt)]) if need_dgrad else None
         self.qdy = None
-        self.out_dtype, self.x_dtype, self.w_dtype = out_dtype, x2d.dtype, weight.dtype
-        # each GEMM on cuBLASLt directly where that is on and serves the signature (the same
-        # algorithm as torch._scaled_mm without its per-call algorithm search), else None:
-        # torch._scaled_mm
+        # each GEMM, mm(a, b, scale_a, scale_b): on cuBLASLt directly where that is on and
+        # serves the signature (the same algorithm as torch._scaled_mm without its per-call
+        # algorithm search), else torch._scaled_mm
         dev = x2d.device
-        self.mm_fwd = _cublaslt.make(m, n, k, fa, fw, "128x128", out_dtype, dev)
-        self.mm_dgrad = _cublaslt.make(m, k, n, fg, fw, "128x128", x2d.dtype, dev) \
-            if need_dgrad else None
-        self.mm_wgrad = _cublaslt.make(n, k, m, fg, fa, "1x128", weight.dtype, dev) \
-            if need_wgrad else None
+
+        def gemm(mm_m, mm_n, mm_k, a_dtype, b_dtype, b_blocks, dtype):
+            return _cublaslt.make(mm_m, mm_n, mm_k, a_dtype, b_dtype, b_blocks, dtype, dev) \
+                or functools.partial(torch._scaled_mm, out_dtype=dtype)
+
+        self.mm_fwd = gemm(m, n, k, fa, fw, "128x128", out_dtype)
+        self.mm_dgrad = gemm(m, k, n, fg, fw, "128x128", x2d.dtype) if need_dgrad else None
+        self.mm_wgrad = gemm(n, k, m, fg, fa, "1x128", weight.dtype) if need_wgrad else None
         if need_dgrad or need_wgrad:
             dy = torch.empty((m, n), dtype=out_dtype, device=x2d.device)
             self.qdy = _launcher(dy, cfg.grad, need_dgrad, need_wgrad, [
@@ -115,9 +118,7 @@ class LinearPlan:
     def forward(self, x2d, weight):
         xd, xs, xtd, xts = self.qx(x2d, x2d.data_ptr())
         wd, ws = self.qw(weight, weight.data_ptr())[:2]
-        mm = self.mm_fwd
-        y = mm(xd, wd, xs, ws) if mm is not None else \
-            torch._scaled_mm(xd, wd, xs, ws, out_dtype=self.out_dtype)
+        y = self.mm_fwd(xd, wd, xs, ws)
         return y, (xtd, xts)
 
     def backward(self, dy2d, xt_d, xt_s, weight, need_dgrad, need_wgrad):
@@ -129,13 +130,9 @@ class LinearPlan:
         gd, gs, gtd, gts = self.qdy(dy2d, dy2d.data_ptr())
         if need_dgrad:
             wtd, wts = self.qwt(weight, weight.data_ptr())[2:]
-            mm = self.mm_dgrad
-            dx = mm(gd, wtd, gs, wts) if mm is not None else \
-                torch._scaled_mm(gd, wtd, gs, wts, out_dtype=self.x_dtype)
+            dx = self.mm_dgrad(gd, wtd, gs, wts)
         if need_wgrad:
-            mm = self.mm_wgrad
-            dw = mm(gtd, xt_d, gts, xt_s) if mm is not None else \
-                torch._scaled_mm(gtd, xt_d, gts, xt_s, out_dtype=self.w_dtype)
+            dw = self.mm_wgrad(gtd, xt_d, gts, xt_s)
         return dx, dw
 
 

@@ -13,8 +13,10 @@ Served (everything else: :func:`make` returns None and the caller keeps ``torch.
 bf16 output; E4M3/E5M2 operands; a with 1x128 scales; b with 128x128 or 1x128 scales; the
 libcublasLt that torch itself loaded, version 12.9 or later (the first with block scaling).
 Algorithms that need a workspace (the H200 picks one of 4 bytes for the 8192-token GEMMs) get
-one per (device, stream), grown to the largest asked and used on that stream only, so two
-streams never share one.
+one per call from torch's caching allocator on the current stream, like any temporary of a
+torch op: its memory is reused in that stream's order only, and under CUDA-graph capture it
+comes from the graph's private pool (a workspace cached per stream would be shared by every
+graph captured on torch's default capture stream, and by eager calls on that stream).
 
 On by default; ``FP8BLK_CUBLASLT=0`` in the environment, or :data:`enabled` set False, turns
 it off for signatures planned after that (the plan then calls ``torch._scaled_mm``).
@@ -62,7 +64,6 @@ class _HeuristicResult(C.Structure):
 _lib = []          # [the bound library] once found, [None] when it cannot be
 refusals = []      # why make() returned None for a signature it takes (the last few)
 _handles = {}      # device index -> cublasLtHandle_t (an int)
-_workspaces = {}   # (device index, raw stream) -> uint8 tensor allocated on that stream
 _MIN_VERSION = 120900
 _lock = threading.Lock()
 
@@ -193,17 +194,6 @@ class ScaledMM:
         self.current = torch._C._cuda_getDevice
         self.ws_size = ws_size
 
-    def _workspace(self, stream):
-        """This stream's workspace (uint8, at least ws_size bytes). Allocated while `stream` is
-        current, so when a larger one replaces it the caching allocator reuses its memory in
-        that stream's order; the caller holds it until its GEMM is queued."""
-        key = (self.index, stream)
-        ws = _workspaces.get(key)
-        if ws is None or ws.numel() < self.ws_size:
-            ws = _workspaces[key] = torch.empty(self.ws_size, dtype=torch.uint8,
-                                                device=self.device)
-        return ws
-
     def __call__(self, a, b, scale_a, scale_b):
         if self.current() != self.index:     # as torch's ops: run with the tensors' device
             with torch.cuda.device(self.index):
@@ -215,10 +205,10 @@ class ScaledMM:
         p_a, p_b, p_alpha, p_beta, p_algo = self.addrs
         d = out.data_ptr()
         stream = self.stream(self.index)
-        ws, w_ptr, w_size = None, None, 0
-        if self.ws_size:
-            ws = self._workspace(stream)
-            w_ptr, w_size = ws.data_ptr(), ws.numel()
+        ws, w_ptr, w_size = None, None, self.ws_size
+        if w_size:      # held until the GEMM is queued (module docstring)
+            ws = self.empty((w_size,), (1,), dtype=torch.uint8, device=self.device)
+            w_ptr = ws.data_ptr()
         set_attr = lib.cublasLtMatmulDescSetAttribute
         # the scale pointers are attributes of the shared descriptor: set and run as one
         with self.lock:

@@ -16,7 +16,8 @@
    launch queue never fills: the host alone; median of 9 x 10 iterations). GPU time alone:
    the same steps with a GPU sleep queued before each sample, so the host has issued them all
    before the GPU starts (the step's time without host gaps: what bounds the back-to-back
-   figure when the host keeps up).
+   figure when the host keeps up). CUDA graphs: each case's step captured in a CUDA graph and
+   replayed back to back (the GPU work sustained, no host in the loop), bf16 and fp8blk.
    Targets: >= 1.5x bf16 at the two large shapes, >= 1.2x at the small one, faster than torchao.
 3. Breakdown per shape, timed like the GPU time alone and interleaved with it: the three GEMMs
    alone (blockwise_scaled_mm on prequantized operands), the quantize kernels alone (x
@@ -150,6 +151,22 @@ def fwd_bwd(layer, x, g):
         x.grad = None
         layer(x).backward(g)
     return step
+
+
+def graphed(step):
+    """`step` captured in a CUDA graph (warmed up on a side stream first, as torch's docs ask):
+    a callable that replays it. A replayed step costs the host one launch, so back-to-back
+    replays time the GPU work, sustained (no host gaps, the clocks of a long run)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
 
 
 def torchao_layers(k, n):
@@ -309,6 +326,21 @@ def speed(m, k, n, quick, speed_only=False, inner=None):
     case["gpu_alone_speedup_vs_bf16"] = (alone["bf16"] / alone["fp8blk"]
                                          if "fp8blk" in alone else None)
     case["prefill_ms"] = prefill
+    # the same steps captured in CUDA graphs and replayed back to back: sustained GPU work
+    # with no host in the loop (what torch.cuda.graph or torch.compile(mode="reduce-overhead")
+    # give a user whose step is host-bound)
+    replays = {}
+    for name, step in steps.items():
+        if name not in ("bf16", "fp8blk"):   # a peer's failed capture could upset the rest
+            continue
+        try:
+            replays[name] = graphed(step)
+        except Exception as err:  # noqa: BLE001
+            case["errors"][f"{name} graphed"] = f"{type(err).__name__}: {err}"
+    case["graphed_ms"] = interleaved_ms(replays, inner=inner)
+    case["graphed_speedup_vs_bf16"] = (case["graphed_ms"]["bf16"] / case["graphed_ms"]["fp8blk"]
+                                       if "fp8blk" in case["graphed_ms"] else None)
+    del replays
     case["stack_memory"] = [] if speed_only else [stack_memory(m, k, depth) for depth in (4, 8)]
     case["breakdown"] = {f"{p}_ms": alone[p] for p in pieces}
     case["breakdown"]["other_ms"] = alone.get("fp8blk", 0) - alone["gemms"] - alone["quantize"]
@@ -380,7 +412,9 @@ def main():
         alone = " ".join(f"{p} {ms:.3f}" for p, ms in c["gpu_alone_ms"].items())
         print(f"({c['tokens']}, {c['in']}, {c['out']}) ms: {peers} | x{c['speedup_vs_bf16']:.2f} "
               f"vs bf16 (target {c['target_vs_bf16']}) {ao} | GPU alone (queue filled first) "
-              f"{alone} x{c['gpu_alone_speedup_vs_bf16']:.2f} | gemms {b['gemms_ms']:.3f} "
+              f"{alone} x{c['gpu_alone_speedup_vs_bf16']:.2f} | CUDA graphs "
+              f"{' '.join(f'{p} {ms:.3f}' for p, ms in c['graphed_ms'].items())} "
+              f"x{c['graphed_speedup_vs_bf16'] or 0:.2f} | gemms {b['gemms_ms']:.3f} "
               f"quant {b['quantize_ms']:.3f} other {b['other_ms']:.3f} (bf16 gemms "
               f"{b['bf16_gemms_ms']:.3f}) | host us {_us(c['host_us'])} (in the back-to-back loop "
               f"{_us(c['host_loop_us'])}) | fwd peak "

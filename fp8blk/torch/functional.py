@@ -114,14 +114,17 @@ def fp8_gemms_backward(dy2d, qx_t, qw, cfg, need_dgrad, need_wgrad, dx_dtype, dw
 
 class _Float8BlockLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, cfg, out_dtype):
+    def forward(ctx, x, weight, bias, cfg, out_dtype, grad_enabled):
         # a 2-D x is used as it is: a reshape view costs ~5 us of host per call
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         if not x2d.is_contiguous():
             x2d = x2d.contiguous()
-        need_wgrad = weight.requires_grad
+        # grad_enabled: the caller's grad mode (forward itself always runs without grad, and
+        # needs_input_grad says True under torch.no_grad too): without it no backward follows,
+        # so x's columnwise copy is neither made nor kept
+        need_wgrad = grad_enabled and weight.requires_grad
         plan = None if _compiling() else _linear_plans.plan_for(
-            x2d, weight, cfg, out_dtype, ctx.needs_input_grad[0], need_wgrad)
+            x2d, weight, cfg, out_dtype, grad_enabled and ctx.needs_input_grad[0], need_wgrad)
         ctx.plan = plan
         if plan is not None:
             y, qx_t = plan.forward(x2d, weight)
@@ -168,7 +171,7 @@ class _Float8BlockLinearFn(torch.autograd.Function):
         dbias = dy2d.sum(0) if has_bias and ctx.needs_input_grad[2] else None
         if dx is not None and len(x_shape) != 2:
             dx = dx.reshape(x_shape)
-        return dx, dw, dbias, None, None
+        return dx, dw, dbias, None, None, None
 
 
 def check_features(in_features, out_features, config):
@@ -197,7 +200,8 @@ def float8_block_linear(x, weight, bias=None, config: Float8BlockConfig = None):
         raise ValueError(f"Float8BlockLinear runs on CUDA or CPU tensors, got a {device} tensor")
     out_dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
                  else x.dtype)
-    return _Float8BlockLinearFn.apply(x, weight, bias, config, out_dtype)
+    return _Float8BlockLinearFn.apply(x, weight, bias, config, out_dtype,
+                                      torch.is_grad_enabled())
 
 
 __all__ = ["float8_block_linear", "fp8_gemms_backward", "quantize_input", "check_features",

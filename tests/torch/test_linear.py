@@ -137,6 +137,29 @@ def test_saved_activation_is_fp8(m, gen):
     print(f"saved for backward, M={m} K={k} N={n}: fp8blk {fp8_bytes} B, bf16 {bf16_bytes} B")
 
 
+def test_no_grad_forward_skips_the_columnwise_copy(gen, monkeypatch):
+    """Without grad mode no backward follows: x is quantized rowwise only (no columnwise copy
+    written or kept), and the output is the grad-mode forward's, byte for byte. The grad-mode
+    call must ask for the columnwise copy, so the recording cannot pass vacuously."""
+    from fp8blk.torch import functional
+    asked = []
+    real = functional.quantize_input
+
+    def recording(x2d, recipe, need_columnwise):
+        asked.append(need_columnwise)
+        return real(x2d, recipe, need_columnwise)
+    monkeypatch.setattr(functional, "quantize_input", recording)
+    lin = Float8BlockLinear(384, 256, dtype=torch.bfloat16)
+    x = spread((300, 384), gen, torch.bfloat16).requires_grad_(True)
+    want = lin(x).detach()
+    assert asked == [True]
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            got = lin(x)
+        assert not got.requires_grad and torch.equal(got, want), mode
+    assert asked == [True, False, False]
+
+
 def test_compile_fullgraph_matches_eager(gen):
     model = FeedForward(256, 384)
     init_spread_(model, gen)

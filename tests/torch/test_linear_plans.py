@@ -136,3 +136,21 @@ def test_only_the_bias_needs_a_gradient(rng):
         g = spread((m, 512), gen, torch.bfloat16).cuda()
         layer(x).backward(g)
         assert torch.equal(layer.bias.grad, g.sum(0))
+
+
+def test_no_grad_plans_the_forward_only(rng):
+    """Under torch.no_grad / torch.inference_mode the plan quantizes x rowwise only and plans
+    no backward GEMM, and the output is the grad-mode forward's, byte for byte."""
+    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+    layer = Float8BlockLinear(1024, 512, bias=True, device="cuda", dtype=torch.bfloat16)
+    x = spread((512, 1024), gen).cuda().bfloat16().requires_grad_()
+    _linear_plans.plans.clear()
+    want = layer(x).detach()
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            got = layer(x)
+        assert torch.equal(got, want), mode
+    (train,) = [p for p in _linear_plans.plans.values() if p.qdy is not None]
+    (eval_,) = [p for p in _linear_plans.plans.values() if p.qdy is None]
+    assert train.qx.outs[2] is not None and eval_.qx.outs[2] is None
+    assert eval_.qwt is None and eval_.mm_dgrad is None and eval_.mm_wgrad is None

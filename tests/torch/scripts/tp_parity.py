@@ -102,6 +102,7 @@ def run_case(case, seed, rank, world, mesh, planted=False):
         rows = slice(rank * s_local, (rank + 1) * s_local)
         x_in = x[rows].clone()
         comm = comm_for(mesh)
+        check_no_grad_forward(case, model, x_in, comm, s_local * B, D)
         comm.reset_stats()
     rec = Recorder(ref)
     xr = x.clone().requires_grad_(True)
@@ -171,6 +172,26 @@ def run_case(case, seed, rank, world, mesh, planted=False):
             same(got - before[name], p_ref.detach() - before[name], f"{case}: {name} step")
     if comm is not None:
         report_traffic(case, comm, seq, world, D)
+
+
+def check_no_grad_forward(case, model, x_in, comm, m_local, D):
+    """Under torch.no_grad no backward follows: the gathers of x move its rowwise FP8 data and
+    scales only (no columnwise copy for a weight gradient), and the output is the grad-mode
+    forward's (the same rowwise bytes into the same GEMMs). Run before the parity step, on
+    the initial weights (after the SGD step outputs may overflow). (The styles pass the
+    weight's ``to_local()``, which under no_grad does not require grad.)"""
+    want = model(x_in.detach().requires_grad_(True)).detach()
+    assert torch.isfinite(want).all(), case
+    comm.reset_stats()
+    with torch.no_grad():
+        got = model(x_in.detach())
+    same(got, want, f"{case}: output under no_grad")
+    # rowwise 1x128 blocks run along the features, so any local token count gathers in FP8:
+    # sp_fallback's local length falls back only for the columnwise copy
+    assert dict(comm.stats.gather_paths) == {"fast": 2}, (case, dict(comm.stats.gather_paths))
+    expected = 2 * (round_up(m_local * D, ALIGN) + round_up(cdiv(D, 128) * m_local * 4, ALIGN))
+    moved = comm.stats.ops["all_gather_v"][1]
+    assert moved == expected, (case, "no_grad gather bytes", moved, expected)
 
 
 def report_traffic(case, comm, seq, world, D):

@@ -1,0 +1,68 @@
+"""Float8BlockLinear forward under torch.no_grad against the same forward in grad mode (which
+also writes x's columnwise FP8 copy for the backward pass): GPU ms per forward (CUDA events
+around back-to-back calls, median of 7 x 20) and the forward's peak memory above its start.
+
+    python3 bench/profile/linear_no_grad.py [--shapes 16384x8192x8192,8192x4096x4096]
+"""
+import argparse
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+from fp8blk.torch import Float8BlockLinear  # noqa: E402
+
+
+def timed(fn, inner=20, repeats=7):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(inner):
+            fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / inner)
+    return statistics.median(out)
+
+
+def peak(fn):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    y = fn()
+    torch.cuda.synchronize()
+    del y
+    return torch.cuda.max_memory_allocated() - start
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default="16384x8192x8192,8192x4096x4096")
+    args = parser.parse_args()
+    for shape in args.shapes.split(","):
+        m, k, n = map(int, shape.split("x"))
+        layer = Float8BlockLinear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+        def train():
+            return layer(x)
+
+        def no_grad():
+            with torch.no_grad():
+                return layer(x)
+        t = {name: timed(fn) for name, fn in (("grad mode", train), ("no_grad", no_grad))}
+        p = {name: peak(fn) for name, fn in (("grad mode", train), ("no_grad", no_grad))}
+        print(f"({m}, {k}, {n}) forward ms: " + ", ".join(f"{a} {v:.3f}" for a, v in t.items())
+              + " | peak MB above start: " + ", ".join(f"{a} {v / 2**20:.0f}"
+                                                       for a, v in p.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()

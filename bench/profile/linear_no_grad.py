@@ -6,30 +6,15 @@ around back-to-back calls, median of 7 x 20) and the forward's peak memory above
 """
 import argparse
 import os
-import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, BENCH)
+from bench_linear import gpu_ms  # noqa: E402  (also puts the repository root on the path)
 
 import torch  # noqa: E402
 
 from fp8blk.torch import Float8BlockLinear  # noqa: E402
-
-
-def timed(fn, inner=20, repeats=7):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(inner):
-            fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / inner)
-    return statistics.median(out)
 
 
 def peak(fn):
@@ -57,7 +42,7 @@ def main():
         def no_grad():
             with torch.no_grad():
                 return layer(x)
-        t = {name: timed(fn) for name, fn in (("grad mode", train), ("no_grad", no_grad))}
+        t = {name: gpu_ms(fn, inner=20) for name, fn in (("grad mode", train), ("no_grad", no_grad))}
         p = {name: peak(fn) for name, fn in (("grad mode", train), ("no_grad", no_grad))}
         print(f"({m}, {k}, {n}) forward ms: " + ", ".join(f"{a} {v:.3f}" for a, v in t.items())
               + " | peak MB above start: " + ", ".join(f"{a} {v / 2**20:.0f}"

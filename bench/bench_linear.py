@@ -338,8 +338,9 @@ def speed(m, k, n, quick, speed_only=False, inner=None):
         except Exception as err:  # noqa: BLE001
             case["errors"][f"{name} graphed"] = f"{type(err).__name__}: {err}"
     case["graphed_ms"] = interleaved_ms(replays, inner=inner)
-    case["graphed_speedup_vs_bf16"] = (case["graphed_ms"]["bf16"] / case["graphed_ms"]["fp8blk"]
-                                       if "fp8blk" in case["graphed_ms"] else None)
+    graphs = case["graphed_ms"]
+    case["graphed_speedup_vs_bf16"] = (graphs["bf16"] / graphs["fp8blk"]
+                                       if "fp8blk" in graphs and "bf16" in graphs else None)
     del replays
     case["stack_memory"] = [] if speed_only else [stack_memory(m, k, depth) for depth in (4, 8)]
     case["breakdown"] = {f"{p}_ms": alone[p] for p in pieces}

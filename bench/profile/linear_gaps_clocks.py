@@ -7,8 +7,9 @@ GPU (~6 ms). This tells the two possible causes apart, per shape and implementat
 
 * gaps: a torch.profiler trace of back-to-back steps, the kernels' summed time against the span
   from the first kernel's start to the last one's end (span - busy = the GPU idle inside it);
-* clocks: ~1.5 s of sustained back-to-back steps and ~1.5 s of sleep-prefilled samples, with
-  the SM clock and power read by ``nvidia-smi`` every 100 ms in the background.
+* clocks: ~1.5 s of sustained back-to-back steps, ~1.5 s of sleep-prefilled samples and ~1.5 s
+  of the step captured in a CUDA graph and replayed back to back (sustained, no host in the
+  loop), with the SM clock and power read by ``nvidia-smi`` every 100 ms in the background.
 
     python3 bench/profile/linear_gaps_clocks.py [--shapes 16384x8192x8192,8192x4096x4096]
 """
@@ -25,7 +26,7 @@ import torch
 
 BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, BENCH)
-from bench_linear import fwd_bwd, host_us, sample_ms  # noqa: E402
+from bench_linear import fwd_bwd, graphed, host_us, sample_ms  # noqa: E402
 
 from fp8blk.torch import Float8BlockLinear  # noqa: E402
 
@@ -133,7 +134,9 @@ def main():
                     print(f"   {us:7.1f} ({count:2d})  {a}  ->  {b}")
                 ms_b2b, w_b2b = sustained(step, args.seconds)
                 ms_pre, w_pre = prefilled(step, args.seconds, 10, 2 + 15 * host / 1000)
-                rows.append((shape, name, host, busy, span, ms_b2b, w_b2b, ms_pre, w_pre))
+                ms_gr, w_gr = sustained(graphed(step), args.seconds)
+                rows.append((shape, name, host, busy, span, ms_b2b, w_b2b, ms_pre, w_pre,
+                             ms_gr, w_gr))
     finally:
         time.sleep(0.3)
         smi.terminate()
@@ -148,12 +151,15 @@ def main():
     os.unlink(log.name)
     print(f"{len(samples)} nvidia-smi samples (SM MHz, W): medians over each phase's window")
     print(f"{'shape':18s} {'impl':7s} {'host us':>8s} {'trace busy':>10s} {'span':>7s} "
-          f"{'b2b ms':>7s} {'MHz':>5s} {'W':>5s} {'prefill ms':>10s} {'MHz':>5s} {'W':>5s}")
-    for shape, name, host, busy, span, ms_b2b, w_b2b, ms_pre, w_pre in rows:
+          f"{'b2b ms':>7s} {'MHz':>5s} {'W':>5s} {'prefill ms':>10s} {'MHz':>5s} {'W':>5s} "
+          f"{'graph ms':>8s} {'MHz':>5s} {'W':>5s}")
+    for shape, name, host, busy, span, ms_b2b, w_b2b, ms_pre, w_pre, ms_gr, w_gr in rows:
         c1, p1 = smi_window(samples, w_b2b)
         c2, p2 = smi_window(samples, w_pre)
+        c3, p3 = smi_window(samples, w_gr)
         print(f"{shape:18s} {name:7s} {host:8.0f} {busy:10.3f} {span:7.3f} {ms_b2b:7.3f} "
-              f"{c1 or 0:5.0f} {p1 or 0:5.0f} {ms_pre:10.3f} {c2 or 0:5.0f} {p2 or 0:5.0f}")
+              f"{c1 or 0:5.0f} {p1 or 0:5.0f} {ms_pre:10.3f} {c2 or 0:5.0f} {p2 or 0:5.0f} "
+              f"{ms_gr:8.3f} {c3 or 0:5.0f} {p3 or 0:5.0f}")
 
 
 if __name__ == "__main__":

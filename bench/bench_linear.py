@@ -283,7 +283,7 @@ def stack_memory(m, k, depth=4):
     return {"depth": depth, "tokens": m, "width": k, "fwd_peak_bytes": out}
 
 
-def speed(m, k, n, quick, speed_only=False, inner=None):
+def speed(m, k, n, quick, speed_only=False, inner=None, compiled=False):
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(m, n, device=DEV, dtype=torch.bfloat16)
     bf16 = torch.nn.Linear(k, n, bias=False, device=DEV, dtype=torch.bfloat16)
@@ -292,7 +292,11 @@ def speed(m, k, n, quick, speed_only=False, inner=None):
     for name, layer in ao.items():
         layer.weight = bf16.weight
         layers[name] = layer
-    case = {"tokens": m, "in": k, "out": n, "torchao_error": ao_error, "gpu_ms": {},
+    if compiled:   # each case under torch.compile (inductor), as torchao's users run it
+        layers = {name: torch.compile(layer) for name, layer in layers.items()
+                  if name != "torchao_triton"}
+    case = {"tokens": m, "in": k, "out": n, "compiled": compiled, "torchao_error": ao_error,
+            "gpu_ms": {},
             "host_us": {}, "fwd_peak_bytes": {}, "saved_bytes": {}, "errors": {}}
     steps = {}
     for name, layer in layers.items():
@@ -388,6 +392,9 @@ def main():
     parser.add_argument("--inner", type=int, default=None,
                         help="fwd+bwd iterations per timed sample (default 10, 3 with --quick); "
                              "few iterations expose the pipeline fill of each sample")
+    parser.add_argument("--compile", action="store_true",
+                        help="time each case under torch.compile (inductor; torchao's Triton "
+                             "variant left out); use with --speed-only")
     parser.add_argument("--shapes", default=None,
                         help="comma-separated indices into SHAPES (default: all)")
     args = parser.parse_args()
@@ -398,7 +405,8 @@ def main():
               "command": " ".join([sys.executable] + sys.argv),
               "cublaslt_gemms": _cublaslt.enabled,   # the plan's GEMMs (FP8BLK_CUBLASLT)
               "accuracy": [] if args.speed_only else [accuracy(w) for w in (4096, 8192)],
-              "speed": [speed(*s, args.quick, args.speed_only, args.inner) for s in shapes],
+              "speed": [speed(*s, args.quick, args.speed_only, args.inner, args.compile)
+                        for s in shapes],
               "compile": {} if args.speed_only else compile_check()}
     for a in result["accuracy"]:
         s = a["sqnr_db"]

@@ -46,9 +46,16 @@ plans = {}
 def eligible(x2d, weight, cfg, out_dtype):
     """True when a plan can serve this signature (see the module docstring); the per-call
     conditions (contiguity, alignment) are :func:`plan_for`'s."""
-    if type(x2d) is not torch.Tensor or type(weight) not in _WEIGHT_TYPES \
-            or not x2d.is_cuda or isinstance(cfg.weight, MXFP8) or x2d.dim() != 2 \
-            or weight.dim() != 2:
+    return (type(x2d) is torch.Tensor and type(weight) in _WEIGHT_TYPES
+            and traceable(x2d, weight, cfg, out_dtype))
+
+
+def traceable(x2d, weight, cfg, out_dtype):
+    """:func:`eligible` without the tensor types, for torch.compile's traced (fake) tensors:
+    what the signature alone decides (the FSDP2 FP8 weight, which hands out its own FP8 data,
+    excluded by its hook). The compiled ops (``_linear_ops``) make the rest hold per call."""
+    if not x2d.is_cuda or isinstance(cfg.weight, MXFP8) or x2d.dim() != 2 \
+            or weight.dim() != 2 or hasattr(weight, "fp8blk_block_tensor"):
         return False
     (m, k), n = x2d.shape, weight.shape[0]
     return (weight.device == x2d.device and weight.shape[1] == k and not m % 512
@@ -152,3 +159,22 @@ def plan_for(x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad):
             plans.clear()
         plan = plans[k] = LinearPlan(x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad)
     return plan
+
+
+def plan_for_shapes(m, k, n, x_dtype, w_dtype, device, cfg, out_dtype, need_dgrad, need_wgrad):
+    """The plan of x (m, k) `x_dtype` @ W (n, k) `w_dtype` on CUDA `device`, for callers that
+    hold no x (the compiled ops' backward), made on first use from stand-in tensors. Its
+    launchers were chosen for 16-byte aligned, C-contiguous operands: the caller passes such."""
+    key = (m, k, n, x_dtype, w_dtype, device, cfg, out_dtype, need_dgrad, need_wgrad)
+    plan = shape_plans.get(key)
+    if plan is None:
+        if len(shape_plans) > 1024:
+            shape_plans.clear()
+        x2d = torch.empty((m, k), dtype=x_dtype, device=device)
+        weight = torch.empty((n, k), dtype=w_dtype, device=device)
+        plan = shape_plans[key] = LinearPlan(x2d, weight, cfg, out_dtype, need_dgrad,
+                                             need_wgrad)
+    return plan
+
+
+shape_plans = {}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import MXFP8
-from . import _linear_plans
+from . import _linear_ops, _linear_plans
 from .config import Float8BlockConfig
 from .quantize_ops import (FP8_DTYPE, block2d_columnwise, block_tensor_buffers,
                            mxfp8_columnwise_as_rows, quantize_buffers)
@@ -123,10 +123,16 @@ class _Float8BlockLinearFn(torch.autograd.Function):
         # needs_input_grad says True under torch.no_grad too): without it no backward follows,
         # so x's columnwise copy is neither made nor kept
         need_wgrad = grad_enabled and weight.requires_grad
+        need_dgrad = grad_enabled and ctx.needs_input_grad[0]
+        # compiled, a signature a plan serves runs it as one op per pass (_linear_ops)
+        ctx.op = (need_dgrad, need_wgrad) if _compiling() and _linear_plans.traceable(
+            x2d, weight, cfg, out_dtype) else None
         plan = None if _compiling() else _linear_plans.plan_for(
-            x2d, weight, cfg, out_dtype, grad_enabled and ctx.needs_input_grad[0], need_wgrad)
+            x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad)
         ctx.plan = plan
-        if plan is not None:
+        if ctx.op is not None:
+            y, qx_t = _linear_ops.forward(x2d, weight, cfg, out_dtype, *ctx.op)
+        elif plan is not None:
             y, qx_t = plan.forward(x2d, weight)
         else:
             qx = quantize_input(x2d, cfg.activation, need_wgrad)
@@ -162,7 +168,10 @@ class _Float8BlockLinearFn(torch.autograd.Function):
         # both paths sum dbias over the same contiguous dY: a strided sum adds in another order
         if not dy2d.is_contiguous():
             dy2d = dy2d.contiguous()
-        if ctx.plan is not None:
+        if ctx.op is not None:
+            dx, dw = _linear_ops.backward(dy2d, xt_d, xt_s, weight, ctx.cfg, x_dtype, ctx.op,
+                                          need_dgrad, need_wgrad)
+        elif ctx.plan is not None:
             dx, dw = ctx.plan.backward(dy2d, xt_d, xt_s, weight, need_dgrad, need_wgrad)
         else:
             qw = _weight_block_tensor(weight, ctx.cfg, False, True) if need_dgrad else None

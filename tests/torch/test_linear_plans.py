@@ -154,3 +154,42 @@ def test_no_grad_plans_the_forward_only(rng):
     (eval_,) = [p for p in _linear_plans.plans.values() if p.qdy is None]
     assert train.qx.outs[2] is not None and eval_.qx.outs[2] is None
     assert eval_.qwt is None and eval_.mm_dgrad is None and eval_.mm_wgrad is None
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_layers_run_the_plan_ops(mode, rng):
+    """torch.compile(fullgraph=True) of plan-served layers runs each pass as one op
+    (fp8blk::linear_fwd / linear_bwd, fp8blk/torch/_linear_ops.py) and gives eager's bytes:
+    output, input gradient, weight gradients, and the output under no_grad. No bias and
+    nothing between the layers, so inductor has no op of its own to fuse."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+    model = torch.nn.Sequential(
+        Float8BlockLinear(1024, 512, bias=False, device="cuda", dtype=torch.bfloat16),
+        Float8BlockLinear(512, 1024, bias=False, device="cuda", dtype=torch.bfloat16))
+    compiled = torch.compile(model, mode=mode, fullgraph=True)
+    _linear_plans.shape_plans.clear()
+
+    def step(m, x, g):
+        for p in model.parameters():
+            p.grad = None
+        xr = x.clone().requires_grad_()
+        y = m(xr)
+        y.backward(g)
+        return [t.clone() for t in (y, xr.grad, model[0].weight.grad, model[1].weight.grad)]
+    for r in range(3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(spread(tuple(p.shape), gen) / p.shape[1] ** 0.5)
+        x = spread((2, 512, 1024), gen).cuda().bfloat16()
+        g = spread((2, 512, 1024), gen).cuda().bfloat16()
+        got, want = step(compiled, x, g), step(model, x, g)
+        for name, a, b in zip(("y", "dx", "dW0", "dW1"), got, want):
+            assert torch.equal(a, b), (mode, r, name, (a.float() - b.float()).abs().max())
+        with torch.no_grad():
+            assert torch.equal(compiled(x).clone(), want[0]), (mode, r, "no_grad")
+    # both layers' signatures, with and without gradients, came through the ops
+    assert len(_linear_plans.shape_plans) == 4, list(_linear_plans.shape_plans)
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])

@@ -1,0 +1,122 @@
+"""Float8BlockLinear's per-signature plan as two torch ops, for torch.compile.
+
+Under torch.compile a layer otherwise traces through its pieces -- quantize x, quantize W,
+the GEMM; then quantize dY, W's columnwise form, two GEMMs -- and each piece is a Python custom
+op: on the H200's host such an op costs ~50 us per call inside a compiled graph (~17 us for an
+op registered with ``Library.define`` + ``impl``, which skips the high-level API's autograd
+and aliasing wrappers; bench/README.md), and the pieces' own Python runs as on the general
+path. A compiled (8192, 4096, 4096) bf16 step cost ~1.8-2.2 ms of host time for ~0.8 ms of GPU
+work. Where a plan serves the signature (``_linear_plans.traceable``: plain CUDA weights,
+Block1D/Block2D, M, K and N multiples of 512), the layer instead calls one op per pass:
+
+    fp8blk::linear_fwd(x, weight, cfg, out_dtype, need_dgrad, need_wgrad) -> (y, xt_d, xt_s)
+    fp8blk::linear_bwd(dy, xt_d, xt_s, weight, cfg, x_dtype, need_dgrad, need_wgrad)
+        -> (dx, dw)
+
+each running the eager hot path's plan (``_linear_plans.plan_for_shapes``), so the compiled
+layer computes the same bytes as the eager one. x (M, K) and dy (M, N) C-contiguous,
+weight (N, K); y (M, N) `out_dtype`; xt_d, xt_s: x's columnwise FP8 data as the plan holds it,
+(M, K) float8 with strides (1, M), and its (M/128, K) float32 scales (empty (0,) uint8 tensors
+when the weight gradient is not needed); dx (M, K) `x_dtype`, dw (N, K) in the weight's dtype
+(empty where not needed). ``cfg`` is :func:`config_key` of the layer's Float8BlockConfig. An
+operand that is not C-contiguous and 16-byte aligned (the plans' launchers assume both) is
+copied first.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..layout import cdiv
+from .config import Float8BlockConfig
+from .quantize_ops import FP8_DTYPE, recipe_from_key, recipe_key
+from . import _linear_plans
+
+_CONFIGS = {}
+
+
+def config_key(cfg: Float8BlockConfig) -> str:
+    """A string naming the config exactly (ops take no Python objects)."""
+    return "|".join(recipe_key(r) for r in (cfg.activation, cfg.weight, cfg.grad))
+
+
+def _config(key):
+    cfg = _CONFIGS.get(key)
+    if cfg is None:
+        cfg = _CONFIGS[key] = Float8BlockConfig(*(recipe_from_key(p) for p in key.split("|")))
+    return cfg
+
+
+def _ready(t):
+    """`t` if C-contiguous and 16-byte aligned, else a copy that is."""
+    if t.is_contiguous() and not t.data_ptr() & 15:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _none(device):
+    return torch.empty((0,), dtype=torch.uint8, device=device)
+
+
+def _fwd(x, weight, cfg, out_dtype, need_dgrad, need_wgrad):
+    x, weight = _ready(x), _ready(weight)
+    (m, k), n = x.shape, weight.shape[0]
+    plan = _linear_plans.plan_for_shapes(m, k, n, x.dtype, weight.dtype, x.device,
+                                         _config(cfg), out_dtype, need_dgrad, need_wgrad)
+    y, (xt_d, xt_s) = plan.forward(x, weight)
+    if xt_d is None:            # distinct empties: an op's outputs must not alias
+        xt_d, xt_s = _none(x.device), _none(x.device)
+    return y, xt_d, xt_s
+
+
+def _fwd_fake(x, weight, cfg, out_dtype, need_dgrad, need_wgrad):
+    (m, k), n = x.shape, weight.shape[0]
+    y = x.new_empty((m, n), dtype=out_dtype)
+    if not need_wgrad:
+        return y, x.new_empty((0,), dtype=torch.uint8), x.new_empty((0,), dtype=torch.uint8)
+    fa = FP8_DTYPE[_config(cfg).activation.fmt]
+    return (y, torch.empty_strided((m, k), (1, m), dtype=fa, device=x.device),
+            x.new_empty((cdiv(m, 128), k), dtype=torch.float32))
+
+
+def _bwd(dy, xt_d, xt_s, weight, cfg, x_dtype, need_dgrad, need_wgrad):
+    dy, weight = _ready(dy), _ready(weight)
+    (m, n), k = dy.shape, weight.shape[1]
+    plan = _linear_plans.plan_for_shapes(m, k, n, x_dtype, weight.dtype, dy.device,
+                                         _config(cfg), dy.dtype, need_dgrad, need_wgrad)
+    dx, dw = plan.backward(dy, xt_d, xt_s, weight, need_dgrad, need_wgrad)
+    return (_none(dy.device) if dx is None else dx), (_none(dy.device) if dw is None else dw)
+
+
+def _bwd_fake(dy, xt_d, xt_s, weight, cfg, x_dtype, need_dgrad, need_wgrad):
+    (m, n), k = dy.shape, weight.shape[1]
+    none = dy.new_empty((0,), dtype=torch.uint8)
+    return (dy.new_empty((m, k), dtype=x_dtype) if need_dgrad else none,
+            dy.new_empty((n, k), dtype=weight.dtype) if need_wgrad else none.clone())
+
+
+_lib = torch.library.Library("fp8blk", "FRAGMENT")
+_lib.define("linear_fwd(Tensor x, Tensor weight, str cfg, ScalarType out_dtype, "
+            "bool need_dgrad, bool need_wgrad) -> (Tensor, Tensor, Tensor)")
+_lib.define("linear_bwd(Tensor dy, Tensor xt_d, Tensor xt_s, Tensor weight, str cfg, "
+            "ScalarType x_dtype, bool need_dgrad, bool need_wgrad) -> (Tensor, Tensor)")
+_lib.impl("linear_fwd", _fwd, "CUDA")
+_lib.impl("linear_bwd", _bwd, "CUDA")
+torch.library.register_fake("fp8blk::linear_fwd", _fwd_fake, lib=_lib)
+torch.library.register_fake("fp8blk::linear_bwd", _bwd_fake, lib=_lib)
+
+
+def forward(x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad):
+    """``(y, (xt_d, xt_s))`` through ``fp8blk::linear_fwd``; `xt_*` None when not needed."""
+    y, xt_d, xt_s = torch.ops.fp8blk.linear_fwd(x2d, weight, config_key(cfg), out_dtype,
+                                                need_dgrad, need_wgrad)
+    return y, ((xt_d, xt_s) if need_wgrad else (None, None))
+
+
+def backward(dy2d, xt_d, xt_s, weight, cfg, x_dtype, planned, need_dgrad, need_wgrad):
+    """``(dx, dw)`` through ``fp8blk::linear_bwd`` (None where not needed). ``planned``: the
+    forward call's (need_dgrad, need_wgrad), which name its plan."""
+    if xt_d is None:
+        xt_d = xt_s = dy2d.new_empty((0,), dtype=torch.uint8)
+    dx, dw = torch.ops.fp8blk.linear_bwd(dy2d, xt_d, xt_s, weight, config_key(cfg), x_dtype,
+                                         *planned)
+    return (dx if need_dgrad else None), (dw if need_wgrad else None)

@@ -23,7 +23,9 @@ speed moves (with autograd's multithreading off, so no handoff to its device thr
 against 379-922 us; bench/README.md).
 
 Plans are keyed by the signature (:func:`plan_for`); :data:`plans` is emptied when it grows
-past 1024 entries.
+past 1024 entries. Under torch.compile the layer's two ops (``_linear_ops``) hold no x in
+backward, so they key plans by shapes and dtypes instead (:func:`plan_for_shapes`,
+:data:`shape_plans`, emptied the same way).
 """
 from __future__ import annotations
 

@@ -19,8 +19,8 @@ weight (N, K); y (M, N) `out_dtype`; xt_d, xt_s: x's columnwise FP8 data as the 
 (M, K) float8 with strides (1, M), and its (M/128, K) float32 scales (empty (0,) uint8 tensors
 when the weight gradient is not needed); dx (M, K) `x_dtype`, dw (N, K) in the weight's dtype
 (empty where not needed). ``cfg`` is :func:`config_key` of the layer's Float8BlockConfig. An
-operand that is not C-contiguous and 16-byte aligned (the plans' launchers assume both) is
-copied first.
+x or weight that is not C-contiguous and 16-byte aligned (the plans' launchers assume both) is
+copied first (dy as the eager plan treats it).
 """
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def _fwd_fake(x, weight, cfg, out_dtype, need_dgrad, need_wgrad):
 
 
 def _bwd(dy, xt_d, xt_s, weight, cfg, x_dtype, need_dgrad, need_wgrad):
-    dy, weight = _ready(dy), _ready(weight)
+    weight = _ready(weight)     # dy: made contiguous by the layer, aligned by plan.backward
     (m, n), k = dy.shape, weight.shape[1]
     plan = _linear_plans.plan_for_shapes(m, k, n, x_dtype, weight.dtype, dy.device,
                                          _config(cfg), dy.dtype, need_dgrad, need_wgrad)

@@ -125,9 +125,10 @@ class _Float8BlockLinearFn(torch.autograd.Function):
         need_wgrad = grad_enabled and weight.requires_grad
         need_dgrad = grad_enabled and ctx.needs_input_grad[0]
         # compiled, a signature a plan serves runs it as one op per pass (_linear_ops)
-        ctx.op = (need_dgrad, need_wgrad) if _compiling() and _linear_plans.traceable(
+        compiling = _compiling()
+        ctx.op = (need_dgrad, need_wgrad) if compiling and _linear_plans.traceable(
             x2d, weight, cfg, out_dtype) else None
-        plan = None if _compiling() else _linear_plans.plan_for(
+        plan = None if compiling else _linear_plans.plan_for(
             x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad)
         ctx.plan = plan
         if ctx.op is not None:

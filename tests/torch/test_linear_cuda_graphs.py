@@ -14,20 +14,13 @@ import torch
 
 from fp8blk.torch import Float8BlockLinear, _cublaslt, _linear_plans, convert_to_float8_block
 
-from ._parity import spread
+from ._parity import init_spread_, spread
 
 pytestmark = pytest.mark.gpu
 
 
 def _gen(rng):
     return torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
-
-
-def _refresh(model, gen):
-    """New weights (and biases) in place, spread over orders of magnitude."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(spread(tuple(p.shape), gen) / p.shape[-1] ** 0.5)
 
 
 def _clear_grads(model, x):
@@ -78,7 +71,7 @@ def test_captured_step_replays_as_eager(case, rng, monkeypatch):
     with torch.no_grad():
         sx.copy_(spread(x_shape, gen))
         sg.copy_(spread(sg.shape, gen))
-    _refresh(model, gen)
+    init_spread_(model, gen)
     side = torch.cuda.Stream()       # warm-up off the capture stream, as torch's docs ask
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -103,7 +96,7 @@ def test_captured_step_replays_as_eager(case, rng, monkeypatch):
         assert not _linear_plans.plans
     for r in range(3):
         x, g = spread(x_shape, gen).cuda(), spread(sg.shape, gen).cuda()
-        _refresh(model, gen)
+        init_spread_(model, gen)
         with torch.no_grad():
             sx.copy_(x)
             sg.copy_(g)
@@ -125,7 +118,7 @@ def test_reduce_overhead_compile_equals_eager(rng):
     model = convert_to_float8_block(model).cuda()
     compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
     for r in range(4):              # cudagraph trees record on the 2nd call, replay after
-        _refresh(model, gen)
+        init_spread_(model, gen)
         x = spread((2, 128, 256), gen).cuda().bfloat16()
         g = spread((2, 128, 256), gen).cuda().bfloat16()
         xr = x.clone().requires_grad_()

@@ -11,7 +11,7 @@ import fp8blk as fb
 from fp8blk.torch import Float8BlockConfig, Float8BlockLinear
 from fp8blk.torch import _linear_plans, functional
 
-from ._parity import spread
+from ._parity import init_spread_, spread
 
 pytestmark = pytest.mark.gpu
 
@@ -180,9 +180,7 @@ def test_compiled_layers_run_the_plan_ops(mode, rng):
         y.backward(g)
         return [t.clone() for t in (y, xr.grad, model[0].weight.grad, model[1].weight.grad)]
     for r in range(3):
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(spread(tuple(p.shape), gen) / p.shape[1] ** 0.5)
+        init_spread_(model, gen)
         x = spread((2, 512, 1024), gen).cuda().bfloat16()
         g = spread((2, 512, 1024), gen).cuda().bfloat16()
         got, want = step(compiled, x, g), step(model, x, g)

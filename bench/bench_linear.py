@@ -1,7 +1,7 @@
 """GPU benchmark of fp8blk.torch.Float8BlockLinear (issue 13), one H200:
 
     python3 bench/bench_linear.py --out bench/results/linear-h200-$(date +%F).json [--quick]
-        [--speed-only] [--shapes 0,1,2]
+        [--speed-only] [--shapes 0,1,2 | --shapes 8000x4096x4096,...]
 
 1. Accuracy: SQNR (dB) of the output, input gradient and weight gradient against bf16
    nn.Linear (same weights, inputs and output gradient; the fp32 GEMM of the same bf16 data as
@@ -319,7 +319,7 @@ def speed(m, k, n, quick, speed_only=False, inner=None, compiled=False):
     case["gpu_ms"] = interleaved_ms(steps, inner=inner, host_out=case["host_loop_us"])
     t = case["gpu_ms"]
     case["speedup_vs_bf16"] = t["bf16"] / t["fp8blk"] if "fp8blk" in t else None
-    case["target_vs_bf16"] = TARGETS[(m, k, n)]
+    case["target_vs_bf16"] = TARGETS.get((m, k, n))
     case["speedup_vs_torchao"] = {p: t[p] / t["fp8blk"] for p in t if p.startswith("torchao")}
     # the same steps with the GPU queue filled first (the GPU work alone: what the step would
     # take with no host gaps), beside the pieces of a step, all interleaved
@@ -396,9 +396,12 @@ def main():
                         help="time each case under torch.compile (inductor; torchao's Triton "
                              "variant left out); use with --speed-only")
     parser.add_argument("--shapes", default=None,
-                        help="comma-separated indices into SHAPES (default: all)")
+                        help="comma-separated indices into SHAPES, or shapes as "
+                             "TOKENSxINxOUT (default: all of SHAPES)")
     args = parser.parse_args()
-    shapes = SHAPES if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    shapes = SHAPES if args.shapes is None else [
+        tuple(map(int, s.split("x"))) if "x" in s else SHAPES[int(s)]
+        for s in args.shapes.split(",")]
     result = {"machine": {"gpu": torch.cuda.get_device_name(), "host": platform.node(),
                           "torch": torch.__version__, "python": platform.python_version()},
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),

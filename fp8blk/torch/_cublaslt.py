@@ -10,8 +10,14 @@ torch's current stream. tests/torch/test_cublaslt.py compares the outputs with
 ``torch._scaled_mm`` byte for byte on the GPU.
 
 Served (everything else: :func:`make` returns None and the caller keeps ``torch._scaled_mm``):
-bf16 output; E4M3/E5M2 operands; a with 1x128 scales; b with 128x128 or 1x128 scales; the
+bf16 output; E4M3/E5M2 operands; a with 1x128 scales; b with 128x128 or 1x128 scales; M, N
+and K multiples of 16 (cuBLAS's FP8 leading dimensions; M = 258 gets no algorithm); the
 libcublasLt that torch itself loaded, version 12.9 or later (the first with block scaling).
+Unlike ``torch._scaled_mm``, K need not be a multiple of 512: cuBLASLt reads fp8blk's scale
+buffers as they are for any K-block count, including a partial last block
+(bench/profile/probe_cublaslt_kblocks.py checked every candidate layout against an fp32
+reference: fp8blk's (nt, round4(kt)) Block2D and (kt, R) Block1D buffers are what it reads),
+so the callers need no zero-padded operand copies there.
 Algorithms that need a workspace (the H200 picks one of 4 bytes for the 8192-token GEMMs) get
 one per call from torch's caching allocator on the current stream, like any temporary of a
 torch op: its memory is reused in that stream's order only, and under CUDA-graph capture it
@@ -24,8 +30,9 @@ it off for signatures planned after that (the plan then calls ``torch._scaled_mm
 
 Operands as ``torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.bfloat16)`` takes them
 (fp8blk/torch/scaled_mm.py): a (M, K) row-major; b (K, N) column-major; scale_a (M, K/128)
-with strides (1, M); scale_b (K/128, N/128) with strides (1, K/128) for 128x128 blocks, or
-(K/128, N) contiguous for 1x128 ones; out (M, N) row-major bf16. In cuBLASLt's column-major
+with strides (1, M); scale_b (K/128, N/128) with strides (1, round4(K/128)) for 128x128
+blocks, or (K/128, N) contiguous for 1x128 ones; out (M, N) row-major bf16. Only the data
+pointers are read: any tensors over those bytes will do (e.g. fp8blk's buffers themselves). In cuBLASLt's column-major
 terms out^T (N x M) = op(A) op(B) with A = b's bytes (K x N, transposed), B = a's bytes
 (K x M), A's scales b's, B's scales a's.
 """
@@ -229,7 +236,8 @@ def make(m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, device):
     blocks ``"128x128"`` or ``"1x128"`` (a's are 1x128), on CUDA `device`; None where it
     cannot serve the signature (module docstring) -- the caller then uses torch._scaled_mm."""
     if not enabled or out_dtype != torch.bfloat16 or a_dtype not in _F8 \
-            or b_dtype not in _F8 or b_blocks not in ("128x128", "1x128") or k % 128:
+            or b_dtype not in _F8 or b_blocks not in ("128x128", "1x128") \
+            or m % 16 or n % 16 or k % 16 or not (m and n and k):
         return None
     try:
         return _make(m, n, k, a_dtype, b_dtype, b_blocks, device)

@@ -7,7 +7,7 @@ op registered with ``Library.define`` + ``impl``, which skips the high-level API
 and aliasing wrappers; bench/README.md), and the pieces' own Python runs as on the general
 path. A compiled (8192, 4096, 4096) bf16 step cost ~1.8-2.2 ms of host time for ~0.8 ms of GPU
 work. Where a plan serves the signature (``_linear_plans.traceable``: plain CUDA weights,
-Block1D/Block2D, M, K and N multiples of 512), the layer instead calls one op per pass:
+Block1D/Block2D, any non-empty shape), the layer instead calls one op per pass:
 
     fp8blk::linear_fwd(x, weight, cfg, out_dtype, need_dgrad, need_wgrad) -> (y, xt_d, xt_s)
     fp8blk::linear_bwd(dy, xt_d, xt_s, weight, cfg, x_dtype, need_dgrad, need_wgrad)
@@ -16,8 +16,8 @@ Block1D/Block2D, M, K and N multiples of 512), the layer instead calls one op pe
 each running the eager hot path's plan (``_linear_plans.plan_for_shapes``), so the compiled
 layer computes the same bytes as the eager one. x (M, K) and dy (M, N) C-contiguous,
 weight (N, K); y (M, N) `out_dtype`; xt_d, xt_s: x's columnwise FP8 data as the plan holds it,
-(M, K) float8 with strides (1, M), and its (M/128, K) float32 scales (empty (0,) uint8 tensors
-when the weight gradient is not needed); dx (M, K) `x_dtype`, dw (N, K) in the weight's dtype
+(M, K) float8 with strides (1, M), and its (cdiv(M, 128), round4(K)) float32 scales (empty
+(0,) uint8 tensors when the weight gradient is not needed); dx (M, K) `x_dtype`, dw (N, K) in the weight's dtype
 (empty where not needed). ``cfg`` is :func:`config_key` of the layer's Float8BlockConfig. An
 x or weight that is not C-contiguous and 16-byte aligned (the plans' launchers assume both) is
 copied first (dy as the eager plan treats it).
@@ -75,7 +75,7 @@ def _fwd_fake(x, weight, cfg, out_dtype, need_dgrad, need_wgrad):
         return y, x.new_empty((0,), dtype=torch.uint8), x.new_empty((0,), dtype=torch.uint8)
     fa = FP8_DTYPE[_config(cfg).activation.fmt]
     return (y, torch.empty_strided((m, k), (1, m), dtype=fa, device=x.device),
-            x.new_empty((cdiv(m, 128), k), dtype=torch.float32))
+            x.new_empty((cdiv(m, 128), -(-k // 4) * 4), dtype=torch.float32))
 
 
 def _bwd(dy, xt_d, xt_s, weight, cfg, x_dtype, need_dgrad, need_wgrad):

@@ -13,11 +13,14 @@ on ``torch._scaled_mm``.
 
 Signatures a plan serves (everything else takes the general path in ``functional.py``):
 plain CUDA tensors (x a ``torch.Tensor``, the weight a ``torch.Tensor`` or ``nn.Parameter``,
-so not the FSDP2 FP8 weight), Block1D/Block2D configs, x (M, K) and W (N, K) with M, K and N
-multiples of 512 (no GEMM needs padding: torch's blockwise kernel wants K-block counts that are
-multiples of 4, docs/torch.md), 16-byte aligned operands, float32/bfloat16/float16. The bytes
-are the general path's: the same kernels on the same inputs, the same GEMMs on the same bytes
-(tests/torch/test_linear_plans.py compares them on the GPU). Host time per (8192, 4096, 4096)
+so not the FSDP2 FP8 weight), Block1D/Block2D configs, x (M, K) and W (N, K) of any non-empty
+shape, 16-byte aligned operands, float32/bfloat16/float16. Each GEMM runs on cuBLASLt
+directly where it serves the signature (bf16 output, the GEMM's M, N and K multiples of 16:
+any K-block count, e.g. 8000 tokens or 11008 features, with no padding), else on
+``torch._scaled_mm`` where that takes the buffers as they are (K a multiple of 512, the rows
+of a multiple of 4, N of 16), else through ``scaled_mm.cuda_scaled_mm``, which pads. The
+bytes are the general path's: the same kernels on the same inputs, the same GEMMs on the same
+bytes (tests/torch/test_linear_plans.py compares them on the GPU). Host time per (8192, 4096, 4096)
 bf16 fwd+bwd on the H200: 540-815 us against 920-1010 on the general path, as the host's
 speed moves (with autograd's multithreading off, so no handoff to its device thread: 294-545
 against 379-922 us; bench/README.md).
@@ -37,6 +40,7 @@ from .. import _arrays
 from ..formats import MXFP8, Format
 from ..layout import cdiv
 from . import _cublaslt
+from .scaled_mm import cuda_scaled_mm
 
 _F8 = {Format.E4M3: torch.float8_e4m3fn, Format.E5M2: torch.float8_e5m2}
 _HIGH = (torch.float32, torch.bfloat16, torch.float16)
@@ -60,9 +64,8 @@ def traceable(x2d, weight, cfg, out_dtype):
             or weight.dim() != 2 or hasattr(weight, "fp8blk_block_tensor"):
         return False
     (m, k), n = x2d.shape, weight.shape[0]
-    return (weight.device == x2d.device and weight.shape[1] == k and not m % 512
-            and not k % 512 and not n % 512 and x2d.dtype in _HIGH and weight.dtype in _HIGH
-            and out_dtype in _HIGH)
+    return (weight.device == x2d.device and weight.shape[1] == k and m > 0 and k > 0
+            and n > 0 and x2d.dtype in _HIGH and weight.dtype in _HIGH and out_dtype in _HIGH)
 
 
 def _launcher(t, recipe, rowwise, columnwise, views):
@@ -71,8 +74,18 @@ def _launcher(t, recipe, rowwise, columnwise, views):
 
 
 def _scale_t(rows, blocks):
-    """An fp32 scale buffer (blocks, rows) seen as (rows, blocks) with strides (1, rows)."""
-    return ((rows, blocks), (1, rows), torch.float32)
+    """An fp32 scale buffer (blocks, round4(rows)) -- fp8blk's layouts pad the fast dim to a
+    multiple of 4 -- seen as (round4(rows), blocks) with strides (1, round4(rows))."""
+    r4 = -(-rows // 4) * 4
+    return ((r4, blocks), (1, r4), torch.float32)
+
+
+def _padded_mm(a, b, scale_a, scale_b, b_blocks, out_dtype):
+    """A plan GEMM's operands (torch._scaled_mm's views of fp8blk's buffers) back as the
+    buffers, through ``cuda_scaled_mm``: for the signatures neither cuBLASLt directly nor
+    torch's kernel takes as they are."""
+    return cuda_scaled_mm(a, scale_a.t(), b.t(), scale_b.t() if b_blocks == "128x128"
+                          else scale_b, "1x128", b_blocks, out_dtype)
 
 
 class LinearPlan:
@@ -85,7 +98,7 @@ class LinearPlan:
 
     def __init__(self, x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad):
         (m, k), n = x2d.shape, weight.shape[0]
-        mt, kt, nt = cdiv(m, 128), cdiv(k, 128), cdiv(n, 128)
+        mt, kt, nt, k4 = cdiv(m, 128), cdiv(k, 128), cdiv(n, 128), -(-k // 4) * 4
         fa, fw, fg = _F8[cfg.activation.fmt], _F8[cfg.weight.fmt], _F8[cfg.grad.fmt]
         w = weight.detach()
         # y = x @ W.T: a = x (M, K) row-major, its 1x128 scales (kt, M) as (M, kt); b = W's
@@ -95,7 +108,7 @@ class LinearPlan:
         self.qx = _launcher(x2d, cfg.activation, True, need_wgrad, [
             ((m, k), (k, 1), fa), _scale_t(m, kt),
             ((m, k), (1, m), fa) if need_wgrad else None,
-            ((mt, k), (k, 1), torch.float32) if need_wgrad else None])
+            ((mt, k4), (k4, 1), torch.float32) if need_wgrad else None])
         self.qw = _launcher(w, cfg.weight, True, False, [
             ((k, n), (1, k), fw), _scale_t(kt, nt), None, None])
         # dx = dY @ W: b is W's columnwise (K, N) bytes as column-major (N, K), its (kt, nt)
@@ -106,12 +119,17 @@ class LinearPlan:
         self.qdy = None
         # each GEMM, mm(a, b, scale_a, scale_b): on cuBLASLt directly where that is on and
         # serves the signature (the same algorithm as torch._scaled_mm without its per-call
-        # algorithm search), else torch._scaled_mm
+        # algorithm search), else torch._scaled_mm where its kernel takes the buffers as they
+        # are, else cuda_scaled_mm (module docstring)
         dev = x2d.device
 
         def gemm(mm_m, mm_n, mm_k, a_dtype, b_dtype, b_blocks, dtype):
-            return _cublaslt.make(mm_m, mm_n, mm_k, a_dtype, b_dtype, b_blocks, dtype, dev) \
-                or functools.partial(torch._scaled_mm, out_dtype=dtype)
+            direct = _cublaslt.make(mm_m, mm_n, mm_k, a_dtype, b_dtype, b_blocks, dtype, dev)
+            if direct is not None:
+                return direct
+            if not (mm_k % 512 or mm_m % 4 or mm_n % 16):
+                return functools.partial(torch._scaled_mm, out_dtype=dtype)
+            return functools.partial(_padded_mm, b_blocks=b_blocks, out_dtype=dtype)
 
         self.mm_fwd = gemm(m, n, k, fa, fw, "128x128", out_dtype)
         self.mm_dgrad = gemm(m, k, n, fg, fw, "128x128", x2d.dtype) if need_dgrad else None

@@ -28,7 +28,10 @@ copied to fix a layout, except where noted for the CUDA path below.
 
 CUDA: ``torch._scaled_mm(a, b.t(), scale_a, scale_b, out_dtype=...)`` on views of the given
 buffers (1x128 x 128x128 and 1x128 x 1x128 are both supported by torch >= 2.9 on sm_90).
-Documented copies, only where torch's kernel cannot take fp8blk's layout as it is:
+Where torch's kernel would need the copies below and cuBLASLt serves the signature directly
+(``_cublaslt``: bf16 output, M, N and K multiples of 16), the GEMM runs on cuBLASLt instead,
+on fp8blk's buffers as they are: cuBLASLt takes any K-block count and a partial last block.
+Documented copies, only where neither can take fp8blk's layout as it is:
 K % 128 != 0 (torch rejects such K: both operands are copied into K-padded zero buffers, the
 scales are unchanged since the padded zeros sit inside the last block), N % 16 != 0 (rows of b
 padded with zeros, the output sliced and made contiguous), and a "1x128" scale whose row
@@ -63,6 +66,7 @@ import torch
 
 from ..formats import MXFP8, Block1D, Block2D
 from ..layout import all_layouts, cdiv
+from . import _cublaslt
 
 BLOCKS = {"1x128": Block1D(), "128x128": Block2D(), "1x32": MXFP8()}
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -196,6 +200,21 @@ def _scale_1x128(sinv, rows, padded_rows, kblocks):
     return s.t()
 
 
+_direct = {}   # signature -> a _cublaslt.ScaledMM, or None where cuBLASLt does not serve it
+
+
+def _direct_mm(m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, device):
+    key = (m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, device, _cublaslt.enabled)
+    try:
+        return _direct[key]
+    except KeyError:
+        pass
+    if len(_direct) > 1024:
+        _direct.clear()
+    mm = _direct[key] = _cublaslt.make(m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, device)
+    return mm
+
+
 def cuda_scaled_mm(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype):
     """The CUDA implementation: ``torch._scaled_mm`` on views of fp8blk's buffers.
 
@@ -203,8 +222,9 @@ def cuda_scaled_mm(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype
     stride must be 16-byte aligned), N % 16 == 0, and K a multiple of 512 (K-block count a
     multiple of 4: measured on the H200, a 128x128 scale tensor whose K-block count is not a
     multiple of 4 gives wrong results with the padded row stride, and torch rejects others).
-    Other shapes are zero-padded first (a copy of the operands: padded rows and K hold zero
-    bytes, their scales 1.0) and the result is cropped."""
+    Other shapes run on cuBLASLt directly where it serves them (module docstring), else are
+    zero-padded first (a copy of the operands: padded rows and K hold zero bytes, their
+    scales 1.0) and the result is cropped."""
     if a_blocks == "1x32":
         return emulate(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype)
     if a_blocks != "1x128":
@@ -214,6 +234,10 @@ def cuda_scaled_mm(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype
     n = b.shape[0]
     kt4 = -(-cdiv(k, 128) // 4) * 4
     kp, mp, np_ = kt4 * 128, -(-m // 4) * 4, -(-n // 16) * 16
+    if (kp != k or mp != m or np_ != n) and a.is_cuda:
+        direct = _direct_mm(m, n, k, a.dtype, b.dtype, b_blocks, out_dtype, a.device)
+        if direct is not None:      # fp8blk's buffers are the layouts it reads (_cublaslt)
+            return direct(a, b.t(), a_scale_inv, b_scale_inv)
     if kp != k:
         a, b = _pad_cols(a, kp), _pad_cols(b, kp)
     if mp != m:

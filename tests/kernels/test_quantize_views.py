@@ -55,3 +55,23 @@ def test_views_that_do_not_cover_the_buffer_are_refused(bad):
         views[2] = ((k, m), (m, 1), F8)
     with pytest.raises(ValueError, match="torch_call"):
         kq._checked_views(outs(fb.Block1D(), m, k, True, False), views)
+
+
+@pytest.mark.parametrize("m,k,n", [(1002, 640, 384), (1008, 200, 330)])
+def test_the_linear_plans_padded_views_are_accepted(m, k, n):
+    """Shapes whose scale buffers pad their fast dim to a multiple of 4 (rows, K-blocks or
+    features not multiples of 4): the plan's views, from its own helper, cover them exactly."""
+    from fp8blk.torch._linear_plans import _scale_t
+    from fp8blk.layout import cdiv
+    mt, kt, nt, k4 = cdiv(m, 128), cdiv(k, 128), cdiv(n, 128), -(-k // 4) * 4
+    xviews = [((m, k), (k, 1), F8), _scale_t(m, kt), ((m, k), (1, m), F8),
+              ((mt, k4), (k4, 1), torch.float32)]
+    assert kq._checked_views(outs(fb.Block1D(), m, k), xviews) == [tuple(v) for v in xviews]
+    wviews = [((k, n), (1, k), F8), _scale_t(kt, nt), None, None]
+    assert kq._checked_views(outs(fb.Block2D(), n, k, True, False), wviews)[1] == wviews[1]
+    wtviews = [None, None, ((n, k), (1, n), F8), _scale_t(nt, kt)]
+    assert kq._checked_views(outs(fb.Block2D(), n, k, False, True), wtviews)[3] == wtviews[3]
+    if m % 4:
+        with pytest.raises(ValueError, match="torch_call"):   # the unpadded view: refused
+                kq._checked_views(outs(fb.Block1D(), m, k, True, False),
+                              [xviews[0], ((m, kt), (1, m), torch.float32), None, None])

@@ -52,8 +52,9 @@ def _assert_same(got, want, what):
 def test_captured_step_replays_as_eager(case, rng, monkeypatch):
     """plan: two 4096-wide layers at 8192 tokens, the per-signature hot path with its GEMMs on
     cuBLASLt (the H200 picks algorithms that need a workspace for them: allocated per call,
-    from the graph's pool under capture). general: features that are not multiples of 128,
-    a bias, a 3-D input (padding, the custom ops, torch._scaled_mm)."""
+    from the graph's pool under capture). general: the general path (plans turned off),
+    with features that are not multiples of 128, a bias, a 3-D input of 300 tokens (padded
+    copies, the custom ops, torch._scaled_mm)."""
     monkeypatch.setattr(_cublaslt, "enabled", True)
     gen = _gen(rng)
     if case == "plan":
@@ -62,6 +63,7 @@ def test_captured_step_replays_as_eager(case, rng, monkeypatch):
               for _ in range(2)])
         x_shape, out = (8192, 4096), 4096
     else:
+        monkeypatch.setattr(_linear_plans, "plan_for", lambda *a: None)
         model = torch.nn.Sequential(
             Float8BlockLinear(200, 328, bias=True, device="cuda", dtype=torch.bfloat16))
         x_shape, out = (3, 100, 200), 328

@@ -1,8 +1,9 @@
 """GPU checks of fp8blk.torch (``python3 -m pytest -m gpu tests/torch``; skipped without CUDA):
 ``torch._scaled_mm`` on fp8blk's buffers against the float64 product of the dequantized
 operands at aligned and unaligned
-shapes (K % 128 != 0, rows % 4 != 0, N % 16 != 0, K-block counts not a multiple of 4), the
-whole layer against the oracle, and torch.compile fullgraph on the GPU.
+shapes (K % 128 != 0, rows % 4 != 0, N % 16 != 0, K-block counts not a multiple of 4; those
+with dims that are multiples of 16 on cuBLASLt directly, unpadded), the whole layer against
+the oracle, and torch.compile fullgraph on the GPU.
 
 GPU tolerance (derived): cuBLAS's blockwise FP8 GEMM accumulates each 128-long K block in the
 tensor cores (about 14 mantissa bits retained, DeepSeek-V3 report sec. 3.3.2) and promotes the
@@ -51,6 +52,29 @@ def test_cuda_scaled_mm_matches_emulation(mkn, b_blocks, out_dtype, rng):
     assert_within(got, want, bound, f"cuda {mkn} {b_blocks} {out_dtype}")
 
 
+@pytest.mark.parametrize("b_blocks", ["128x128", "1x128"])
+@pytest.mark.parametrize("mkn", [(1008, 640, 384), (400, 336, 896), (2000, 4016, 256),
+                                 (8000, 384, 128)])
+def test_unpadded_k_runs_on_cublaslt(mkn, b_blocks, rng, monkeypatch):
+    """K-block counts that are not a multiple of 4 and a partial last K-block (where torch's
+    kernel would need zero-padded copies of both operands) run on cuBLASLt directly on
+    fp8blk's buffers: torch._scaled_mm is never called, and the result is within the GPU
+    bound above of the exact product."""
+    from fp8blk.torch import _cublaslt
+
+    def boom(*a, **k):
+        raise AssertionError("torch._scaled_mm called: the operands were padded")
+    monkeypatch.setattr(_cublaslt, "enabled", True)
+    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+    ops = _ops(*mkn, gen, b_blocks)
+    monkeypatch.setattr(torch, "_scaled_mm", boom)
+    got = blockwise_scaled_mm(*ops, out_dtype=torch.bfloat16)
+    a, b = _dequant(ops[0], ops[1], ops[4]).double(), _dequant(ops[2], ops[3], ops[5]).double()
+    want = a @ b.T
+    bound = GPU_REL * (a.abs() @ b.abs().T) + 2.0 ** -8 * want.abs()
+    assert_within(got, want, bound, f"cuBLASLt unpadded {mkn} {b_blocks}")
+
+
 def test_ffn_on_gpu_against_oracle(rng):
     gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
     model = FeedForward(384, 640).cuda()
@@ -97,7 +121,10 @@ import threading, torch, fp8blk as fb
 from fp8blk.torch import convert_to_float8_block
 torch.cuda.set_device(0)
 # 1. the backward pass starts with fp8blk's kernels on autograd's worker thread for GPU 0
-M, K = {M}, {K}   # (512, 512): the per-signature hot path (_linear_plans) runs the step
+M, K = {M}, {K}
+if {GENERAL}:     # the general path; else the per-signature hot path (_linear_plans)
+    from fp8blk.torch import _linear_plans
+    _linear_plans.plan_for = lambda *a: None
 model = convert_to_float8_block(torch.nn.Sequential(torch.nn.Linear(K, K, bias=False)))
 model.cuda()
 x = torch.randn(M, K, device="cuda", requires_grad=True)
@@ -128,7 +155,8 @@ print("OK")
 """
 
 
-@pytest.mark.parametrize("mk", [(128, 256), (512, 512)])
+@pytest.mark.parametrize("mk", [(128, 256, True), (512, 512, False)],
+                         ids=["general", "plan"])
 def test_kernels_on_threads_without_a_current_context(mk, tmp_path):
     """Regression (H200, 2 ranks): the first backward on GPU 0 raised
     CUDA_ERROR_INVALID_CONTEXT: autograd's worker thread had no current CUDA context (torch
@@ -137,7 +165,8 @@ def test_kernels_on_threads_without_a_current_context(mk, tmp_path):
     import subprocess
     import sys
 
-    script = _FRESH_THREAD_SCRIPT.replace("{M}", str(mk[0])).replace("{K}", str(mk[1]))
+    script = _FRESH_THREAD_SCRIPT.replace("{M}", str(mk[0])).replace("{K}", str(mk[1])) \
+        .replace("{GENERAL}", str(mk[2]))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr

@@ -48,6 +48,15 @@ def _assert_same(got, want, what):
          cfg=Float8BlockConfig(grad=fb.Block1D(fb.E5M2))),
     dict(shape=(512, 512), n=1024, dtype=torch.bfloat16, bias=True, x_grad=False),
     dict(shape=(512, 512), n=1024, dtype=torch.bfloat16, bias=True, w_grad=False),
+    # shapes torch's blockwise kernel would need padded: K-block counts not a multiple of 4,
+    # a partial last token block (cuBLASLt directly, unpadded: test_unaligned_plans_...)
+    dict(shape=(1008, 640), n=384, dtype=torch.bfloat16, bias=True),
+    dict(shape=(2, 200, 384), n=896, dtype=torch.bfloat16, bias=False),
+    # ... and ones cuBLASLt declines (rows / features not multiples of 16, an fp32 output):
+    # torch._scaled_mm where it takes the buffers as they are, else padded copies
+    dict(shape=(300, 512), n=512, dtype=torch.bfloat16, bias=True),
+    dict(shape=(512, 200), n=272, dtype=torch.bfloat16, bias=True),
+    dict(shape=(1008, 640), n=384, dtype=torch.float32, bias=False),
 ])
 def test_plan_steps_equal_the_general_path(case, rng, monkeypatch):
     gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
@@ -94,13 +103,29 @@ def test_plan_path_skips_the_general_quantize(rng, monkeypatch):
     _assert_same(_step(layer, x, g), want, "plan step")
 
 
-@pytest.mark.parametrize("what", ["rows", "features", "unaligned", "noncontig_dy", "param_sub"])
-def test_signatures_the_plan_must_not_serve(what, rng, monkeypatch):
-    """Shapes needing padding, an unaligned input and a weight subclass take the general path
-    (no plan made); a non-contiguous dY in a planned step is copied first. All give the
-    general path's bytes."""
+def test_unaligned_plans_run_unpadded(rng):
+    """A bf16 signature whose dims are multiples of 16 but not of 512 (1008 tokens: a partial
+    last block; 640 and 384 features: 5 and 3 K-blocks) runs all three GEMMs on cuBLASLt
+    directly (no zero-padded copies, which torch._scaled_mm would need)."""
+    from fp8blk.torch import _cublaslt
     gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
-    m, k, n = {"rows": (384, 512, 512), "features": (512, 640, 512)}.get(what, (512, 512, 512))
+    if not _cublaslt.enabled:
+        pytest.skip("FP8BLK_CUBLASLT=0")
+    layer = Float8BlockLinear(640, 384, device="cuda", dtype=torch.bfloat16)
+    _linear_plans.plans.clear()
+    _step(layer, spread((1008, 640), gen).cuda().bfloat16().requires_grad_(),
+          spread((1008, 384), gen).cuda().bfloat16())
+    (plan,) = _linear_plans.plans.values()
+    for mm in (plan.mm_fwd, plan.mm_dgrad, plan.mm_wgrad):
+        assert isinstance(mm, _cublaslt.ScaledMM), (mm, _cublaslt.refusals)
+
+
+@pytest.mark.parametrize("what", ["unaligned", "noncontig_dy", "param_sub"])
+def test_signatures_the_plan_must_not_serve(what, rng, monkeypatch):
+    """An unaligned input and a weight subclass take the general path (no plan made); a
+    non-contiguous dY in a planned step is copied first. All give the general path's bytes."""
+    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+    m, k, n = 512, 512, 512
     layer = Float8BlockLinear(k, n, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         layer.weight.copy_(spread((n, k), gen, torch.bfloat16))
@@ -156,19 +181,24 @@ def test_no_grad_plans_the_forward_only(rng):
     assert eval_.qwt is None and eval_.mm_dgrad is None and eval_.mm_wgrad is None
 
 
+@pytest.mark.parametrize("dims", [(512, 1024, 512), (504, 640, 384), (500, 640, 200)],
+                         ids=["aligned", "unpadded", "odd"])
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
-def test_compiled_layers_run_the_plan_ops(mode, rng):
+def test_compiled_layers_run_the_plan_ops(mode, dims, rng):
     """torch.compile(fullgraph=True) of plan-served layers runs each pass as one op
     (fp8blk::linear_fwd / linear_bwd, fp8blk/torch/_linear_ops.py) and gives eager's bytes:
     output, input gradient, weight gradients, and the output under no_grad. No bias and
-    nothing between the layers, so inductor has no op of its own to fuse."""
+    nothing between the layers, so inductor has no op of its own to fuse. Tokens per batch
+    row, width, hidden: multiples of 512; of 16 (GEMMs on cuBLASLt unpadded); and not
+    (padded GEMMs, features whose scale buffers pad to 4)."""
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()
     gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+    t, w, h = dims
     model = torch.nn.Sequential(
-        Float8BlockLinear(1024, 512, bias=False, device="cuda", dtype=torch.bfloat16),
-        Float8BlockLinear(512, 1024, bias=False, device="cuda", dtype=torch.bfloat16))
+        Float8BlockLinear(w, h, bias=False, device="cuda", dtype=torch.bfloat16),
+        Float8BlockLinear(h, w, bias=False, device="cuda", dtype=torch.bfloat16))
     compiled = torch.compile(model, mode=mode, fullgraph=True)
     _linear_plans.shape_plans.clear()
 
@@ -181,8 +211,8 @@ def test_compiled_layers_run_the_plan_ops(mode, rng):
         return [t.clone() for t in (y, xr.grad, model[0].weight.grad, model[1].weight.grad)]
     for r in range(3):
         init_spread_(model, gen)
-        x = spread((2, 512, 1024), gen).cuda().bfloat16()
-        g = spread((2, 512, 1024), gen).cuda().bfloat16()
+        x = spread((2, t, w), gen).cuda().bfloat16()
+        g = spread((2, t, w), gen).cuda().bfloat16()
         got, want = step(compiled, x, g), step(model, x, g)
         for name, a, b in zip(("y", "dx", "dW0", "dW1"), got, want):
             assert torch.equal(a, b), (mode, r, name, (a.float() - b.float()).abs().max())

@@ -10,11 +10,11 @@ torch's current stream. tests/torch/test_cublaslt.py compares the outputs with
 ``torch._scaled_mm`` byte for byte on the GPU.
 
 Served (everything else: :func:`make` returns None and the caller keeps ``torch._scaled_mm``):
-bf16 output; E4M3/E5M2 operands; a with 1x128 scales; b with 128x128 or 1x128 scales; M, N
-and K multiples of 16 (cuBLAS's FP8 leading dimensions; M = 258 gets no algorithm); the
-libcublasLt that torch itself loaded, version 12.9 or later (the first with block scaling).
-Unlike ``torch._scaled_mm``, K need not be a multiple of 512: cuBLASLt reads fp8blk's scale
-buffers as they are for any K-block count, including a partial last block
+bf16, fp16 or fp32 output; E4M3/E5M2 operands; a with 1x128 scales; b with 128x128 or 1x128
+scales; M, N and K multiples of 16 (cuBLAS's FP8 leading dimensions; M = 258 gets no
+algorithm); the libcublasLt that torch itself loaded, version 12.9 or later (the first with
+block scaling). Unlike ``torch._scaled_mm``, K need not be a multiple of 512: cuBLASLt reads
+fp8blk's scale buffers as they are for any K-block count, including a partial last block
 (bench/profile/probe_cublaslt_kblocks.py checked every candidate layout against an fp32
 reference: fp8blk's (nt, round4(kt)) Block2D and (kt, R) Block1D buffers are what it reads),
 so the callers need no zero-padded operand copies there.
@@ -28,13 +28,13 @@ On by default; ``FP8BLK_CUBLASLT=0`` in the environment, or :data:`enabled` set 
 it off for signatures planned after that (the plan then calls ``torch._scaled_mm``).
 :data:`refusals` keeps the last few reasons :func:`make` declined a signature it takes.
 
-Operands as ``torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.bfloat16)`` takes them
+Operands as ``torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=...)`` takes them
 (fp8blk/torch/scaled_mm.py): a (M, K) row-major; b (K, N) column-major; scale_a (M, K/128)
 with strides (1, M); scale_b (K/128, N/128) with strides (1, round4(K/128)) for 128x128
-blocks, or (K/128, N) contiguous for 1x128 ones; out (M, N) row-major bf16. Only the data
-pointers are read: any tensors over those bytes will do (e.g. fp8blk's buffers themselves). In cuBLASLt's column-major
-terms out^T (N x M) = op(A) op(B) with A = b's bytes (K x N, transposed), B = a's bytes
-(K x M), A's scales b's, B's scales a's.
+blocks, or (K/128, N) contiguous for 1x128 ones; out (M, N) row-major. Only the data pointers
+are read: any tensors over those bytes will do (e.g. fp8blk's buffers themselves). In
+cuBLASLt's column-major terms out^T (N x M) = op(A) op(B) with A = b's bytes (K x N,
+transposed), B = a's bytes (K x M), A's scales b's, B's scales a's.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ enabled = os.environ.get("FP8BLK_CUBLASLT", "1") != "0"
 
 # cublasLt.h / cublas_api.h / library_types.h (CUDA 13; the values the probe read from the
 # headers of torch's nvidia wheel, bench/results/cublaslt-algos-h200-2026-12-01.log)
-_R_32F, _R_16BF, _R_8F_E4M3, _R_8F_E5M2 = 0, 14, 28, 29
+_R_32F, _R_16F, _R_16BF, _R_8F_E4M3, _R_8F_E5M2 = 0, 2, 14, 28, 29
 _COMPUTE_32F = 68
 _OP_N, _OP_T = 0, 1
 _DESC_TRANSA, _DESC_TRANSB = 3, 4
@@ -60,6 +60,7 @@ _PREF_MAX_WORKSPACE_BYTES = 1
 _WORKSPACE_ASKED = 32 << 20          # torch's cuBLASLt workspace on Hopper: the same query
 
 _F8 = {torch.float8_e4m3fn: _R_8F_E4M3, torch.float8_e5m2: _R_8F_E5M2}
+_OUT = {torch.bfloat16: _R_16BF, torch.float16: _R_16F, torch.float32: _R_32F}
 _VP = C.c_void_p
 
 
@@ -178,17 +179,19 @@ class _Descriptors:
 
 class ScaledMM:
     """``mm(a, b, scale_a, scale_b) -> out``: ``torch._scaled_mm(a, b, scale_a, scale_b,
-    out_dtype=torch.bfloat16)`` for one signature (see the module docstring for the operand
+    out_dtype=...)`` for one signature (see the module docstring for the operand
     layouts; the caller guarantees them: nothing is checked per call). Made by :func:`make`.
     Its cuBLASLt descriptors are freed with it."""
 
     __slots__ = ("m", "n", "device", "index", "lib", "handle", "owned", "desc", "layouts",
-                 "keep", "addrs", "slots", "lock", "empty", "stream", "current", "ws_size")
+                 "keep", "addrs", "slots", "lock", "empty", "stream", "current", "ws_size",
+                 "out_dtype")
 
-    def __init__(self, lib, handle, owned, algo, ws_size, m, n, device):
+    def __init__(self, lib, handle, owned, algo, ws_size, m, n, device, out_dtype):
         self.lib, self.handle, self.owned = lib, handle, owned
         self.desc, self.layouts = owned.desc, tuple(owned.layouts)
         self.m, self.n, self.device, self.index = m, n, device, device.index
+        self.out_dtype = out_dtype
         # host memory cuBLASLt reads by address: a pointer-sized slot per scale pointer
         # (cuBLAS's A = torch's b, B = torch's a), alpha = 1, beta = 0, the algorithm; the
         # addresses are ints, the cheapest argument ctypes converts
@@ -205,7 +208,7 @@ class ScaledMM:
         if self.current() != self.index:     # as torch's ops: run with the tensors' device
             with torch.cuda.device(self.index):
                 return self(a, b, scale_a, scale_b)
-        out = self.empty((self.m, self.n), (self.n, 1), dtype=torch.bfloat16,
+        out = self.empty((self.m, self.n), (self.n, 1), dtype=self.out_dtype,
                          device=self.device)
         lib, desc, (la, lb, lc) = self.lib, self.desc, self.layouts
         slot_a, slot_b = self.slots
@@ -235,18 +238,18 @@ def make(m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, device):
     """A :class:`ScaledMM` for out (m, n) = a (m, k) @ b (k, n) with these FP8 dtypes, b's
     blocks ``"128x128"`` or ``"1x128"`` (a's are 1x128), on CUDA `device`; None where it
     cannot serve the signature (module docstring) -- the caller then uses torch._scaled_mm."""
-    if not enabled or out_dtype != torch.bfloat16 or a_dtype not in _F8 \
+    if not enabled or out_dtype not in _OUT or a_dtype not in _F8 \
             or b_dtype not in _F8 or b_blocks not in ("128x128", "1x128") \
             or m % 16 or n % 16 or k % 16 or not (m and n and k):
         return None
     try:
-        return _make(m, n, k, a_dtype, b_dtype, b_blocks, device)
+        return _make(m, n, k, a_dtype, b_dtype, b_blocks, device, out_dtype)
     except RuntimeError as err:  # a cuBLASLt call refused the signature: torch's path serves it
         _refuse(str(err))
         return None
 
 
-def _make(m, n, k, a_dtype, b_dtype, b_blocks, device):
+def _make(m, n, k, a_dtype, b_dtype, b_blocks, device, out_dtype=torch.bfloat16):
     with _lock:
         lib = _library(device)
         if lib is None:
@@ -270,7 +273,7 @@ def _make(m, n, k, a_dtype, b_dtype, b_blocks, device):
         _set(lib, desc, _DESC_A_SCALE_POINTER, placeholder.data_ptr(), C.c_uint64)
         _set(lib, desc, _DESC_B_SCALE_POINTER, placeholder.data_ptr(), C.c_uint64)
         for dtype, rows, cols in ((_F8[b_dtype], k, n), (_F8[a_dtype], k, m),
-                                  (_R_16BF, n, m)):
+                                  (_OUT[out_dtype], n, m)):
             owned.layouts.append(_layout(lib, dtype, rows, cols, rows))
         la, lb, lc = owned.layouts
         pref = _VP()
@@ -290,4 +293,4 @@ def _make(m, n, k, a_dtype, b_dtype, b_blocks, device):
                 f"workspace {result.workspace_size} bytes")
         return None
     algo = (C.c_uint64 * 8)(*result.algo)
-    return ScaledMM(lib, handle, owned, algo, result.workspace_size, m, n, device)
+    return ScaledMM(lib, handle, owned, algo, result.workspace_size, m, n, device, out_dtype)

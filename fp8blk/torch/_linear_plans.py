@@ -15,8 +15,8 @@ Signatures a plan serves (everything else takes the general path in ``functional
 plain CUDA tensors (x a ``torch.Tensor``, the weight a ``torch.Tensor`` or ``nn.Parameter``,
 so not the FSDP2 FP8 weight), Block1D/Block2D configs, x (M, K) and W (N, K) of any non-empty
 shape, 16-byte aligned operands, float32/bfloat16/float16. Each GEMM runs on cuBLASLt
-directly where it serves the signature (bf16 output, the GEMM's M, N and K multiples of 16:
-any K-block count, e.g. 8000 tokens or 11008 features, with no padding), else on
+directly where it serves the signature (the GEMM's M, N and K multiples of 16: any K-block
+count, e.g. 8000 tokens or 11008 features, with no padding), else on
 ``torch._scaled_mm`` where that takes the buffers as they are (K a multiple of 512, the rows
 of a multiple of 4, N of 16), else through ``scaled_mm.cuda_scaled_mm``, which pads. The
 bytes are the general path's: the same kernels on the same inputs, the same GEMMs on the same

@@ -29,7 +29,7 @@ copied to fix a layout, except where noted for the CUDA path below.
 CUDA: ``torch._scaled_mm(a, b.t(), scale_a, scale_b, out_dtype=...)`` on views of the given
 buffers (1x128 x 128x128 and 1x128 x 1x128 are both supported by torch >= 2.9 on sm_90).
 Where torch's kernel would need the copies below and cuBLASLt serves the signature directly
-(``_cublaslt``: bf16 output, M, N and K multiples of 16), the GEMM runs on cuBLASLt instead,
+(``_cublaslt``: M, N and K multiples of 16), the GEMM runs on cuBLASLt instead,
 on fp8blk's buffers as they are: cuBLASLt takes any K-block count and a partial last block.
 Documented copies, only where neither can take fp8blk's layout as it is:
 K % 128 != 0 (torch rejects such K: both operands are copied into K-padded zero buffers, the

@@ -4,7 +4,8 @@ test sets it on or off itself).
 On the GPU each signature's ScaledMM gives ``torch._scaled_mm``'s bytes exactly (the same
 cuBLASLt algorithm on the same operands), on operands whose scales differ block by block (a
 scale or layout mix-up changes the output), on the current stream. On the CPU (CI): where it
-cannot serve -- no libcublasLt loaded, turned off, an output dtype other than bf16 --
+cannot serve -- no libcublasLt loaded, turned off, an output dtype other than bf16, fp16 and
+fp32 --
 ``make`` returns None, so the caller keeps ``torch._scaled_mm``."""
 import pytest
 import torch
@@ -14,16 +15,17 @@ from fp8blk.torch import _cublaslt
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
-def _operands(m, n, k, a_dtype, b_dtype, b_blocks, gen):
+def _operands(m, n, k, a_dtype, b_dtype, b_blocks, gen, exp=12, scale=1.0):
     """FP8 operands and scales in the layouts torch._scaled_mm takes (module docstring);
-    `gen` a CUDA generator."""
+    `gen` a CUDA generator; scales 2^[-exp, exp) * [1, 1.5) * `scale`."""
     def fp8(rows, cols, dtype):
         vals = torch.randn(rows, cols, generator=gen, device="cuda") * 100
         return vals.clamp(-400, 400).to(dtype)
 
     def scales(*shape):
-        exp = torch.randint(-12, 12, shape, generator=gen, device="cuda").float()
-        return torch.exp2(exp) * (1 + 0.5 * torch.rand(shape, generator=gen, device="cuda"))
+        e = torch.randint(-exp, exp, shape, generator=gen, device="cuda").float()
+        return torch.exp2(e) * (1 + 0.5 * torch.rand(shape, generator=gen, device="cuda")) \
+            * scale
 
     a = fp8(m, k, a_dtype)
     b = fp8(n, k, b_dtype).t()                          # (k, n) column-major
@@ -50,15 +52,19 @@ BENCH = [(8192, 4096, 4096, "128x128"), (4096, 4096, 8192, "1x128"),
     (m, n, k, b) for m, n, k in [(512, 512, 512), (1024, 1536, 2048), (512, 1536, 1024)]
     for b in ("128x128", "1x128")] + BENCH)
 @pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E5M2, E4M3)])
-def test_equals_torch_scaled_mm(m, n, k, b_blocks, dtypes, rng, monkeypatch):
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_equals_torch_scaled_mm(m, n, k, b_blocks, dtypes, out_dtype, rng, monkeypatch):
     monkeypatch.setattr(_cublaslt, "enabled", True)
     gen = _cuda_gen(rng)
-    mm = _cublaslt.make(m, n, k, *dtypes, b_blocks, torch.bfloat16, torch.device("cuda", 0))
+    mm = _cublaslt.make(m, n, k, *dtypes, b_blocks, out_dtype, torch.device("cuda", 0))
     assert mm is not None, f"cuBLASLt did not serve the signature: {_cublaslt.refusals}"
     for _ in range(2):                      # the same descriptor, new operands and scales
-        a, b, sa, sb = _operands(m, n, k, *dtypes, b_blocks, gen)
-        want = torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
+        # fp16: outputs within its range (|sums| <= ~5e6 at K = 16384, times <= 2^-14)
+        a, b, sa, sb = _operands(m, n, k, *dtypes, b_blocks, gen, *(
+            (4, 2.0 ** -11) if out_dtype == torch.float16 else ()))
+        want = torch._scaled_mm(a, b, sa, sb, out_dtype=out_dtype)
         got = mm(a, b, sa, sb)
+        assert got.dtype == out_dtype
         assert got.shape == want.shape == (m, n) and got.is_contiguous()
         assert torch.equal(got, want), (got.float() - want.float()).abs().max()
 
@@ -137,7 +143,7 @@ def test_a_refused_signature_frees_its_descriptors(monkeypatch):
 def test_signatures_it_does_not_serve(monkeypatch):
     monkeypatch.setattr(_cublaslt, "enabled", True)
     dev = torch.device("cuda", 0)
-    assert _cublaslt.make(512, 512, 512, E4M3, E4M3, "128x128", torch.float32, dev) is None
+    assert _cublaslt.make(512, 512, 512, E4M3, E4M3, "128x128", torch.float64, dev) is None
     assert _cublaslt.make(512, 512, 512, E4M3, E4M3, "1x32", torch.bfloat16, dev) is None
     assert _cublaslt.make(512, 512, 500, E4M3, E4M3, "1x128", torch.bfloat16, dev) is None
     assert _cublaslt.make(512, 512, 512, torch.uint8, E4M3, "1x128", torch.bfloat16,

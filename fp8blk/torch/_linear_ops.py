@@ -18,9 +18,9 @@ layer computes the same bytes as the eager one. x (M, K) and dy (M, N) C-contigu
 weight (N, K); y (M, N) `out_dtype`; xt_d, xt_s: x's columnwise FP8 data as the plan holds it,
 (M, K) float8 with strides (1, M), and its (cdiv(M, 128), round4(K)) float32 scales (empty
 (0,) uint8 tensors when the weight gradient is not needed); dx (M, K) `x_dtype`, dw (N, K)
-in the weight's dtype (empty where not needed). ``cfg`` is :func:`config_key` of the layer's Float8BlockConfig. An
-x or weight that is not C-contiguous and 16-byte aligned (the plans' launchers assume both) is
-copied first (dy as the eager plan treats it).
+in the weight's dtype (empty where not needed). ``cfg`` is :func:`config_key` of the layer's
+Float8BlockConfig. An x or weight that is not C-contiguous and 16-byte aligned (the plans'
+launchers assume both) is copied first (dy as the eager plan treats it).
 """
 from __future__ import annotations
 

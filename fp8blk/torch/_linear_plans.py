@@ -16,11 +16,11 @@ plain CUDA tensors (x a ``torch.Tensor``, the weight a ``torch.Tensor`` or ``nn.
 so not the FSDP2 FP8 weight), Block1D/Block2D configs, x (M, K) and W (N, K) of any non-empty
 shape, 16-byte aligned operands, float32/bfloat16/float16. Each GEMM runs on cuBLASLt
 directly where it serves the signature (the GEMM's M, N and K multiples of 16: any K-block
-count, e.g. 8000 tokens or 11008 features, with no padding), else on
-``torch._scaled_mm`` where that takes the buffers as they are (K a multiple of 512, the rows
-of a multiple of 4, N of 16), else through ``scaled_mm.cuda_scaled_mm``, which pads. The
-bytes are the general path's: the same kernels on the same inputs, the same GEMMs on the same
-bytes (tests/torch/test_linear_plans.py compares them on the GPU). Host time per (8192, 4096, 4096)
+count, e.g. 8000 tokens or 11008 features, with no padding), else on ``torch._scaled_mm``
+where that takes the buffers as they are (K a multiple of 512, the rows of a multiple of 4, N
+of 16), else through ``scaled_mm.cuda_scaled_mm``, which pads. The bytes are the general
+path's: the same kernels on the same inputs, the same GEMMs on the same bytes
+(tests/torch/test_linear_plans.py compares them on the GPU). Host time per (8192, 4096, 4096)
 bf16 fwd+bwd on the H200: 540-815 us against 920-1010 on the general path, as the host's
 speed moves (with autograd's multithreading off, so no handoff to its device thread: 294-545
 against 379-922 us; bench/README.md).

@@ -26,11 +26,12 @@ torch.float8_e4m3fn)``. The three GEMMs of a linear layer (x (M,K), W (N,K), dY 
 Every layout is checked; a wrong one raises a ValueError naming the layout needed. Nothing is
 copied to fix a layout, except where noted for the CUDA path below.
 
-CUDA: ``torch._scaled_mm(a, b.t(), scale_a, scale_b, out_dtype=...)`` on views of the given
+CUDA: where cuBLASLt serves the signature directly (``_cublaslt``: M, N and K multiples of
+16; ``FP8BLK_CUBLASLT=0`` turns it off) the GEMM runs there on fp8blk's buffers as they are
+(cuBLASLt takes any K-block count and a partial last block; the same algorithm and bytes as
+torch's call below where both take the signature). Else
+``torch._scaled_mm(a, b.t(), scale_a, scale_b, out_dtype=...)`` on views of the given
 buffers (1x128 x 128x128 and 1x128 x 1x128 are both supported by torch >= 2.9 on sm_90).
-Where torch's kernel would need the copies below and cuBLASLt serves the signature directly
-(``_cublaslt``: M, N and K multiples of 16), the GEMM runs on cuBLASLt instead,
-on fp8blk's buffers as they are: cuBLASLt takes any K-block count and a partial last block.
 Documented copies, only where neither can take fp8blk's layout as it is:
 K % 128 != 0 (torch rejects such K: both operands are copied into K-padded zero buffers, the
 scales are unchanged since the padded zeros sit inside the last block), N % 16 != 0 (rows of b
@@ -216,15 +217,16 @@ def _direct_mm(m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, device):
 
 
 def cuda_scaled_mm(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype):
-    """The CUDA implementation: ``torch._scaled_mm`` on views of fp8blk's buffers.
+    """The CUDA implementation: cuBLASLt directly where it serves the signature (module
+    docstring; the same algorithm torch._scaled_mm picks, without its per-call search), else
+    ``torch._scaled_mm`` on views of fp8blk's buffers.
 
     Shapes torch 2.11's blockwise path takes as they are: M % 4 == 0 (the 1x128 scales' row
     stride must be 16-byte aligned), N % 16 == 0, and K a multiple of 512 (K-block count a
     multiple of 4: measured on the H200, a 128x128 scale tensor whose K-block count is not a
     multiple of 4 gives wrong results with the padded row stride, and torch rejects others).
-    Other shapes run on cuBLASLt directly where it serves them (module docstring), else are
-    zero-padded first (a copy of the operands: padded rows and K hold zero bytes, their
-    scales 1.0) and the result is cropped."""
+    Other shapes are zero-padded first (a copy of the operands: padded rows and K hold zero
+    bytes, their scales 1.0) and the result is cropped."""
     if a_blocks == "1x32":
         return emulate(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype)
     if a_blocks != "1x128":
@@ -234,7 +236,7 @@ def cuda_scaled_mm(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype
     n = b.shape[0]
     kt4 = -(-cdiv(k, 128) // 4) * 4
     kp, mp, np_ = kt4 * 128, -(-m // 4) * 4, -(-n // 16) * 16
-    if (kp != k or mp != m or np_ != n) and a.is_cuda:
+    if a.is_cuda:
         direct = _direct_mm(m, n, k, a.dtype, b.dtype, b_blocks, out_dtype, a.device)
         if direct is not None:      # fp8blk's buffers are the layouts it reads (_cublaslt)
             return direct(a, b.t(), a_scale_inv, b_scale_inv)

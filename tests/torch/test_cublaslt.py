@@ -92,7 +92,8 @@ def test_runs_on_the_current_stream(m, n, k, rng, monkeypatch):
 @pytest.mark.gpu
 def test_the_linear_plan_runs_its_gemms_on_it(rng, monkeypatch):
     """A Float8BlockLinear step at the benchmark's small shape plans its three GEMMs on
-    cuBLASLt (on by default) and gives the bytes of the general path (torch._scaled_mm)."""
+    cuBLASLt (on by default) and gives the bytes of the general path with cuBLASLt turned off
+    (torch._scaled_mm)."""
     from fp8blk.torch import Float8BlockLinear, _linear_plans
     monkeypatch.setattr(_cublaslt, "enabled", True)
     gen = _cuda_gen(rng)
@@ -105,6 +106,7 @@ def test_the_linear_plan_runs_its_gemms_on_it(rng, monkeypatch):
         with monkeypatch.context() as m:
             if general:
                 m.setattr(_linear_plans, "plan_for", lambda *a: None)
+                m.setattr(_cublaslt, "enabled", False)
             else:
                 _linear_plans.plans.clear()
             layer.weight.grad = None

@@ -209,10 +209,10 @@ def accuracy(width, tokens=8192):
                              zip(("output", "input_grad", "weight_grad"), exact, out["ref"])}}
 
 
-def breakdown_fns(m, k, n):
-    """{name: callable} of the pieces of a step, timed beside the steps: the three GEMMs
-    alone on prequantized operands, the four quantize kernels alone (x row+col, W row, dY
-    row+col, W col: what a planned step launches), bf16's three GEMMs."""
+def step_operands(m, k, n):
+    """A (tokens m, in k, out n) step's data under the default config: ``(cfg, (x, w, dy),
+    gemms)`` with bf16 x (m, k), W (n, k), dY (m, n) and ``gemms`` {"fwd", "dgrad", "wgrad":
+    blockwise_scaled_mm's operands}, quantized as a step quantizes them."""
     cfg = Float8BlockConfig()
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
     w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
@@ -221,12 +221,21 @@ def breakdown_fns(m, k, n):
     qw = quantize_buffers(w, cfg.weight, True, False)
     qdy = quantize_buffers(dy, cfg.grad, True, True)
     qwt = block2d_columnwise(qw[0], qw[1], cfg.weight)
+    return cfg, (x, w, dy), {
+        "fwd": fl._forward_operands(qx, qw, cfg),
+        "dgrad": fl._dgrad_operands(qdy, qwt, cfg),
+        "wgrad": fl._wgrad_operands((qdy[2], qdy[3]), (qx[2], qx[3]), cfg)}
+
+
+def breakdown_fns(m, k, n):
+    """{name: callable} of the pieces of a step, timed beside the steps: the three GEMMs
+    alone on prequantized operands, the four quantize kernels alone (x row+col, W row, dY
+    row+col, W col: what a planned step launches), bf16's three GEMMs."""
+    cfg, (x, w, dy), ops = step_operands(m, k, n)
 
     def gemms():
-        blockwise_scaled_mm(*fl._forward_operands(qx, qw, cfg), out_dtype=torch.bfloat16)
-        blockwise_scaled_mm(*fl._dgrad_operands(qdy, qwt, cfg), out_dtype=torch.bfloat16)
-        blockwise_scaled_mm(*fl._wgrad_operands((qdy[2], qdy[3]), (qx[2], qx[3]), cfg),
-                            out_dtype=torch.bfloat16)
+        for o in ops.values():
+            blockwise_scaled_mm(*o, out_dtype=torch.bfloat16)
 
     def quants():
         quantize_buffers(x, cfg.activation, True, True)

@@ -25,13 +25,11 @@ import sys
 
 BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, BENCH)
-from bench_linear import SHAPES, breakdown_fns, interleaved_ms  # noqa: E402
+from bench_linear import SHAPES, breakdown_fns, interleaved_ms, step_operands  # noqa: E402
 
 import torch  # noqa: E402
 
-from fp8blk.torch import Float8BlockConfig, blockwise_scaled_mm  # noqa: E402
-from fp8blk.torch import functional as fl  # noqa: E402
-from fp8blk.torch.quantize_ops import block2d_columnwise, quantize_buffers  # noqa: E402
+from fp8blk.torch import blockwise_scaled_mm  # noqa: E402
 
 DEV = "cuda"
 F8 = torch.float8_e4m3fn
@@ -39,19 +37,7 @@ F8 = torch.float8_e4m3fn
 
 def gemm_cases(m, k, n):
     """{gemm: {scaling: callable}} for the three GEMMs of a (tokens m, in k, out n) step."""
-    cfg = Float8BlockConfig()
-    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-    w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
-    dy = torch.randn(m, n, device=DEV, dtype=torch.bfloat16)
-    qx = quantize_buffers(x, cfg.activation, True, True)
-    qw = quantize_buffers(w, cfg.weight, True, False)
-    qdy = quantize_buffers(dy, cfg.grad, True, True)
-    qwt = block2d_columnwise(qw[0], qw[1], cfg.weight)
-    block = {
-        "fwd": fl._forward_operands(qx, qw, cfg),
-        "dgrad": fl._dgrad_operands(qdy, qwt, cfg),
-        "wgrad": fl._wgrad_operands((qdy[2], qdy[3]), (qx[2], qx[3]), cfg),
-    }
+    _, (x, w, dy), block = step_operands(m, k, n)
     bf16 = {"fwd": (x, w.t()), "dgrad": (dy, w), "wgrad": (dy.t(), x)}
     cases = {}
     for gemm, (a16, b16) in bf16.items():

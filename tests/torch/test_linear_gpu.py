@@ -1,9 +1,9 @@
 """GPU checks of fp8blk.torch (``python3 -m pytest -m gpu tests/torch``; skipped without CUDA):
-``torch._scaled_mm`` on fp8blk's buffers against the float64 product of the dequantized
-operands at aligned and unaligned
-shapes (K % 128 != 0, rows % 4 != 0, N % 16 != 0, K-block counts not a multiple of 4; those
-with dims that are multiples of 16 on cuBLASLt directly, unpadded), the whole layer against
-the oracle, and torch.compile fullgraph on the GPU.
+blockwise_scaled_mm on fp8blk's buffers (cuBLASLt directly where its dims are multiples of 16,
+else torch._scaled_mm, padded where torch needs it) against the float64 product of the
+dequantized operands at aligned and unaligned shapes (K % 128 != 0, rows % 4 != 0,
+N % 16 != 0, K-block counts not a multiple of 4), the whole layer against the oracle, and
+torch.compile fullgraph on the GPU.
 
 GPU tolerance (derived): cuBLAS's blockwise FP8 GEMM accumulates each 128-long K block in the
 tensor cores (about 14 mantissa bits retained, DeepSeek-V3 report sec. 3.3.2) and promotes the

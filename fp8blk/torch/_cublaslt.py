@@ -249,6 +249,24 @@ def make(m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, device):
         return None
 
 
+_made = {}     # signature -> its ScaledMM, or None where make() declined it
+
+
+def for_signature(m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, device):
+    """:func:`make`'s answer for a signature, kept: the one ScaledMM (or None) that the
+    Linear's plans and ``blockwise_scaled_mm`` share, so each signature asks cuBLASLt's
+    heuristic once (per setting of :data:`enabled`; emptied past 1024 signatures)."""
+    key = (m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, device, enabled)
+    try:
+        return _made[key]
+    except KeyError:
+        pass
+    if len(_made) > 1024:
+        _made.clear()
+    mm = _made[key] = make(m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, device)
+    return mm
+
+
 def _make(m, n, k, a_dtype, b_dtype, b_blocks, device, out_dtype=torch.bfloat16):
     with _lock:
         lib = _library(device)

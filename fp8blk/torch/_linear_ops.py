@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import cdiv
+from ..layout import cdiv, round_up
 from .config import Float8BlockConfig
 from .quantize_ops import FP8_DTYPE, recipe_from_key, recipe_key
 from . import _linear_plans
@@ -75,7 +75,7 @@ def _fwd_fake(x, weight, cfg, out_dtype, need_dgrad, need_wgrad):
         return y, x.new_empty((0,), dtype=torch.uint8), x.new_empty((0,), dtype=torch.uint8)
     fa = FP8_DTYPE[_config(cfg).activation.fmt]
     return (y, torch.empty_strided((m, k), (1, m), dtype=fa, device=x.device),
-            x.new_empty((cdiv(m, 128), -(-k // 4) * 4), dtype=torch.float32))
+            x.new_empty((cdiv(m, 128), round_up(k, 4)), dtype=torch.float32))
 
 
 def _bwd(dy, xt_d, xt_s, weight, cfg, x_dtype, need_dgrad, need_wgrad):

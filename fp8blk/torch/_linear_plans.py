@@ -16,9 +16,9 @@ plain CUDA tensors (x a ``torch.Tensor``, the weight a ``torch.Tensor`` or ``nn.
 so not the FSDP2 FP8 weight), Block1D/Block2D configs, x (M, K) and W (N, K) of any non-empty
 shape, 16-byte aligned operands, float32/bfloat16/float16. Each GEMM runs on cuBLASLt
 directly where it serves the signature (the GEMM's M, N and K multiples of 16: any K-block
-count, e.g. 8000 tokens or 11008 features, with no padding), else on ``torch._scaled_mm``
-where that takes the buffers as they are (K a multiple of 512, the rows of a multiple of 4, N
-of 16), else through ``scaled_mm.cuda_scaled_mm``, which pads. The bytes are the general
+count, e.g. 8000 tokens or 11008 features, with no padding), else through
+``scaled_mm.cuda_scaled_mm`` (``torch._scaled_mm``, on zero-padded copies where its kernel
+needs them: K not a multiple of 512, rows not of 4, N not of 16). The bytes are the general
 path's: the same kernels on the same inputs, the same GEMMs on the same bytes
 (tests/torch/test_linear_plans.py compares them on the GPU). Host time per (8192, 4096, 4096)
 bf16 fwd+bwd on the H200: 540-815 us against 920-1010 on the general path, as the host's
@@ -38,7 +38,7 @@ import torch
 
 from .. import _arrays
 from ..formats import MXFP8, Format
-from ..layout import cdiv
+from ..layout import cdiv, round_up
 from . import _cublaslt
 from .scaled_mm import cuda_scaled_mm
 
@@ -76,14 +76,14 @@ def _launcher(t, recipe, rowwise, columnwise, views):
 def _scale_t(rows, blocks):
     """An fp32 scale buffer (blocks, round4(rows)) -- fp8blk's layouts pad the fast dim to a
     multiple of 4 -- seen as (round4(rows), blocks) with strides (1, round4(rows))."""
-    r4 = -(-rows // 4) * 4
+    r4 = round_up(rows, 4)
     return ((r4, blocks), (1, r4), torch.float32)
 
 
-def _padded_mm(a, b, scale_a, scale_b, b_blocks, out_dtype):
+def _general_mm(a, b, scale_a, scale_b, b_blocks, out_dtype):
     """A plan GEMM's operands (torch._scaled_mm's views of fp8blk's buffers) back as the
-    buffers, through ``cuda_scaled_mm``: for the signatures neither cuBLASLt directly nor
-    torch's kernel takes as they are."""
+    buffers, through ``cuda_scaled_mm`` (torch._scaled_mm, on zero-padded copies where its
+    kernel needs them): for the signatures cuBLASLt does not serve directly."""
     return cuda_scaled_mm(a, scale_a.t(), b.t(), scale_b.t() if b_blocks == "128x128"
                           else scale_b, "1x128", b_blocks, out_dtype)
 
@@ -98,7 +98,7 @@ class LinearPlan:
 
     def __init__(self, x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad):
         (m, k), n = x2d.shape, weight.shape[0]
-        mt, kt, nt, k4 = cdiv(m, 128), cdiv(k, 128), cdiv(n, 128), -(-k // 4) * 4
+        mt, kt, nt, k4 = cdiv(m, 128), cdiv(k, 128), cdiv(n, 128), round_up(k, 4)
         fa, fw, fg = _F8[cfg.activation.fmt], _F8[cfg.weight.fmt], _F8[cfg.grad.fmt]
         w = weight.detach()
         # y = x @ W.T: a = x (M, K) row-major, its 1x128 scales (kt, M) as (M, kt); b = W's
@@ -119,17 +119,13 @@ class LinearPlan:
         self.qdy = None
         # each GEMM, mm(a, b, scale_a, scale_b): on cuBLASLt directly where that is on and
         # serves the signature (the same algorithm as torch._scaled_mm without its per-call
-        # algorithm search), else torch._scaled_mm where its kernel takes the buffers as they
-        # are, else cuda_scaled_mm (module docstring)
+        # algorithm search), else cuda_scaled_mm (module docstring)
         dev = x2d.device
 
         def gemm(mm_m, mm_n, mm_k, a_dtype, b_dtype, b_blocks, dtype):
-            direct = _cublaslt.make(mm_m, mm_n, mm_k, a_dtype, b_dtype, b_blocks, dtype, dev)
-            if direct is not None:
-                return direct
-            if not (mm_k % 512 or mm_m % 4 or mm_n % 16):
-                return functools.partial(torch._scaled_mm, out_dtype=dtype)
-            return functools.partial(_padded_mm, b_blocks=b_blocks, out_dtype=dtype)
+            return (_cublaslt.for_signature(mm_m, mm_n, mm_k, a_dtype, b_dtype, b_blocks,
+                                            dtype, dev)
+                    or functools.partial(_general_mm, b_blocks=b_blocks, out_dtype=dtype))
 
         self.mm_fwd = gemm(m, n, k, fa, fw, "128x128", out_dtype)
         self.mm_dgrad = gemm(m, k, n, fg, fw, "128x128", x2d.dtype) if need_dgrad else None

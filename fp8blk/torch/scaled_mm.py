@@ -201,21 +201,6 @@ def _scale_1x128(sinv, rows, padded_rows, kblocks):
     return s.t()
 
 
-_direct = {}   # signature -> a _cublaslt.ScaledMM, or None where cuBLASLt does not serve it
-
-
-def _direct_mm(m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, device):
-    key = (m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, device, _cublaslt.enabled)
-    try:
-        return _direct[key]
-    except KeyError:
-        pass
-    if len(_direct) > 1024:
-        _direct.clear()
-    mm = _direct[key] = _cublaslt.make(m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, device)
-    return mm
-
-
 def cuda_scaled_mm(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype):
     """The CUDA implementation: cuBLASLt directly where it serves the signature (module
     docstring; the same algorithm torch._scaled_mm picks, without its per-call search), else
@@ -237,7 +222,8 @@ def cuda_scaled_mm(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype
     kt4 = -(-cdiv(k, 128) // 4) * 4
     kp, mp, np_ = kt4 * 128, -(-m // 4) * 4, -(-n // 16) * 16
     if a.is_cuda:
-        direct = _direct_mm(m, n, k, a.dtype, b.dtype, b_blocks, out_dtype, a.device)
+        direct = _cublaslt.for_signature(m, n, k, a.dtype, b.dtype, b_blocks, out_dtype,
+                                         a.device)
         if direct is not None:      # fp8blk's buffers are the layouts it reads (_cublaslt)
             return direct(a, b.t(), a_scale_inv, b_scale_inv)
     if kp != k:

@@ -9,7 +9,9 @@
 2. Speed, fwd+bwd, (tokens, in, out) = (16384, 8192, 8192), (16384, 4096, 14336),
    (8192, 4096, 4096), bf16, no bias: Float8BlockLinear, bf16 nn.Linear, torchao 0.18
    ``torchao.prototype.blockwise_fp8_training.linear.Float8BlockwiseLinear`` when importable
-   (its default GEMM path, and use_triton=True when that argument exists). GPU time: CUDA events
+   (its default GEMM path, and use_triton=True when that argument exists), and
+   Float8BlockLinear with ``Float8BlockConfig(low_memory_forward=True)`` ("fp8blk_low_memory":
+   the forward pass in halves, its FP8 copies of x made one at a time). GPU time: CUDA events
    around back-to-back iterations (median of repeats, the cases' repeats interleaved so that
    clock drift falls on all of them alike). Host time: wall time to issue one
    iteration of the same shape while the GPU is held by a sleep kernel queued first (so the
@@ -52,6 +54,9 @@ from fp8blk.torch.quantize_ops import block2d_columnwise, quantize_buffers  # no
 SHAPES = [(16384, 8192, 8192), (16384, 4096, 14336), (8192, 4096, 4096)]
 TARGETS = {SHAPES[0]: 1.5, SHAPES[1]: 1.5, SHAPES[2]: 1.2}
 DEV = "cuda"
+
+
+LOW_MEMORY = Float8BlockConfig(low_memory_forward=True)
 
 
 def sample_ms(fn, inner, prefill_ms=None, host_loop=None):
@@ -274,7 +279,8 @@ def stack_memory(m, k, depth=4):
     (its FP8 copies of the input that are not saved) are freed before the next layer runs."""
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     out = {}
-    builders = {"bf16": lambda lin: lin, "fp8blk": Float8BlockLinear.from_linear}
+    builders = {"bf16": lambda lin: lin, "fp8blk": Float8BlockLinear.from_linear,
+                "fp8blk_low_memory": lambda lin: Float8BlockLinear.from_linear(lin, LOW_MEMORY)}
     try:
         from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
 
@@ -296,7 +302,8 @@ def speed(m, k, n, quick, speed_only=False, inner=None, compiled=False):
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(m, n, device=DEV, dtype=torch.bfloat16)
     bf16 = torch.nn.Linear(k, n, bias=False, device=DEV, dtype=torch.bfloat16)
-    layers = {"bf16": bf16, "fp8blk": Float8BlockLinear.from_linear(bf16)}
+    layers = {"bf16": bf16, "fp8blk": Float8BlockLinear.from_linear(bf16),
+              "fp8blk_low_memory": Float8BlockLinear.from_linear(bf16, LOW_MEMORY)}
     ao, ao_error = torchao_layers(k, n)
     for name, layer in ao.items():
         layer.weight = bf16.weight
@@ -330,6 +337,10 @@ def speed(m, k, n, quick, speed_only=False, inner=None, compiled=False):
     case["speedup_vs_bf16"] = t["bf16"] / t["fp8blk"] if "fp8blk" in t else None
     case["target_vs_bf16"] = TARGETS.get((m, k, n))
     case["speedup_vs_torchao"] = {p: t[p] / t["fp8blk"] for p in t if p.startswith("torchao")}
+    if "fp8blk_low_memory" in t:
+        lm = t["fp8blk_low_memory"]
+        case["low_memory_forward"] = {"speedup_vs_bf16": t["bf16"] / lm, "speedup_vs_torchao": {
+            p: t[p] / lm for p in t if p.startswith("torchao")}}
     # the same steps with the GPU queue filled first (the GPU work alone: what the step would
     # take with no host gaps), beside the pieces of a step, all interleaved
     pieces = breakdown_fns(m, k, n)
@@ -439,7 +450,8 @@ def main():
               f"quant {b['quantize_ms']:.3f} other {b['other_ms']:.3f} (bf16 gemms "
               f"{b['bf16_gemms_ms']:.3f}) | host us {_us(c['host_us'])} (in the back-to-back loop "
               f"{_us(c['host_loop_us'])}) | fwd peak "
-              f"{c['fwd_peak_bytes']} saved {c['saved_bytes']} | stack fwd peak "
+              f"{c['fwd_peak_bytes']} saved {c['saved_bytes']} | low_memory_forward "
+              f"{c.get('low_memory_forward')} | stack fwd peak "
               f"{[(s['depth'], s['fwd_peak_bytes']) for s in c['stack_memory']]} | errors "
               f"{c['errors']} "
               f"{c['torchao_error'] or ''}")

@@ -204,12 +204,15 @@ class ScaledMM:
         self.current = torch._C._cuda_getDevice
         self.ws_size = ws_size
 
-    def __call__(self, a, b, scale_a, scale_b):
+    def __call__(self, a, b, scale_a, scale_b, out=None):
+        """The product into a new (m, n) tensor, or into `out`: C-contiguous rows of (m, n)
+        in out_dtype on the device (e.g. a block of rows of a larger output; not checked)."""
         if self.current() != self.index:     # as torch's ops: run with the tensors' device
             with torch.cuda.device(self.index):
-                return self(a, b, scale_a, scale_b)
-        out = self.empty((self.m, self.n), (self.n, 1), dtype=self.out_dtype,
-                         device=self.device)
+                return self(a, b, scale_a, scale_b, out)
+        if out is None:
+            out = self.empty((self.m, self.n), (self.n, 1), dtype=self.out_dtype,
+                             device=self.device)
         lib, desc, (la, lb, lc) = self.lib, self.desc, self.layouts
         slot_a, slot_b = self.slots
         p_a, p_b, p_alpha, p_beta, p_algo = self.addrs

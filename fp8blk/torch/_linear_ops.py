@@ -36,13 +36,16 @@ _CONFIGS = {}
 
 def config_key(cfg: Float8BlockConfig) -> str:
     """A string naming the config exactly (ops take no Python objects)."""
-    return "|".join(recipe_key(r) for r in (cfg.activation, cfg.weight, cfg.grad))
+    return "|".join([recipe_key(r) for r in (cfg.activation, cfg.weight, cfg.grad)]
+                    + (["low_memory_forward"] if cfg.low_memory_forward else []))
 
 
 def _config(key):
     cfg = _CONFIGS.get(key)
     if cfg is None:
-        cfg = _CONFIGS[key] = Float8BlockConfig(*(recipe_from_key(p) for p in key.split("|")))
+        parts = key.split("|")
+        cfg = _CONFIGS[key] = Float8BlockConfig(*(recipe_from_key(p) for p in parts[:3]),
+                                                low_memory_forward=len(parts) > 3)
     return cfg
 
 

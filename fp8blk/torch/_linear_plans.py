@@ -6,8 +6,9 @@ GEMM layouts: ~420 Python calls per forward+backward. A plan does the same arith
 what only depends on the signature worked out once (~160 Python calls per step): each
 quantize launcher allocates its outputs directly in the dtype and strides the GEMM takes (FP8
 data as float8, scale buffers transposed: the same bytes as docs/layouts.md, seen another
-way), so a step is four quantize launches, three GEMM calls and the autograd bookkeeping. The GEMMs
-run on cuBLASLt directly (``_cublaslt.ScaledMM``: torch's algorithm, found once per signature)
+way), so a step is four quantize launches, three GEMM calls and the autograd bookkeeping
+(``low_memory_forward``: five and four, its forward pass in halves; :class:`LinearPlan`). The
+GEMMs run on cuBLASLt directly (``_cublaslt.ScaledMM``: torch's algorithm, found once per signature)
 where it serves the signature, else on ``torch._scaled_mm``; ``FP8BLK_CUBLASLT=0`` keeps them
 on ``torch._scaled_mm``.
 
@@ -80,21 +81,28 @@ def _scale_t(rows, blocks):
     return ((r4, blocks), (1, r4), torch.float32)
 
 
-def _general_mm(a, b, scale_a, scale_b, b_blocks, out_dtype):
+def _general_mm(a, b, scale_a, scale_b, out=None, *, b_blocks, out_dtype):
     """A plan GEMM's operands (torch._scaled_mm's views of fp8blk's buffers) back as the
     buffers, through ``cuda_scaled_mm`` (torch._scaled_mm, on zero-padded copies where its
-    kernel needs them): for the signatures cuBLASLt does not serve directly."""
-    return cuda_scaled_mm(a, scale_a.t(), b.t(), scale_b.t() if b_blocks == "128x128"
-                          else scale_b, "1x128", b_blocks, out_dtype)
+    kernel needs them): for the signatures cuBLASLt does not serve directly. With `out`, the
+    product is copied into it (ScaledMM's contract)."""
+    y = cuda_scaled_mm(a, scale_a.t(), b.t(), scale_b.t() if b_blocks == "128x128"
+                       else scale_b, "1x128", b_blocks, out_dtype)
+    return y if out is None else out.copy_(y)
 
 
 class LinearPlan:
     """The launchers and GEMM operands of one signature. ``forward(x2d, weight)`` returns
     ``(y, saved)``; ``backward(dy2d, saved, weight, need_dgrad, need_wgrad)`` returns
     ``(dx, dw)`` (None where not needed; `dy2d` C-contiguous). `saved` is x's columnwise FP8
-    data and scales."""
+    data and scales.
 
-    __slots__ = ("qx", "qw", "qwt", "qdy", "mm_fwd", "mm_dgrad", "mm_wgrad")
+    With ``cfg.low_memory_forward`` the forward pass runs in ``halves``: per half of the
+    tokens (a multiple of 128 rows first), a rowwise-only quantize of those rows of x and
+    the forward GEMM into those rows of y, each half's FP8 copy freed before the next is
+    made; then, W's FP8 tiles freed, ``qx`` makes x's columnwise copy alone (config.py)."""
+
+    __slots__ = ("qx", "qw", "qwt", "qdy", "mm_fwd", "mm_dgrad", "mm_wgrad", "halves", "y")
 
     def __init__(self, x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad):
         (m, k), n = x2d.shape, weight.shape[0]
@@ -105,10 +113,15 @@ class LinearPlan:
         # (N, K) bytes as the column-major (K, N) torch takes, its tile scales (nt, kt) as
         # (kt, nt). wgrad's b is x's columnwise (K, M) bytes as column-major (M, K) with its
         # (mt, K) scales as they are.
-        self.qx = _launcher(x2d, cfg.activation, True, need_wgrad, [
-            ((m, k), (k, 1), fa), _scale_t(m, kt),
-            ((m, k), (1, m), fa) if need_wgrad else None,
-            ((mt, k4), (k4, 1), torch.float32) if need_wgrad else None])
+        xt_views = [((m, k), (1, m), fa), ((mt, k4), (k4, 1), torch.float32)]
+        self.halves = None
+        if cfg.low_memory_forward:
+            self.qx = _launcher(x2d, cfg.activation, False, True,
+                                [None, None] + xt_views) if need_wgrad else None
+        else:
+            self.qx = _launcher(x2d, cfg.activation, True, need_wgrad, [
+                ((m, k), (k, 1), fa), _scale_t(m, kt)]
+                + (xt_views if need_wgrad else [None, None]))
         self.qw = _launcher(w, cfg.weight, True, False, [
             ((k, n), (1, k), fw), _scale_t(kt, nt), None, None])
         # dx = dY @ W: b is W's columnwise (K, N) bytes as column-major (N, K), its (kt, nt)
@@ -127,7 +140,18 @@ class LinearPlan:
                                             dtype, dev)
                     or functools.partial(_general_mm, b_blocks=b_blocks, out_dtype=dtype))
 
-        self.mm_fwd = gemm(m, n, k, fa, fw, "128x128", out_dtype)
+        self.mm_fwd = self.y = None
+        if not cfg.low_memory_forward:
+            self.mm_fwd = gemm(m, n, k, fa, fw, "128x128", out_dtype)
+        else:
+            self.y = ((m, n), (n, 1), out_dtype, dev)
+            first = min(m, round_up(cdiv(m, 2), 128))
+            self.halves = tuple(
+                (r0, rows, r0 * k * x2d.element_size(),
+                 _launcher(x2d[r0:r0 + rows], cfg.activation, True, False, [
+                     ((rows, k), (k, 1), fa), _scale_t(rows, kt), None, None]),
+                 gemm(rows, n, k, fa, fw, "128x128", out_dtype))
+                for r0, rows in ((0, first), (first, m - first)) if rows)
         self.mm_dgrad = gemm(m, k, n, fg, fw, "128x128", x2d.dtype) if need_dgrad else None
         self.mm_wgrad = gemm(n, k, m, fg, fa, "1x128", weight.dtype) if need_wgrad else None
         if need_dgrad or need_wgrad:
@@ -139,10 +163,22 @@ class LinearPlan:
                 _scale_t(n, mt) if need_wgrad else None])
 
     def forward(self, x2d, weight):
-        xd, xs, xtd, xts = self.qx(x2d, x2d.data_ptr())
+        if self.halves is None:
+            xd, xs, xtd, xts = self.qx(x2d, x2d.data_ptr())
+            wd, ws = self.qw(weight, weight.data_ptr())[:2]
+            return self.mm_fwd(xd, wd, xs, ws), (xtd, xts)
+        shape, strides, dtype, dev = self.y
+        y = torch.empty_strided(shape, strides, dtype=dtype, device=dev)
         wd, ws = self.qw(weight, weight.data_ptr())[:2]
-        y = self.mm_fwd(xd, wd, xs, ws)
-        return y, (xtd, xts)
+        ptr = x2d.data_ptr()
+        for r0, rows, offset, qx, mm in self.halves:
+            xd, xs = qx(x2d, ptr + offset)[:2]
+            mm(xd, wd, xs, ws, y[r0:r0 + rows])
+            xd = xs = None          # freed (stream-ordered) before the next half is made
+        wd = ws = None
+        if self.qx is None:
+            return y, (None, None)
+        return y, tuple(self.qx(x2d, ptr)[2:])
 
     def backward(self, dy2d, xt_d, xt_s, weight, need_dgrad, need_wgrad):
         if dy2d.data_ptr() & 15:             # contiguous already (the caller's)

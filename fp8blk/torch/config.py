@@ -4,6 +4,7 @@ Default (TransformerEngine's ``Float8BlockScaling``): activations and gradients 
 rowwise, 128x1 columnwise), weights Block2D (128x128 tiles), E4M3 everywhere, power-of-two
 scales. Options: E5M2 gradients (``Float8BlockConfig(grad=fb.Block1D(fb.E5M2))``) and MXFP8
 (``Float8BlockConfig.mxfp8()``: 1x32/32x1 blocks with E8M0 scales for all three operands).
+``low_memory_forward=True`` trades ~1% of a step's time for a lower forward peak (below).
 
     import fp8blk as fb
     from fp8blk.torch import Float8BlockConfig
@@ -23,13 +24,30 @@ class Float8BlockConfig:
     ``activation``: the layer input x (Block1D or MXFP8); ``weight``: W (Block2D or MXFP8);
     ``grad``: the output gradient dY (Block1D or MXFP8). Block1D activations/gradients go with
     Block2D weights; MXFP8 goes with MXFP8 everywhere (its GEMMs pair 1x32 blocks).
+
+    ``low_memory_forward``: by default the forward pass quantizes x rowwise (for its GEMM)
+    and columnwise (saved for the weight gradient) in one fused pass, so both FP8 copies of x
+    exist during the GEMM: the layer's peak is x + y + W's FP8 tiles + 2 FP8 copies of x.
+    With ``True`` the rowwise copy is made and used in two halves of the tokens, each freed
+    after its GEMM, and the columnwise copy after the GEMMs, when W's FP8 tiles are freed:
+    the peak is x + y + the larger of (W's tiles + half an FP8 copy of x) and (one FP8 copy
+    of x) -- below torchao's blockwise Linear, which holds x + y + W's tiles + one FP8 copy
+    (bench/README.md). It costs a second read of x and one more GEMM launch per step. The
+    halves apply where the per-signature plan serves the layer (CUDA tensors, Block1D and
+    Block2D recipes, plain weights); elsewhere x is quantized rowwise, used and freed, then
+    columnwise (a peak of x + y + W's tiles + one FP8 copy of x). The bytes and results are
+    the default's.
     """
 
     activation: object = field(default_factory=lambda: Block1D(E4M3))
     weight: object = field(default_factory=lambda: Block2D(E4M3))
     grad: object = field(default_factory=lambda: Block1D(E4M3))
+    low_memory_forward: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.low_memory_forward, bool):
+            raise TypeError(f"Float8BlockConfig.low_memory_forward must be a bool, got "
+                            f"{self.low_memory_forward!r}")
         mx = [isinstance(r, MXFP8) for r in (self.activation, self.weight, self.grad)]
         if any(mx) and not all(mx):
             raise ValueError(f"Float8BlockConfig: MXFP8 must be used for activation, weight "
@@ -43,9 +61,11 @@ class Float8BlockConfig:
                                     f"(...) (or MXFP8 for all three), got {recipe!r}")
 
     @classmethod
-    def mxfp8(cls, grad_fmt: Format = E4M3) -> "Float8BlockConfig":
+    def mxfp8(cls, grad_fmt: Format = E4M3, low_memory_forward: bool = False
+              ) -> "Float8BlockConfig":
         """MXFP8 (1x32 blocks, E8M0 scales) for all operands; E4M3 data, ``grad_fmt`` for dY."""
-        return cls(activation=MXFP8(E4M3), weight=MXFP8(E4M3), grad=MXFP8(grad_fmt))
+        return cls(activation=MXFP8(E4M3), weight=MXFP8(E4M3), grad=MXFP8(grad_fmt),
+                   low_memory_forward=low_memory_forward)
 
     @property
     def is_mxfp8(self) -> bool:

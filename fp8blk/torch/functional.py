@@ -136,7 +136,10 @@ class _Float8BlockLinearFn(torch.autograd.Function):
         elif plan is not None:
             y, qx_t = plan.forward(x2d, weight)
         else:
-            qx = quantize_input(x2d, cfg.activation, need_wgrad)
+            # low_memory_forward: x's rowwise copy made, used and freed before its columnwise
+            # copy is made (config.py); by default both in one fused pass
+            lean = cfg.low_memory_forward
+            qx = quantize_input(x2d, cfg.activation, need_wgrad and not lean)
             # The weight is asked for what each pass needs -- rowwise now, columnwise in the
             # backward pass -- and the weight itself is saved, not its FP8 buffers: an FSDP2
             # FP8 weight hands out what FSDP2 gathered for that pass (resharding after the
@@ -146,6 +149,10 @@ class _Float8BlockLinearFn(torch.autograd.Function):
             # network, for ~15 us saved.
             qw = _weight_block_tensor(weight, cfg, True, False)
             y = blockwise_scaled_mm(*_forward_operands(qx, qw, cfg), out_dtype=out_dtype)
+            if lean:
+                qx = qw = None
+                if need_wgrad:
+                    qx = quantize_buffers(x2d, cfg.activation, False, True)
             qx_t = _transposed(qx, cfg.activation) if need_wgrad else (None, None)
         if bias is not None:
             y = y + bias.to(y.dtype)

@@ -291,6 +291,56 @@ def test_scaled_mm_matches_oracle_and_rejects_bad_layouts(gen):
         blockwise_scaled_mm(a, sa, b, sb, "1x64", "128x128")
 
 
+@pytest.mark.parametrize("name", ["default", "mxfp8"])
+@pytest.mark.parametrize("grads", ["both", "x_only", "w_only"])
+def test_low_memory_forward_gives_the_default_bytes(name, grads, gen, monkeypatch):
+    """low_memory_forward quantizes x rowwise, runs the GEMM, and only then quantizes x
+    columnwise (config.py): the same bytes -- output, input and weight gradients -- as the
+    default's fused pass, and each quantize asks for one direction only (so the order is the
+    one claimed, not the fused pass again)."""
+    from fp8blk.torch import functional
+    base = CONFIGS[name]
+    lean = Float8BlockConfig(base.activation, base.weight, base.grad, low_memory_forward=True)
+    asked = []
+    real = functional.quantize_buffers
+
+    def recording(x2d, recipe, rowwise, columnwise):
+        asked.append((tuple(x2d.shape), rowwise, columnwise))
+        return real(x2d, recipe, rowwise, columnwise)
+    monkeypatch.setattr(functional, "quantize_buffers", recording)
+    m, k, n = 320, 384, 256
+    x = spread((m, k), gen, torch.bfloat16)
+    w = spread((n, k), gen, torch.bfloat16)
+    g = spread((m, n), gen, torch.bfloat16)
+    out = []
+    for cfg in (base, lean):
+        xr = x.clone().requires_grad_(grads != "w_only")
+        wr = w.clone().requires_grad_(grads != "x_only")
+        asked.clear()
+        y = linear_mod.float8_block_linear(xr, wr, None, cfg)
+        forward_quantizes = [a for a in asked if a[0] == (m, k)]
+        y.backward(g)
+        out.append((y, xr.grad, wr.grad, forward_quantizes))
+    (y0, dx0, dw0, q0), (y1, dx1, dw1, q1) = out
+    assert torch.equal(y0, y1)
+    for a, b in ((dx0, dx1), (dw0, dw1)):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+    w_grad = grads != "x_only"
+    assert q0 == [((m, k), True, w_grad)]
+    assert q1 == [((m, k), True, False)] + ([((m, k), False, True)] if w_grad else [])
+
+
+def test_low_memory_forward_config():
+    from fp8blk.torch._linear_ops import _config, config_key
+    for cfg in (Float8BlockConfig(low_memory_forward=True), Float8BlockConfig(),
+                Float8BlockConfig.mxfp8(low_memory_forward=True)):
+        assert _config(config_key(cfg)) == cfg
+    assert config_key(Float8BlockConfig()) != config_key(
+        Float8BlockConfig(low_memory_forward=True))
+    with pytest.raises(TypeError, match="low_memory_forward must be a bool"):
+        Float8BlockConfig(low_memory_forward=1)
+
+
 def test_bad_features_dtypes_and_configs():
     with pytest.raises(ValueError, match="multiples of 32"):
         Float8BlockLinear(100, 64, config=Float8BlockConfig.mxfp8())

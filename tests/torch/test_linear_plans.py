@@ -222,3 +222,82 @@ def test_compiled_layers_run_the_plan_ops(mode, dims, rng):
     # both layers' signatures, with and without gradients, came through the ops
     assert len(_linear_plans.shape_plans) == 4, list(_linear_plans.shape_plans)
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+
+
+@pytest.mark.parametrize("dims", [(2048, 1024, 1536), (1000, 640, 384), (300, 512, 272),
+                                  (100, 512, 512)],
+                         ids=["aligned", "unpadded", "padded", "one-half"])
+def test_low_memory_forward_plans(dims, rng):
+    """low_memory_forward on the plan path: the forward pass in halves of the tokens (the
+    first a multiple of 128 rows; one half when there are <= 128), each a rowwise-only
+    quantize and a GEMM into its rows of y, then x's columnwise copy alone; the default
+    plan's bytes (y, dx, dW, dbias) on fresh data each step. Dims: GEMMs on cuBLASLt (all
+    multiples of 16); on cuBLASLt with partial blocks; on torch._scaled_mm with padded copies
+    (rows / features not multiples of 16: the halves' GEMM copies into y's rows); one half."""
+    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+    m, k, n = dims
+    lean_cfg = Float8BlockConfig(low_memory_forward=True)
+    default = Float8BlockLinear(k, n, device="cuda", dtype=torch.bfloat16)
+    lean = Float8BlockLinear(k, n, device="cuda", dtype=torch.bfloat16, config=lean_cfg)
+    lean.weight, lean.bias = default.weight, default.bias
+    _linear_plans.plans.clear()
+    for i in range(2):
+        init_spread_(default, gen)
+        x = spread((m, k), gen, torch.bfloat16).cuda().requires_grad_()
+        g = spread((m, n), gen, torch.bfloat16).cuda()
+        _assert_same(_step(lean, x, g), _step(default, x, g), (dims, i))
+    (plan,) = [p for key, p in _linear_plans.plans.items() if lean_cfg in key]
+    rows = [h[1] for h in plan.halves]
+    assert sum(rows) == m and rows[0] % 128 == 0 if len(rows) == 2 else rows == [m], rows
+    assert len(rows) == (2 if m > 128 else 1)
+
+
+def test_low_memory_forward_peak(rng):
+    """The forward pass's peak above its start (x and W already held), bf16, no bias, x and
+    W needing gradients: by default y + W's FP8 tiles + both FP8 copies of x (the fused
+    pass); with low_memory_forward at most the larger of (y + W's tiles + half an FP8 copy
+    of x) and (y + one FP8 copy of x), plus scales -- below y + W's tiles + one FP8 copy of
+    x, the peak of a design that quantizes x once for the GEMM (torchao's blockwise Linear)."""
+    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+    m, k, n = 4096, 2048, 2048
+    y_b, w8, x8 = 2 * m * n, n * k, m * k
+    scales = 4 * (m * (k // 128) * 2 + (n // 128) * (k // 128)) + (1 << 20)  # + 1 MiB slack
+    peaks = {}
+    for lean in (False, True):
+        layer = Float8BlockLinear(k, n, bias=False, device="cuda", dtype=torch.bfloat16,
+                                  config=Float8BlockConfig(low_memory_forward=lean))
+        init_spread_(layer, gen)
+        x = spread((m, k), gen, torch.bfloat16).cuda().requires_grad_()
+        for _ in range(2):                  # the second call: plan made, nothing cached
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
+            y = layer(x)
+            torch.cuda.synchronize()
+            peaks[lean] = torch.cuda.max_memory_allocated() - start
+            del y
+    assert peaks[False] >= y_b + w8 + 2 * x8, peaks
+    assert peaks[True] <= max(y_b + w8 + x8 // 2, y_b + x8) + scales, peaks
+    assert peaks[True] < y_b + w8 + x8, peaks
+    print(f"forward peak above start, ({m}, {k}, {n}) bf16: default {peaks[False] / 2**20:.1f}"
+          f" MiB, low_memory_forward {peaks[True] / 2**20:.1f} MiB; y + W8 + x8 = "
+          f"{(y_b + w8 + x8) / 2**20:.1f} MiB")
+
+
+def test_low_memory_forward_compiled(rng):
+    """torch.compile(fullgraph=True) of a low_memory_forward layer runs its plan through the
+    ops (the config travels in the op's config string) in halves, with eager's bytes."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+    cfg = Float8BlockConfig(low_memory_forward=True)
+    layer = Float8BlockLinear(640, 384, bias=False, device="cuda", dtype=torch.bfloat16,
+                              config=cfg)
+    init_spread_(layer, gen)
+    compiled = torch.compile(layer, fullgraph=True)
+    _linear_plans.shape_plans.clear()
+    x = spread((1000, 640), gen, torch.bfloat16).cuda()
+    g = spread((1000, 384), gen, torch.bfloat16).cuda()
+    got, want = _step(compiled, x.requires_grad_(), g), _step(layer, x, g)
+    _assert_same(got, want, "compiled")
+    (plan,) = _linear_plans.shape_plans.values()
+    assert [h[1] for h in plan.halves] == [512, 488]

@@ -30,15 +30,16 @@ results are exact): every kernel against NumPy, under both readings of the descr
 byte offsets (the probe reports the one the hardware takes). Then TFLOP/s per kernel, alone
 (median of 5 launches, each behind a 20 ms GPU sleep) and sustained (40 back to back).
 
-Result on the H200 (2026-12-01, ``wgmma-probe-h200-2026-12-01.log``): every kernel exact with
-the leading byte offset along K; plain 1740-1790 TFLOP/s, rowscale up to 1574 (three
-warpgroups per CTA), the weight gradient's promotion at most 967 (serial, prefetched, with 1 to
-4 warpgroups per SM and n = 64 or 128: 697-967). cuBLAS runs the whole 1x128 x 1x128 GEMM at
+Result on the H200 (2026-12-01, two runs: ``wgmma-probe-h200-2026-12-01{,-b}.log``): every
+kernel exact with the leading byte offset along K; plain 1690-1790 TFLOP/s, rowscale up to
+1538-1574 (three warpgroups per CTA), the weight gradient's promotion at most 967-972
+(serial, prefetched, with 1 to 4 warpgroups per SM and n = 64 or 128: 697-972). cuBLAS runs
+the whole 1x128 x 1x128 GEMM at
 1074 alone (``gemm_ceiling.py``): a Numba WGMMA kernel's inner loop alone, before any
 global-memory pipeline, is slower than cuBLAS's complete kernel for the weight gradient. The
-forward loop (1574) is 19% above cuBLAS's complete forward GEMM (1328); the plain loop (1770)
-is 19% above cuBLAS's complete tensorwise GEMM (1488), so with loads and an epilogue as good
-as cuBLAS's a Numba forward kernel would only draw level.
+forward loop (1538-1574) is 16-19% above cuBLAS's complete forward GEMM (1328); the plain loop
+(1715-1790) is 15-20% above cuBLAS's complete tensorwise GEMM (1488), so with loads and an
+epilogue as good as cuBLAS's a Numba forward kernel would only draw level.
 
     python3 bench/profile/probe_wgmma.py [--kb 1024] [--out F.json]
 """
@@ -275,6 +276,18 @@ def make_kernel(mode, nwg, n=128):
     ld_c = n
     s1, s2, s3 = np.uint64(16), np.uint64(32), np.uint64(48)  # k32 steps: 256 bytes along K
 
+    @nb.device
+    def issue(p, da, db, scale_d):
+        """One 128-deep block of K (four k32 steps) into p, as one wgmma group; scale_d = 0:
+        the block overwrites p (a fresh partial product)."""
+        wgmma_fence()
+        p = wgmma_m64nk32(p, da, db, scale_d)
+        p = wgmma_m64nk32(p, da + s1, db + s1, 1)
+        p = wgmma_m64nk32(p, da + s2, db + s2, 1)
+        p = wgmma_m64nk32(p, da + s3, db + s3, 1)
+        wgmma_commit()
+        return p
+
     def kernel(a, b, sa, sb, c, kb_count, lbo, sbo):
         smem = cuda.shared.array(words, types.uint32)
         tid = cuda.threadIdx.x
@@ -309,24 +322,14 @@ def make_kernel(mode, nwg, n=128):
         if mode == 0:
             acc = acc_zeros()
             for kb in range(kb_count):
-                wgmma_fence()
-                acc = wgmma_m64nk32(acc, da, db, 1)
-                acc = wgmma_m64nk32(acc, da + s1, db + s1, 1)
-                acc = wgmma_m64nk32(acc, da + s2, db + s2, 1)
-                acc = wgmma_m64nk32(acc, da + s3, db + s3, 1)
-                wgmma_commit()
+                acc = issue(acc, da, db, 1)
                 acc = wgmma_wait1(acc)
             final = wgmma_wait0(acc)
         elif mode == 1:
             final = acc_zeros()
             part = acc_zeros()
             for kb in range(kb_count):
-                wgmma_fence()
-                part = wgmma_m64nk32(part, da, db, 0)
-                part = wgmma_m64nk32(part, da + s1, db + s1, 1)
-                part = wgmma_m64nk32(part, da + s2, db + s2, 1)
-                part = wgmma_m64nk32(part, da + s3, db + s3, 1)
-                wgmma_commit()
+                part = issue(part, da, db, 0)
                 part = wgmma_wait0(part)
                 final = promote(final, part, sa[kb * rows + srow], sa[kb * rows + srow + 8],
                                 sb, kb * n + col)
@@ -334,12 +337,7 @@ def make_kernel(mode, nwg, n=128):
             final = acc_zeros()
             part = acc_zeros()
             for kb in range(kb_count):
-                wgmma_fence()
-                part = wgmma_m64nk32(part, da, db, 0)
-                part = wgmma_m64nk32(part, da + s1, db + s1, 1)
-                part = wgmma_m64nk32(part, da + s2, db + s2, 1)
-                part = wgmma_m64nk32(part, da + s3, db + s3, 1)
-                wgmma_commit()
+                part = issue(part, da, db, 0)
                 r0 = sa[kb * rows + srow]
                 r1 = sa[kb * rows + srow + 8]
                 cs = load_col_scales(sb, kb * n + col)
@@ -349,12 +347,7 @@ def make_kernel(mode, nwg, n=128):
             final = acc_zeros()
             part = acc_zeros()
             for kb in range(kb_count):
-                wgmma_fence()
-                part = wgmma_m64nk32(part, da, db, 0)
-                part = wgmma_m64nk32(part, da + s1, db + s1, 1)
-                part = wgmma_m64nk32(part, da + s2, db + s2, 1)
-                part = wgmma_m64nk32(part, da + s3, db + s3, 1)
-                wgmma_commit()
+                part = issue(part, da, db, 0)
                 r0 = sa[kb * rows + srow] * sb[kb * n]
                 r1 = sa[kb * rows + srow + 8] * sb[kb * n]
                 part = wgmma_wait0(part)
@@ -364,38 +357,18 @@ def make_kernel(mode, nwg, n=128):
             final = acc_zeros()
             p0 = acc_zeros()
             p1 = acc_zeros()
-            wgmma_fence()
-            p0 = wgmma_m64nk32(p0, da, db, 0)
-            p0 = wgmma_m64nk32(p0, da + s1, db + s1, 1)
-            p0 = wgmma_m64nk32(p0, da + s2, db + s2, 1)
-            p0 = wgmma_m64nk32(p0, da + s3, db + s3, 1)
-            wgmma_commit()
+            p0 = issue(p0, da, db, 0)
             for kb in range(0, kb_count - 2, 2):
-                wgmma_fence()
-                p1 = wgmma_m64nk32(p1, da, db, 0)
-                p1 = wgmma_m64nk32(p1, da + s1, db + s1, 1)
-                p1 = wgmma_m64nk32(p1, da + s2, db + s2, 1)
-                p1 = wgmma_m64nk32(p1, da + s3, db + s3, 1)
-                wgmma_commit()
+                p1 = issue(p1, da, db, 0)
                 p0 = wgmma_wait1(p0)
                 final = promote(final, p0, sa[kb * rows + srow], sa[kb * rows + srow + 8],
                                 sb, kb * n + col)
-                wgmma_fence()
-                p0 = wgmma_m64nk32(p0, da, db, 0)
-                p0 = wgmma_m64nk32(p0, da + s1, db + s1, 1)
-                p0 = wgmma_m64nk32(p0, da + s2, db + s2, 1)
-                p0 = wgmma_m64nk32(p0, da + s3, db + s3, 1)
-                wgmma_commit()
+                p0 = issue(p0, da, db, 0)
                 p1 = wgmma_wait1(p1)
                 final = promote(final, p1, sa[(kb + 1) * rows + srow],
                                 sa[(kb + 1) * rows + srow + 8], sb, (kb + 1) * n + col)
             kb = kb_count - 2
-            wgmma_fence()
-            p1 = wgmma_m64nk32(p1, da, db, 0)
-            p1 = wgmma_m64nk32(p1, da + s1, db + s1, 1)
-            p1 = wgmma_m64nk32(p1, da + s2, db + s2, 1)
-            p1 = wgmma_m64nk32(p1, da + s3, db + s3, 1)
-            wgmma_commit()
+            p1 = issue(p1, da, db, 0)
             p0 = wgmma_wait1(p0)
             final = promote(final, p0, sa[kb * rows + srow], sa[kb * rows + srow + 8],
                             sb, kb * n + col)

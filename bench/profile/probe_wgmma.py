@@ -119,9 +119,6 @@ def _ops(n):
             return ACC(ACC), codegen
         return wait
 
-
-
-
     @intrinsic
     def mma(typingctx, acc, desc_a, desc_b, scale_d):
         """acc (+)= A(64x32, e4m3, smem) . B(nx32, e4m3, smem)^T; scale_d = 0 ignores acc."""
@@ -150,29 +147,6 @@ def _ops(n):
 
 
     @intrinsic
-    def promote(typingctx, final, part, s0, s1, sb, col):
-        """final + part * sa[row] * sb[col] for the thread's fragment: its elements 4j, 4j+1 sit
-        in row r0 at columns 8j + col, 8j + col + 1; 4j+2, 4j+3 in row r0 + 8 (the wgmma f32
-        accumulator layout); s0 / s1 are the two rows' scales, sb a float32 pointer to the
-        columns' scales (col = 2 * (lane % 4) plus the block's offset)."""
-        def codegen(context, builder, sig, args):
-            f, p = _unpack(builder, args[0]), _unpack(builder, args[1])
-            s0, s1, sbp, col = args[2], args[3], args[4], args[5]
-            out = list(f)
-            for j in range(N_ACC // 4):
-                base = builder.add(col, ir.Constant(col.type, 8 * j))
-                b0 = builder.load(builder.gep(sbp, [base]))
-                b1 = builder.load(builder.gep(sbp, [builder.add(base, ir.Constant(col.type, 1))]))
-                for e, (sr, sc) in enumerate(((s0, b0), (s0, b1), (s1, b0), (s1, b1))):
-                    i = 4 * j + e
-                    out[i] = builder.fadd(f[i], builder.fmul(p[i], builder.fmul(sr, sc)))
-            return _pack(context, builder, out)
-        return ACC(final, part, types.float32, types.float32, sb, col), codegen
-
-
-
-
-    @intrinsic
     def load_col_scales(typingctx, sb, col):
         """The thread's N_COLS column scales of one block, sb[col + 8j], sb[col + 8j + 1], into
         registers (issued before the block's wgmma.wait, their latency hides under it)."""
@@ -190,7 +164,10 @@ def _ops(n):
 
     @intrinsic
     def promote_regs(typingctx, final, part, s0, s1, cols):
-        """As promote, the column scales from registers (load_col_scales)."""
+        """final + part * sa[row] * sb[col] for the thread's fragment: its elements 4j, 4j+1
+        sit in row r0 at columns 8j + col, 8j + col + 1; 4j+2, 4j+3 in row r0 + 8 (the wgmma
+        f32 accumulator layout); s0 / s1 are the two rows' scales, `cols` the columns' scales
+        in registers (load_col_scales)."""
         def codegen(context, builder, sig, args):
             f, p = _unpack(builder, args[0]), _unpack(builder, args[1])
             s0, s1 = args[2], args[3]
@@ -246,7 +223,7 @@ def _ops(n):
         return types.uint32(arr), codegen
 
     return SimpleNamespace(mma=mma, zeros=zeros, wait0=_wait(0), wait1=_wait(1),
-                           promote=promote, load_col_scales=load_col_scales,
+                           load_col_scales=load_col_scales,
                            promote_regs=promote_regs, promote_rows=promote_rows,
                            store_acc=store_acc, shared_addr=shared_addr)
 
@@ -265,8 +242,8 @@ def make_kernel(mode, nwg, n=128):
     per CTA, each with a 64 x `n` tile (all of them share one B tile of n x 128)."""
     o = _ops(n)
     wgmma_m64nk32, acc_zeros, wgmma_wait0, wgmma_wait1 = o.mma, o.zeros, o.wait0, o.wait1
-    promote, load_col_scales, promote_regs, promote_rows, store_acc = (
-        o.promote, o.load_col_scales, o.promote_regs, o.promote_rows, o.store_acc)
+    load_col_scales, promote_regs, promote_rows, store_acc = (
+        o.load_col_scales, o.promote_regs, o.promote_rows, o.store_acc)
     shared_addr = o.shared_addr
     threads = 128 * nwg
     b_bytes = n * 128
@@ -287,6 +264,13 @@ def make_kernel(mode, nwg, n=128):
         p = wgmma_m64nk32(p, da + s3, db + s3, 1)
         wgmma_commit()
         return p
+
+    @nb.device
+    def promote(final, part, s0, s1, sb, col):
+        """final + part * sa[row] * sb[col] for the thread's fragment (promote_regs), the
+        column scales loaded after the wait (where the ``serial`` and ``pipelined`` modes
+        call it)."""
+        return promote_regs(final, part, s0, s1, load_col_scales(sb, col))
 
     def kernel(a, b, sa, sb, c, kb_count, lbo, sbo):
         smem = cuda.shared.array(words, types.uint32)
@@ -384,8 +368,6 @@ MODES = {"plain": 0, "serial": 1, "pipelined": 2, "prefetched": 3, "rowscale": 4
 ARGTYPES = [nb.ptr(types.uint32), nb.ptr(types.uint32), nb.ptr(types.float32),
             nb.ptr(types.float32), nb.ptr(types.float32), types.int64, types.int64,
             types.int64]
-
-
 
 
 def ptxas_notes(mode, nwg, n=128):

@@ -102,7 +102,7 @@ class LinearPlan:
     the forward GEMM into those rows of y, each half's FP8 copy freed before the next is
     made; then, W's FP8 tiles freed, ``qx`` makes x's columnwise copy alone (config.py)."""
 
-    __slots__ = ("qx", "qw", "qwt", "qdy", "mm_fwd", "mm_dgrad", "mm_wgrad", "halves", "y")
+    __slots__ = ("qx", "qw", "qwt", "qdy", "mm_fwd", "mm_dgrad", "mm_wgrad", "halves", "y_spec")
 
     def __init__(self, x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad):
         (m, k), n = x2d.shape, weight.shape[0]
@@ -140,11 +140,11 @@ class LinearPlan:
                                             dtype, dev)
                     or functools.partial(_general_mm, b_blocks=b_blocks, out_dtype=dtype))
 
-        self.mm_fwd = self.y = None
+        self.mm_fwd = self.y_spec = None
         if not cfg.low_memory_forward:
             self.mm_fwd = gemm(m, n, k, fa, fw, "128x128", out_dtype)
         else:
-            self.y = ((m, n), (n, 1), out_dtype, dev)
+            self.y_spec = ((m, n), (n, 1), out_dtype, dev)     # y's empty_strided args
             first = min(m, round_up(cdiv(m, 2), 128))
             self.halves = tuple(
                 (r0, rows, r0 * k * x2d.element_size(),
@@ -167,7 +167,7 @@ class LinearPlan:
             xd, xs, xtd, xts = self.qx(x2d, x2d.data_ptr())
             wd, ws = self.qw(weight, weight.data_ptr())[:2]
             return self.mm_fwd(xd, wd, xs, ws), (xtd, xts)
-        shape, strides, dtype, dev = self.y
+        shape, strides, dtype, dev = self.y_spec
         y = torch.empty_strided(shape, strides, dtype=dtype, device=dev)
         wd, ws = self.qw(weight, weight.data_ptr())[:2]
         ptr = x2d.data_ptr()

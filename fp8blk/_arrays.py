@@ -22,7 +22,7 @@ HIGH_PRECISION = (np.dtype(np.float32), BF16, np.dtype(np.float16))
 NUMPY, CUPY, TORCH = "numpy", "cupy", "torch"
 
 
-def _torch():
+def torch_module():
     """The torch module if the caller's program has imported it (fp8blk never imports it
     itself). A module still being imported by another thread counts as absent: it may not
     have ``Tensor`` or ``dtype`` yet."""
@@ -32,7 +32,8 @@ def _torch():
     return torch
 
 
-def _cupy():
+def cupy_module():
+    """The cupy module if the program has imported it, else None."""
     return sys.modules.get("cupy")
 
 
@@ -53,10 +54,10 @@ def family_of(x) -> str:
 def _family_slow(x) -> str:
     if isinstance(x, np.ndarray):
         return NUMPY
-    cupy = _cupy()
+    cupy = cupy_module()
     if cupy is not None and isinstance(x, cupy.ndarray):
         return CUPY
-    torch = _torch()
+    torch = torch_module()
     if torch is not None and isinstance(x, torch.Tensor):
         return TORCH
     raise TypeError(f"expected a numpy.ndarray, cupy.ndarray or torch.Tensor, got "
@@ -65,7 +66,7 @@ def _family_slow(x) -> str:
 
 def is_torch(x) -> bool:
     """True for a torch tensor (without importing torch)."""
-    torch = _torch()
+    torch = torch_module()
     return torch is not None and isinstance(x, torch.Tensor)
 
 
@@ -114,12 +115,22 @@ def to_internal(x):
 
 
 _STRIDED = []
+_RAW_STREAM = []
+
+
+def torch_raw_stream():
+    """``torch._C._cuda_getCurrentRawStream`` (device index -> the handle of that device's
+    current stream, ~0.2 us; ``torch.cuda.current_stream()`` builds a Stream object, ~5 us),
+    looked up once. The one place fp8blk reads torch's current stream by handle."""
+    if not _RAW_STREAM:
+        _RAW_STREAM.append(torch_module()._C._cuda_getCurrentRawStream)
+    return _RAW_STREAM[0]
 
 
 def torch_strided():
     """torch.strided, looked up once."""
     if not _STRIDED:
-        _STRIDED.append(_torch().strided)
+        _STRIDED.append(torch_module().strided)
     return _STRIDED[0]
 
 
@@ -131,7 +142,7 @@ def is_contiguous(x) -> bool:
 
 
 def _torch_bf16_dtype_map():
-    torch = _torch()
+    torch = torch_module()
     return {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: BF16,
             torch.uint8: np.uint8, torch.int16: np.int16, torch.int32: np.int32,
             torch.int64: np.int64, torch.float64: np.float64}
@@ -158,7 +169,7 @@ def numpy_dtype(dtype) -> np.dtype:
 
 
 def _numpy_dtype_slow(dtype) -> np.dtype:
-    torch = _torch()
+    torch = torch_module()
     if torch is not None and isinstance(dtype, torch.dtype):
         mapping = _torch_bf16_dtype_map()
         if dtype not in mapping:
@@ -177,7 +188,7 @@ def to_backend(x):
     family = family_of(x)
     if family != TORCH:
         return x, family, x.dtype
-    torch = _torch()
+    torch = torch_module()
     bf16 = x.dtype == torch.bfloat16
     # try costs nothing until it raises (zero-cost exceptions); the message is built then
     try:
@@ -199,7 +210,7 @@ def _torch_rejection(x) -> str:
     if x.is_meta:
         return ("a torch tensor on the meta device holds no data: create it on the CPU or a "
                 "CUDA device (e.g. torch.empty(..., device='cuda'))")
-    if x.layout != _torch().strided:
+    if x.layout != torch_module().strided:
         return (f"a sparse torch tensor (layout {x.layout}) cannot be passed to fp8blk, which "
                 f"takes dense strided tensors: pass x.to_dense()")
     if x.is_quantized:
@@ -217,7 +228,7 @@ def from_backend(arr, family, dtype=None):
     """
     if arr is None or family != TORCH or is_torch(arr):  # torch stays torch: no crossing
         return arr
-    torch = _torch()
+    torch = torch_module()
     bf16 = arr.dtype == BF16 or (dtype is not None and np.dtype(dtype) == BF16)
     if bf16:
         return torch.from_dlpack(arr.view(np.int16)).view(torch.bfloat16)
@@ -226,7 +237,7 @@ def from_backend(arr, family, dtype=None):
 
 def is_device(arr) -> bool:
     """True for CuPy arrays (internal device buffers)."""
-    cupy = _cupy()
+    cupy = cupy_module()
     return cupy is not None and isinstance(arr, cupy.ndarray)
 
 

@@ -73,10 +73,15 @@ class Layout(NamedTuple):
         return n
 
 
-def _kind(recipe) -> str:
+RECIPE_KINDS = ("Block1D", "Block2D", "MXFP8")
+
+
+def recipe_kind(recipe) -> str:
+    """The recipe vocabulary: "Block1D", "Block2D" or "MXFP8" for a recipe object (TypeError
+    for anything else). Tables keyed by recipe kind use these names."""
     # by name, not isinstance: this module must not import formats (no cycles, no cost)
     name = type(recipe).__name__
-    if name not in ("Block1D", "Block2D", "MXFP8"):
+    if name not in RECIPE_KINDS:
         raise TypeError(f"recipe must be fp8blk.Block1D(...), fp8blk.Block2D(...) or "
                         f"fp8blk.MXFP8(...), got {recipe!r}")
     return name
@@ -85,7 +90,7 @@ def _kind(recipe) -> str:
 def all_layouts(recipe, rows: int, cols: int) -> list:
     """[Layout] x 4: rowwise data, rowwise scale_inv, columnwise data, columnwise scale_inv of
     an (M, K) = (rows, cols) tensor. MXFP8 assumes M and K are multiples of 32."""
-    kind = _kind(recipe)
+    kind = recipe_kind(recipe)
     if kind == "Block1D":
         return [Layout((rows, cols), U8, None),
                 Layout((cdiv(cols, 128), round_up(rows, 4)), F32, 1.0),
@@ -110,4 +115,4 @@ def buffer_layouts(recipe, rows: int, cols: int, rowwise: bool = True,
 
 
 __all__ = ["cdiv", "round_up", "c_strides", "shape2d", "Layout", "all_layouts",
-           "buffer_layouts", "BUFFER_NAMES"]
+           "buffer_layouts", "BUFFER_NAMES", "RECIPE_KINDS", "recipe_kind"]

@@ -10,7 +10,7 @@ from . import _arrays, reference
 from ._dispatch import backend_for
 from .formats import MXFP8, as_flag, check_recipe
 from .layout import shape2d
-from .tensor import BlockTensor
+from .tensor import BlockTensor, from_internal
 
 
 def _validate(arr, dtype, family, recipe, rowwise, columnwise, contiguous):
@@ -60,15 +60,15 @@ def quantize(x, recipe, rowwise: bool = True, columnwise: bool = False) -> Block
                 call = _repeat.get((t, recipe, x.dtype, x.shape, rowwise, columnwise,
                                     not ptr & 15, x.get_device()))
                 if call is not None and x.is_contiguous():
-                    return BlockTensor._wrap(call.shape, recipe, call(x, ptr), call.dtype,
-                                             _arrays.TORCH)
+                    return from_internal(call.shape, recipe, call(x, ptr), call.dtype,
+                                         _arrays.TORCH)
         elif t is _CUPY_ARRAY:
             ptr = x.data.ptr
             call = _repeat.get((t, recipe, x.dtype, x.shape, rowwise, columnwise, not ptr & 15,
                                 x.data.device_id))
             if call is not None and x.flags.c_contiguous:
-                return BlockTensor._wrap(call.shape, recipe, call(x, ptr), call.dtype,
-                                         _arrays.CUPY)
+                return from_internal(call.shape, recipe, call(x, ptr), call.dtype,
+                                     _arrays.CUPY)
     arr, family, dtype = _arrays.to_internal(x)
     contiguous = arr.is_contiguous() if family == _arrays.TORCH and arr is x \
         else arr.flags.c_contiguous
@@ -84,7 +84,7 @@ def quantize(x, recipe, rowwise: bool = True, columnwise: bool = False) -> Block
     buffers = backend.quantize(x2d, recipe, rowwise, columnwise, dtype=dtype)
     if backend is not reference and arr is x and rows and cols:
         _record(x, x2d, recipe, rowwise, columnwise, dtype, family)
-    return BlockTensor._wrap(tuple(shape), recipe, list(buffers), dtype, family)
+    return from_internal(tuple(shape), recipe, list(buffers), dtype, family)
 
 
 # The hot path's table (``fp8blk.kernels.quantize.repeat_calls``, shared) and the exact array

@@ -7,7 +7,7 @@ import pytest
 import fp8blk as fb
 from fp8blk.__main__ import main as cli
 from fp8blk.master import cast_master_weights
-from fp8blk.tensor import internal_buffers
+from fp8blk.tensor import from_internal, internal_buffers
 from tests.master_scripts import cases
 from tests.master_scripts.fake_comm import run_ranks
 
@@ -91,7 +91,7 @@ def test_constructor_takes_torch_buffers(rng):
 
 def test_wrap_is_the_unchecked_internal_door(rng):
     q = fb.quantize(_x(rng), fb.Block1D())
-    w = fb.BlockTensor._wrap(q.shape, q.recipe, list(internal_buffers(q)), q.dtype, "numpy")
+    w = from_internal(q.shape, q.recipe, list(internal_buffers(q)), q.dtype, "numpy")
     np.testing.assert_array_equal(w.dequantize(), q.dequantize())
 
 

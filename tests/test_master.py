@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import fp8blk as fb
 from fp8blk import scaling
 from fp8blk.master import cast_master_weights
+from fp8blk.tensor import from_internal
 from tests.master_scripts import cases
 from tests.master_scripts.fake_comm import run_ranks
 
@@ -376,11 +377,11 @@ def test_errors_on_storage_and_mxfp8_fragments():
     with pytest.raises(ValueError, match="does not hold"):
         _call([w], [m], [0], fragments=[(np.zeros(100, np.uint8), np.zeros(100, np.uint8))])
     # the public constructor refuses such tensors; buffers swapped in afterwards (internal
-    # code, BlockTensor._wrap) are still checked by cast_master_weights
+    # code, from_internal) are still checked by cast_master_weights
     bad_bufs = [np.zeros((64, 64), np.uint8), np.zeros((64, 2), np.uint8), None, None]
     with pytest.raises(ValueError, match="rowwise_scale_inv"):
         fb.BlockTensor((64, 64), fb.MXFP8(), *bad_bufs)
-    bad = fb.BlockTensor._wrap((64, 64), fb.MXFP8(), bad_bufs, np.dtype(np.float32), "numpy")
+    bad = from_internal((64, 64), fb.MXFP8(), bad_bufs, np.dtype(np.float32), "numpy")
     with pytest.raises(ValueError, match="rowwise_scale_inv"):
         _call([bad], [m], [0])
     ro = np.zeros((64, 64), np.uint8)
@@ -391,7 +392,7 @@ def test_errors_on_storage_and_mxfp8_fragments():
     bad_bufs = [np.zeros((64, 48), np.uint8), np.zeros((128, 4), np.uint8), None, None]
     with pytest.raises(ValueError, match="multiples of 32"):
         fb.BlockTensor((64, 48), fb.MXFP8(), *bad_bufs)
-    bad = fb.BlockTensor._wrap((64, 48), fb.MXFP8(), bad_bufs, np.dtype(np.float32), "numpy")
+    bad = from_internal((64, 48), fb.MXFP8(), bad_bufs, np.dtype(np.float32), "numpy")
     with pytest.raises(ValueError, match="multiples of 32"):
         _call([bad], [m], [0])
     empty = fb.BlockTensor((64, 64), fb.Block2D())

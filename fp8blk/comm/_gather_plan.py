@@ -92,7 +92,7 @@ class Source:
         else:
             self.dtype = np.dtype(x.dtype)
             if not x.flags.c_contiguous:
-                x = (np if family == _arrays.NUMPY else _arrays._cupy()).ascontiguousarray(x)
+                x = (np if family == _arrays.NUMPY else _arrays.cupy_module()).ascontiguousarray(x)
         if x.ndim == 0:
             raise ValueError("gather_along_first_dim needs an array with at least one dim "
                              "(it concatenates along dim 0)")

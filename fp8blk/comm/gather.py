@@ -78,7 +78,7 @@ import numpy as np
 from .. import _arrays
 from .._dispatch import backend_for
 from ..formats import Block2D
-from ..tensor import BlockTensor, internal_buffers
+from ..tensor import BlockTensor, from_internal, internal_buffers
 from ._device_copy import uniform_byte
 from ._gather_plan import (FALLBACK, FAST, PLAIN, SLOT, Plan, PlanCache, Source, check_sizes,
                            exchange, local_key)
@@ -453,7 +453,7 @@ def _result(plan, src, targets, out):
     final = list(targets)
     if not plan.rowwise:
         final[0] = final[1] = None
-    return BlockTensor._wrap(plan.out_shape, plan.recipe, final, src.dtype, src.family)
+    return from_internal(plan.out_shape, plan.recipe, final, src.dtype, src.family)
 
 
 # --------------------------------------------------------------------------------------------
@@ -471,7 +471,7 @@ def _local_x2d(x, m, k, rows):
         if ops_for(x2d).family == _arrays.TORCH:
             padded = x2d.new_zeros((rows, k))
         else:
-            padded = (np if isinstance(x2d, np.ndarray) else _arrays._cupy()).zeros(
+            padded = (np if isinstance(x2d, np.ndarray) else _arrays.cupy_module()).zeros(
                 (rows, k), dtype=x2d.dtype)
         padded[:m] = x2d
         x2d = padded
@@ -713,7 +713,7 @@ def _input_check(src):
         return lambda y: (type(y) is kind and y.shape == shape and y.dtype is dtype
                           and y.is_contiguous() and y.get_device() == index)
     device = x.device.id
-    get_device = _arrays._cupy().cuda.runtime.getDevice
+    get_device = _arrays.cupy_module().cuda.runtime.getDevice
     # CuPy allocates and launches on its current device: the lane also needs it to be x's
     return lambda y: (type(y) is kind and y.shape == shape and y.dtype == dtype
                       and y.flags.c_contiguous and y.device.id == device

@@ -71,14 +71,14 @@ def _direct_pair(inp, out, size):
     """(nbytes, in ptr, out ptr, stream ptr, result) for an all_gather that needs no
     conversion: both CuPy arrays or both torch CUDA tensors, contiguous, same dtype, out of
     shape (size * n, ...) (allocated when None). None: take the general path."""
-    torch = _arrays._torch()
+    torch = _arrays.torch_module()
     if torch is not None and type(inp) is torch.Tensor:
         out = torch_gather_out(torch, inp, out, size) if inp.is_cuda else None
         if out is None:
             return None
         stream = torch_stream_ptr(torch, inp.device.index)
         return (inp.numel() * inp.element_size(), inp.data_ptr(), out.data_ptr(), stream, out)
-    cupy = _arrays._cupy()
+    cupy = _arrays.cupy_module()
     if cupy is None or type(inp) is not cupy.ndarray or inp.ndim == 0 \
             or not inp.flags.c_contiguous:
         return None

@@ -147,7 +147,7 @@ class TorchComm(Communicator):
         return out
 
     def _direct_gather(self, inp, out):
-        torch = _arrays._torch()
+        torch = _arrays.torch_module()
         if torch is None or type(inp) is not torch.Tensor or not (
                 self._cuda_ok if inp.is_cuda else self._cpu_ok):
             return None
@@ -269,7 +269,7 @@ class TorchComm(Communicator):
         group = self._host_group()
         if group is None:
             return super()._meta_all_gather(row)
-        torch = _arrays._torch()
+        torch = _arrays.torch_module()
         table = np.empty((self.size, row.size), dtype=np.int64)
         with self.metadata():
             self._record("all_gather", row.nbytes)
@@ -283,7 +283,7 @@ class TorchComm(Communicator):
             return super()._meta_all_reduce_max(row)
         with self.metadata():
             self._record("all_reduce", row.nbytes)
-            _dist().all_reduce(_arrays._torch().from_numpy(row), op=_dist().ReduceOp.MAX,
+            _dist().all_reduce(_arrays.torch_module().from_numpy(row), op=_dist().ReduceOp.MAX,
                                group=group)
         return row
 
@@ -298,7 +298,7 @@ def _reduce_scatter_single(dist):
 
 
 def _is_torch(arr):
-    torch = _arrays._torch()
+    torch = _arrays.torch_module()
     return torch is not None and isinstance(arr, torch.Tensor)
 
 

@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_map_only
 from .. import _arrays
 from ..formats import Block2D, MXFP8
 from ..layout import all_layouts, cdiv
-from ..tensor import BlockTensor, internal_buffers
+from ..tensor import BlockTensor, from_internal, internal_buffers
 from ._fsdp_state import fsdp_param_of, state_name, usage_for
 
 aten = torch.ops.aten
@@ -120,10 +120,10 @@ class WeightState:
             return
         internal = [None if t is None else _arrays.to_internal(t)[0] for t in self.scales]
         # scales only: the master cast writes data bytes into fragments (the local rows)
-        self.scale_tensor = BlockTensor._wrap(self.shape, self.recipe,
-                                              [None, internal[0], None, internal[1]],
-                                              _arrays.numpy_dtype(self.model_dtype),
-                                              _arrays.TORCH)
+        self.scale_tensor = from_internal(self.shape, self.recipe,
+                                          [None, internal[0], None, internal[1]],
+                                          _arrays.numpy_dtype(self.model_dtype),
+                                          _arrays.TORCH)
 
     def __deepcopy__(self, memo):
         """The weight's definition, scales and shard place, copied; what ties it to FSDP2 (its
@@ -511,7 +511,8 @@ class _GatheredBlockTensor(BlockTensor):
 
     @classmethod
     def empty(cls, shape, recipe, dtype):
-        self = cls._wrap(tuple(shape), recipe, [None, None, None, None], dtype, _arrays.TORCH)
+        self = from_internal(tuple(shape), recipe, [None, None, None, None], dtype,
+                             _arrays.TORCH, cls)
         self._torch = [None, None, None, None]
         return self
 

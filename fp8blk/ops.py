@@ -122,3 +122,34 @@ def dequantize(q: BlockTensor, dtype=np.float32):
     if not isinstance(q, BlockTensor):
         raise TypeError(f"dequantize takes a fp8blk.BlockTensor, got {type(q).__name__}")
     return q.dequantize(dtype)
+
+
+# -- the package's internal doors (for the gather, FSDP2's cast and the Linear's plans) ------
+
+def quantize_into(x2d, recipe, rowwise, columnwise, dtype, out):
+    """Quantize the validated (M, K) array ``x2d`` (internal array or torch tensor, logical
+    dtype ``dtype``) into ``out``: four arrays of the exact layouts of
+    ``fp8blk.layout.all_layouts``, None for a direction not asked for, written in place; no
+    BlockTensor is built.
+
+    The backend is the one ``fp8blk._dispatch.backend_for`` picks: the kernels take CuPy
+    arrays and torch CUDA tensors as they are; the reference takes NumPy, so CPU torch tensors
+    are handed to it through DLPack (no copy; the results land in ``out``)."""
+    backend = backend_for(x2d)
+    if backend is reference:
+        if _arrays.is_torch(x2d):
+            x2d = _arrays.to_backend(x2d)[0]
+        out = [_arrays.to_backend(b)[0] if b is not None and _arrays.is_torch(b) else b
+               for b in out]
+    backend.quantize(x2d, recipe, rowwise, columnwise, dtype=dtype, out=list(out))
+
+
+def quantize_launcher(x2d, recipe, rowwise, columnwise, views):
+    """A reusable launcher ``call(x, ptr) -> [4 tensors]`` for torch CUDA tensors of x2d's
+    dtype, 2-D shape, 16-byte alignment and device (the caller checks those per call), whose
+    outputs are allocated as ``views[i] = (shape, strides, torch dtype)``: the bytes of buffer
+    i of ``fp8blk.layout.all_layouts`` as its consumer reads them (FP8 data as a float8 dtype,
+    a scale buffer transposed), None for a direction not asked for."""
+    from .kernels.quantize import torch_call
+
+    return torch_call(x2d, recipe, rowwise, columnwise, _arrays.numpy_dtype(x2d.dtype), views)

@@ -215,21 +215,5 @@ def ops_for(arr):
     return ops
 
 
-def quantize_into(x2d, recipe, rowwise, columnwise, dtype, out):
-    """Quantize the (M, K) array ``x2d`` into ``out`` (four arrays of the exact layouts of
-    ``fp8blk.layout.all_layouts``, None for a direction not asked for), in place.
-
-    The backend is the one ``fp8blk._dispatch.backend_for`` picks: the kernels take CuPy
-    arrays and torch CUDA tensors as they are; the reference takes NumPy, so CPU torch tensors
-    are handed to it through DLPack (no copy; the results land in ``out``)."""
-    backend = backend_for(x2d)
-    if backend is reference:
-        if _arrays.is_torch(x2d):
-            x2d = _arrays.to_backend(x2d)[0]
-        out = [_arrays.to_backend(b)[0] if b is not None and _arrays.is_torch(b) else b
-               for b in out]
-    backend.quantize(x2d, recipe, rowwise, columnwise, dtype=dtype, out=list(out))
-
-
-__all__ = ["ops_for", "internal_ops", "logical_dtype", "contiguous", "quantize_into",
+__all__ = ["ops_for", "internal_ops", "logical_dtype", "contiguous",
            "NumpyOps", "CupyOps", "TorchOps"]

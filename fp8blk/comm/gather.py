@@ -78,11 +78,12 @@ import numpy as np
 from .. import _arrays
 from .._dispatch import backend_for
 from ..formats import Block2D
+from ..ops import quantize_into
 from ..tensor import BlockTensor, from_internal, internal_buffers
 from ._device_copy import uniform_byte
 from ._gather_plan import (FALLBACK, FAST, PLAIN, SLOT, Plan, PlanCache, Source, check_sizes,
                            exchange, local_key)
-from ._native import (U8, contiguous, internal_ops, logical_dtype, ops_for, quantize_into,
+from ._native import (U8, contiguous, internal_ops, logical_dtype, ops_for,
                       torch_stream_ptr)
 from .base import Communicator, Handle
 

@@ -40,6 +40,7 @@ import torch
 from .. import _arrays
 from ..formats import MXFP8, Format
 from ..layout import cdiv, round_up
+from ..ops import quantize_launcher
 from . import _cublaslt
 from .scaled_mm import cuda_scaled_mm
 
@@ -67,11 +68,6 @@ def traceable(x2d, weight, cfg, out_dtype):
     (m, k), n = x2d.shape, weight.shape[0]
     return (weight.device == x2d.device and weight.shape[1] == k and m > 0 and k > 0
             and n > 0 and x2d.dtype in _HIGH and weight.dtype in _HIGH and out_dtype in _HIGH)
-
-
-def _launcher(t, recipe, rowwise, columnwise, views):
-    from ..kernels.quantize import torch_call
-    return torch_call(t, recipe, rowwise, columnwise, _arrays.numpy_dtype(t.dtype), views)
 
 
 def _scale_t(rows, blocks):
@@ -116,18 +112,18 @@ class LinearPlan:
         xt_views = [((m, k), (1, m), fa), ((mt, k4), (k4, 1), torch.float32)]
         self.halves = None
         if cfg.low_memory_forward:
-            self.qx = _launcher(x2d, cfg.activation, False, True,
+            self.qx = quantize_launcher(x2d, cfg.activation, False, True,
                                 [None, None] + xt_views) if need_wgrad else None
         else:
-            self.qx = _launcher(x2d, cfg.activation, True, need_wgrad, [
+            self.qx = quantize_launcher(x2d, cfg.activation, True, need_wgrad, [
                 ((m, k), (k, 1), fa), _scale_t(m, kt)]
                 + (xt_views if need_wgrad else [None, None]))
-        self.qw = _launcher(w, cfg.weight, True, False, [
+        self.qw = quantize_launcher(w, cfg.weight, True, False, [
             ((k, n), (1, k), fw), _scale_t(kt, nt), None, None])
         # dx = dY @ W: b is W's columnwise (K, N) bytes as column-major (N, K), its (kt, nt)
         # tile scales as (nt, kt). dY: a of dgrad (M, N) with (nt, M) scales as (M, nt); a of
         # wgrad its columnwise (N, M) bytes, (mt, N) scales as (N, mt).
-        self.qwt = _launcher(w, cfg.weight, False, True, [
+        self.qwt = quantize_launcher(w, cfg.weight, False, True, [
             None, None, ((n, k), (1, n), fw), _scale_t(nt, kt)]) if need_dgrad else None
         self.qdy = None
         # each GEMM, mm(a, b, scale_a, scale_b): on cuBLASLt directly where that is on and
@@ -148,7 +144,7 @@ class LinearPlan:
             first = min(m, round_up(cdiv(m, 2), 128))
             self.halves = tuple(
                 (r0, rows, r0 * k * x2d.element_size(),
-                 _launcher(x2d[r0:r0 + rows], cfg.activation, True, False, [
+                 quantize_launcher(x2d[r0:r0 + rows], cfg.activation, True, False, [
                      ((rows, k), (k, 1), fa), _scale_t(rows, kt), None, None]),
                  gemm(rows, n, k, fa, fw, "128x128", out_dtype))
                 for r0, rows in ((0, first), (first, m - first)) if rows)
@@ -156,7 +152,7 @@ class LinearPlan:
         self.mm_wgrad = gemm(n, k, m, fg, fa, "1x128", weight.dtype) if need_wgrad else None
         if need_dgrad or need_wgrad:
             dy = torch.empty((m, n), dtype=out_dtype, device=x2d.device)
-            self.qdy = _launcher(dy, cfg.grad, need_dgrad, need_wgrad, [
+            self.qdy = quantize_launcher(dy, cfg.grad, need_dgrad, need_wgrad, [
                 ((m, n), (n, 1), fg) if need_dgrad else None,
                 _scale_t(m, nt) if need_dgrad else None,
                 ((n, m), (m, 1), fg) if need_wgrad else None,

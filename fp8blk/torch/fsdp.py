@@ -71,6 +71,7 @@ import torch
 from .. import _arrays, master, reference, scaling
 from ..formats import Block2D, MXFP8
 from ..layout import cdiv
+from ..ops import quantize_into
 from ._fsdp_state import param_group_of, state_name, usage_for  # noqa: F401 (public here)
 from .weight import (Float8BlockCastWeight, Float8BlockPrimaryWeight, WeightState,
                      _PlaneWeight, on_torch_stream)
@@ -488,9 +489,8 @@ def _cast_tile_local(registry, entries):
         x2d = _local_of(fp)._planes[0].reshape(-1)[:count].view(rows, cols)
         data, sinv = state.frags[0][:rows], view[t0:t0 + cdiv(rows, 128)]
         if x2d.is_cuda:  # straight into the fragment and the packed scales
-            from .. import kernels
-
-            kernels.quantize(x2d, state.recipe, True, False, out=(data, sinv, None, None))
+            quantize_into(x2d, state.recipe, True, False, _arrays.numpy_dtype(x2d.dtype),
+                          (data, sinv, None, None))
         else:
             q = quantize(x2d, state.recipe, rowwise=True)
             data.copy_(q.rowwise_data)

@@ -117,3 +117,157 @@ def test_import_fp8blk_loads_neither_numba_nor_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=env, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# -- layering: which room may import which ---------------------------------------------------
+# A room is a root module (fp8blk.ops), a subpackage (fp8blk.kernels, fp8blk.master,
+# fp8blk.torch, fp8blk.cli) or the comm transport (fp8blk.comm) beside its quantized-gather
+# feature (fp8blk.comm.gather). A room may import the rooms listed for it, lazily or not, and
+# nothing else: the floors of docs/index.md's map, bottom up.
+_LOW = {"formats", "layout", "_arrays", "_bounded"}
+ALLOWED = {
+    "formats": set(), "layout": set(), "_arrays": set(), "_bounded": set(),
+    "scaling": {"formats", "layout"},
+    "reference": {"formats", "layout", "scaling", "_arrays"},
+    "kernels": _LOW | {"scaling"},
+    "_dispatch": {"_arrays", "reference", "kernels"},
+    "tensor": _LOW | {"_dispatch"},
+    "ops": _LOW | {"_dispatch", "reference", "kernels", "tensor"},
+    "comm": _LOW,
+    "comm.gather": _LOW | {"scaling", "reference", "_dispatch", "tensor", "ops", "comm"},
+    "master": _LOW | {"scaling", "reference", "_dispatch", "kernels", "tensor", "ops", "comm"},
+    "torch": _LOW | {"scaling", "reference", "_dispatch", "kernels", "tensor", "ops", "comm",
+                     "comm.gather", "master"},
+}
+
+
+def room_of(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "fp8blk"
+    if parts[1] == "comm" and len(parts) > 2 and parts[2] == "gather":
+        return "comm.gather"
+    if parts[1] == "__main__":
+        return "cli"
+    return parts[1]
+
+
+def _is_face_of(module, target):
+    """A package's __init__ re-exporting its own subpackage (fp8blk.comm -> comm.gather)."""
+    return target.startswith(module + ".")
+
+
+def layering_violations(graph):
+    modules = _modules()
+    bad = []
+    for a, targets in graph.items():
+        ra = room_of(a)
+        if ra in ("fp8blk", "cli"):  # the package face and the command line sit on top
+            continue
+        for b in targets:
+            rb = room_of(b)
+            if rb == ra or rb in ALLOWED.get(ra, set()):
+                continue
+            if modules[a].name == "__init__.py" and _is_face_of(a, b):
+                continue
+            bad.append(f"{a} ({ra}) imports {b} ({rb})")
+    return sorted(bad)
+
+
+def test_rooms_import_only_the_rooms_below():
+    graph = import_graph(lazy=True)
+    unknown = sorted({room_of(m) for m in graph} - set(ALLOWED) - {"fp8blk", "cli"})
+    assert not unknown, f"rooms without a layering rule: {unknown} (add them to ALLOWED)"
+    bad = layering_violations(graph)
+    assert not bad, "imports against the layering:\n" + "\n".join(bad)
+
+
+def test_layering_check_finds_a_planted_upward_import():
+    graph = import_graph(lazy=True)
+    graph["fp8blk.kernels.quantize"].add("fp8blk.tensor")
+    assert layering_violations(graph)
+
+
+# -- private names: a private module _x of package P is for P's modules; a private name _y of
+# module M (a function, class or attribute reached through M or a name imported from M) is for
+# M alone. Checked in fp8blk and in bench/'s benchmarks, which use what users and rooms can
+# use; the probes under bench/profile/ measure internals on purpose and are not checked.
+def _owner_allows(importer: str, target: str) -> bool:
+    parts = target.split(".")
+    for i, seg in enumerate(parts):
+        if seg.startswith("_") and not seg.startswith("__"):
+            owner = ".".join(parts[:i])
+            if not (importer == owner or importer.startswith(owner + ".")):
+                return False
+    return True
+
+
+def private_reads(path: Path, module: str, is_package: bool):
+    """(target, line) for every private fp8blk name `module` reads that is not its own."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    alias, out = {}, []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = (_resolve(module, is_package, node.level, node.module) if node.level
+                    else node.module or "")
+            if not base.startswith("fp8blk"):
+                continue
+            for a in node.names:
+                target = f"{base}.{a.name}"
+                if not _owner_allows(module, target):
+                    out.append((target, node.lineno))
+                alias[a.asname or a.name] = target
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("fp8blk"):
+                    if not _owner_allows(module, a.name):
+                        out.append((a.name, node.lineno))
+                    alias[a.asname or a.name.split(".")[0]] = (
+                        a.name if a.asname else a.name.split(".")[0])
+    for node in ast.walk(tree):  # module.attr chains: fp8blk.kernels._specs, kq._plan
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") \
+                and not node.attr.startswith("__"):
+            chain, v = [node.attr], node.value
+            while isinstance(v, ast.Attribute):
+                chain.append(v.attr)
+                v = v.value
+            if isinstance(v, ast.Name) and v.id in alias:
+                target = ".".join([alias[v.id]] + chain[::-1])
+                if not _owner_allows(module, target):
+                    out.append((target, node.lineno))
+    return out
+
+
+def _bench_files():
+    root = PKG.parent / "bench"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.rglob("*.py") if "profile" not in p.relative_to(root).parts)
+
+
+def all_private_reads():
+    bad = []
+    for module, path in sorted(_modules().items()):
+        for target, line in private_reads(path, module, path.name == "__init__.py"):
+            bad.append(f"{path.relative_to(PKG.parent)}:{line} reads {target}")
+    for path in _bench_files():
+        for target, line in private_reads(path, "bench", False):
+            bad.append(f"{path.relative_to(PKG.parent)}:{line} reads {target}")
+    return bad
+
+
+def test_no_room_reads_another_rooms_private_names():
+    bad = all_private_reads()
+    assert not bad, "private names read across rooms:\n" + "\n".join(bad)
+
+
+def test_private_name_check_finds_planted_reads(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("from fp8blk.kernels import _specs\nfrom fp8blk import tensor\n"
+                       "tensor._check_shape((1,))\nimport fp8blk.kernels._cache as c\n")
+    found = {t for t, _ in private_reads(planted, "fp8blk.torch.planted", False)}
+    assert found == {"fp8blk.kernels._specs", "fp8blk.tensor._check_shape",
+                     "fp8blk.kernels._cache"}, found
+    own = tmp_path / "own.py"
+    own.write_text("from . import _specs\nfrom ._specs import BLOCK\n")
+    assert private_reads(own, "fp8blk.kernels.quantize", False) == []

@@ -41,7 +41,7 @@ forward loop (1538-1574) is 16-19% above cuBLAS's complete forward GEMM (1328); 
 (1715-1790) is 15-20% above cuBLAS's complete tensorwise GEMM (1488), so with loads and an
 epilogue as good as cuBLAS's a Numba forward kernel would only draw level.
 
-    python3 bench/profile/probe_wgmma.py [--kb 1024] [--out F.json]
+    python3 -m bench.profile.probe_wgmma [--kb 1024] [--out F.json]
 """
 import argparse
 import datetime

@@ -12,7 +12,7 @@ Pieces: a pure-Python loop (1000 additions), 20 ``torch.empty_strided`` of a sma
 10 small ``torch.mm`` launches. Also the handoff latencies (backward() called -> the backward
 function starts; it returns -> backward() returns) and the CPU each side ran on.
 
-    python3 bench/profile/profile_autograd_thread.py [--steps 200]
+    python3 -m bench.profile.profile_autograd_thread [--steps 200]
 """
 import argparse
 import ctypes

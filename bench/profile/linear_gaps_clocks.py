@@ -1,4 +1,4 @@
-"""Back-to-back Linear steps: host gaps or clocks? (issue 13)
+"""Back-to-back Linear steps: host gaps or clocks?
 
 bench_linear.py times each fwd+bwd two ways: back to back (the host in the loop) and with the
 GPU queue filled first (a sleep kernel queued before each sample: the GPU work alone). The two

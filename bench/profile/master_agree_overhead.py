@@ -1,4 +1,4 @@
-"""Host cost of cast_master_weights' rank agreement in the steady state (issue 16), on the CPU.
+"""Host cost of cast_master_weights' rank agreement in the steady state, on the CPU.
 
     python3 -m bench.profile.master_agree_overhead [N_WEIGHTS ...]
 

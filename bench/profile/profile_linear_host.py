@@ -1,4 +1,4 @@
-"""Where the host time of a Float8BlockLinear forward+backward goes (issue 13). Per shape:
+"""Where the host time of a Float8BlockLinear forward+backward goes. Per shape:
 host us per fwd+bwd of bf16 nn.Linear and of Float8BlockLinear on its per-signature plan (its
 GEMMs on cuBLASLt directly, ``_cublaslt``, the default, and on ``torch._scaled_mm``) and on
 its general path

@@ -1,7 +1,7 @@
 """Sweep of the build-time knobs of the fused row+col quantize kernels (and of Block2D
 rowwise), in one process on the GPU.
 
-    python3 -m bench.profile.sweep_fused --out results/sweep_fused.json [--shape 16384 16384]
+    python3 -m bench.profile.sweep_fused --out bench/profile/results/sweep-fused-h200.json [--shape 16384 16384]
 
 For each alternative (a ``fp8blk.kernels._specs.QuantizeSettings``: fused_block1d_threads,
 block2d_row_threads, row_scatter, packed_amax, min_blocks_per_sm; passed with

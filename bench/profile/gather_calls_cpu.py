@@ -1,7 +1,7 @@
 """Python calls per steady-state quantized gather, on the CPU: ``sizes=`` and
 ``out=`` given, the same ``out`` every call. Two set-ups:
 
-    mpiexec -n 2 python -m mpi4py bench/gather_calls_cpu.py mpi [--calls 200] [--cprofile F]
+    mpiexec -n 2 python3 -m mpi4py -m bench.profile.gather_calls_cpu mpi [--calls 200] [--cprofile F]
     python3 -m bench.profile.gather_calls_cpu device [--ranks 2]
 
 ``mpi``: MPIComm on NumPy arrays (the host path). ``device``: the device path without a GPU:

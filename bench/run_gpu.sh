@@ -33,7 +33,7 @@
 #   examples      weights_pipeline / train_fsdp2 / tensor_parallel --large, one rank per GPU
 # PROFILE=1 adds ncu_fused. Open MPI on the GPU image is not CUDA-aware and needs the flags below.
 set -o pipefail
-OUT=${OUT:-bench/results}
+OUT=${OUT:-/tmp/fp8blk-bench}  # step logs land here too: copy the results over bench/results/
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
 export TORCHINDUCTOR_COMPILE_THREADS=16

@@ -2,12 +2,15 @@
 
     python3 -m bench.profile.master_agree_overhead [N_WEIGHTS ...]
 
-Times, per call, with N weights (host buffers): what the call validated before (master.validate)
-and what the agreement adds on a hit: building this rank's batch key, comparing it with the
+Times, per call, with N weights (host buffers): the call's validation (master.validate) and
+what the agreement adds on a hit: building this rank's batch key, comparing it with the
 prediction, appending the (cached) header to the first bucket's packed buffer and checking the
 reduced header (an identity all-reduce stands in for the collective). Prints microseconds
 per call; compare with the per-call host time of bench/bench_master.py (H200: ~200 us for 4
 weights, ~1040 us for 100). World size 1 skips the agreement entirely.
+
+Last result (the 2-core CPU machine, 2026-12-01): 4 weights: validate 47.1 us, the agreement
+alone 5.1 us per call (1.28 us per weight).
 """
 import sys
 import time

@@ -3,39 +3,37 @@
 # Usage, from the repository root on the GPU machine:
 #   OUT=/some/dir STEPS="tests kernels" bash bench/run_gpu.sh
 # Each step logs to $OUT/<step>.log, prints the log's tail (TAIL lines, default 6; the kernel
-# benchmark prints its whole table) and "== <step>: rc=N in S s". JSON results go to $OUT.
+# benchmark prints its whole table) and "== <step>: rc=N in S s". Results are written under
+# their standard names, <benchmark>-<machine>.json, machine = h200 (one GPU) or h200xN (N GPUs;
+# MACHINE overrides it): copy them over bench/results/ to publish a run.
 #
 # Steps (default: "tests kernels comm master comm_bench"):
-#   tests         the whole -m gpu test suite                      (GPU_TESTS, GPU_TESTS_TIMEOUT)
+#   tests         the whole -m gpu test suite -> gpu-tests-<machine>.log (GPU_TESTS, GPU_TESTS_TIMEOUT)
 #   kernel_tests  -m gpu tests/kernels/test_gpu.py only            (TEST_TIMEOUT)
-#   kernels       bench/bench_kernels.py $BENCH_ARGS -> h200-<date>.json (BENCH_TIMEOUT);
+#   kernels       bench.bench_kernels $BENCH_ARGS -> kernels-<machine>.json (BENCH_TIMEOUT);
 #                 torchao 0.18 peers need its wheel carried in .whl/
+#   prebuild      python3 -m fp8blk prebuild (compiled-kernel disk cache)
+#   cold_start    bench.cold_start -> cold-start-<machine>.json
+#   host          bench.bench_host (host cost per call from torch and CuPy) -> host-<machine>.json
 #   ncu_fused     Nsight Compute profile of the fused quantize kernels -> ncu_fused.txt
 #   profile       bench/profile/profile_all.sh (fused, master, unaligned) -> ncu_*.txt
 #   comm          comm suites: NCCL 1 rank, CuPy over MPI 2 ranks, torch NCCL 1 rank, and
 #                 NCCL on every GPU when there are several               (COMM_TIMEOUT)
-#   master        bench/bench_master.py -> master-h200-<date>.json
-#   comm_bench    bench/bench_comm.py, one rank per GPU -> comm-h200xN-<date>.json
-#   host          bench/bench_host.py (host cost per call from torch and CuPy) -> host-h200-<date>.json
-#   bench         the same as "master comm_bench" (the old run_gpu_all.sh name)
-# Steps other sessions are adding (skipped, with a note, while their script is absent):
-#   prebuild      python3 -m fp8blk prebuild (compiled-kernel disk cache)
-#   cold_start    bench/cold_start.py
-#   gather        bench/bench_gather.py, one rank per GPU (name to be confirmed)
-#   linear        bench/bench_linear.py
-#   fsdp          bench/bench_fsdp.py per token count in FSDP_TOKENS (FSDP_ARGS: more
-#                 flags, e.g. "--profile 5": where the host time goes)
-#   gather_torch  bench/bench_gather.py --comm torch under torchrun, one rank per GPU
+#   master        bench.bench_master -> master-<machine>.json
+#   comm_bench    bench.bench_comm, one rank per GPU -> comm-<machine>.json
+#   bench         the same as "master comm_bench"
+#   gather        bench.bench_gather under mpiexec, one rank per GPU -> gather-nccl-<machine>.json
+#   gather_torch  bench.bench_gather --comm torch under torchrun -> gather-torch-<machine>.json
+#   linear        bench.bench_linear -> linear-<machine>.json (LINEAR_ARGS: more flags)
+#   fsdp          bench.bench_fsdp under torchrun per token count in FSDP_TOKENS (default 8192)
+#                 -> fsdp-<machine>.json, fsdp-tokens<T>-<machine>.json for other counts
+#                 (FSDP_ARGS: more flags, e.g. "--profile 5": where the host time goes)
 #   multirank     the comm suites with one rank per GPU: NCCLComm (mpiexec), TorchComm (torchrun)
-#   tp            tests/torch/scripts/tp_parity.py on NCCL, one rank per GPU
+#   tp            tp_parity.py on NCCL, one rank per GPU
 #   examples      weights_pipeline / train_fsdp2 / tensor_parallel --large, one rank per GPU
-#
-# The old drivers map to: bench/run_h200.sh      = STEPS="kernel_tests kernels"
-#                                                  (PROFILE=1: + ncu_fused)
-#                         bench/run_gpu_all.sh   = STEPS="tests comm bench"
-# Open MPI on the GPU image is not CUDA-aware and needs the flags below.
+# PROFILE=1 adds ncu_fused. Open MPI on the GPU image is not CUDA-aware and needs the flags below.
 set -o pipefail
-OUT=${OUT:-bench/results}
+OUT=${OUT:-/tmp/fp8blk-bench}  # step logs land here too: copy the results over bench/results/
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
 export TORCHINDUCTOR_COMPILE_THREADS=16
@@ -45,10 +43,13 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # torchao (and any other carried wheel)
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 fi
 NGPU=$(nvidia-smi -L | wc -l)
+M=${MACHINE:-$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | awk '{print tolower($NF)}')}
+[ -z "$MACHINE" ] && [ "$NGPU" -gt 1 ] && M=${M}x$NGPU
 MPIEXEC="/usr/bin/mpiexec --allow-run-as-root --oversubscribe"
 PY=$(command -v python3)  # mpiexec's children would otherwise find /usr/bin/python3
-DATE=$(date +%F)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
+SCRIPTS_COMM=$(ls -d tests/comm/scripts tests/comm/mpi_scripts 2>/dev/null | head -1)
+SCRIPTS_TORCH=tests/torch/scripts
 
 step() {  # step NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, print its tail and status
   local name=$1 limit=$2; shift 2
@@ -58,68 +59,70 @@ step() {  # step NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, print its tail 
   tail -n ${TAIL:-6} "$OUT/$name.log"
   echo "== $name: rc=$rc in $(( $(date +%s) - t0 )) s"
 }
-absent() {  # absent STEP PATH: true (and a note) when another session's script is not here yet
-  [ -e "$2" ] && return 1
-  echo "== $1: skipped ($2 is not in this tree yet)"
+name_result() {  # name_result GLOB NAME: the newest $OUT/GLOB (a dated name) becomes $OUT/NAME
+  local f=$(ls -t $OUT/$1 2>/dev/null | head -1)
+  [ -n "$f" ] && [ "$f" != "$OUT/$2" ] && mv "$f" "$OUT/$2"
+  return 0
 }
 STEPS=${STEPS:-tests kernels comm master comm_bench}
 [ -n "$PROFILE" ] && STEPS="$STEPS ncu_fused"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 CT=${COMM_TIMEOUT:-300}  # a cold machine JIT-compiles every gather variant first
 
-if has prebuild && ! absent prebuild fp8blk/_prebuild.py; then
-  step prebuild ${PREBUILD_TIMEOUT:-600} python3 -m fp8blk prebuild
-fi
-has tests && step gpu_tests ${GPU_TESTS_TIMEOUT:-240} \
+has prebuild && step prebuild ${PREBUILD_TIMEOUT:-600} python3 -m fp8blk prebuild
+has tests && step gpu-tests-$M ${GPU_TESTS_TIMEOUT:-240} \
   python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 ${GPU_TESTS:-tests}
 has kernel_tests && step gpu_kernel_tests ${TEST_TIMEOUT:-300} \
   python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 tests/kernels/test_gpu.py
-has kernels && TAIL=${KERNELS_TAIL:-80} step bench_kernels ${BENCH_TIMEOUT:-280} \
-  python3 bench/bench_kernels.py --out "$OUT" $BENCH_ARGS
-if has cold_start && ! absent cold_start bench/cold_start.py; then
-  step cold_start ${COLD_TIMEOUT:-300} python3 bench/cold_start.py --out "$OUT"
+if has kernels; then
+  TAIL=${KERNELS_TAIL:-80} step bench_kernels ${BENCH_TIMEOUT:-280} \
+    python3 -m bench.bench_kernels --out "$OUT" $BENCH_ARGS
+  name_result "h200-20??-??-??.json" kernels-$M.json
 fi
-if has host; then
-  TAIL=30 step bench_host 200 python3 bench/bench_host.py --out "$OUT/host-h200-$DATE.json"
-fi
+has cold_start && step cold_start ${COLD_TIMEOUT:-300} \
+  python3 -m bench.cold_start --out "$OUT/cold-start-$M.json"
+has host && TAIL=30 step bench_host 200 python3 -m bench.bench_host --out "$OUT/host-$M.json"
 if has ncu_fused && command -v ncu >/dev/null; then
   TAIL=60 step ncu_fused 150 ncu --clock-control none --kernel-name regex:^kernel \
     --launch-skip 2 --launch-count 2 --section SpeedOfLight --section Occupancy \
-    --section WarpStateStats --section LaunchStats python3 bench/profile/profile_fused.py
+    --section WarpStateStats --section LaunchStats python3 -m bench.profile.profile_fused
 fi
 has profile && step profile 700 bash bench/profile/profile_all.sh
 if has comm; then
-  step comm_nccl_1 $CT $MPIEXEC -n 1 $PY -m mpi4py tests/comm/mpi_scripts/comm_suite.py nccl
-  step comm_mpi_cupy_2 $CT $MPIEXEC -n 2 $PY -m mpi4py tests/comm/mpi_scripts/comm_suite.py mpi-cupy
+  step comm_nccl_1 $CT $MPIEXEC -n 1 $PY -m mpi4py $SCRIPTS_COMM/comm_suite.py nccl
+  step comm_mpi_cupy_2 $CT $MPIEXEC -n 2 $PY -m mpi4py $SCRIPTS_COMM/comm_suite.py mpi-cupy
   step comm_torch_nccl_1 ${TORCH_TIMEOUT:-90} torchrun --standalone --nproc-per-node 1 \
-    tests/comm/mpi_scripts/torch_suite.py nccl
+    $SCRIPTS_COMM/torch_suite.py nccl
   if [ "$NGPU" -gt 1 ]; then
-    step comm_nccl_$NGPU $CT $MPIEXEC -n $NGPU $PY -m mpi4py tests/comm/mpi_scripts/comm_suite.py nccl
+    step comm_nccl_$NGPU $CT $MPIEXEC -n $NGPU $PY -m mpi4py $SCRIPTS_COMM/comm_suite.py nccl
   fi
 fi
 if has master || has bench; then
-  step bench_master 200 python3 bench/bench_master.py --out "$OUT/master-h200-$DATE.json"
+  step bench_master 200 python3 -m bench.bench_master --out "$OUT/master-$M.json"
 fi
 if has comm_bench || has bench; then
-  step bench_comm_$NGPU 120 $MPIEXEC -n $NGPU $PY -m mpi4py bench/bench_comm.py --out "$OUT"
+  step bench_comm_$NGPU 120 $MPIEXEC -n $NGPU $PY -m mpi4py -m bench.bench_comm --out "$OUT"
+  name_result "comm-h200x*-20??-??-??.json" comm-$M.json
 fi
-if has gather && ! absent gather bench/bench_gather.py; then
+if has gather; then
   step bench_gather_$NGPU ${GATHER_TIMEOUT:-300} $MPIEXEC -n $NGPU $PY -m mpi4py \
-    bench/bench_gather.py --out "$OUT" $GATHER_ARGS
+    -m bench.bench_gather --out "$OUT" $GATHER_ARGS
+  name_result "gather-nccl-h200x*-20??-??-??.json" gather-nccl-$M.json
 fi
 if has gather_torch; then
   step bench_gather_torch_$NGPU ${GATHER_TIMEOUT:-300} torchrun --standalone --nproc-per-node $NGPU \
-    bench/bench_gather.py --comm torch --out "$OUT" $GATHER_ARGS
+    -m bench.bench_gather --comm torch --out "$OUT" $GATHER_ARGS
+  name_result "gather-torch-h200x*-20??-??-??.json" gather-torch-$M.json
 fi
 if has multirank; then  # the N-rank comm suites on NCCL: NCCLComm and TorchComm, one GPU per rank
   step comm_nccl_$NGPU ${MULTIRANK_TIMEOUT:-200} $MPIEXEC -n $NGPU $PY -m mpi4py \
-    tests/comm/mpi_scripts/comm_suite.py nccl
+    $SCRIPTS_COMM/comm_suite.py nccl
   step comm_torch_nccl_$NGPU ${MULTIRANK_TIMEOUT:-200} torchrun --standalone \
-    --nproc-per-node $NGPU tests/comm/mpi_scripts/torch_suite.py nccl
+    --nproc-per-node $NGPU $SCRIPTS_COMM/torch_suite.py nccl
 fi
 if has tp; then  # tensor / sequence parallelism parity, one GPU per rank, NCCL
   FP8BLK_TP_DEVICE=cuda step tp_parity_$NGPU ${TP_TIMEOUT:-200} torchrun --standalone \
-    --nproc-per-node $NGPU tests/torch/scripts/tp_parity.py 1 tp tp_nobias sp_fast sp_fallback
+    --nproc-per-node $NGPU $SCRIPTS_TORCH/tp_parity.py 1 tp tp_nobias sp_fast sp_fallback
 fi
 if has examples; then  # the examples at their GPU sizes, one rank per GPU
   step ex_weights_$NGPU ${EX_TIMEOUT:-200} $MPIEXEC -n $NGPU -x PYTHONPATH -x NCCL_NVLS_ENABLE \
@@ -129,13 +132,13 @@ if has examples; then  # the examples at their GPU sizes, one rank per GPU
   step ex_tp_$NGPU ${EX_TIMEOUT:-200} torchrun --standalone --nproc-per-node $NGPU \
     examples/tensor_parallel.py --large
 fi
-if has linear && ! absent linear bench/bench_linear.py; then
-  step bench_linear ${LINEAR_TIMEOUT:-300} python3 bench/bench_linear.py --out "$OUT"
-fi
-if has fsdp && ! absent fsdp bench/bench_fsdp.py; then
+has linear && step bench_linear ${LINEAR_TIMEOUT:-300} \
+  python3 -m bench.bench_linear --out "$OUT/linear-$M.json" $LINEAR_ARGS
+if has fsdp; then
   for tokens in ${FSDP_TOKENS:-8192}; do
+    name=fsdp-$M.json; [ "$tokens" = 8192 ] || name=fsdp-tokens$tokens-$M.json
     step bench_fsdp_${NGPU}_$tokens ${FSDP_TIMEOUT:-300} torchrun --standalone \
-      --nproc-per-node $NGPU bench/bench_fsdp.py --tokens $tokens --out "$OUT/" $FSDP_ARGS
+      --nproc-per-node $NGPU -m bench.bench_fsdp --tokens $tokens --out "$OUT/$name" $FSDP_ARGS
   done
 fi
 if [ -n "$TARBALL" ]; then  # the device tool returns at most 8 files: logs in one tarball

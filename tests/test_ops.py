@@ -6,7 +6,7 @@ import pytest
 
 import fp8blk as fb
 from tests import _oracles as O
-from tests.test_reference_quantize import assert_same_buffers, buffers
+from tests._same import assert_same_buffers, buffers
 
 try:
     import torch

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 import fp8blk as fb
 from fp8blk import reference
 from tests import _oracles as O
-from tests.test_reference_quantize import assert_same_buffers, buffers
+from tests._same import assert_same_buffers, buffers
 
 BF16 = ml_dtypes.bfloat16
 DTYPES = [np.float32, BF16, np.float16]

@@ -13,34 +13,11 @@ import pytest
 import fp8blk as fb
 from fp8blk import reference
 from tests import _oracles as O
+from tests._same import assert_same_buffers, buffers
 
 BF16 = ml_dtypes.bfloat16
 DTYPES = [np.float32, BF16, np.float16]
 FMTS = [fb.E4M3, fb.E5M2]
-
-
-def assert_same_buffers(got, want, names=("rowwise_data", "rowwise_scale_inv",
-                                           "columnwise_data", "columnwise_scale_inv")):
-    for name, g, w in zip(names, got, want):
-        if w is None:
-            assert g is None, f"{name}: expected None"
-            continue
-        assert g is not None, f"{name}: missing"
-        g = np.asarray(g)
-        assert (g.shape, g.dtype) == (w.shape, w.dtype), (name, g.shape, g.dtype, w.shape,
-                                                          w.dtype)
-        gb = np.ascontiguousarray(g).view(np.uint8)
-        wb = np.ascontiguousarray(w).view(np.uint8)
-        if not np.array_equal(gb, wb):
-            bad = np.argwhere(g.view(np.uint8 if g.dtype == np.uint8 else np.uint32)
-                              != w.view(np.uint8 if w.dtype == np.uint8 else np.uint32))
-            i = tuple(bad[0])
-            raise AssertionError(f"{name}: {len(bad)} entries differ, first at {i}: "
-                                 f"got {g[i]!r}, want {w[i]!r}")
-
-
-def buffers(q):
-    return (q.rowwise_data, q.rowwise_scale_inv, q.columnwise_data, q.columnwise_scale_inv)
 
 
 def check(x, recipe, rowwise=True, columnwise=True):

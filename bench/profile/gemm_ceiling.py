@@ -14,22 +14,19 @@ sleep (the GPU work alone) and back to back (sustained: FP8 GEMMs are power boun
 drops). The projection per shape: bf16's three GEMMs over (FP8 GEMMs + the step's quantize
 kernels), the step's ratio if every other cost were zero.
 
-    python3 bench/profile/gemm_ceiling.py [--shapes 0,1,2] [--out F.json]
+    python3 -m bench.profile.gemm_ceiling [--shapes 0,1,2] [--out F.json]
 """
 import argparse
 import datetime
 import json
-import os
 import platform
 import sys
 
-BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, BENCH)
-from bench_linear import SHAPES, breakdown_fns, interleaved_ms, step_operands  # noqa: E402
+from bench.bench_linear import SHAPES, breakdown_fns, interleaved_ms, step_operands
 
-import torch  # noqa: E402
+import torch
 
-from fp8blk.torch import blockwise_scaled_mm  # noqa: E402
+from fp8blk.torch import blockwise_scaled_mm
 
 DEV = "cuda"
 F8 = torch.float8_e4m3fn

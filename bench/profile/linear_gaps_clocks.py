@@ -1,4 +1,4 @@
-"""Back-to-back Linear steps: host gaps or clocks? (issue 13)
+"""Back-to-back Linear steps: host gaps or clocks?
 
 bench_linear.py times each fwd+bwd two ways: back to back (the host in the loop) and with the
 GPU queue filled first (a sleep kernel queued before each sample: the GPU work alone). The two
@@ -11,24 +11,21 @@ GPU (~6 ms). This tells the two possible causes apart, per shape and implementat
   of the step captured in a CUDA graph and replayed back to back (sustained, no host in the
   loop), with the SM clock and power read by ``nvidia-smi`` every 100 ms in the background.
 
-    python3 bench/profile/linear_gaps_clocks.py [--shapes 16384x8192x8192,8192x4096x4096]
+    python3 -m bench.profile.linear_gaps_clocks [--shapes 16384x8192x8192,8192x4096x4096]
 """
 import argparse
 import datetime
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
 import torch
 
-BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, BENCH)
-from bench_linear import fwd_bwd, graphed, host_us, sample_ms  # noqa: E402
+from bench.bench_linear import fwd_bwd, graphed, host_us, sample_ms
 
-from fp8blk.torch import Float8BlockLinear  # noqa: E402
+from fp8blk.torch import Float8BlockLinear
 
 
 def sustained(step, seconds):

@@ -2,19 +2,15 @@
 also writes x's columnwise FP8 copy for the backward pass): GPU ms per forward (CUDA events
 around back-to-back calls, median of 7 x 20) and the forward's peak memory above its start.
 
-    python3 bench/profile/linear_no_grad.py [--shapes 16384x8192x8192,8192x4096x4096]
+    python3 -m bench.profile.linear_no_grad [--shapes 16384x8192x8192,8192x4096x4096]
 """
 import argparse
-import os
-import sys
 
-BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, BENCH)
-from bench_linear import gpu_ms  # noqa: E402  (also puts the repository root on the path)
+from bench.bench_linear import gpu_ms
 
-import torch  # noqa: E402
+import torch
 
-from fp8blk.torch import Float8BlockLinear  # noqa: E402
+from fp8blk.torch import Float8BlockLinear
 
 
 def peak(fn):

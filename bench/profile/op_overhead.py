@@ -3,7 +3,7 @@
 fp8blk/torch/_linear_ops.py), each with a trivial implementation (two small allocations), and
 the plain Python function for reference. Run on the GPU machine:
 
-    python3 bench/profile/op_overhead.py
+    python3 -m bench.profile.op_overhead
 """
 import time
 

@@ -14,7 +14,7 @@ Scale memory (as torch takes it, see fp8blk/torch/scaled_mm.py cuda_scaled_mm):
   1x128   of an (R, K) operand: fp32 (K/128, R) contiguous, entry [kb, r]
   128x128 of an (R, K) operand: fp32 (R/128, K/128) contiguous, entry [rt, kt]
 
-Usage: python3 bench/profile/probe_cublaslt_algos.py [--shapes 16384,8192,8192 ...] [--gemms fwd,dgrad,wgrad]
+Usage: python3 -m bench.profile.probe_cublaslt_algos [--shapes 16384,8192,8192 ...] [--gemms fwd,dgrad,wgrad]
        [--enum first|all|none] [--reps 7] [--json out.json]
 """
 from __future__ import annotations
@@ -26,7 +26,6 @@ import json
 import os
 import re
 import statistics
-import sys
 import tempfile
 import time
 

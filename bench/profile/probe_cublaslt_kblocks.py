@@ -12,16 +12,11 @@ column-major (K, N)) with 128x128 or 1x128 scales. Candidates for b's 128x128 sc
 operand: "kt,R" (rows contiguous, ld R), "kt,R4" (ld round4(R): fp8blk's Block1D layout) and
 "R,kt".
 
-    python3 bench/profile/probe_cublaslt_kblocks.py
+    python3 -m bench.profile.probe_cublaslt_kblocks
 """
-import os
-import sys
+import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-import torch  # noqa: E402
-
-from fp8blk.torch import _cublaslt  # noqa: E402
+from fp8blk.torch import _cublaslt
 
 DEV = torch.device("cuda", 0)
 F8 = torch.float8_e4m3fn

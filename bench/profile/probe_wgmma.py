@@ -30,7 +30,7 @@ results are exact): every kernel against NumPy, under both readings of the descr
 byte offsets (the probe reports the one the hardware takes). Then TFLOP/s per kernel, alone
 (median of 5 launches, each behind a 20 ms GPU sleep) and sustained (40 back to back).
 
-Result on the H200 (2026-12-01, two runs: ``wgmma-probe-h200-2026-12-01{,-b}.log``): every
+Result on the H200 (2026-12-01, two runs; the second in ``results/probe-wgmma-h200.json``): every
 kernel exact with the leading byte offset along K; plain 1690-1790 TFLOP/s, rowscale up to
 1538-1574 (three warpgroups per CTA), the weight gradient's promotion at most 967-972
 (serial, prefetched, with 1 to 4 warpgroups per SM and n = 64 or 128: 697-972). cuBLAS runs
@@ -41,7 +41,7 @@ forward loop (1538-1574) is 16-19% above cuBLAS's complete forward GEMM (1328); 
 (1715-1790) is 15-20% above cuBLAS's complete tensorwise GEMM (1488), so with loads and an
 epilogue as good as cuBLAS's a Numba forward kernel would only draw level.
 
-    python3 bench/profile/probe_wgmma.py [--kb 1024] [--out F.json]
+    python3 -m bench.profile.probe_wgmma [--kb 1024] [--out F.json]
 """
 import argparse
 import datetime

@@ -2,21 +2,15 @@
 
     ncu --clock-control none --kernel-name regex:^kernel --launch-skip 2 --launch-count 2 \
         --section SpeedOfLight --section Occupancy --section WarpStateStats \
-        --section LaunchStats python3 bench/profile/profile_fused.py
+        --section LaunchStats python3 -m bench.profile.profile_fused
 """
-import os
-import sys
-
 import numpy as np
 
-# the repository root (this file is bench/profile/NAME.py)
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import cupy
 
-import cupy  # noqa: E402
-
-import fp8blk as fb  # noqa: E402
-from fp8blk import kernels  # noqa: E402
-from fp8blk._arrays import BF16  # noqa: E402
+import fp8blk as fb
+from fp8blk import kernels
+from fp8blk._arrays import BF16
 
 x = (cupy.random.standard_normal((16384, 16384), dtype=np.float32).view(np.uint32)
      >> 16).astype(np.uint16)

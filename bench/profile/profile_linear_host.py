@@ -1,4 +1,4 @@
-"""Where the host time of a Float8BlockLinear forward+backward goes (issue 13). Per shape:
+"""Where the host time of a Float8BlockLinear forward+backward goes. Per shape:
 host us per fwd+bwd of bf16 nn.Linear and of Float8BlockLinear on its per-signature plan (its
 GEMMs on cuBLASLt directly, ``_cublaslt``, the default, and on ``torch._scaled_mm``) and on
 its general path
@@ -9,12 +9,11 @@ thread); then the host us of each piece of a planned step (quantize launcher,
 planned step. Host time is measured while a sleep kernel queued first holds the GPU, so the
 launch queue never fills (median of 9 x 10 steps).
 
-    python3 bench/profile/profile_linear_host.py [--shapes 8192x4096x4096,256x8192x8192]
+    python3 -m bench.profile.profile_linear_host [--shapes 8192x4096x4096,256x8192x8192]
 """
 import argparse
 import collections
 import cProfile
-import os
 import pstats
 import statistics
 import sys
@@ -22,11 +21,9 @@ import time
 
 import torch
 
-BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, BENCH)               # bench_linear (which puts the repository on the path)
-from bench_linear import host_us  # noqa: E402  (the benchmark's own host timing)
+from bench.bench_linear import host_us
 
-from fp8blk.torch import Float8BlockLinear, _cublaslt, _linear_plans  # noqa: E402
+from fp8blk.torch import Float8BlockLinear, _cublaslt, _linear_plans
 
 
 def pieces(step):

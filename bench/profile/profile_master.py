@@ -4,26 +4,17 @@ Nsight Compute:
 
     ncu --clock-control none --kernel-name regex:kernel --section SpeedOfLight \
         --section Occupancy --section WarpStateStats --section LaunchStats \
-        python3 bench/profile/profile_master.py
+        python3 -m bench.profile.profile_master
 """
-import os
-import sys
+import cupy as cp
 
-
-# bench/ (for bench_master) and the repository root (this file is bench/profile/NAME.py)
-_BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, _BENCH)
-sys.path.insert(0, os.path.dirname(_BENCH))
-
-import cupy as cp  # noqa: E402
-
-import fp8blk as fb  # noqa: E402
-from bench_master import H, W, make_weight, masters_for  # noqa: E402
-from fp8blk import master  # noqa: E402
-from fp8blk.kernels import _specs as dev  # noqa: E402
-from fp8blk.kernels import master_batch as mb  # noqa: E402
-from fp8blk.kernels import partial_amax as pa  # noqa: E402
-from fp8blk.kernels import partial_cast as pc  # noqa: E402
+import fp8blk as fb
+from bench.bench_master import H, W, make_weight, masters_for
+from fp8blk import master
+from fp8blk.kernels import _specs as dev
+from fp8blk.kernels import master_batch as mb
+from fp8blk.kernels import partial_amax as pa
+from fp8blk.kernels import partial_cast as pc
 
 m = masters_for(cp, 1, H * W)
 for recipe, col in ((fb.Block2D(fb.E4M3, False), False), (fb.MXFP8(fb.E4M3), False),

@@ -1,25 +1,24 @@
 """Host cost of the primitives a torch quantize call is made of: ways to allocate its output
-tensors from torch's caching allocator, and the pieces of the raw launch (issue: fast from
-torch). Prints min / median microseconds per call of n back-to-back calls.
+tensors from torch's caching allocator, and the pieces of the raw launch. Prints min / median
+microseconds per call of n back-to-back calls.
 
-    python3 bench/profile/profile_torch_alloc.py [--n 3000]
+Last result (H200, 2026-12-01, 256^2 rowwise): the launch (``cuLaunchKernel`` through CuPy's
+driver binding) 3.8 us, fp8blk's launch wrapper +0.3-0.8 us, ``torch.empty_strided`` 1.8-2.0 us
+per output (``x.new_empty`` 2.3-2.6, ``torch.empty(shape, dtype=, device=)`` 2.9-3.0).
+
+    python3 -m bench.profile.profile_torch_alloc [--n 3000]
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
-import os
 import sys
 
-_BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, _BENCH)
-sys.path.insert(0, os.path.dirname(_BENCH))
+import torch
 
-import torch  # noqa: E402
-
-import fp8blk as fb  # noqa: E402
-from bench_host import host_us  # noqa: E402
-from fp8blk.kernels import _device_arrays as da  # noqa: E402
+import fp8blk as fb
+from bench.bench_host import host_us
+from fp8blk.kernels import _device_arrays as da
 
 
 def main():

@@ -2,25 +2,19 @@
 Compute (each is launched twice: the first launch compiles and warms, profile the second):
 
     ncu --clock-control none --kernel-name regex:kernel --launch-skip-before-match 0 \
-        --section SpeedOfLight ... python3 bench/profile/profile_unaligned.py
+        --section SpeedOfLight ... python3 -m bench.profile.profile_unaligned
 
 Cases: Block1D columnwise, Block2D row+col and the Block2D FP8 transpose at 8191x8320 bf16
 (transposed (K, M) outputs whose rows are not 16-byte aligned), and dequantize Block1D
 rowwise -> bf16 at 16384x16384.
 """
-import os
-import sys
-
 import numpy as np
 
-# the repository root (this file is bench/profile/NAME.py)
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import cupy
 
-import cupy  # noqa: E402
-
-import fp8blk as fb  # noqa: E402
-from fp8blk import kernels  # noqa: E402
-from fp8blk._arrays import BF16  # noqa: E402
+import fp8blk as fb
+from fp8blk import kernels
+from fp8blk._arrays import BF16
 
 
 def bf16(shape):

@@ -1,7 +1,7 @@
 """Sweep of the build-time knobs of the fused row+col quantize kernels (and of Block2D
 rowwise), in one process on the GPU.
 
-    python3 bench/sweep_fused.py --out results/sweep_fused.json [--shape 16384 16384]
+    python3 -m bench.profile.sweep_fused --out bench/profile/results/sweep-fused-h200.json [--shape 16384 16384]
 
 For each alternative (a ``fp8blk.kernels._specs.QuantizeSettings``: fused_block1d_threads,
 block2d_row_threads, row_scatter, packed_amax, min_blocks_per_sm; passed with
@@ -28,20 +28,15 @@ import traceback
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests", "kernels"))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+import cupy
 
-import cupy  # noqa: E402
-
-import fp8blk as fb  # noqa: E402
-from fp8blk import kernels  # noqa: E402
-from fp8blk import reference as ref  # noqa: E402
-from fp8blk._arrays import BF16  # noqa: E402
-from fp8blk.kernels._specs import QuantizeSettings  # noqa: E402
-from fp8blk.kernels.quantize import use_settings  # noqa: E402
-from bench_kernels import copy_bandwidth, time_cupy  # noqa: E402
+import fp8blk as fb
+from fp8blk import kernels
+from fp8blk import reference as ref
+from fp8blk._arrays import BF16
+from fp8blk.kernels._specs import QuantizeSettings
+from fp8blk.kernels.quantize import use_settings
+from bench.bench_kernels import copy_bandwidth, time_cupy
 
 # name -> QuantizeSettings overrides (the rest keep the defaults)
 ALTERNATIVES = [
@@ -70,7 +65,7 @@ def set_knobs(overrides):
 
 def special_input(rng, shape=(1024, 1024)):
     """bf16 test input (ml_dtypes array) with specials inside row and column blocks."""
-    from _cases import make_input
+    from tests.kernels._cases import make_input
 
     x = make_input(rng, shape, BF16)
     bits = x.view(np.uint16)
@@ -179,7 +174,7 @@ def main():
     with open(args.out, "w") as f:
         json.dump({"machine": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
                    "date": datetime.date.today().isoformat(),
-                   "command": "python3 bench/sweep_fused.py " + " ".join(sys.argv[1:]),
+                   "command": "python3 -m bench.profile.sweep_fused " + " ".join(sys.argv[1:]),
                    "copy_tb_s": copy_bps / 1e12, "rows": rows}, f, indent=1)
     log(f"wrote {args.out}")
 

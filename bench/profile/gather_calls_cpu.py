@@ -1,8 +1,8 @@
-"""Python calls per steady-state quantized gather, on the CPU (issue 12): ``sizes=`` and
+"""Python calls per steady-state quantized gather, on the CPU: ``sizes=`` and
 ``out=`` given, the same ``out`` every call. Two set-ups:
 
-    mpiexec -n 2 python -m mpi4py bench/gather_calls_cpu.py mpi [--calls 200] [--cprofile F]
-    python bench/gather_calls_cpu.py device [--ranks 2]
+    mpiexec -n 2 python3 -m mpi4py -m bench.profile.gather_calls_cpu mpi [--calls 200] [--cprofile F]
+    python3 -m bench.profile.gather_calls_cpu device [--ranks 2]
 
 ``mpi``: MPIComm on NumPy arrays (the host path). ``device``: the device path without a GPU:
 NCCLComm on thread ranks, NCCL a stand-in on host memory and NumPy arrays taken for device
@@ -19,17 +19,13 @@ wall microseconds per call (``mpi``). ``--cprofile F``: top functions of the Blo
 case by own time, to F.r<rank>.
 """
 import argparse
-import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import ml_dtypes
+import numpy as np
 
-import ml_dtypes  # noqa: E402
-import numpy as np  # noqa: E402
-
-import fp8blk as fb  # noqa: E402
+import fp8blk as fb
 
 CASES = (("b1d_row", fb.Block1D(), True, False), ("b1d_rowcol", fb.Block1D(), True, True),
          ("mxfp8_row", fb.MXFP8(), True, False))

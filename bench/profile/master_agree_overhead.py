@@ -1,26 +1,26 @@
-"""Host cost of cast_master_weights' rank agreement in the steady state (issue 16), on the CPU.
+"""Host cost of cast_master_weights' rank agreement in the steady state, on the CPU.
 
-    python bench/master_agree_overhead.py [N_WEIGHTS ...]
+    python3 -m bench.profile.master_agree_overhead [N_WEIGHTS ...]
 
-Times, per call, with N weights (host buffers): what the call validated before (master.validate)
-and what the agreement adds on a hit: building this rank's batch key, comparing it with the
+Times, per call, with N weights (host buffers): the call's validation (master.validate) and
+what the agreement adds on a hit: building this rank's batch key, comparing it with the
 prediction, appending the (cached) header to the first bucket's packed buffer and checking the
 reduced header (an identity all-reduce stands in for the collective). Prints microseconds
 per call; compare with the per-call host time of bench/bench_master.py (H200: ~200 us for 4
 weights, ~1040 us for 100). World size 1 skips the agreement entirely.
+
+Last result (the 2-core CPU machine, 2026-12-01): 4 weights: validate 47.1 us, the agreement
+alone 5.1 us per call (1.28 us per weight).
 """
-import os
 import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import fp8blk as fb  # noqa: E402
-from fp8blk import _master_agree as agree  # noqa: E402
-from fp8blk import master  # noqa: E402
-from fp8blk.layout import buffer_layouts  # noqa: E402
+import fp8blk as fb
+from fp8blk import _master_agree as agree
+from fp8blk import master
+from fp8blk.layout import buffer_layouts
 
 
 class IdentityComm:

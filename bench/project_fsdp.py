@@ -246,21 +246,45 @@ def measured_files(patterns):
     return out
 
 
+_SLOWED = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE")
+
+
+def network_gbps(res):
+    """None for a run on NVLink; for a run with the interconnect slowed (NCCL's P2P or
+    shared-memory transport off in its command, or an ``interconnect`` other than 'nvlink')
+    the bus bandwidth it reports in GB/s (a top-level key naming ``busbw``), or False."""
+    slowed = any(k in (res.get("command") or "") for k in _SLOWED) or \
+        res.get("interconnect", "nvlink") != "nvlink"
+    if not slowed:
+        return None
+    for key, value in res.items():
+        if "busbw" in key and isinstance(value, (int, float)):
+            return value
+    return False
+
+
 def validate(single_res, measured, curve, gpus_per_node, fp8_ratio):
-    """Projection vs every measured multi-GPU step, NVLink link."""
+    """Projection vs every measured multi-GPU step: NVLink, or for a slowed run the network
+    case at the bus bandwidth it reports, one GPU per node."""
     single = by_case(single_res)
     base = single_res["cases"][0]
     rows = []
-    link = Link("nvlink", curve, gpus_per_node)
     for path, res in measured:
+        gbps = network_gbps(res)
+        slowed = gbps is not None and gbps is not False
+        link = Link(str(gbps) if slowed else "nvlink", curve, 1 if slowed else gpus_per_node)
         for c in res["cases"]:
             if c["case"] not in CASES or c.get("step_gpu_ms") is None:
                 continue
             row = {"file": os.path.relpath(path, os.path.dirname(HERE)), "case": c["case"],
-                   "world": c["world"], "tokens": c["tokens"], "link": "nvlink",
+                   "world": c["world"], "tokens": c["tokens"],
+                   "link": "slowed, bandwidth unknown" if gbps is False else link.name,
                    "measured_ms": c["step_gpu_ms"]}
             same = all(c.get(k) == base.get(k) for k in ("width", "layers", "tokens"))
-            if not same or c["case"] not in single:
+            if gbps is False:
+                row.update(projected_ms=None, rel_err=None,
+                           note="not validated: slowed interconnect of unknown bandwidth")
+            elif not same or c["case"] not in single:
                 row.update(projected_ms=None, rel_err=None,
                            note="not validated: no single-GPU step at width "
                                 f"{c.get('width')}, {c.get('layers')} layers, "

@@ -307,7 +307,7 @@ def validate(single_res, measured, curve, gpus_per_node, fp8_ratio):
     return rows
 
 
-def plot(path, table, links, ranks):
+def plot(path, table, links, ranks, checks=()):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -322,6 +322,12 @@ def plot(path, table, links, ranks):
             ys = [table[(link, n)][mode]["speedup_vs_bf16"] for n in ranks]
             label = ("NVLink" if link == "nvlink" else f"{link} GB/s") + f", {mode}"
             ax.plot(ranks, ys, styles[mode], color=color, marker="o", ms=3, label=label)
+    marks = {"primary": "x", "cast": "+"}
+    for v in checks:
+        # only the runs of the projected configuration (the same tokens per GPU)
+        if v["case"] in MODES and v.get("projected_vs_bf16") and v["link"] in links:
+            ax.plot([v["world"]], [v["measured_vs_bf16"]], marks[v["case"]], color="k",
+                    ms=9, label=f"measured {v['case']}, {v['link']}, {v['tokens']} tokens")
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("ranks N")
@@ -436,7 +442,7 @@ def main(argv=None):
                        f"measured {v['measured_ms']:.2f} ms, projected {v['projected_ms']:.2f}"
                        f" ms, error {100 * v['rel_err']:+.1f}%; bf16 / case measured "
                        f"{v['measured_vs_bf16']:.3f}, projected {v['projected_vs_bf16']:.3f}")
-    note = None if args.no_plot else plot(args.plot, table, links, ranks)
+    note = None if args.no_plot else plot(args.plot, table, links, ranks, checks)
     if note:
         out.append(note)
     print("\n".join(out))

@@ -61,12 +61,18 @@ per-GPU compute is the single-GPU step's at every N):
    above); its bytes are not counted. Cast mode's one-pass tile-local cast needs shards of
    whole 128-row tiles (width / N a multiple of 128); beyond that the two-pass cast runs, not
    modelled separately (the cast is a small term there).
-6. Everything else in the single-GPU step (optimizer, FSDP2's copies, master_grads_ in mode
-   primary) is held constant, though the optimizer's and the gradient copies' share shrinks as
-   1/N: the projection overstates those by up to ~0.5 ms at N >= 2.
+6. Shard work: the optimizer step (bench_fsdp's SGD without momentum: bf16 parameters, or
+   mode primary's fp32 masters) and mode primary's ``master_grads_`` copy run on each rank's
+   shard, 1/N of the single-GPU work, estimated from their HBM bytes (``OPTIMIZER_BYTES`` per
+   parameter at the H200's measured copy bandwidth, ``--hbm-tbs``): at one GPU 0.39 ms for
+   bf16 and cast, 1.16 ms for primary (primary's single-GPU step less its cast exceeds bf16's
+   by 0.80 ms, the estimate's difference is 0.77). Everything else (FSDP2's copy-in/out, the
+   quantize kernels) is held constant; at N = 1 FSDP2 also copies each layer through its
+   one-rank all-gather, counted again at N > 1 (about 65 us per gather, mostly overlapped).
 7. Host: the step cannot end before the host has issued it; the projection is
-   max(GPU model, single-GPU ``step_host_ms``), the host time at N > 1 being unknown (it is
-   larger: FSDP2 issues real collectives).
+   max(GPU model, single-GPU ``step_host_ms``). The host time at N > 1 is not an input:
+   FSDP2 issues real collectives there, and a step whose host time exceeds the GPU model's
+   is host-bound beyond what this projects.
 
 FP8 pays where its step time is below bf16's; the crossover is the smallest N (2..1024) from
 which it does. Validation: the same model at each measured multi-GPU result's world size and
@@ -100,6 +106,12 @@ RING_SIMPLE_BASE_US = 8.4
 RING_SIMPLE_HOP_US = {"nvlink": 3.4, "net": 14.0}
 LL_BASE_US = {"ring": 6.6, "tree": 6.8}
 LL_HOP_US = {"ring": {"nvlink": 0.6, "net": 2.7}, "tree": {"nvlink": 0.6, "net": 5.0}}
+# H200 device-to-device copy, read + write counted (bench/README.md, Method)
+HBM_TBS = 4.18
+# HBM bytes per parameter of the work done on each rank's shard after backward: SGD without
+# momentum reads the parameter and its gradient and writes the parameter (bf16: 6 B; fp32
+# masters: 12 B); mode primary also copies the bf16 gradient into the fp32 master's (2 + 4 B)
+OPTIMIZER_BYTES = {"bf16": 6, "cast": 6, "primary": 18}
 
 
 def resolve(path, fallbacks):
@@ -184,11 +196,14 @@ class Link:
         return small_allreduce_s(n, nodes, n // nodes)
 
 
-def step_ms(single, case, n, link, layer_bytes, layers, fp8_ratio, host_floor=True):
+def step_ms(single, case, n, link, layer_bytes, layers, fp8_ratio, hbm_tbs=HBM_TBS,
+            host_floor=True):
     """Projected GPU step (ms) of ``case`` at n ranks and its parts. ``single``: the
     single-GPU result of that case (step_gpu_ms, fp8_cast_gpu_ms, step_host_ms)."""
     cast1 = single.get("fp8_cast_gpu_ms") or 0.0
-    core = single["step_gpu_ms"] - cast1
+    params = layers * layer_bytes / 2
+    opt1 = OPTIMIZER_BYTES[case] * params / (hbm_tbs * 1e12) * 1e3
+    core = single["step_gpu_ms"] - cast1 - opt1
     c_layer = core / layers
     c_f, c_b = c_layer / 3, 2 * c_layer / 3
     shard = layer_bytes / n
@@ -202,10 +217,12 @@ def step_ms(single, case, n, link, layer_bytes, layers, fp8_ratio, host_floor=Tr
         bwd += max(0.0, comm - c_b)
     bwd += r
     cast = cast1 / n + link.allreduce_small_s(n) * 1e3 if case in MODES else 0.0
-    gpu = core + cast + fwd + bwd
+    opt = opt1 / n
+    gpu = core + opt + cast + fwd + bwd
     host = single.get("step_host_ms") or 0.0
     total = max(gpu, host) if host_floor else gpu
-    return {"step_ms": total, "gpu_model_ms": gpu, "compute_ms": core, "cast_ms": cast,
+    return {"step_ms": total, "gpu_model_ms": gpu, "compute_ms": core, "optimizer_ms": opt,
+            "cast_ms": cast,
             "gather_ms": g, "reduce_scatter_ms": r, "exposed_comm_ms": fwd + bwd,
             "host_floor_binds": host_floor and host > gpu}
 
@@ -263,9 +280,9 @@ def network_gbps(res):
     return False
 
 
-def validate(single_res, measured, curve, gpus_per_node, fp8_ratio):
+def validate(single_res, measured, curve, gpus_per_node, kw):
     """Projection vs every measured multi-GPU step: NVLink, or for a slowed run the network
-    case at the bus bandwidth it reports, one GPU per node."""
+    case at the bus bandwidth it reports, one GPU per node. ``kw``: step_ms's model options."""
     single = by_case(single_res)
     base = single_res["cases"][0]
     rows = []
@@ -290,9 +307,7 @@ def validate(single_res, measured, curve, gpus_per_node, fp8_ratio):
                                 f"{c.get('width')}, {c.get('layers')} layers, "
                                 f"{c.get('tokens')} tokens")
             else:
-                p = step_ms(single[c["case"]], c["case"], c["world"], link,
-                            layer_bytes=2 * base["width"] ** 2, layers=base["layers"],
-                            fp8_ratio=fp8_ratio)
+                p = step_ms(single[c["case"]], c["case"], c["world"], link, **kw)
                 row.update(projected_ms=p["step_ms"],
                            rel_err=(p["step_ms"] - c["step_gpu_ms"]) / c["step_gpu_ms"])
             rows.append(row)
@@ -359,6 +374,8 @@ def parse(argv):
                    help="GPUs per node in the network cases (NVLink within a node)")
     p.add_argument("--fp8-byte-ratio", type=float, default=None,
                    help="FP8 all-gather bytes / bf16's (default: measured bytes_vs_bf16)")
+    p.add_argument("--hbm-tbs", type=float, default=HBM_TBS,
+                   help="HBM bandwidth (TB/s, read + write) for the per-shard optimizer work")
     p.add_argument("--no-host-floor", action="store_true",
                    help="drop the single-GPU host time as the step's floor")
     p.add_argument("--out", default=os.path.join(RESULTS, "fsdp-projection.json"))
@@ -390,7 +407,7 @@ def main(argv=None):
     base = single_res["cases"][0]
     layers, width = base["layers"], base["width"]
     kw = {"layer_bytes": 2 * width * width, "layers": layers, "fp8_ratio": ratio,
-          "host_floor": not args.no_host_floor}
+          "hbm_tbs": args.hbm_tbs, "host_floor": not args.no_host_floor}
     links = args.links.split(",")
     ranks = [int(n) for n in args.ranks.split(",")]
     link_of = {name: Link(name, curve, args.gpus_per_node) for name in links}
@@ -408,7 +425,7 @@ def main(argv=None):
     every = list(range(2, max(ranks) + 1))
     cross = {name: {m: crossover(single, link_of[name], m, every, **kw) for m in MODES}
              for name in links}
-    checks = validate(single_res, measured, curve, args.gpus_per_node, ratio)
+    checks = validate(single_res, measured, curve, args.gpus_per_node, kw)
 
     out = []
     out.append(f"FSDP2 projection: {layers} layers of {width}x{width}, "
@@ -458,7 +475,8 @@ def main(argv=None):
                    "measured": [os.path.basename(p) for p, _ in measured]},
         "model": {"layers": layers, "width": width, "tokens_per_gpu": base["tokens"],
                   "fp8_byte_ratio": ratio, "gpus_per_node": args.gpus_per_node,
-                  "host_floor": not args.no_host_floor,
+                  "host_floor": not args.no_host_floor, "hbm_tbs": args.hbm_tbs,
+                  "optimizer_bytes_per_param": OPTIMIZER_BYTES,
                   "ring_simple_base_us": RING_SIMPLE_BASE_US,
                   "ring_simple_hop_us": RING_SIMPLE_HOP_US,
                   "latency_source": "NVIDIA/nccl src/graph/tuning.cc at b6475625",

@@ -1,6 +1,6 @@
 """FSDP2 with FP8 weights on the CPU (gloo), one torchrun launch per group, under a timeout.
 
-The worker (``fsdp_scripts/fsdp_worker.py``, whose docstring lists every check) trains a
+The worker (``tests/torch/scripts/fsdp_worker.py``, whose docstring lists every check) trains a
 3-layer Float8BlockLinear model for 5 steps per case and compares with a single-process
 reference on every rank (and issue 13's FeedForward parity, FSDP2 alone and FSDP2 x TP):
 bytes and scales after every all-gather, usage per pass, bytes on
@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from ..comm.launch import run, suite_passes
+from ...comm.launch import run, suite_passes
 
 pytestmark = pytest.mark.mpi
 pytest.importorskip("torch.distributed")
 
-WORKER = Path(__file__).resolve().parent / "fsdp_scripts" / "fsdp_worker.py"
+WORKER = Path(__file__).resolve().parents[1] / "scripts" / "fsdp_worker.py"
 
 
 def _torchrun(n, rng, *cases, timeout=300):

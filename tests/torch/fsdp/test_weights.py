@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 import fp8blk as fb  # noqa: E402
 from fp8blk.torch import fsdp as F  # noqa: E402
-from fp8blk.torch import weight as W  # noqa: E402
+from fp8blk.torch.fsdp import weights as W  # noqa: E402
 
 
 def _spread(rng, rows, cols):

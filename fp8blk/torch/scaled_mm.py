@@ -218,8 +218,8 @@ def cuda_scaled_mm(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype
 
     Shapes torch 2.11's blockwise path takes as they are: M % 4 == 0 (the 1x128 scales' row
     stride must be 16-byte aligned), N % 16 == 0, and K a multiple of 512 (K-block count a
-    multiple of 4: measured on the H200, a 128x128 scale tensor whose K-block count is not a
-    multiple of 4 gives wrong results with the padded row stride, and torch rejects others).
+    multiple of 4: on sm_90 a 128x128 scale tensor whose K-block count is not a multiple of 4
+    gives wrong results with the padded row stride, and torch rejects others).
     Other shapes are zero-padded first (a copy of the operands: padded rows and K hold zero
     bytes, their scales 1.0) and the result is cropped."""
     if a_blocks == "1x32":

@@ -78,7 +78,7 @@ class Registry:
 
     def entries(self, mode):
         """[(state, FSDPParam, first flat index, element count, chunk rows)] of the weights
-        of `mode`, in conversion order: this rank's shard of each (see _shard_place). Kept
+        of `mode`, in conversion order: this rank's shard of each (see state.shard_place). Kept
         once found: the weights and FSDP2's parameters of a model do not change."""
         hit = self._entries.get(mode)
         if hit is not None:

@@ -322,7 +322,6 @@ def _flat(args):
 
 # FSDP2 (torch 2.11, FSDPParam.all_gather_inputs) calls inspect.signature on the pre-all-gather
 # hook before every all-gather; a stored __signature__ saves it parsing the function each time
-# (~20 -> ~6 us per call on a CI core)
 PlaneWeight.fsdp_pre_all_gather.__signature__ = inspect.signature(
     PlaneWeight.fsdp_pre_all_gather)
 
@@ -438,7 +437,7 @@ class Float8BlockCastWeight(PlaneWeight):
 def _hp_args(x):
     """`x` with each Float8BlockCastWeight replaced by its high-precision plane, inside
     lists and tuples too (foreach optimizer ops take lists). An aten op's arguments hold no
-    other containers; pytree's tree_map cost ~160 Python calls per optimizer op."""
+    other containers; pytree's tree_map costs ~160 Python calls per optimizer op."""
     if isinstance(x, Float8BlockCastWeight):
         return x._planes[0]
     t = type(x)

@@ -133,7 +133,7 @@ class _Float8BlockLinearFn(torch.autograd.Function):
             y, qx_t = plan.forward(x2d, weight)
         else:
             # low_memory_forward: x's rowwise copy made, used and freed before its columnwise
-            # copy is made (config.py); by default both in one fused pass
+            # copy is made (fp8blk/torch/config.py); by default both in one fused pass
             lean = cfg.low_memory_forward
             qx = quantize_input(x2d, cfg.activation, need_wgrad and not lean)
             # The weight is asked for what each pass needs -- rowwise now, columnwise in the

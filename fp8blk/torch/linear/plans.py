@@ -92,7 +92,7 @@ class LinearPlan:
     With ``cfg.low_memory_forward`` the forward pass runs in ``halves``: per half of the
     tokens (a multiple of 128 rows first), a rowwise-only quantize of those rows of x and
     the forward GEMM into those rows of y, each half's FP8 copy freed before the next is
-    made; then, W's FP8 tiles freed, ``qx`` makes x's columnwise copy alone (config.py)."""
+    made; then, W's FP8 tiles freed, ``qx`` makes x's columnwise copy alone (fp8blk/torch/config.py)."""
 
     __slots__ = ("qx", "qw", "qwt", "qdy", "mm_fwd", "mm_dgrad", "mm_wgrad", "halves", "y_spec")
 

@@ -237,7 +237,7 @@ def run_case(mode, recipe_name, seed, mesh, root):
 
 
 def check_tp(ws, rank, seed, root):
-    """FSDP2 x TP (a 2x2 (dp, tp) mesh; issue 13's FeedForward, w1/w2 column-wise, out_proj
+    """FSDP2 x TP (a 2x2 (dp, tp) mesh; the FeedForward of tests/torch/_parity.py, w1/w2 column-wise, out_proj
     row-wise, FP8 primary weights): master_state_dict saves after one AdamW step; a second
     model of the same layout loads it and gives the same outputs bit for bit, and a model
     under FSDP2 alone on the 4 ranks loads the same full masters and optimizer state (its

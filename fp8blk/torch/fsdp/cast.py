@@ -31,6 +31,8 @@ def precompute_fp8_scales(model: torch.nn.Module) -> None:
 
 
 def recast(registry):
+    """Cast every mode "cast" weight of `registry`: its fragments (this rank's rows as FP8,
+    padded to FSDP2's chunk) and the global scales, and record what the bytes come from."""
     entries = registry.entries("cast")
     if not entries:
         return
@@ -52,6 +54,8 @@ def recast(registry):
 
 
 def cast_version(state, fsdp_param):
+    """What a weight's cast bytes come from: (the sharded parameter's version, the state's
+    count of plain-tensor copies into a shard)."""
     return fsdp_param.sharded_param._version, state.writes
 
 

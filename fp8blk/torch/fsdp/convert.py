@@ -7,6 +7,8 @@ import torch
 
 from ...formats import Block2D, MXFP8
 from ...ops import quantize
+from ..dtypes import HIGH_DTYPES
+from ..linear import Float8BlockLinear
 from ..linear.dtensor import is_dtensor
 from .models import conversions_changed
 from .registry import Registry
@@ -30,12 +32,10 @@ def prepare_fsdp_fp8(model: torch.nn.Module, mode: str = "cast", module_filter_f
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if model_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if model_dtype not in HIGH_DTYPES:
         raise TypeError(f"model_dtype must be torch.float32, bfloat16 or float16, got "
                         f"{model_dtype}")
     if module_filter_fn is None:
-        from ..linear import Float8BlockLinear
-
         def module_filter_fn(module, fqn):
             return isinstance(module, Float8BlockLinear)
     if any(hasattr(m, "_get_fsdp_state") for m in model.modules()):

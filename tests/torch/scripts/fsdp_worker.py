@@ -136,12 +136,12 @@ def run_case(mode, recipe_name, raf, ws, rank, mesh, seed):
             raise AssertionError(f"layer {i}: usage {usage} but holds row={q.has_rowwise} "
                                  f"col={q.has_columnwise}")
         if q.has_rowwise:
-            assert_same(f"layer {i} rowwise data", q.rowwise_data, e.rowwise_data)
-            assert_same(f"layer {i} rowwise scale_inv", q.rowwise_scale_inv, e.rowwise_scale_inv)
+            assert_same(q.rowwise_data, e.rowwise_data, f"layer {i} rowwise data")
+            assert_same(q.rowwise_scale_inv, e.rowwise_scale_inv, f"layer {i} rowwise scale_inv")
         if q.has_columnwise:
-            assert_same(f"layer {i} columnwise data", q.columnwise_data, e.columnwise_data)
-            assert_same(f"layer {i} columnwise scale_inv", q.columnwise_scale_inv,
-                        e.columnwise_scale_inv)
+            assert_same(q.columnwise_data, e.columnwise_data, f"layer {i} columnwise data")
+            assert_same(q.columnwise_scale_inv, e.columnwise_scale_inv,
+                        f"layer {i} columnwise scale_inv")
         if recipe_name == "block2d" and not columnwise and box.col_data.untyped_storage().nbytes():
             raise AssertionError(f"layer {i}: columnwise buffer allocated in a pass without it")
         seen.append((state.gathers[-1]["state"], usage, planes))
@@ -223,21 +223,21 @@ def run_case(mode, recipe_name, raf, ws, rank, mesh, seed):
                     rows, cols = fsdp_w.shape
                     start = rank * math.ceil(rows / ws) * cols
                     want = mean[i].reshape(-1)[start:start + m.numel()]
-                    assert_same(f"step {step} layer {i} grad", m.grad, want)
+                    assert_same(m.grad, want, f"step {step} layer {i} grad")
                 opt.step()
                 F.cast_master_weights_(model, masters)
                 for i, m in enumerate(masters):
                     rows, cols = states[i].shape
                     start = rank * math.ceil(rows / ws) * cols
                     full[i] = full[i] - lr * mean[i]
-                    assert_same(f"step {step} layer {i} master", m.detach(),
-                                full[i].reshape(-1)[start:start + m.numel()])
+                    assert_same(m.detach(), full[i].reshape(-1)[start:start + m.numel()],
+                                f"step {step} layer {i} master")
             else:
                 for i, lin in enumerate(l for l in model if isinstance(l, torch.nn.Linear)):
                     g = lin.weight.grad._local_tensor
                     rows, cols = states[i].shape
                     r0 = min(rank * math.ceil(rows / ws), rows)
-                    assert_same(f"step {step} layer {i} grad", g, mean[i][r0:r0 + g.shape[0]])
+                    assert_same(g, mean[i][r0:r0 + g.shape[0]], f"step {step} layer {i} grad")
                 opt.step()
                 if step % 2 == 0:
                     F.precompute_fp8_scales(model)  # odd steps: lazily at the first gather
@@ -246,8 +246,8 @@ def run_case(mode, recipe_name, raf, ws, rank, mesh, seed):
                     local = lin.weight._local_tensor.hp
                     rows = states[i].shape[0]
                     r0 = min(rank * math.ceil(rows / ws), rows)
-                    assert_same(f"step {step} layer {i} param", local,
-                                full[i][r0:r0 + local.shape[0]])
+                    assert_same(local, full[i][r0:r0 + local.shape[0]],
+                                f"step {step} layer {i} param")
         if mode == "cast":
             # which weights took the one-pass tile-local cast: Block2D shards of whole 128-row
             # tiles (at 2 ranks the 256-row weight, 128 rows each), the others the
@@ -340,7 +340,7 @@ def check_clip(ws, rank, mesh, seed):
     coef = torch.clamp(ref / 4 / (total + 1e-6), max=1.0)
     after = [m.grad for m in masters] + [other.grad.to_local()]
     for i, (b, a) in enumerate(zip(before, after)):
-        assert_same(f"clip: gradient {i}", a, b * coef)
+        assert_same(a, b * coef, f"clip: gradient {i}")
     print(f"rank {rank}: clip_master_grad_norm_ OK (norm {float(total):.6g}, full {ref:.6g}, "
           f"local {local:.6g})", flush=True)
 
@@ -365,13 +365,13 @@ def check_compile(ws, rank, mesh, seed):
         t = spread((32, 256), torch.Generator().manual_seed(seed + 9 + rank), (1.0, 1.0))
         eager, compiled = models[0], torch.compile(models[1], backend="eager")
         ys = [m(x) for m in (eager, compiled)]
-        assert_same(f"compile {mode}: output", ys[1].detach(), ys[0].detach())
+        assert_same(ys[1].detach(), ys[0].detach(), f"compile {mode}: output")
         for y in ys:
             (y * t).sum().backward()
         for i, (p, q) in enumerate(zip(models[0].parameters(), models[1].parameters())):
             if q.grad is None:
                 raise AssertionError(f"compile {mode}: parameter {i} got no gradient")
-            assert_same(f"compile {mode}: gradient {i}", q.grad.to_local(), p.grad.to_local())
+            assert_same(q.grad.to_local(), p.grad.to_local(), f"compile {mode}: gradient {i}")
     print(f"rank {rank}: torch.compile with FP8 weights OK", flush=True)
 
 
@@ -414,7 +414,7 @@ def check_meta_init(ws, rank, mesh, seed):
         if not bool(ys[0].isfinite().all()):
             raise AssertionError(f"meta init: step {step} reference output not finite: the "
                                  "check would compare NaN with NaN")
-        assert_same(f"meta init: step {step} output", ys[1].detach(), ys[0].detach())
+        assert_same(ys[1].detach(), ys[0].detach(), f"meta init: step {step} output")
         # the step must change the weights' FP8 bytes, or a stale cast would pass unseen
         cast_bytes.append([p.to_local()._state.frags[0].clone() for p in meta.parameters()])
         if step and all(torch.equal(a, b) for a, b in zip(*cast_bytes)):
@@ -423,8 +423,8 @@ def check_meta_init(ws, rank, mesh, seed):
         for y, opt in zip(ys, opts):
             (y * t).sum().backward()
         for i, (p, q) in enumerate(zip(ref.parameters(), meta.parameters())):
-            assert_same(f"meta init: step {step} gradient {i}", q.grad.to_local(),
-                        p.grad.to_local())
+            assert_same(q.grad.to_local(), p.grad.to_local(),
+                        f"meta init: step {step} gradient {i}")
         for opt in opts:
             opt.step()
             opt.zero_grad()
@@ -498,7 +498,7 @@ def check_errors(ws, rank, mesh):
     q0 = fb.quantize(w0.to(torch.bfloat16), fb.Block2D())
     ref = torch.relu(float8_block_linear(x, RefWeight(q0, (256, 128)), None,
                                          Float8BlockConfig()))
-    assert_same("submodule conversion output", y.detach(), ref.detach())
+    assert_same(y.detach(), ref.detach(), "submodule conversion output")
     print(f"rank {rank}: errors OK", flush=True)
 
 
@@ -562,7 +562,7 @@ def check_ffn(world, rank, seed, tp):
         if not bool(ref_y[dprank].isfinite().all()):
             raise AssertionError(f"ffn step {step}: reference output not finite (NaN never "
                                  "compares equal)")
-        assert_same(f"ffn step {step} output", y.detach(), ref_y[dprank])
+        assert_same(y.detach(), ref_y[dprank], f"ffn step {step} output")
         # a power-of-two lr (exact products), the largest that moves no weight by more than
         # 1/64 of its parameter's largest value (min over all ranks): a fixed 2^-16 blew the
         # weights of this gated FFN up at some seeds, and step 1's outputs overflowed to NaN
@@ -577,14 +577,14 @@ def check_ffn(world, rank, seed, tp):
                 mean = (acc[n] / ndp).float()
                 chunks = list(torch.chunk(mean, ndp, dim=0))
                 want = chunks[dprank] if dprank < len(chunks) else mean[:0]
-                assert_same(f"ffn step {step} {n} grad", local(p.grad), want)
+                assert_same(local(p.grad), want, f"ffn step {step} {n} grad")
                 local(pr).sub_(lr * mean)
         opt.step()
         for (n, p), (_, pr) in zip(model.named_parameters(), ref.named_parameters()):
             lp = local(p)
             lp = lp.hp if isinstance(lp, W.Float8BlockCastWeight) else lp
             chunks = list(torch.chunk(local(pr).detach(), ndp, dim=0))
-            assert_same(f"ffn step {step} {n} param", lp.detach(), chunks[dprank])
+            assert_same(lp.detach(), chunks[dprank], f"ffn step {step} {n} param")
     print(f"rank {rank}: ffn parity (tp={tp}) OK", flush=True)
 
 

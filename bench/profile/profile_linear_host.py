@@ -26,7 +26,8 @@ BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, BENCH)               # bench_linear (which puts the repository on the path)
 from bench_linear import host_us  # noqa: E402  (the benchmark's own host timing)
 
-from fp8blk.torch import Float8BlockLinear, _cublaslt, _linear_plans  # noqa: E402
+from fp8blk.torch import Float8BlockLinear, _cublaslt  # noqa: E402
+from fp8blk.torch.linear import plans as _linear_plans  # noqa: E402
 
 
 def pieces(step):

@@ -100,9 +100,10 @@ class Registry:
 
     def ensure_cast(self, state):
         """Mode "cast", in the pre-all-gather hook (which reaches it through the registry:
-        ``weights`` cannot import ``cast``, which imports it): re-cast every weight of the
-        model when this one's parameter changed since its bytes were cast (every rank decides
-        alike: the optimizer's in-place update bumps the version of every rank's shard).
+        ``weights`` cannot import ``cast``, which imports ``weights`` through ``models``):
+        re-cast every weight of the model when this one's parameter changed since its bytes
+        were cast (every rank decides alike: the optimizer's in-place update bumps the
+        version of every rank's shard).
         Two counts tell: the sharded parameter's version (the optimizer, ``load_state_dict``)
         and the state's count of plain-tensor copies into a shard (torch.distributed.
         checkpoint's load writes the local shards past the DTensor)."""

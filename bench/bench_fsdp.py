@@ -58,7 +58,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import fp8blk as fb
 from fp8blk.torch import Float8BlockConfig, convert_to_float8_block
 from fp8blk.torch import fsdp as F
-from fp8blk.torch import weight as W
+from fp8blk.torch.fsdp import weights as W
 
 
 class Timer:
@@ -69,7 +69,7 @@ class Timer:
         self.host = {"pre": 0.0, "post": 0.0}
         self.events = {"pre": [], "post": []}
         self.calls = {"pre": 0, "post": 0}
-        self.orig = (W._PlaneWeight.fsdp_pre_all_gather, W._PlaneWeight.fsdp_post_all_gather)
+        self.orig = (W.PlaneWeight.fsdp_pre_all_gather, W.PlaneWeight.fsdp_post_all_gather)
         self.check = None  # callable(q, state) run after each post hook (not timed)
 
     def _wrap(self, name, fn):
@@ -96,11 +96,11 @@ class Timer:
         return call
 
     def install(self):
-        W._PlaneWeight.fsdp_pre_all_gather = self._wrap("pre", self.orig[0])
-        W._PlaneWeight.fsdp_post_all_gather = self._wrap("post", self.orig[1])
+        W.PlaneWeight.fsdp_pre_all_gather = self._wrap("pre", self.orig[0])
+        W.PlaneWeight.fsdp_post_all_gather = self._wrap("post", self.orig[1])
 
     def uninstall(self):
-        W._PlaneWeight.fsdp_pre_all_gather, W._PlaneWeight.fsdp_post_all_gather = self.orig
+        W.PlaneWeight.fsdp_pre_all_gather, W.PlaneWeight.fsdp_post_all_gather = self.orig
 
     def reset(self):
         for d in (self.host, self.calls):
@@ -170,7 +170,7 @@ def build(case, args, device, mesh, gen):
 def states_of(model):
     return [m.weight._local_tensor._state for m in model
             if type(m.weight).__name__ == "DTensor"
-            and isinstance(m.weight._local_tensor, W._PlaneWeight)]
+            and isinstance(m.weight._local_tensor, W.PlaneWeight)]
 
 
 def step(case, model, opt, masters, x, cast_times=None):

@@ -48,7 +48,8 @@ import torch  # noqa: E402
 
 from fp8blk.torch import Float8BlockLinear, blockwise_scaled_mm  # noqa: E402
 from fp8blk.torch import Float8BlockConfig, convert_to_float8_block  # noqa: E402
-from fp8blk.torch import _cublaslt, functional as fl  # noqa: E402
+from fp8blk.torch import _cublaslt  # noqa: E402
+from fp8blk.torch.linear import functional as fl  # noqa: E402
 from fp8blk.torch.quantize_ops import block2d_columnwise, quantize_buffers  # noqa: E402
 
 SHAPES = [(16384, 8192, 8192), (16384, 4096, 14336), (8192, 4096, 4096)]
@@ -227,9 +228,9 @@ def step_operands(m, k, n):
     qdy = quantize_buffers(dy, cfg.grad, True, True)
     qwt = block2d_columnwise(qw[0], qw[1], cfg.weight)
     return cfg, (x, w, dy), {
-        "fwd": fl._forward_operands(qx, qw, cfg),
-        "dgrad": fl._dgrad_operands(qdy, qwt, cfg),
-        "wgrad": fl._wgrad_operands((qdy[2], qdy[3]), (qx[2], qx[3]), cfg)}
+        "fwd": fl.forward_operands(qx, qw, cfg),
+        "dgrad": fl.dgrad_operands(qdy, qwt, cfg),
+        "wgrad": fl.wgrad_operands((qdy[2], qdy[3]), (qx[2], qx[3]), cfg)}
 
 
 def breakdown_fns(m, k, n):

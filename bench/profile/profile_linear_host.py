@@ -23,7 +23,8 @@ import torch
 
 from bench.bench_linear import host_us
 
-from fp8blk.torch import Float8BlockLinear, _cublaslt, _linear_plans
+from fp8blk.torch import Float8BlockLinear, _cublaslt
+from fp8blk.torch.linear import plans as _linear_plans
 
 
 def pieces(step):

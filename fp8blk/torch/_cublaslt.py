@@ -1,32 +1,32 @@
 """Blockwise-scaled FP8 GEMMs on cuBLASLt directly (through ctypes), for the Linear's hot path.
 
-``torch._scaled_mm`` costs 27-44 us of host time per call on the H200's host (bench/README.md),
-much of it finding cuBLASLt's algorithm again on every call (``cublasLtMatmulAlgoGetHeuristic``
-alone: ~7 us). A :class:`ScaledMM` asks the heuristic once per signature -- the same query
-torch makes, answered with the same algorithm: bench/profile/probe_cublaslt_algos.py found
-its pick bit-identical to ``torch._scaled_mm`` for all nine GEMMs of the three benchmark
-shapes -- and then each call sets the two scale pointers and runs ``cublasLtMatmul`` on
-torch's current stream. tests/torch/test_cublaslt.py compares the outputs with
-``torch._scaled_mm`` byte for byte on the GPU.
+``torch._scaled_mm`` finds cuBLASLt's algorithm again on every call
+(``cublasLtMatmulAlgoGetHeuristic``), a large part of its host time per call. A
+:class:`ScaledMM` asks the heuristic once per signature -- the same query torch makes, so the
+same algorithm (bench/profile/probe_cublaslt_algos.py compares the picks) -- and then each
+call sets the two scale pointers and runs ``cublasLtMatmul`` on torch's current stream.
+tests/torch/test_cublaslt.py compares the outputs with ``torch._scaled_mm`` byte for
+byte on the GPU.
 
 Served (everything else: :func:`make` returns None and the caller keeps ``torch._scaled_mm``):
 bf16, fp16 or fp32 output; E4M3/E5M2 operands; a with 1x128 scales; b with 128x128 or 1x128
-scales; M, N and K multiples of 16 (cuBLAS's FP8 leading dimensions; M = 258 gets no
-algorithm); the libcublasLt that torch itself loaded, version 12.9 or later (the first with
-block scaling). Unlike ``torch._scaled_mm``, K need not be a multiple of 512: cuBLASLt reads
-fp8blk's scale buffers as they are for any K-block count, including a partial last block
-(bench/profile/probe_cublaslt_kblocks.py checked every candidate layout against an fp32
-reference: fp8blk's (nt, round4(kt)) Block2D and (kt, R) Block1D buffers are what it reads),
-so the callers need no zero-padded operand copies there.
-Algorithms that need a workspace (the H200 picks one of 4 bytes for the 8192-token GEMMs) get
-one per call from torch's caching allocator on the current stream, like any temporary of a
-torch op: its memory is reused in that stream's order only, and under CUDA-graph capture it
-comes from the graph's private pool (a workspace cached per stream would be shared by every
-graph captured on torch's default capture stream, and by eager calls on that stream).
+scales; M, N and K multiples of 16 (cuBLAS's FP8 leading dimensions); the libcublasLt that
+torch itself loaded, version 12.9 or later (the first with block scaling). Unlike
+``torch._scaled_mm``, K need not be a multiple of 512: cuBLASLt reads fp8blk's scale buffers
+as they are for any K-block count, including a partial last block (fp8blk's
+(nt, round4(kt)) Block2D and (kt, R) Block1D buffers are what it reads:
+bench/profile/probe_cublaslt_kblocks.py checks every candidate layout against an fp32
+reference), so the callers need no zero-padded operand copies there.
+Algorithms that need a workspace get one per call from torch's caching allocator on the
+current stream, like any temporary of a torch op: its memory is reused in that stream's order
+only, and under CUDA-graph capture it comes from the graph's private pool (a workspace cached
+per stream would be shared by every graph captured on torch's default capture stream, and by
+eager calls on that stream).
 
 On by default; ``FP8BLK_CUBLASLT=0`` in the environment, or :data:`enabled` set False, turns
 it off for signatures planned after that (the plan then calls ``torch._scaled_mm``).
 :data:`refusals` keeps the last few reasons :func:`make` declined a signature it takes.
+:func:`for_signature` keeps the answer of the last 1024 signatures used.
 
 Operands as ``torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=...)`` takes them
 (fp8blk/torch/scaled_mm.py): a (M, K) row-major; b (K, N) column-major; scale_a (M, K/128)
@@ -44,10 +44,12 @@ import threading
 
 import torch
 
+from .. import _arrays
+from .._bounded import BoundedCache
+
 enabled = os.environ.get("FP8BLK_CUBLASLT", "1") != "0"
 
-# cublasLt.h / cublas_api.h / library_types.h (CUDA 13; the values the probe read from the
-# headers of torch's nvidia wheel, bench/results/cublaslt-algos-h200-2026-12-01.log)
+# cublasLt.h / cublas_api.h / library_types.h (CUDA 13, the headers of torch's nvidia wheel)
 _R_32F, _R_16F, _R_16BF, _R_8F_E4M3, _R_8F_E5M2 = 0, 2, 14, 28, 29
 _COMPUTE_32F = 68
 _OP_N, _OP_T = 0, 1
@@ -59,8 +61,8 @@ _SCALE_VEC128_32F, _SCALE_BLK128x128_32F = 4, 5
 _PREF_MAX_WORKSPACE_BYTES = 1
 _WORKSPACE_ASKED = 32 << 20          # torch's cuBLASLt workspace on Hopper: the same query
 
-_F8 = {torch.float8_e4m3fn: _R_8F_E4M3, torch.float8_e5m2: _R_8F_E5M2}
-_OUT = {torch.bfloat16: _R_16BF, torch.float16: _R_16F, torch.float32: _R_32F}
+_FP8_TYPE = {torch.float8_e4m3fn: _R_8F_E4M3, torch.float8_e5m2: _R_8F_E5M2}  # cudaDataType
+_OUT_TYPE = {torch.bfloat16: _R_16BF, torch.float16: _R_16F, torch.float32: _R_32F}
 _VP = C.c_void_p
 
 
@@ -200,7 +202,7 @@ class ScaledMM:
         self.addrs = tuple(C.addressof(o) for o in self.slots + self.keep)
         self.lock = threading.Lock()
         self.empty = torch.empty_strided
-        self.stream = torch._C._cuda_getCurrentRawStream
+        self.stream = _arrays.torch_raw_stream()
         self.current = torch._C._cuda_getDevice
         self.ws_size = ws_size
 
@@ -241,8 +243,8 @@ def make(m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, device):
     """A :class:`ScaledMM` for out (m, n) = a (m, k) @ b (k, n) with these FP8 dtypes, b's
     blocks ``"128x128"`` or ``"1x128"`` (a's are 1x128), on CUDA `device`; None where it
     cannot serve the signature (module docstring) -- the caller then uses torch._scaled_mm."""
-    if not enabled or out_dtype not in _OUT or a_dtype not in _F8 \
-            or b_dtype not in _F8 or b_blocks not in ("128x128", "1x128") \
+    if not enabled or out_dtype not in _OUT_TYPE or a_dtype not in _FP8_TYPE \
+            or b_dtype not in _FP8_TYPE or b_blocks not in ("128x128", "1x128") \
             or m % 16 or n % 16 or k % 16 or not (m and n and k):
         return None
     try:
@@ -252,22 +254,24 @@ def make(m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, device):
         return None
 
 
-_made = {}     # signature -> its ScaledMM, or None where make() declined it
+_made = BoundedCache(1024)   # signature -> its ScaledMM, or None where make() declined it
+_made_lock = threading.Lock()
+_DECLINED = object()
 
 
 def for_signature(m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, device):
     """:func:`make`'s answer for a signature, kept: the one ScaledMM (or None) that the
     Linear's plans and ``blockwise_scaled_mm`` share, so each signature asks cuBLASLt's
-    heuristic once (per setting of :data:`enabled`; emptied past 1024 signatures)."""
+    heuristic once (per setting of :data:`enabled`; the 1024 signatures used last are kept,
+    an evicted ScaledMM frees its descriptors once no plan holds it)."""
     key = (m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, device, enabled)
-    try:
-        return _made[key]
-    except KeyError:
-        pass
-    if len(_made) > 1024:
-        _made.clear()
-    mm = _made[key] = make(m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, device)
-    return mm
+    with _made_lock:
+        mm = _made.get(key)
+    if mm is None:
+        mm = make(m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, device) or _DECLINED
+        with _made_lock:
+            _made.put(key, mm)
+    return None if mm is _DECLINED else mm
 
 
 def _make(m, n, k, a_dtype, b_dtype, b_blocks, device, out_dtype=torch.bfloat16):
@@ -293,8 +297,8 @@ def _make(m, n, k, a_dtype, b_dtype, b_blocks, device, out_dtype=torch.bfloat16)
         placeholder = torch.empty(64, dtype=torch.float32, device=device)
         _set(lib, desc, _DESC_A_SCALE_POINTER, placeholder.data_ptr(), C.c_uint64)
         _set(lib, desc, _DESC_B_SCALE_POINTER, placeholder.data_ptr(), C.c_uint64)
-        for dtype, rows, cols in ((_F8[b_dtype], k, n), (_F8[a_dtype], k, m),
-                                  (_OUT[out_dtype], n, m)):
+        for dtype, rows, cols in ((_FP8_TYPE[b_dtype], k, n), (_FP8_TYPE[a_dtype], k, m),
+                                  (_OUT_TYPE[out_dtype], n, m)):
             owned.layouts.append(_layout(lib, dtype, rows, cols, rows))
         la, lb, lc = owned.layouts
         pref = _VP()

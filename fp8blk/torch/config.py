@@ -4,7 +4,7 @@ Default (TransformerEngine's ``Float8BlockScaling``): activations and gradients 
 rowwise, 128x1 columnwise), weights Block2D (128x128 tiles), E4M3 everywhere, power-of-two
 scales. Options: E5M2 gradients (``Float8BlockConfig(grad=fb.Block1D(fb.E5M2))``) and MXFP8
 (``Float8BlockConfig.mxfp8()``: 1x32/32x1 blocks with E8M0 scales for all three operands).
-``low_memory_forward=True`` trades ~2% of a step's GPU time for a lower forward peak (below).
+``low_memory_forward=True`` trades a little GPU time for a lower forward peak (below).
 
     import fp8blk as fb
     from fp8blk.torch import Float8BlockConfig
@@ -32,7 +32,7 @@ class Float8BlockConfig:
     after its GEMM, and the columnwise copy after the GEMMs, when W's FP8 tiles are freed:
     the peak is x + y + the larger of (W's tiles + half an FP8 copy of x) and (one FP8 copy
     of x) -- below torchao's blockwise Linear, which holds x + y + W's tiles + one FP8 copy
-    (bench/README.md). It costs a second read of x and one more GEMM launch per step. The
+    (figures: docs/torch.md). It costs a second read of x and one more GEMM launch per step. The
     halves apply where the per-signature plan serves the layer (CUDA tensors, Block1D and
     Block2D recipes, plain weights); elsewhere x is quantized rowwise, used and freed, then
     columnwise (a peak of x + y + W's tiles + one FP8 copy of x), except under fp8blk's

@@ -19,19 +19,17 @@ import torch
 
 from .. import _arrays
 from ..formats import MXFP8, Block1D, Block2D, Format
-from ..layout import all_layouts
+from ..layout import all_layouts, recipe_kind
 from ..ops import quantize
 from ..tensor import BlockTensor
 
-_RECIPES = {"Block1D": Block1D, "Block2D": Block2D, "MXFP8": MXFP8}
-_TORCH_DTYPE = {"uint8": torch.uint8, "float32": torch.float32}
-FP8_DTYPE = {Format.E4M3: torch.float8_e4m3fn, Format.E5M2: torch.float8_e5m2}
+_RECIPES = {"Block1D": Block1D, "Block2D": Block2D, "MXFP8": MXFP8}   # recipe kind -> class
 
 
 def recipe_key(recipe) -> str:
     """A string naming ``recipe`` exactly (``recipe_from_key`` inverts it). Not cached: it runs
     only while torch.compile traces, and dynamo warns about lru_cache-wrapped calls."""
-    name = type(recipe).__name__
+    name = recipe_kind(recipe)
     if name == "MXFP8":
         return f"MXFP8:{recipe.fmt.value}"
     return f"{name}:{recipe.fmt.value}:{int(recipe.pow2_scales)}:{recipe.amax_epsilon!r}"
@@ -93,7 +91,8 @@ def _quantize_fake(x, recipe, rowwise, columnwise):
     for i, lay in enumerate(layouts):
         held = rowwise if i < 2 else columnwise
         out.append(x.new_empty(lay.shape if held else (0,),
-                               dtype=_TORCH_DTYPE[str(lay.dtype)] if held else torch.uint8))
+                               dtype=_arrays.numpy_to_torch_dtype(lay.dtype) if held
+                               else torch.uint8))
     return tuple(out)
 
 
@@ -150,5 +149,4 @@ def mxfp8_columnwise_as_rows(data: torch.Tensor, scale_inv: torch.Tensor):
 
 
 __all__ = ["recipe_key", "recipe_from_key", "quantize_buffers", "block2d_columnwise",
-           "mxfp8_columnwise_as_rows", "block_tensor_buffers", "block_tensor_from_buffers",
-           "FP8_DTYPE"]
+           "mxfp8_columnwise_as_rows", "block_tensor_buffers", "block_tensor_from_buffers"]

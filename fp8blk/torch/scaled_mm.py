@@ -61,29 +61,38 @@ of 512 along K), so a generic sharding rule would be wrong for some shapes.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from .._bounded import BoundedCache
 from ..formats import MXFP8, Block1D, Block2D
-from ..layout import all_layouts, cdiv
+from ..layout import all_layouts, cdiv, recipe_kind, round_up
 from . import _cublaslt
+from .dtypes import FP8_DTYPES, HIGH_DTYPES
 
 BLOCKS = {"1x128": Block1D(), "128x128": Block2D(), "1x32": MXFP8()}
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-_OUT = (torch.float32, torch.bfloat16, torch.float16)
+_BLOCKS_OF_KIND = {"Block1D": "1x128", "Block2D": "128x128", "MXFP8": "1x32"}
 _SCALE_DTYPE = {"1x128": torch.float32, "128x128": torch.float32, "1x32": torch.uint8}
+_SCALE_SHAPES = BoundedCache(4096)     # (blocks, rows, k) -> the scale_inv shape
 
 
-@functools.lru_cache(maxsize=4096)
+def blocks_of(recipe) -> str:
+    """The ``blocks`` argument naming a recipe's rowwise buffers: "1x128" (Block1D),
+    "128x128" (Block2D), "1x32" (MXFP8)."""
+    return _BLOCKS_OF_KIND[recipe_kind(recipe)]
+
+
 def _scale_shape(blocks, rows, k):
-    return tuple(all_layouts(BLOCKS[blocks], rows, k)[1].shape)
+    key = (blocks, rows, k)
+    shape = _SCALE_SHAPES.get(key)
+    if shape is None:
+        shape = _SCALE_SHAPES.put(key, tuple(all_layouts(BLOCKS[blocks], rows, k)[1].shape))
+    return shape
 
 
 def _fast_ok(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype):
     """True when every check of check_operands passes (a few attribute reads: host time)."""
     try:
-        return (a.dtype in _FP8 and b.dtype in _FP8 and out_dtype in _OUT
+        return (a.dtype in FP8_DTYPES and b.dtype in FP8_DTYPES and out_dtype in HIGH_DTYPES
                 and a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[1]
                 and a.is_contiguous() and b.is_contiguous() and a.device == b.device
                 and a_blocks != "1x32" and b_blocks != "1x32"
@@ -92,14 +101,15 @@ def _fast_ok(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype):
                 and a_scale_inv.device == a.device and b_scale_inv.device == a.device
                 and tuple(a_scale_inv.shape) == _scale_shape(a_blocks, *a.shape)
                 and tuple(b_scale_inv.shape) == _scale_shape(b_blocks, *b.shape))
-    except (AttributeError, KeyError, TypeError):
+    except (AttributeError, KeyError, TypeError):   # (KeyError: unknown blocks, or an entry
+        # another thread evicted between the cache's lookup and its reordering)
         return False
 
 
 def check_operands(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype):
     """Raise a ValueError/TypeError naming the layout needed if the operands do not follow the
     contract in the module docstring."""
-    # (the fast check's shape cache is an lru_cache, which dynamo warns about when tracing)
+    # (traced, the checks below run: dynamo need not trace the fast check's shape cache)
     if not torch.compiler.is_compiling() and _fast_ok(a, a_scale_inv, b, b_scale_inv,
                                                        a_blocks, b_blocks, out_dtype):
         return
@@ -110,14 +120,14 @@ def check_operands(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype
     if ("1x32" in (a_blocks, b_blocks)) and a_blocks != b_blocks:
         raise ValueError(f"blockwise_scaled_mm: 1x32 (MXFP8) blocks pair only with 1x32, got "
                          f"a_blocks={a_blocks!r}, b_blocks={b_blocks!r}")
-    if out_dtype not in _OUT:
+    if out_dtype not in HIGH_DTYPES:
         raise TypeError(f"blockwise_scaled_mm: out_dtype must be torch.float32, bfloat16 or "
                         f"float16, got {out_dtype}")
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
             raise ValueError(f"blockwise_scaled_mm: {name} must be a 2-D tensor (rows, K), got "
                              f"{getattr(t, 'shape', type(t).__name__)}")
-        if t.dtype not in _FP8:
+        if t.dtype not in FP8_DTYPES:
             hint = (f" (view the uint8 bytes as the format they hold: {name}.view("
                     f"torch.float8_e4m3fn) or torch.float8_e5m2)" if t.dtype == torch.uint8
                     else "")
@@ -208,8 +218,8 @@ def cuda_scaled_mm(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype
 
     Shapes torch 2.11's blockwise path takes as they are: M % 4 == 0 (the 1x128 scales' row
     stride must be 16-byte aligned), N % 16 == 0, and K a multiple of 512 (K-block count a
-    multiple of 4: measured on the H200, a 128x128 scale tensor whose K-block count is not a
-    multiple of 4 gives wrong results with the padded row stride, and torch rejects others).
+    multiple of 4: on sm_90 a 128x128 scale tensor whose K-block count is not a multiple of 4
+    gives wrong results with the padded row stride, and torch rejects others).
     Other shapes are zero-padded first (a copy of the operands: padded rows and K hold zero
     bytes, their scales 1.0) and the result is cropped."""
     if a_blocks == "1x32":
@@ -219,8 +229,8 @@ def cuda_scaled_mm(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype
                                   f"(torch._scaled_mm's layouts), got {a_blocks!r}")
     m, k = a.shape
     n = b.shape[0]
-    kt4 = -(-cdiv(k, 128) // 4) * 4
-    kp, mp, np_ = kt4 * 128, -(-m // 4) * 4, -(-n // 16) * 16
+    kt4 = round_up(cdiv(k, 128), 4)
+    kp, mp, np_ = kt4 * 128, round_up(m, 4), round_up(n, 16)
     if a.is_cuda:
         direct = _cublaslt.for_signature(m, n, k, a.dtype, b.dtype, b_blocks, out_dtype,
                                          a.device)
@@ -273,4 +283,4 @@ def blockwise_scaled_mm(a, a_scale_inv, b, b_scale_inv, a_blocks="1x128", b_bloc
     return impl(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype)
 
 
-__all__ = ["blockwise_scaled_mm", "check_operands", "emulate", "BLOCKS"]
+__all__ = ["blockwise_scaled_mm", "check_operands", "emulate", "BLOCKS", "blocks_of"]

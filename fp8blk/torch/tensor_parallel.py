@@ -54,10 +54,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..comm import TorchComm, gather_along_first_dim
-from .dtensor import dtensor_forward  # noqa: F401 (re-exported)
-from .functional import (_forward_operands, _transposed, _weight_block_tensor,
-                         fp8_gemms_backward, quantize_input)
 from .linear import Float8BlockLinear
+from .linear.dtensor import dtensor_forward  # noqa: F401 (re-exported)
+from .linear.functional import (forward_operands, fp8_gemms_backward, quantize_input,
+                                transposed, weight_block_tensor)
 from .quantize_ops import block_tensor_buffers
 from .scaled_mm import blockwise_scaled_mm
 
@@ -70,7 +70,7 @@ def _save_for_backward(ctx, x, weight, bias, qx, qw, cfg, comm, need_wgrad):
     """What both sequence-parallel functions keep for backward: x's columnwise FP8 buffers
     (when the weight gradient is needed), W itself (its columnwise FP8 form is made in
     backward, as in ``functional``), the config, comm and shapes."""
-    qx_t = _transposed(qx, cfg.activation) if need_wgrad else (None, None)
+    qx_t = transposed(qx, cfg.activation) if need_wgrad else (None, None)
     ctx.save_for_backward(qx_t[0], qx_t[1], weight)
     ctx.cfg, ctx.comm = cfg, comm
     ctx.meta = (x.shape, x.dtype, weight.dtype, bias is not None)
@@ -88,8 +88,8 @@ class _ColwiseSPFn(torch.autograd.Function):
                                        columnwise=need_wgrad,
                                        sizes=[x2d.shape[0]] * comm.size)
         qx = block_tensor_buffers(qx)
-        qw = _weight_block_tensor(weight, cfg, True, False)
-        y = blockwise_scaled_mm(*_forward_operands(qx, qw, cfg), out_dtype=x.dtype)
+        qw = weight_block_tensor(weight, cfg, True, False)
+        y = blockwise_scaled_mm(*forward_operands(qx, qw, cfg), out_dtype=x.dtype)
         if bias is not None:
             y = y + bias.to(y.dtype)
         _save_for_backward(ctx, x, weight, bias, qx, qw, cfg, comm, need_wgrad)
@@ -101,7 +101,7 @@ class _ColwiseSPFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         xt_d, xt_s, weight = ctx.saved_tensors
-        qw = _weight_block_tensor(weight, ctx.cfg, False, True)
+        qw = weight_block_tensor(weight, ctx.cfg, False, True)
         x_shape, x_dtype, w_dtype, has_bias = ctx.meta
         dy2d = dy.reshape(-1, dy.shape[-1]).contiguous()
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -123,8 +123,8 @@ class _RowwiseSPFn(torch.autograd.Function):
                              f"evenly over {comm.size} ranks")
         need_wgrad = weight.requires_grad
         qx = quantize_input(x2d, cfg.activation, need_wgrad)
-        qw = _weight_block_tensor(weight, cfg, True, False)
-        partial = blockwise_scaled_mm(*_forward_operands(qx, qw, cfg), out_dtype=x.dtype)
+        qw = weight_block_tensor(weight, cfg, True, False)
+        partial = blockwise_scaled_mm(*forward_operands(qx, qw, cfg), out_dtype=x.dtype)
         y = comm.reduce_scatter(partial)
         if bias is not None:
             y = y + bias.to(y.dtype)
@@ -134,7 +134,7 @@ class _RowwiseSPFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         xt_d, xt_s, weight = ctx.saved_tensors
-        qw = _weight_block_tensor(weight, ctx.cfg, False, True)
+        qw = weight_block_tensor(weight, ctx.cfg, False, True)
         x_shape, x_dtype, w_dtype, has_bias = ctx.meta
         cfg, comm = ctx.cfg, ctx.comm
         dy2d = dy.reshape(-1, dy.shape[-1]).contiguous()
@@ -157,8 +157,8 @@ class _RowwiseSPFn(torch.autograd.Function):
         return dx, dw, dbias, None, None
 
 
-# id(group) -> TorchComm, held weakly: a module-level strong reference kept every group (and
-# its gloo/NCCL threads) alive until interpreter finalization, past destroy_process_group,
+# id(group) -> TorchComm, held weakly: a module-level strong reference would keep every group
+# (and its gloo/NCCL threads) alive until interpreter finalization, past destroy_process_group,
 # where gloo's teardown can abort. An entry's comm holds its group, so the id is not reused
 # while the entry exists
 _COMMS = weakref.WeakValueDictionary()

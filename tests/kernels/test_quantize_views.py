@@ -2,7 +2,7 @@
 (``fp8blk.kernels.quantize.torch_call``, used by Float8BlockLinear's per-signature plans): a
 view must cover exactly the bytes of its docs/layouts.md buffer, densely, and a direction is
 viewed iff it is held. The GPU side (the bytes the kernels write through such views) is
-tests/torch/test_linear_plans.py."""
+tests/torch/linear/test_plans.py."""
 import importlib
 
 import numpy as np
@@ -61,7 +61,7 @@ def test_views_that_do_not_cover_the_buffer_are_refused(bad):
 def test_the_linear_plans_padded_views_are_accepted(m, k, n):
     """Shapes whose scale buffers pad their fast dim to a multiple of 4 (rows, K-blocks or
     features not multiples of 4): the plan's views, from its own helper, cover them exactly."""
-    from fp8blk.torch._linear_plans import _scale_t
+    from fp8blk.torch.linear.plans import _scale_t
     from fp8blk.layout import cdiv
     mt, kt, nt, k4 = cdiv(m, 128), cdiv(k, 128), cdiv(n, 128), -(-k // 4) * 4
     xviews = [((m, k), (k, 1), F8), _scale_t(m, kt), ((m, k), (1, m), F8),

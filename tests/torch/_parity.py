@@ -182,12 +182,41 @@ def check_against_oracle(model, recorder, cfg, check_bias=True):
                               f"{name} bias grad")
 
 
+def assert_same(got, want, what):
+    """``got`` equals ``want`` byte for byte: tensors (the same dtype and shape; 1-byte dtypes
+    such as float8 compared as their bytes), None (equal only to None), or equal-length
+    lists/tuples of those. ``what`` names the value in the error."""
+    if isinstance(want, (list, tuple)):
+        assert isinstance(got, (list, tuple)) and len(got) == len(want), \
+            f"{what}: {len(got) if isinstance(got, (list, tuple)) else got!r} values, " \
+            f"want {len(want)}"
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert_same(a, b, (what, i))
+        return
+    if got is None or want is None:
+        assert got is None and want is None, \
+            f"{what}: got {'None' if got is None else 'a tensor'}, want " \
+            f"{'None' if want is None else 'a tensor'}"
+        return
+    assert got.dtype == want.dtype and got.shape == want.shape, \
+        f"{what}: {got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}"
+    a, b = got.detach().cpu(), want.detach().cpu()
+    if a.dtype.itemsize == 1:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    # torch.equal on floats: bitwise except that it treats -0 == 0
+    if not torch.equal(a, b):
+        bad = (a != b).sum().item()
+        raise AssertionError(f"{what}: {bad} mismatches, max |diff| "
+                             f"{(a.double() - b.double()).abs().max().item()}")
+
+
 def set_plant(name):
     """Plant a known bug in fp8blk.torch (for the planted-bug checks); returns an undo
     function. Names: "scale_layout" (1x128 scales read as [m, kb] instead of [kb, m]),
     "dropped_transpose" (dgrad uses W's bytes untransposed instead of its columnwise buffers),
     "wgrad_rowwise" (wgrad uses the rowwise instead of the columnwise buffers)."""
-    from fp8blk.torch import functional as linear, scaled_mm
+    from fp8blk.torch import scaled_mm
+    from fp8blk.torch.linear import functional as linear
 
     if name == "scale_layout":
         target, attr = scaled_mm, "_dequant"
@@ -200,8 +229,8 @@ def set_plant(name):
             s = sinv[:, :rows].contiguous().reshape(rows, -1)   # the bug: [m, kb] order
             return data.float() * s.repeat_interleave(128, dim=1)[:, :k]
     elif name == "dropped_transpose":
-        target, attr = linear, "_weight_transposed"
-        orig = linear._weight_transposed
+        target, attr = linear, "weight_transposed"
+        orig = linear.weight_transposed
 
         def planted(qw, recipe):
             # W's FP8 bytes in W's own (N, K) orientation where dgrad needs them transposed
@@ -209,8 +238,8 @@ def set_plant(name):
             data = qw[2].t().contiguous() if qw[2].numel() else qw[0]
             return data, qw[3] if qw[3].numel() else qw[1]
     elif name == "wgrad_rowwise":
-        target, attr = linear, "_transposed"
-        orig = linear._transposed
+        target, attr = linear, "transposed"
+        orig = linear.transposed
 
         def planted(buffers, recipe):
             return buffers[0], buffers[1]

@@ -1,5 +1,5 @@
 """Checkpoints of FSDP2 FP8-weight models (fp8blk/torch/checkpoint.py and the weights'
-pickling), on the CPU with gloo: ``fsdp_scripts/checkpoint_worker.py`` (its docstring lists
+pickling), on the CPU with gloo: ``scripts/checkpoint_worker.py`` (its docstring lists
 every check) saves a trained model with torch.distributed.checkpoint and torch.save, loads it
 into an unconverted model and into a second FP8 model, and resumes training bit for bit."""
 import sys
@@ -12,7 +12,7 @@ from ..comm.launch import run, suite_passes
 pytestmark = pytest.mark.mpi
 pytest.importorskip("torch.distributed")
 
-WORKER = Path(__file__).resolve().parent / "fsdp_scripts" / "checkpoint_worker.py"
+WORKER = Path(__file__).resolve().parent / "scripts" / "checkpoint_worker.py"
 
 
 def test_checkpoint_save_load_resume_two_ranks(rng, tmp_path):

@@ -94,7 +94,8 @@ def test_the_linear_plan_runs_its_gemms_on_it(rng, monkeypatch):
     """A Float8BlockLinear step at the benchmark's small shape plans its three GEMMs on
     cuBLASLt (on by default) and gives the bytes of the general path with cuBLASLt turned off
     (torch._scaled_mm)."""
-    from fp8blk.torch import Float8BlockLinear, _linear_plans
+    from fp8blk.torch import Float8BlockLinear
+    from fp8blk.torch.linear import plans as linear_plans
     monkeypatch.setattr(_cublaslt, "enabled", True)
     gen = _cuda_gen(rng)
     layer = Float8BlockLinear(4096, 4096, device="cuda", dtype=torch.bfloat16)
@@ -105,17 +106,17 @@ def test_the_linear_plan_runs_its_gemms_on_it(rng, monkeypatch):
     for general in (False, True):
         with monkeypatch.context() as m:
             if general:
-                m.setattr(_linear_plans, "plan_for", lambda *a: None)
+                m.setattr(linear_plans, "plan_for", lambda *a: None)
                 m.setattr(_cublaslt, "enabled", False)
             else:
-                _linear_plans.plans.clear()
+                linear_plans.plans.clear()
             layer.weight.grad = None
             xr = x.clone().requires_grad_()
             y = layer(xr)
             y.backward(g)
             results.append((y, xr.grad, layer.weight.grad))
             if not general:
-                (plan,) = _linear_plans.plans.values()
+                (plan,) = linear_plans.plans.values()
                 assert all(isinstance(mm, _cublaslt.ScaledMM)
                            for mm in (plan.mm_fwd, plan.mm_dgrad, plan.mm_wgrad)), \
                     _cublaslt.refusals

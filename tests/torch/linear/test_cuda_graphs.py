@@ -12,9 +12,10 @@ them: a replay that kept the capture's scales or weight bytes would differ."""
 import pytest
 import torch
 
-from fp8blk.torch import Float8BlockLinear, _cublaslt, _linear_plans, convert_to_float8_block
+from fp8blk.torch import Float8BlockLinear, _cublaslt, convert_to_float8_block
+from fp8blk.torch.linear import plans as linear_plans
 
-from ._parity import init_spread_, spread
+from .._parity import assert_same, init_spread_, spread
 
 pytestmark = pytest.mark.gpu
 
@@ -41,13 +42,6 @@ def _eager(model, x, g):
     return [t.clone() for t in [y, xr.grad] + _grads(model)]
 
 
-def _assert_same(got, want, what):
-    assert len(got) == len(want)
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert a.dtype == b.dtype and a.shape == b.shape, (what, i)
-        assert torch.equal(a, b), (what, i, (a.float() - b.float()).abs().max())
-
-
 @pytest.mark.parametrize("case", ["plan", "general"])
 def test_captured_step_replays_as_eager(case, rng, monkeypatch):
     """plan: two 4096-wide layers at 8192 tokens, the per-signature hot path with its GEMMs on
@@ -63,11 +57,11 @@ def test_captured_step_replays_as_eager(case, rng, monkeypatch):
               for _ in range(2)])
         x_shape, out = (8192, 4096), 4096
     else:
-        monkeypatch.setattr(_linear_plans, "plan_for", lambda *a: None)
+        monkeypatch.setattr(linear_plans, "plan_for", lambda *a: None)
         model = torch.nn.Sequential(
             Float8BlockLinear(200, 328, bias=True, device="cuda", dtype=torch.bfloat16))
         x_shape, out = (3, 100, 200), 328
-    _linear_plans.plans.clear()
+    linear_plans.plans.clear()
     sx = torch.zeros(x_shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     sg = torch.zeros(x_shape[:-1] + (out,), device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
@@ -91,11 +85,11 @@ def test_captured_step_replays_as_eager(case, rng, monkeypatch):
     static = [sy.detach(), sx.grad] + _grads(model)
     del sy
     if case == "plan":
-        (plan,) = _linear_plans.plans.values()
+        (plan,) = linear_plans.plans.values()
         assert all(isinstance(mm, _cublaslt.ScaledMM)
                    for mm in (plan.mm_fwd, plan.mm_dgrad, plan.mm_wgrad)), _cublaslt.refusals
     else:
-        assert not _linear_plans.plans
+        assert not linear_plans.plans
     for r in range(3):
         x, g = spread(x_shape, gen).cuda(), spread(sg.shape, gen).cuda()
         init_spread_(model, gen)
@@ -104,7 +98,7 @@ def test_captured_step_replays_as_eager(case, rng, monkeypatch):
             sg.copy_(g)
         graph.replay()
         got = [t.clone() for t in static]
-        _assert_same(got, _eager(model, x.bfloat16(), g.bfloat16()), f"{case} replay {r}")
+        assert_same(got, _eager(model, x.bfloat16(), g.bfloat16()), f"{case} replay {r}")
 
 
 def test_reduce_overhead_compile_equals_eager(rng):
@@ -128,5 +122,5 @@ def test_reduce_overhead_compile_equals_eager(rng):
         y = compiled(xr)
         y.backward(g)
         got = [t.clone() for t in [y, xr.grad] + _grads(model)]
-        _assert_same(got, _eager(model, x, g), f"reduce-overhead call {r}")
+        assert_same(got, _eager(model, x, g), f"reduce-overhead call {r}")
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])

@@ -43,7 +43,8 @@ from fp8blk.torch import Float8BlockConfig, convert_to_float8_block
 from fp8blk.torch import fsdp as F
 from fp8blk.torch.checkpoint import master_state_dict
 
-from fsdp_worker import check_equal, run_suite, spread, three_layers  # same folder
+from fsdp_worker import run_suite, spread, three_layers  # same folder
+from tests.torch._parity import assert_same
 
 
 def build(mode, recipe_name, seed, mesh):
@@ -107,13 +108,13 @@ def check_reshard(mode, recipe_name, seed, path, x0, ya, ta, a_layers):
         F.cast_master_weights_(c, tc.masters)
         for lin, m_a, m_c in zip(a_layers, ta.masters, tc.masters):
             cols = lin.in_features
-            check_equal("reshard: master", m_c.detach().view(-1, cols),
-                        gathered(m_a.detach().view(-1, cols)))
+            assert_same(m_c.detach().view(-1, cols), gathered(m_a.detach().view(-1, cols)),
+                        "reshard: master")
             for k, v in ta.opt.state[m_a].items():
                 want = v if v.dim() == 0 else gathered(v.view(-1, cols)).reshape(-1)
-                check_equal(f"reshard: optimizer state {k}", tc.opt.state[m_c][k], want)
+                assert_same(tc.opt.state[m_c][k], want, f"reshard: optimizer state {k}")
     with torch.no_grad():
-        check_equal("reshard: output", c(x0), ya)
+        assert_same(c(x0), ya, "reshard: output")
 
 
 def run_case(mode, recipe_name, seed, mesh, root):
@@ -139,7 +140,7 @@ def run_case(mode, recipe_name, seed, mesh, root):
     # the weights' values (mode primary: dequantized)
     full_sd = get_model_state_dict(a, options=StateDictOptions(full_state_dict=True))
     for i in range(len(a_layers)):
-        check_equal(f"full state dict layer {i}", full_sd[f"{2 * i}.weight"], want[i])
+        assert_same(full_sd[f"{2 * i}.weight"], want[i], f"full state dict layer {i}")
     # torch.save: the local shards pickle as plain tensors of those values
     blob = os.path.join(path + f"-rank{rank}.pt")
     os.makedirs(os.path.dirname(blob), exist_ok=True)
@@ -151,7 +152,7 @@ def run_case(mode, recipe_name, seed, mesh, root):
         if type(v) is not torch.Tensor:
             raise AssertionError(f"torch.save stored a {type(v).__name__}, not a plain tensor")
         rows = list(torch.chunk(want[i], dist.get_world_size(), 0))
-        check_equal(f"torch.save layer {i}", v, rows[rank] if rank < len(rows) else v[:0])
+        assert_same(v, rows[rank] if rank < len(rows) else v[:0], f"torch.save layer {i}")
 
     if mode == "primary":
         for bad, why in (((ta.masters[:2], None), "master_weights"),
@@ -181,7 +182,7 @@ def run_case(mode, recipe_name, seed, mesh, root):
         sd = {f"{2 * i}.weight": lin.weight for i, lin in enumerate(plain)}
         dcp.load({"model": sd}, checkpoint_id=where)
         for i, lin in enumerate(plain):
-            check_equal(f"plain model layer {i} ({where})", lin.weight.detach(), want[i])
+            assert_same(lin.weight.detach(), want[i], f"plain model layer {i} ({where})")
             with torch.no_grad():
                 lin.weight.zero_()
 
@@ -200,15 +201,15 @@ def run_case(mode, recipe_name, seed, mesh, root):
         # shards only, and the next all-gather must still re-cast
         dcp.load({"model": b.state_dict()}, checkpoint_id=path)
         with torch.no_grad():
-            check_equal("cast: B's output after loading", b(x0), ya)
+            assert_same(b(x0), ya, "cast: B's output after loading")
         # (loading the optimizer state steps it with lr 0: that alone would re-cast)
         optim = {"optim": get_optimizer_state_dict(b, tb.opt)}
         dcp.load(optim, checkpoint_id=path)
         set_optimizer_state_dict(b, tb.opt, optim["optim"])
         for i in range(2, 4):
-            check_equal(f"cast: step {i} loss", tb.step(i), ta.step(i))
+            assert_same(tb.step(i), ta.step(i), f"cast: step {i} loss")
         with torch.no_grad():
-            check_equal("cast: outputs after two more steps", b(x0), a(x0))
+            assert_same(b(x0), a(x0), "cast: outputs after two more steps")
     else:
         try:
             dcp.load({"model": b.state_dict()}, checkpoint_id=path)
@@ -220,25 +221,25 @@ def run_case(mode, recipe_name, seed, mesh, root):
         dcp.load({"masters": master_state_dict(b, tb.masters, tb.opt)}, checkpoint_id=path)
         F.cast_master_weights_(b, tb.masters)
         for m_a, m_b in zip(ta.masters, tb.masters):
-            check_equal("primary: loaded master", m_b.detach(), m_a.detach())
+            assert_same(m_b.detach(), m_a.detach(), "primary: loaded master")
         for m_a, m_b in zip(ta.masters, tb.masters):
             for k, v in ta.opt.state[m_a].items():
-                check_equal(f"primary: optimizer state {k}", tb.opt.state[m_b][k], v)
+                assert_same(tb.opt.state[m_b][k], v, f"primary: optimizer state {k}")
         with torch.no_grad():
-            check_equal("primary: B's output after loading", b(x0), ya)
+            assert_same(b(x0), ya, "primary: B's output after loading")
         for i in range(2, 4):
-            check_equal(f"primary: step {i} loss", tb.step(i), ta.step(i))
+            assert_same(tb.step(i), ta.step(i), f"primary: step {i} loss")
         for m_a, m_b in zip(ta.masters, tb.masters):
-            check_equal("primary: master after two more steps", m_b.detach(), m_a.detach())
+            assert_same(m_b.detach(), m_a.detach(), "primary: master after two more steps")
         with torch.no_grad():
-            check_equal("primary: outputs after two more steps", b(x0), a(x0))
+            assert_same(b(x0), a(x0), "primary: outputs after two more steps")
     print(f"rank {rank}: checkpoint {mode}:{recipe_name} OK", flush=True)
 
 
 def check_tp(ws, rank, seed, root):
-    """FSDP2 x TP (a 2x2 (dp, tp) mesh; issue 13's FeedForward, w1/w2 column-wise, out_proj
-    row-wise, FP8 primary weights): master_state_dict saves after one AdamW step; a second
-    model of the same layout loads it and gives the same outputs bit for bit, and a model
+    """FSDP2 x TP (a 2x2 (dp, tp) mesh; the FeedForward of tests/torch/_parity.py, w1/w2
+    column-wise, out_proj row-wise, FP8 primary weights): master_state_dict saves after one
+    AdamW step; a second model of the same layout loads it and gives the same outputs bit for bit, and a model
     under FSDP2 alone on the 4 ranks loads the same full masters and optimizer state (its
     outputs differ: with TP every tensor-parallel shard of a weight has its own tiles)."""
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
@@ -289,13 +290,12 @@ def check_tp(ws, rank, seed, root):
         for k, v in want.items():
             if isinstance(v, dict):
                 for n, t in v.items():
-                    check_equal(f"tp={tp}: {k} {n}", torch.as_tensor(got[k][n]),
-                                torch.as_tensor(t))
+                    assert_same(torch.as_tensor(got[k][n]), torch.as_tensor(t), f"tp={tp}: {k} {n}")
             else:
-                check_equal(f"tp={tp}: {k}", got[k], v)
+                assert_same(got[k], v, f"tp={tp}: {k}")
         if tp:
             with torch.no_grad():
-                check_equal("tp: output after loading", b(x), ya)
+                assert_same(b(x), ya, "tp: output after loading")
     print(f"rank {rank}: checkpoint FSDP2 x TP OK", flush=True)
 
 

@@ -2,18 +2,17 @@
 
 Under torch.compile a layer otherwise traces through its pieces -- quantize x, quantize W,
 the GEMM; then quantize dY, W's columnwise form, two GEMMs -- and each piece is a Python custom
-op: on the H200's host such an op costs ~50 us per call inside a compiled graph (~17 us for an
-op registered with ``Library.define`` + ``impl``, which skips the high-level API's autograd
-and aliasing wrappers; bench/README.md), and the pieces' own Python runs as on the general
-path. A compiled (8192, 4096, 4096) bf16 step cost ~1.8-2.2 ms of host time for ~0.8 ms of GPU
-work. Where a plan serves the signature (``_linear_plans.traceable``: plain CUDA weights,
-Block1D/Block2D, any non-empty shape), the layer instead calls one op per pass:
+op, whose call inside a compiled graph costs tens of microseconds of host time, while the
+pieces' own Python runs as on the general path. Where a plan serves the signature
+(``plans.traceable``: plain CUDA weights, Block1D/Block2D, any non-empty shape), the layer
+instead calls one op per pass, registered with ``Library.define`` + ``impl`` (which skips the
+high-level custom-op API's autograd and aliasing wrappers):
 
     fp8blk::linear_fwd(x, weight, cfg, out_dtype, need_dgrad, need_wgrad) -> (y, xt_d, xt_s)
     fp8blk::linear_bwd(dy, xt_d, xt_s, weight, cfg, x_dtype, need_dgrad, need_wgrad)
         -> (dx, dw)
 
-each running the eager hot path's plan (``_linear_plans.plan_for_shapes``), so the compiled
+each running the eager hot path's plan (``plans.plan_for_shapes``), so the compiled
 layer computes the same bytes as the eager one. x (M, K) and dy (M, N) C-contiguous,
 weight (N, K); y (M, N) `out_dtype`; xt_d, xt_s: x's columnwise FP8 data as the plan holds it,
 (M, K) float8 with strides (1, M), and its (cdiv(M, 128), round4(K)) float32 scales (empty
@@ -26,10 +25,11 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import cdiv, round_up
-from .config import Float8BlockConfig
-from .quantize_ops import FP8_DTYPE, recipe_from_key, recipe_key
-from . import _linear_plans
+from ...layout import cdiv, round_up
+from ..config import Float8BlockConfig
+from ..dtypes import fp8_dtype
+from ..quantize_ops import recipe_from_key, recipe_key
+from . import plans
 
 _CONFIGS = {}
 
@@ -63,8 +63,8 @@ def _none(device):
 def _fwd(x, weight, cfg, out_dtype, need_dgrad, need_wgrad):
     x, weight = _ready(x), _ready(weight)
     (m, k), n = x.shape, weight.shape[0]
-    plan = _linear_plans.plan_for_shapes(m, k, n, x.dtype, weight.dtype, x.device,
-                                         _config(cfg), out_dtype, need_dgrad, need_wgrad)
+    plan = plans.plan_for_shapes(m, k, n, x.dtype, weight.dtype, x.device, _config(cfg),
+                                 out_dtype, need_dgrad, need_wgrad)
     y, (xt_d, xt_s) = plan.forward(x, weight)
     if xt_d is None:            # distinct empties: an op's outputs must not alias
         xt_d, xt_s = _none(x.device), _none(x.device)
@@ -76,7 +76,7 @@ def _fwd_fake(x, weight, cfg, out_dtype, need_dgrad, need_wgrad):
     y = x.new_empty((m, n), dtype=out_dtype)
     if not need_wgrad:
         return y, x.new_empty((0,), dtype=torch.uint8), x.new_empty((0,), dtype=torch.uint8)
-    fa = FP8_DTYPE[_config(cfg).activation.fmt]
+    fa = fp8_dtype(_config(cfg).activation.fmt)
     return (y, torch.empty_strided((m, k), (1, m), dtype=fa, device=x.device),
             x.new_empty((cdiv(m, 128), round_up(k, 4)), dtype=torch.float32))
 
@@ -84,8 +84,8 @@ def _fwd_fake(x, weight, cfg, out_dtype, need_dgrad, need_wgrad):
 def _bwd(dy, xt_d, xt_s, weight, cfg, x_dtype, need_dgrad, need_wgrad):
     weight = _ready(weight)     # dy: made contiguous by the layer, aligned by plan.backward
     (m, n), k = dy.shape, weight.shape[1]
-    plan = _linear_plans.plan_for_shapes(m, k, n, x_dtype, weight.dtype, dy.device,
-                                         _config(cfg), dy.dtype, need_dgrad, need_wgrad)
+    plan = plans.plan_for_shapes(m, k, n, x_dtype, weight.dtype, dy.device, _config(cfg),
+                                 dy.dtype, need_dgrad, need_wgrad)
     dx, dw = plan.backward(dy, xt_d, xt_s, weight, need_dgrad, need_wgrad)
     return (_none(dy.device) if dx is None else dx), (_none(dy.device) if dw is None else dw)
 

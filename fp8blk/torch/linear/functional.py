@@ -1,8 +1,9 @@
 """The functional form of Float8BlockLinear: the autograd function running a linear layer's
 three GEMMs in block-scaled FP8, the operand choice of each GEMM, and the one door through
-which a layer gets its quantized weight (:func:`_weight_block_tensor`, the interface with the
+which a layer gets its quantized weight (:func:`weight_block_tensor`, the interface with the
 FSDP2 weight subclass). The math, memory and interface are described in
-:mod:`fp8blk.torch.linear`.
+:mod:`fp8blk.torch.linear`. The operand choices, ``transposed`` and ``weight_block_tensor``
+are the package's door for fp8blk's sequence-parallel styles (``fp8blk.torch.tensor_parallel``).
 
     y = float8_block_linear(x, weight, bias, Float8BlockConfig())
 """
@@ -10,27 +11,22 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import MXFP8
-from . import _linear_ops, _linear_plans
-from .config import Float8BlockConfig
-from .quantize_ops import (FP8_DTYPE, block2d_columnwise, block_tensor_buffers,
-                           mxfp8_columnwise_as_rows, quantize_buffers)
-from .scaled_mm import blockwise_scaled_mm
+from ...formats import MXFP8
+from ..config import Float8BlockConfig
+from ..dtypes import HIGH_DTYPES, fp8_dtype
+from ..quantize_ops import (block2d_columnwise, block_tensor_buffers, mxfp8_columnwise_as_rows,
+                            quantize_buffers)
+from ..scaled_mm import blocks_of, blockwise_scaled_mm
+from . import compiled, plans
 
-_HIGH = (torch.float32, torch.bfloat16, torch.float16)
 _compiling = torch.compiler.is_compiling
 
 
-def _blocks(recipe) -> str:
-    return "1x32" if isinstance(recipe, MXFP8) else (
-        "128x128" if type(recipe).__name__ == "Block2D" else "1x128")
-
-
 def _f8(data, recipe):
-    return data.view(FP8_DTYPE[recipe.fmt])
+    return data.view(fp8_dtype(recipe.fmt))
 
 
-def _weight_block_tensor(weight, config: Float8BlockConfig, rowwise: bool, columnwise: bool):
+def weight_block_tensor(weight, config: Float8BlockConfig, rowwise: bool, columnwise: bool):
     """The weight's FP8 buffers ``(rowwise_data, rowwise_scale_inv, columnwise_data,
     columnwise_scale_inv)`` (empty (0,) tensors for a direction not asked for).
 
@@ -48,7 +44,7 @@ def _weight_block_tensor(weight, config: Float8BlockConfig, rowwise: bool, colum
                              f"expected {tuple(weight.shape)}")
         return block_tensor_buffers(q)
     w = weight.detach()
-    if w.dtype not in _HIGH:
+    if w.dtype not in HIGH_DTYPES:
         raise TypeError(f"Float8BlockLinear: weight dtype must be float32, bfloat16 or float16, "
                         f"got {w.dtype}")
     return quantize_buffers(w.contiguous(), config.weight, rowwise, columnwise)
@@ -56,33 +52,33 @@ def _weight_block_tensor(weight, config: Float8BlockConfig, rowwise: bool, colum
 
 # operand selection of each GEMM: one function each, so tests can check (and plant bugs in)
 # exactly one choice at a time
-def _forward_operands(qx, qw, cfg):
+def forward_operands(qx, qw, cfg):
     """(a, a_sinv, b, b_sinv, a_blocks, b_blocks) of y = x @ W.T."""
     return (_f8(qx[0], cfg.activation), qx[1], _f8(qw[0], cfg.weight), qw[1],
-            _blocks(cfg.activation), _blocks(cfg.weight))
+            blocks_of(cfg.activation), blocks_of(cfg.weight))
 
 
-def _dgrad_operands(qdy, qw_t, cfg):
+def dgrad_operands(qdy, qw_t, cfg):
     """dx = dY @ W: b is W's columnwise buffer (K, N), the FP8 transpose."""
     return (_f8(qdy[0], cfg.grad), qdy[1], _f8(qw_t[0], cfg.weight), qw_t[1],
-            _blocks(cfg.grad), _blocks(cfg.weight))
+            blocks_of(cfg.grad), blocks_of(cfg.weight))
 
 
-def _wgrad_operands(qdy_t, qx_t, cfg):
+def wgrad_operands(qdy_t, qx_t, cfg):
     """dW = dY.T @ x over tokens: both operands are the columnwise (transposed, 128x1)
     buffers, dY.T (N, M) and x.T (K, M)."""
     return (_f8(qdy_t[0], cfg.grad), qdy_t[1], _f8(qx_t[0], cfg.activation), qx_t[1],
-            _blocks(cfg.grad), _blocks(cfg.activation))
+            blocks_of(cfg.grad), blocks_of(cfg.activation))
 
 
-def _transposed(buffers, recipe):
+def transposed(buffers, recipe):
     """Columnwise buffers of a quantized tensor as the rowwise buffers of its transpose."""
     if isinstance(recipe, MXFP8):
         return mxfp8_columnwise_as_rows(buffers[2], buffers[3])
     return buffers[2], buffers[3]
 
 
-def _weight_transposed(qw, recipe):
+def weight_transposed(qw, recipe):
     if isinstance(recipe, MXFP8):
         return mxfp8_columnwise_as_rows(qw[2], qw[3])
     if qw[2].numel():                       # the backward pass asks for columnwise buffers
@@ -104,10 +100,10 @@ def fp8_gemms_backward(dy2d, qx_t, qw, cfg, need_dgrad, need_wgrad, dx_dtype, dw
     if qdy is None:
         qdy = quantize_buffers(dy2d, cfg.grad, need_dgrad, need_wgrad)
     if need_dgrad:
-        dx = blockwise_scaled_mm(*_dgrad_operands(qdy, _weight_transposed(qw, cfg.weight), cfg),
+        dx = blockwise_scaled_mm(*dgrad_operands(qdy, weight_transposed(qw, cfg.weight), cfg),
                                  out_dtype=dx_dtype)
     if need_wgrad:
-        dw = blockwise_scaled_mm(*_wgrad_operands(_transposed(qdy, cfg.grad), qx_t, cfg),
+        dw = blockwise_scaled_mm(*wgrad_operands(transposed(qdy, cfg.grad), qx_t, cfg),
                                  out_dtype=dw_dtype)
     return dx, dw
 
@@ -124,20 +120,20 @@ class _Float8BlockLinearFn(torch.autograd.Function):
         # so x's columnwise copy is neither made nor kept
         need_wgrad = grad_enabled and weight.requires_grad
         need_dgrad = grad_enabled and ctx.needs_input_grad[0]
-        # compiled, a signature a plan serves runs it as one op per pass (_linear_ops)
+        # compiled, a signature a plan serves runs it as one op per pass (``compiled``)
         compiling = _compiling()
-        ctx.op = (need_dgrad, need_wgrad) if compiling and _linear_plans.traceable(
+        ctx.op = (need_dgrad, need_wgrad) if compiling and plans.traceable(
             x2d, weight, cfg, out_dtype) else None
-        plan = None if compiling else _linear_plans.plan_for(
+        plan = None if compiling else plans.plan_for(
             x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad)
         ctx.plan = plan
         if ctx.op is not None:
-            y, qx_t = _linear_ops.forward(x2d, weight, cfg, out_dtype, *ctx.op)
+            y, qx_t = compiled.forward(x2d, weight, cfg, out_dtype, *ctx.op)
         elif plan is not None:
             y, qx_t = plan.forward(x2d, weight)
         else:
             # low_memory_forward: x's rowwise copy made, used and freed before its columnwise
-            # copy is made (config.py); by default both in one fused pass
+            # copy is made (fp8blk/torch/config.py); by default both in one fused pass
             lean = cfg.low_memory_forward
             qx = quantize_input(x2d, cfg.activation, need_wgrad and not lean)
             # The weight is asked for what each pass needs -- rowwise now, columnwise in the
@@ -147,13 +143,13 @@ class _Float8BlockLinearFn(torch.autograd.Function):
             # quantized again in backward, columnwise only. Keeping W's FP8 form until
             # backward would hold N*K bytes per layer through the whole forward pass of a
             # network, for ~15 us saved.
-            qw = _weight_block_tensor(weight, cfg, True, False)
-            y = blockwise_scaled_mm(*_forward_operands(qx, qw, cfg), out_dtype=out_dtype)
+            qw = weight_block_tensor(weight, cfg, True, False)
+            y = blockwise_scaled_mm(*forward_operands(qx, qw, cfg), out_dtype=out_dtype)
             if lean:
                 qx = qw = None
                 if need_wgrad:
                     qx = quantize_buffers(x2d, cfg.activation, False, True)
-            qx_t = _transposed(qx, cfg.activation) if need_wgrad else (None, None)
+            qx_t = transposed(qx, cfg.activation) if need_wgrad else (None, None)
         if bias is not None:
             y = y + bias.to(y.dtype)
         # saved: x's columnwise FP8 buffers and W (a parameter: held anyway), no activation in
@@ -177,12 +173,12 @@ class _Float8BlockLinearFn(torch.autograd.Function):
         if not dy2d.is_contiguous():
             dy2d = dy2d.contiguous()
         if ctx.op is not None:
-            dx, dw = _linear_ops.backward(dy2d, xt_d, xt_s, weight, ctx.cfg, x_dtype, ctx.op,
+            dx, dw = compiled.backward(dy2d, xt_d, xt_s, weight, ctx.cfg, x_dtype, ctx.op,
                                           need_dgrad, need_wgrad)
         elif ctx.plan is not None:
             dx, dw = ctx.plan.backward(dy2d, xt_d, xt_s, weight, need_dgrad, need_wgrad)
         else:
-            qw = _weight_block_tensor(weight, ctx.cfg, False, True) if need_dgrad else None
+            qw = weight_block_tensor(weight, ctx.cfg, False, True) if need_dgrad else None
             dx, dw = fp8_gemms_backward(dy2d, (xt_d, xt_s), qw, ctx.cfg, need_dgrad,
                                         need_wgrad, x_dtype, w_dtype)
         dbias = dy2d.sum(0) if has_bias and ctx.needs_input_grad[2] else None
@@ -204,7 +200,7 @@ def float8_block_linear(x, weight, bias=None, config: Float8BlockConfig = None):
     x (..., K) float32/bfloat16/float16; weight (N, K); bias (N,) or None. The output has x's
     dtype (the autocast dtype under ``torch.autocast``), dx x's dtype, dW the weight's."""
     config = config or Float8BlockConfig()
-    if x.dtype not in _HIGH:
+    if x.dtype not in HIGH_DTYPES:
         raise TypeError(f"Float8BlockLinear: input dtype must be float32, bfloat16 or float16, "
                         f"got {x.dtype}")
     if x.shape[-1] != weight.shape[-1]:
@@ -222,4 +218,5 @@ def float8_block_linear(x, weight, bias=None, config: Float8BlockConfig = None):
 
 
 __all__ = ["float8_block_linear", "fp8_gemms_backward", "quantize_input", "check_features",
-           "_weight_block_tensor"]
+           "weight_block_tensor", "forward_operands", "dgrad_operands", "wgrad_operands",
+           "transposed", "weight_transposed"]

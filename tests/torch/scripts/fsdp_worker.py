@@ -33,8 +33,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import fp8blk as fb
 from fp8blk.torch import Float8BlockConfig, convert_to_float8_block
 from fp8blk.torch import fsdp as F
-from fp8blk.torch import weight as W
+from fp8blk.torch.fsdp import weights as W
 from fp8blk.torch.linear import float8_block_linear
+from tests.torch._parity import assert_same
 
 STEPS = 5
 U32 = 2.0 ** -24  # fp32's unit roundoff
@@ -68,18 +69,6 @@ class RefWeight(torch.Tensor):
         if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
             return cls(args[0].q, args[0].shape)
         raise NotImplementedError(func)
-
-
-def check_equal(name, got, want):
-    if got is None or want is None:
-        raise AssertionError(f"{name}: got {got is None and 'None' or 'tensor'}, want "
-                             f"{want is None and 'None' or 'tensor'}")
-    got, want = got.cpu(), want.cpu()
-    # torch.equal on floats: bitwise except that it treats -0 == 0 (NaN never appears here)
-    if got.shape != want.shape or got.dtype != want.dtype or not torch.equal(got, want):
-        bad = (got != want).sum().item() if got.shape == want.shape else "shape"
-        raise AssertionError(f"{name}: {bad} mismatches ({got.dtype}{tuple(got.shape)} vs "
-                             f"{want.dtype}{tuple(want.shape)})")
 
 
 def three_layers(dims, gen):
@@ -135,7 +124,7 @@ def run_case(mode, recipe_name, raf, ws, rank, mesh, seed):
             expected[i] = fb.quantize(w.to(model_dtype).contiguous(), recipe, rowwise=True,
                                       columnwise=True)
 
-    orig_post = W._PlaneWeight.fsdp_post_all_gather
+    orig_post = W.PlaneWeight.fsdp_post_all_gather
 
     def checked_post(self, outputs, metadata, param_dtype, *, out=None):
         res = orig_post(self, outputs, metadata, param_dtype, out=out)
@@ -147,18 +136,18 @@ def run_case(mode, recipe_name, raf, ws, rank, mesh, seed):
             raise AssertionError(f"layer {i}: usage {usage} but holds row={q.has_rowwise} "
                                  f"col={q.has_columnwise}")
         if q.has_rowwise:
-            check_equal(f"layer {i} rowwise data", q.rowwise_data, e.rowwise_data)
-            check_equal(f"layer {i} rowwise scale_inv", q.rowwise_scale_inv, e.rowwise_scale_inv)
+            assert_same(q.rowwise_data, e.rowwise_data, f"layer {i} rowwise data")
+            assert_same(q.rowwise_scale_inv, e.rowwise_scale_inv, f"layer {i} rowwise scale_inv")
         if q.has_columnwise:
-            check_equal(f"layer {i} columnwise data", q.columnwise_data, e.columnwise_data)
-            check_equal(f"layer {i} columnwise scale_inv", q.columnwise_scale_inv,
-                        e.columnwise_scale_inv)
+            assert_same(q.columnwise_data, e.columnwise_data, f"layer {i} columnwise data")
+            assert_same(q.columnwise_scale_inv, e.columnwise_scale_inv,
+                        f"layer {i} columnwise scale_inv")
         if recipe_name == "block2d" and not columnwise and box.col_data.untyped_storage().nbytes():
             raise AssertionError(f"layer {i}: columnwise buffer allocated in a pass without it")
         seen.append((state.gathers[-1]["state"], usage, planes))
         return res
 
-    W._PlaneWeight.fsdp_post_all_gather = checked_post
+    W.PlaneWeight.fsdp_post_all_gather = checked_post
     moved = []
     # FSDP2's all-gather entry point: all_gather_single (torch 2.13), all_gather_into_tensor
     # (older); count the bytes of every call (no other all-gather runs in a step)
@@ -234,21 +223,21 @@ def run_case(mode, recipe_name, raf, ws, rank, mesh, seed):
                     rows, cols = fsdp_w.shape
                     start = rank * math.ceil(rows / ws) * cols
                     want = mean[i].reshape(-1)[start:start + m.numel()]
-                    check_equal(f"step {step} layer {i} grad", m.grad, want)
+                    assert_same(m.grad, want, f"step {step} layer {i} grad")
                 opt.step()
                 F.cast_master_weights_(model, masters)
                 for i, m in enumerate(masters):
                     rows, cols = states[i].shape
                     start = rank * math.ceil(rows / ws) * cols
                     full[i] = full[i] - lr * mean[i]
-                    check_equal(f"step {step} layer {i} master", m.detach(),
-                                full[i].reshape(-1)[start:start + m.numel()])
+                    assert_same(m.detach(), full[i].reshape(-1)[start:start + m.numel()],
+                                f"step {step} layer {i} master")
             else:
                 for i, lin in enumerate(l for l in model if isinstance(l, torch.nn.Linear)):
                     g = lin.weight.grad._local_tensor
                     rows, cols = states[i].shape
                     r0 = min(rank * math.ceil(rows / ws), rows)
-                    check_equal(f"step {step} layer {i} grad", g, mean[i][r0:r0 + g.shape[0]])
+                    assert_same(g, mean[i][r0:r0 + g.shape[0]], f"step {step} layer {i} grad")
                 opt.step()
                 if step % 2 == 0:
                     F.precompute_fp8_scales(model)  # odd steps: lazily at the first gather
@@ -257,8 +246,8 @@ def run_case(mode, recipe_name, raf, ws, rank, mesh, seed):
                     local = lin.weight._local_tensor.hp
                     rows = states[i].shape[0]
                     r0 = min(rank * math.ceil(rows / ws), rows)
-                    check_equal(f"step {step} layer {i} param", local,
-                                full[i][r0:r0 + local.shape[0]])
+                    assert_same(local, full[i][r0:r0 + local.shape[0]],
+                                f"step {step} layer {i} param")
         if mode == "cast":
             # which weights took the one-pass tile-local cast: Block2D shards of whole 128-row
             # tiles (at 2 ranks the 256-row weight, 128 rows each), the others the
@@ -275,7 +264,7 @@ def run_case(mode, recipe_name, raf, ws, rank, mesh, seed):
         if min(changed) < 0.01:  # the test must see the FP8 weights change
             raise AssertionError(f"training changed too few weight bytes: {changed}")
     finally:
-        W._PlaneWeight.fsdp_post_all_gather = orig_post
+        W.PlaneWeight.fsdp_post_all_gather = orig_post
         for n in names:
             setattr(dist, n, orig_ag[n])
     print(f"rank {rank}: case {mode} {recipe_name} raf={raf} ws={ws} OK (bytes "
@@ -351,7 +340,7 @@ def check_clip(ws, rank, mesh, seed):
     coef = torch.clamp(ref / 4 / (total + 1e-6), max=1.0)
     after = [m.grad for m in masters] + [other.grad.to_local()]
     for i, (b, a) in enumerate(zip(before, after)):
-        check_equal(f"clip: gradient {i}", a, b * coef)
+        assert_same(a, b * coef, f"clip: gradient {i}")
     print(f"rank {rank}: clip_master_grad_norm_ OK (norm {float(total):.6g}, full {ref:.6g}, "
           f"local {local:.6g})", flush=True)
 
@@ -376,13 +365,13 @@ def check_compile(ws, rank, mesh, seed):
         t = spread((32, 256), torch.Generator().manual_seed(seed + 9 + rank), (1.0, 1.0))
         eager, compiled = models[0], torch.compile(models[1], backend="eager")
         ys = [m(x) for m in (eager, compiled)]
-        check_equal(f"compile {mode}: output", ys[1].detach(), ys[0].detach())
+        assert_same(ys[1].detach(), ys[0].detach(), f"compile {mode}: output")
         for y in ys:
             (y * t).sum().backward()
         for i, (p, q) in enumerate(zip(models[0].parameters(), models[1].parameters())):
             if q.grad is None:
                 raise AssertionError(f"compile {mode}: parameter {i} got no gradient")
-            check_equal(f"compile {mode}: gradient {i}", q.grad.to_local(), p.grad.to_local())
+            assert_same(q.grad.to_local(), p.grad.to_local(), f"compile {mode}: gradient {i}")
     print(f"rank {rank}: torch.compile with FP8 weights OK", flush=True)
 
 
@@ -425,7 +414,7 @@ def check_meta_init(ws, rank, mesh, seed):
         if not bool(ys[0].isfinite().all()):
             raise AssertionError(f"meta init: step {step} reference output not finite: the "
                                  "check would compare NaN with NaN")
-        check_equal(f"meta init: step {step} output", ys[1].detach(), ys[0].detach())
+        assert_same(ys[1].detach(), ys[0].detach(), f"meta init: step {step} output")
         # the step must change the weights' FP8 bytes, or a stale cast would pass unseen
         cast_bytes.append([p.to_local()._state.frags[0].clone() for p in meta.parameters()])
         if step and all(torch.equal(a, b) for a, b in zip(*cast_bytes)):
@@ -434,8 +423,8 @@ def check_meta_init(ws, rank, mesh, seed):
         for y, opt in zip(ys, opts):
             (y * t).sum().backward()
         for i, (p, q) in enumerate(zip(ref.parameters(), meta.parameters())):
-            check_equal(f"meta init: step {step} gradient {i}", q.grad.to_local(),
-                        p.grad.to_local())
+            assert_same(q.grad.to_local(), p.grad.to_local(),
+                        f"meta init: step {step} gradient {i}")
         for opt in opts:
             opt.step()
             opt.zero_grad()
@@ -509,12 +498,12 @@ def check_errors(ws, rank, mesh):
     q0 = fb.quantize(w0.to(torch.bfloat16), fb.Block2D())
     ref = torch.relu(float8_block_linear(x, RefWeight(q0, (256, 128)), None,
                                          Float8BlockConfig()))
-    check_equal("submodule conversion output", y.detach(), ref.detach())
+    assert_same(y.detach(), ref.detach(), "submodule conversion output")
     print(f"rank {rank}: errors OK", flush=True)
 
 
 def check_ffn(world, rank, seed, tp):
-    """Issue 13's FSDP2 parity: the FeedForward of tests/torch/_parity.py (w1, w2, out_proj
+    """The FSDP2 parity of the FeedForward of tests/torch/_parity.py (w1, w2, out_proj
     with biases), fully_shard on each projection and on the parent, FP8 weights (mode cast,
     fp32 model dtype so the FP8 math is the plain layer's), against the same model unsharded
     (or, with ``tp``, against tensor parallelism alone on a 2x2 (dp, tp) mesh: torch's
@@ -573,7 +562,7 @@ def check_ffn(world, rank, seed, tp):
         if not bool(ref_y[dprank].isfinite().all()):
             raise AssertionError(f"ffn step {step}: reference output not finite (NaN never "
                                  "compares equal)")
-        check_equal(f"ffn step {step} output", y.detach(), ref_y[dprank])
+        assert_same(y.detach(), ref_y[dprank], f"ffn step {step} output")
         # a power-of-two lr (exact products), the largest that moves no weight by more than
         # 1/64 of its parameter's largest value (min over all ranks): a fixed 2^-16 blew the
         # weights of this gated FFN up at some seeds, and step 1's outputs overflowed to NaN
@@ -588,14 +577,14 @@ def check_ffn(world, rank, seed, tp):
                 mean = (acc[n] / ndp).float()
                 chunks = list(torch.chunk(mean, ndp, dim=0))
                 want = chunks[dprank] if dprank < len(chunks) else mean[:0]
-                check_equal(f"ffn step {step} {n} grad", local(p.grad), want)
+                assert_same(local(p.grad), want, f"ffn step {step} {n} grad")
                 local(pr).sub_(lr * mean)
         opt.step()
         for (n, p), (_, pr) in zip(model.named_parameters(), ref.named_parameters()):
             lp = local(p)
             lp = lp.hp if isinstance(lp, W.Float8BlockCastWeight) else lp
             chunks = list(torch.chunk(local(pr).detach(), ndp, dim=0))
-            check_equal(f"ffn step {step} {n} param", lp.detach(), chunks[dprank])
+            assert_same(lp.detach(), chunks[dprank], f"ffn step {step} {n} param")
     print(f"rank {rank}: ffn parity (tp={tp}) OK", flush=True)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import c_strides
+from ...layout import c_strides
 from .functional import float8_block_linear
 
 

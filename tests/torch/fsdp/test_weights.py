@@ -1,4 +1,4 @@
-"""Single-process checks of the FSDP2 weight subclasses (fp8blk/torch/weight.py): the ops FSDP2
+"""Single-process checks of the FSDP2 weight subclasses (fp8blk/torch/fsdp/weights.py): the ops FSDP2
 applies when sharding and padding map onto the FP8 planes byte for byte, the post-all-gather
 hook builds the gathered BlockTensor (columnwise by FP8 transpose) equal to fb.quantize, and
 unsupported uses fail clearly. The distributed checks are in test_fsdp.py."""
@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 import fp8blk as fb  # noqa: E402
 from fp8blk.torch import fsdp as F  # noqa: E402
-from fp8blk.torch import weight as W  # noqa: E402
+from fp8blk.torch.fsdp import weights as W  # noqa: E402
 
 
 def _spread(rng, rows, cols):

@@ -1,17 +1,17 @@
-"""FSDP2 weight tensors that all-gather FP8 bytes (issue 14, docs/distributed.md and docs/torch.md).
+"""FSDP2 weight tensors that all-gather FP8 bytes (docs/distributed.md and docs/torch.md).
 
 Three ``torch.Tensor`` wrapper subclasses; each claims the weight's high-precision dtype (so
 autograd treats it as a float parameter), holds its real storage in inner tensors, and shares
 one :class:`WeightState` (recipe, global shape, the global block scales, statistics) with every
 tensor FSDP derives from it (chunks, pads, views):
 
-``Float8BlockPrimaryWeight`` (mode 1, FP8 primary weights; FSDP's sharded local tensor)
+``Float8BlockPrimaryWeight`` (mode "primary", FP8 primary weights; FSDP's sharded local tensor)
     inner "planes": the rowwise FP8 bytes of the rows this rank holds, uint8, shaped exactly
     like the tensor (for MXFP8 also the columnwise bytes, (M, K)-shaped too), so every view,
     chunk, pad and copy FSDP applies maps 1:1 onto the planes. The bytes are written by
     :func:`fp8blk.torch.cast_master_weights_` from fp32 master shards; the optimizer never
     touches them.
-``Float8BlockCastWeight`` (mode 2, high-precision parameters, FP8 on the wire)
+``Float8BlockCastWeight`` (mode "cast", high-precision parameters, FP8 on the wire)
     wraps the bf16/fp32 parameter (one plane); the optimizer updates it in place. The FP8
     bytes of the local rows are cast once per step, for all weights together, by
     :func:`fp8blk.torch.precompute_fp8_scales` (or lazily at the first gather after the
@@ -35,15 +35,14 @@ import copy
 import inspect
 import weakref
 
-import numpy as np
 import torch
 from torch.utils._pytree import tree_map_only
 
-from .. import _arrays
-from ..formats import Block2D, MXFP8
-from ..layout import all_layouts, cdiv
-from ..tensor import BlockTensor, from_internal, internal_buffers
-from ._fsdp_state import fsdp_param_of, state_name, usage_for
+from ... import _arrays
+from ...formats import Block2D, MXFP8
+from ...layout import all_layouts, cdiv
+from ...tensor import BlockTensor, from_internal, internal_buffers
+from .state import fsdp_param_of, state_name, usage_for
 
 aten = torch.ops.aten
 
@@ -89,11 +88,11 @@ class WeightState:
         self.fsdp = None          # (FSDPParam, FSDPParamGroup) once looked up
         self.hook_module = None   # the module the pre-all-gather hook found self.fsdp for
         self.mesh_place = None    # (mesh, outer_size, world, rank, chunk rows, cols) of it
-        self.cast_items = {}      # fsdp.py: the master cast's Item per weight, while valid
+        self.cast_items = {}      # batch.py: the master cast's Item per weight, while valid
         self.shard_place = None   # (first flat index, element count) of this rank's shard
-        self.frags = None         # mode 2: padded local FP8 bytes per plane (torch uint8)
-        self.cast_version = None  # mode 2: (parameter version, writes) the bytes come from
-        self.writes = 0           # mode 2: copies of plain tensors into a shard of it
+        self.frags = None         # mode "cast": padded local FP8 bytes per plane (torch uint8)
+        self.cast_version = None  # mode "cast": (parameter version, writes) the bytes come from
+        self.writes = 0           # mode "cast": copies of plain tensors into a shard of it
         self.gathers = collections.deque(maxlen=64)  # the latest pre-all-gathers
         self.log_gathers = True
 
@@ -111,7 +110,7 @@ class WeightState:
             if i in want:
                 lay = layouts[i]
                 self.scales[slot] = torch.full(lay.shape, lay.fill,
-                                               dtype=_torch_dtype(lay.dtype), device=device)
+                                               dtype=_arrays.numpy_to_torch_dtype(lay.dtype), device=device)
         self._wrap_scales()
 
     def _wrap_scales(self):
@@ -190,16 +189,11 @@ def _planes_sent(recipe, usage):
     return names, tuple(("row", "col").index(p) for p in names)
 
 
-def _torch_dtype(np_dtype):
-    return {np.dtype(np.float32): torch.float32, np.dtype(np.uint8): torch.uint8}[
-        np.dtype(np_dtype)]
-
-
 # --------------------------------------------------------------------------------------------
 # Sharded local tensors: a wrapper over same-shaped planes
 
 
-class _PlaneWeight(torch.Tensor):
+class PlaneWeight(torch.Tensor):
     """Base of the sharded-side subclasses: ``_planes`` are inner tensors with the outer
     shape and strides (uint8 FP8 bytes, or the high-precision parameter); ``_state`` is the
     shared :class:`WeightState`."""
@@ -288,22 +282,22 @@ class _PlaneWeight(torch.Tensor):
 
 
 def _plane_op(func, args, kwargs):
-    state = next(a._state for a in _flat(args) if isinstance(a, _PlaneWeight))
-    cls = next(type(a) for a in _flat(args) if isinstance(a, _PlaneWeight))
-    nplanes = len(next(a._planes for a in _flat(args) if isinstance(a, _PlaneWeight)))
+    state = next(a._state for a in _flat(args) if isinstance(a, PlaneWeight))
+    cls = next(type(a) for a in _flat(args) if isinstance(a, PlaneWeight))
+    nplanes = len(next(a._planes for a in _flat(args) if isinstance(a, PlaneWeight)))
     if func is aten.copy_.default:
         dst, src = args[0], args[1]
-        if not isinstance(src, _PlaneWeight):
+        if not isinstance(src, PlaneWeight):
             return cls._copy_from_plain(dst, src)
         for d, s in zip(dst._planes, src._planes):
             d.copy_(s)
         return dst
     outs = []
     for i in range(nplanes):
-        a_i = tree_map_only(_PlaneWeight, lambda t: t._planes[i], args)
+        a_i = tree_map_only(PlaneWeight, lambda t: t._planes[i], args)
         k_i = dict(kwargs)
         if func in _NEW_OPS:  # keep each plane's own dtype (uint8 bytes stay bytes)
-            src = next(a for a in _flat(args) if isinstance(a, _PlaneWeight))
+            src = next(a for a in _flat(args) if isinstance(a, PlaneWeight))
             if "dtype" in k_i and k_i["dtype"] is not None and k_i["dtype"] != state.dtype:
                 if func is aten._to_copy.default:
                     raise NotImplementedError(
@@ -328,9 +322,8 @@ def _flat(args):
 
 # FSDP2 (torch 2.11, FSDPParam.all_gather_inputs) calls inspect.signature on the pre-all-gather
 # hook before every all-gather; a stored __signature__ saves it parsing the function each time
-# (~20 -> ~6 us per call on a CI core)
-_PlaneWeight.fsdp_pre_all_gather.__signature__ = inspect.signature(
-    _PlaneWeight.fsdp_pre_all_gather)
+PlaneWeight.fsdp_pre_all_gather.__signature__ = inspect.signature(
+    PlaneWeight.fsdp_pre_all_gather)
 
 
 class _PreAllGatherHook:
@@ -342,7 +335,7 @@ class _PreAllGatherHook:
 
     __slots__ = ("_tensor",)
     __signature__ = inspect.Signature(
-        list(_PlaneWeight.fsdp_pre_all_gather.__signature__.parameters.values())[1:])
+        list(PlaneWeight.fsdp_pre_all_gather.__signature__.parameters.values())[1:])
 
     def __init__(self, tensor):
         self._tensor = weakref.ref(tensor)
@@ -352,8 +345,8 @@ class _PreAllGatherHook:
         return type(t).fsdp_pre_all_gather(t, mesh, outer_size, outer_stride, module, mp_policy)
 
 
-class Float8BlockPrimaryWeight(_PlaneWeight):
-    """Mode 1: the FP8 bytes of this rank's rows of an FP8 primary weight (see module doc).
+class Float8BlockPrimaryWeight(PlaneWeight):
+    """Mode "primary": the FP8 bytes of this rank's rows of an FP8 primary weight (see module doc).
 
     Planes: rowwise bytes uint8 (rows, K) and, for MXFP8, columnwise bytes uint8 (rows, K).
     Besides FSDP's reshaping/copying, reads (a norm for logging, ``DTensor.full_tensor``'s
@@ -372,7 +365,7 @@ class Float8BlockPrimaryWeight(_PlaneWeight):
     def _other_op(cls, func, args, kwargs):
         if func._schema.is_mutable:
             raise NotImplementedError(
-                f"Float8BlockPrimaryWeight (mode 1, FP8 primary weights) does not support "
+                f"Float8BlockPrimaryWeight (mode 'primary', FP8 primary weights) does not support "
                 f"{func}: the optimizer must update fp32 master shards "
                 f"(fp8blk.torch.master_weights) and fp8blk.torch.cast_master_weights_ writes "
                 f"the FP8 bytes")
@@ -395,8 +388,8 @@ class Float8BlockPrimaryWeight(_PlaneWeight):
         return state.registry.local_values(state, self._planes[0]).to(state.dtype)
 
 
-class Float8BlockCastWeight(_PlaneWeight):
-    """Mode 2: a bf16/fp32 parameter shard that all-gathers as FP8 (see module doc).
+class Float8BlockCastWeight(PlaneWeight):
+    """Mode "cast": a bf16/fp32 parameter shard that all-gathers as FP8 (see module doc).
 
     One plane, the high-precision tensor; every op other than FSDP's reshaping/copying runs
     on it (optimizer updates in place; results of other ops come back as plain tensors)."""
@@ -444,36 +437,13 @@ class Float8BlockCastWeight(_PlaneWeight):
 def _hp_args(x):
     """`x` with each Float8BlockCastWeight replaced by its high-precision plane, inside
     lists and tuples too (foreach optimizer ops take lists). An aten op's arguments hold no
-    other containers; pytree's tree_map cost ~160 Python calls per optimizer op."""
+    other containers; pytree's tree_map costs ~160 Python calls per optimizer op."""
     if isinstance(x, Float8BlockCastWeight):
         return x._planes[0]
     t = type(x)
     if t is tuple or t is list:
         return t([_hp_args(v) for v in x])
     return x
-
-
-class on_torch_stream:
-    """On CUDA, run fp8blk's CuPy work (the master cast, whose batch works on CuPy arrays) on
-    torch's current stream, so it is ordered with the torch work around it (FSDP runs the
-    pre-all-gather hook on its copy-in stream). A no-op on the CPU."""
-
-    __slots__ = ("ctx",)
-
-    def __init__(self, cuda: bool):
-        self.ctx = None
-        if cuda:
-            import cupy
-
-            self.ctx = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-
-    def __enter__(self):
-        if self.ctx is not None:
-            self.ctx.__enter__()
-
-    def __exit__(self, *exc):
-        if self.ctx is not None:
-            self.ctx.__exit__(*exc)
 
 
 def _padded_rows(plane, chunk):
@@ -662,5 +632,5 @@ class Float8BlockWeight(torch.Tensor):
         return func(*a, **k)
 
 
-__all__ = ["WeightState", "Float8BlockPrimaryWeight", "Float8BlockCastWeight",
+__all__ = ["WeightState", "PlaneWeight", "Float8BlockPrimaryWeight", "Float8BlockCastWeight",
            "Float8BlockWeight"]

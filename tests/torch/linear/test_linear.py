@@ -12,7 +12,7 @@ from fp8blk.torch import (Float8BlockConfig, Float8BlockLinear, blockwise_scaled
                           convert_to_float8_block)
 from fp8blk.torch import linear as linear_mod
 
-from ._parity import (PLANTS, U32, FeedForward, Recorder, assert_within, check_against_oracle,
+from .._parity import (PLANTS, U32, FeedForward, Recorder, assert_within, check_against_oracle,
                       init_spread_, oracle_linear, set_plant, spread)
 
 
@@ -92,7 +92,7 @@ def test_bf16_model_and_no_input_grad(gen):
 def test_only_the_bias_needs_a_gradient(gen):
     """Frozen weight and an input without grad: only dbias = dY summed over tokens (this raised
     "quantize needs rowwise=True or columnwise=True" before: dY was quantized for no GEMM)."""
-    from fp8blk.torch import _linear_plans
+    from fp8blk.torch.linear import plans as linear_plans
     lin = Float8BlockLinear(256, 128)
     lin.weight.requires_grad_(False)
     x = spread((3, 64, 256), gen)
@@ -100,7 +100,7 @@ def test_only_the_bias_needs_a_gradient(gen):
     lin(x).backward(g)
     assert lin.weight.grad is None
     assert torch.equal(lin.bias.grad, g.reshape(-1, 128).sum(0))
-    assert not _linear_plans.plans          # the per-signature plans are CUDA-only
+    assert not linear_plans.plans          # the per-signature plans are CUDA-only
 
 
 def _saved(fn, params):
@@ -141,7 +141,7 @@ def test_no_grad_forward_skips_the_columnwise_copy(gen, monkeypatch):
     """Without grad mode no backward follows: x is quantized rowwise only (no columnwise copy
     written or kept), and the output is the grad-mode forward's, byte for byte. The grad-mode
     call must ask for the columnwise copy, so the recording cannot pass vacuously."""
-    from fp8blk.torch import functional
+    from fp8blk.torch.linear import functional
     asked = []
     real = functional.quantize_input
 
@@ -298,7 +298,7 @@ def test_low_memory_forward_gives_the_default_bytes(name, grads, gen, monkeypatc
     columnwise (config.py): the same bytes -- output, input and weight gradients -- as the
     default's fused pass, and each quantize asks for one direction only (so the order is the
     one claimed, not the fused pass again)."""
-    from fp8blk.torch import functional
+    from fp8blk.torch.linear import functional
     base = CONFIGS[name]
     lean = Float8BlockConfig(base.activation, base.weight, base.grad, low_memory_forward=True)
     asked = []
@@ -331,7 +331,7 @@ def test_low_memory_forward_gives_the_default_bytes(name, grads, gen, monkeypatc
 
 
 def test_low_memory_forward_config():
-    from fp8blk.torch._linear_ops import _config, config_key
+    from fp8blk.torch.linear.compiled import _config, config_key
     for cfg in (Float8BlockConfig(low_memory_forward=True), Float8BlockConfig(),
                 Float8BlockConfig.mxfp8(low_memory_forward=True)):
         assert _config(config_key(cfg)) == cfg

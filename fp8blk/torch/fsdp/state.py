@@ -1,11 +1,13 @@
-"""What the FP8 weights' FSDP2 hooks ask of FSDP2's state: the parameter group that holds a
-weight, and the usage (rowwise / columnwise) its training state needs. Uses FSDP2's private
-training-state attributes (torch >= 2.6). Shared by ``weight`` (the hooks) and ``fsdp`` (the
-registry), so neither imports the other for it.
+"""What fp8blk reads of FSDP2's state: the parameter group that holds a weight, the usage
+(rowwise / columnwise) its training state needs, a parameter's local tensor and this rank's
+shard of it. Uses FSDP2's private training-state attributes (torch >= 2.6). Shared by
+``weights`` (the hooks), ``registry`` and the two modes' casts.
 
 The hooks run before every all-gather: FSDP2's names are imported once, at the first hook
 (torch.distributed may be missing from a torch build, so not when fp8blk.torch is imported)."""
 from __future__ import annotations
+
+from ...layout import cdiv
 
 _FSDP = {}  # FSDP2's names, filled by _fsdp()
 _NAMES = {}  # id(TrainingState member) -> its name (Enum.name and hash are Python calls)
@@ -64,3 +66,20 @@ def state_name(group) -> str:
     if name is None:
         name = _NAMES[id(st)] = st.name
     return name
+
+
+def shard_place(fsdp_param, rows, cols):
+    """(first flat index, element count, chunk rows) of this rank's FSDP2 shard of an
+    (rows, cols) weight: torch.chunk along dim 0, ceil(rows / world) rows per rank."""
+    ws = fsdp_param.mesh_info.shard_mesh_size
+    rank = fsdp_param.mesh_info.shard_mesh_rank
+    chunk = cdiv(rows, ws)
+    r0 = min(rank * chunk, rows)
+    r1 = min(r0 + chunk, rows)
+    return r0 * cols, (r1 - r0) * cols, chunk
+
+
+def local_of(fsdp_param):
+    """The sharded parameter's local tensor (FSDPParam._sharded_local_tensor without its
+    typing.cast: two Python calls per weight per step)."""
+    return fsdp_param.sharded_param._local_tensor

@@ -1,4 +1,4 @@
-"""GPU checks of Float8BlockLinear's per-signature hot path (fp8blk/torch/_linear_plans.py):
+"""GPU checks of Float8BlockLinear's per-signature hot path (fp8blk/torch/linear/plans.py):
 a step it serves gives the general path's bytes exactly -- output, input gradient, weight
 gradient, bias gradient -- on fresh data each step (rows and columns spanning orders of
 magnitude, so every block gets its own scale), and signatures it must not serve take the
@@ -9,9 +9,10 @@ import torch
 
 import fp8blk as fb
 from fp8blk.torch import Float8BlockConfig, Float8BlockLinear
-from fp8blk.torch import _linear_plans, functional
+from fp8blk.torch.linear import functional
+from fp8blk.torch.linear import plans as linear_plans
 
-from ._parity import init_spread_, spread
+from .._parity import assert_same, init_spread_, spread
 
 pytestmark = pytest.mark.gpu
 
@@ -27,16 +28,7 @@ def _step(layer, x, g):
 
 
 def _general(monkeypatch):
-    monkeypatch.setattr(_linear_plans, "plan_for", lambda *a: None)
-
-
-def _assert_same(got, want, what):
-    for name, a, b in zip(("y", "dx", "dW", "dbias"), got, want):
-        assert (a is None) == (b is None), (what, name)
-        if a is not None:
-            assert a.dtype == b.dtype and a.shape == b.shape, (what, name)
-            assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a, b), \
-                (what, name, (a.float() - b.float()).abs().max())
+    monkeypatch.setattr(linear_plans, "plan_for", lambda *a: None)
 
 
 @pytest.mark.parametrize("case", [
@@ -70,16 +62,16 @@ def test_plan_steps_equal_the_general_path(case, rng, monkeypatch):
         if layer.bias is not None:
             layer.bias.copy_(spread(layer.bias.shape, gen, dtype))
     layer.weight.requires_grad_(case.get("w_grad", True))
-    _linear_plans.plans.clear()
+    linear_plans.plans.clear()
     for i in range(3):                  # fresh data each step; the plan made on step 0
         x = spread(shape, gen, dtype).cuda().requires_grad_(case.get("x_grad", True))
         g = spread(shape[:-1] + (n,), gen, dtype).cuda()
         got = _step(layer, x, g)
-        assert len(_linear_plans.plans) == 1, "the step did not take the plan"
+        assert len(linear_plans.plans) == 1, "the step did not take the plan"
         with monkeypatch.context() as m:
             _general(m)
             want = _step(layer, x, g)
-        _assert_same(got, want, (case, i))
+        assert_same(got, want, (case, i))
 
 
 def test_plan_path_skips_the_general_quantize(rng, monkeypatch):
@@ -101,7 +93,7 @@ def test_plan_path_skips_the_general_quantize(rng, monkeypatch):
         raise AssertionError("general path taken")
     monkeypatch.setattr(functional, "quantize_buffers", boom)
     monkeypatch.setattr(functional, "blockwise_scaled_mm", boom)
-    _assert_same(_step(layer, x, g), want, "plan step")
+    assert_same(_step(layer, x, g), want, "plan step")
 
 
 def test_unaligned_plans_run_unpadded(rng):
@@ -113,10 +105,10 @@ def test_unaligned_plans_run_unpadded(rng):
     if not _cublaslt.enabled:
         pytest.skip("FP8BLK_CUBLASLT=0")
     layer = Float8BlockLinear(640, 384, device="cuda", dtype=torch.bfloat16)
-    _linear_plans.plans.clear()
+    linear_plans.plans.clear()
     _step(layer, spread((1008, 640), gen).cuda().bfloat16().requires_grad_(),
           spread((1008, 384), gen).cuda().bfloat16())
-    (plan,) = _linear_plans.plans.values()
+    (plan,) = linear_plans.plans.values()
     for mm in (plan.mm_fwd, plan.mm_dgrad, plan.mm_wgrad):
         assert isinstance(mm, _cublaslt.ScaledMM), (mm, _cublaslt.refusals)
 
@@ -143,13 +135,13 @@ def test_signatures_the_plan_must_not_serve(what, rng, monkeypatch):
     g = spread((m, n), gen, torch.bfloat16).cuda()
     if what == "noncontig_dy":
         g = spread((n, m), gen, torch.bfloat16).cuda().t()
-    _linear_plans.plans.clear()
+    linear_plans.plans.clear()
     got = _step(layer, x, g)
-    assert len(_linear_plans.plans) == (1 if what == "noncontig_dy" else 0)
+    assert len(linear_plans.plans) == (1 if what == "noncontig_dy" else 0)
     with monkeypatch.context() as mp:
         _general(mp)
         want = _step(layer, x, g)
-    _assert_same(got, want, what)
+    assert_same(got, want, what)
 
 
 def test_only_the_bias_needs_a_gradient(rng):
@@ -170,14 +162,14 @@ def test_no_grad_plans_the_forward_only(rng):
     gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
     layer = Float8BlockLinear(1024, 512, bias=True, device="cuda", dtype=torch.bfloat16)
     x = spread((512, 1024), gen).cuda().bfloat16().requires_grad_()
-    _linear_plans.plans.clear()
+    linear_plans.plans.clear()
     want = layer(x).detach()
     for mode in (torch.no_grad, torch.inference_mode):
         with mode():
             got = layer(x)
         assert torch.equal(got, want), mode
-    (train,) = [p for p in _linear_plans.plans.values() if p.qdy is not None]
-    (eval_,) = [p for p in _linear_plans.plans.values() if p.qdy is None]
+    (train,) = [p for p in linear_plans.plans.values() if p.qdy is not None]
+    (eval_,) = [p for p in linear_plans.plans.values() if p.qdy is None]
     assert train.qx.outs[2] is not None and eval_.qx.outs[2] is None
     assert eval_.qwt is None and eval_.mm_dgrad is None and eval_.mm_wgrad is None
 
@@ -187,7 +179,7 @@ def test_no_grad_plans_the_forward_only(rng):
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_compiled_layers_run_the_plan_ops(mode, dims, rng):
     """torch.compile(fullgraph=True) of plan-served layers runs each pass as one op
-    (fp8blk::linear_fwd / linear_bwd, fp8blk/torch/_linear_ops.py) and gives eager's bytes:
+    (fp8blk::linear_fwd / linear_bwd, fp8blk/torch/linear/compiled.py) and gives eager's bytes:
     output, input gradient, weight gradients, and the output under no_grad. No bias and
     nothing between the layers, so inductor has no op of its own to fuse. Tokens per batch
     row, width, hidden: multiples of 512; of 16 (GEMMs on cuBLASLt unpadded); and not
@@ -201,7 +193,7 @@ def test_compiled_layers_run_the_plan_ops(mode, dims, rng):
         Float8BlockLinear(w, h, bias=False, device="cuda", dtype=torch.bfloat16),
         Float8BlockLinear(h, w, bias=False, device="cuda", dtype=torch.bfloat16))
     compiled = torch.compile(model, mode=mode, fullgraph=True)
-    _linear_plans.shape_plans.clear()
+    linear_plans.shape_plans.clear()
 
     def step(m, x, g):
         for p in model.parameters():
@@ -220,7 +212,7 @@ def test_compiled_layers_run_the_plan_ops(mode, dims, rng):
         with torch.no_grad():
             assert torch.equal(compiled(x).clone(), want[0]), (mode, r, "no_grad")
     # both layers' signatures, with and without gradients, came through the ops
-    assert len(_linear_plans.shape_plans) == 4, list(_linear_plans.shape_plans)
+    assert len(linear_plans.shape_plans) == 4, list(linear_plans.shape_plans.keys())
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
 
 
@@ -240,13 +232,14 @@ def test_low_memory_forward_plans(dims, rng):
     default = Float8BlockLinear(k, n, device="cuda", dtype=torch.bfloat16)
     lean = Float8BlockLinear(k, n, device="cuda", dtype=torch.bfloat16, config=lean_cfg)
     lean.weight, lean.bias = default.weight, default.bias
-    _linear_plans.plans.clear()
+    linear_plans.plans.clear()
     for i in range(2):
         init_spread_(default, gen)
         x = spread((m, k), gen, torch.bfloat16).cuda().requires_grad_()
         g = spread((m, n), gen, torch.bfloat16).cuda()
-        _assert_same(_step(lean, x, g), _step(default, x, g), (dims, i))
-    (plan,) = [p for key, p in _linear_plans.plans.items() if lean_cfg in key]
+        assert_same(_step(lean, x, g), _step(default, x, g), (dims, i))
+    (plan,) = [linear_plans.plans.get(key) for key in list(linear_plans.plans.keys())
+               if lean_cfg in key]
     rows = [h[1] for h in plan.halves]
     assert sum(rows) == m and rows[0] % 128 == 0 if len(rows) == 2 else rows == [m], rows
     assert len(rows) == (2 if m > 128 else 1)
@@ -294,10 +287,10 @@ def test_low_memory_forward_compiled(rng):
                               config=cfg)
     init_spread_(layer, gen)
     compiled = torch.compile(layer, fullgraph=True)
-    _linear_plans.shape_plans.clear()
+    linear_plans.shape_plans.clear()
     x = spread((1000, 640), gen, torch.bfloat16).cuda()
     g = spread((1000, 384), gen, torch.bfloat16).cuda()
     got, want = _step(compiled, x.requires_grad_(), g), _step(layer, x, g)
-    _assert_same(got, want, "compiled")
-    (plan,) = _linear_plans.shape_plans.values()
+    assert_same(got, want, "compiled")
+    (plan,) = linear_plans.shape_plans.values()
     assert [h[1] for h in plan.halves] == [512, 488]

@@ -1,58 +1,18 @@
-"""Float8BlockLinear: ``nn.Linear`` with its three GEMMs in block-scaled FP8, and
-``convert_to_float8_block`` to swap a model's ``nn.Linear`` modules in place.
-
-Math (TransformerEngine's block-scaling recipe, docs/torch.md), for x (..., K) viewed as (M, K),
-W (N, K), dY (M, N):
-
-    forward   y  = x[1x128] @ W[128x128].T            (+ bias in high precision)
-    dgrad     dx = dY[1x128] @ W.columnwise[128x128]  (W's tiles transposed: the same bytes)
-    wgrad     dW = dY.columnwise[128x1].T @ x.columnwise[128x1]   (reduction over tokens)
-
-x and dY are each quantized ONCE, rowwise and columnwise in one fused pass. The activation
-saved for the backward pass is x's columnwise FP8 buffer (M*K bytes plus scales), not the
-high-precision x (2*M*K bytes in bf16): about half the activation memory of nn.Linear. W
-itself is saved (a parameter, held anyway), not its FP8 buffers: the backward pass quantizes
-it again, columnwise only (the same bytes as the FP8 transpose of its rowwise tiles), which
-costs one read of W and keeps N*K bytes per layer out of the memory held between the passes.
-Output dtype = x's dtype; dW is produced in W's dtype, dbias = dY summed over tokens.
-
-Interface with the FSDP2 weight subclass (``fp8blk/torch/fsdp.py``): the layer gets its
-quantized weight only through :func:`_weight_block_tensor`. A weight with a method
-``fp8blk_block_tensor(rowwise: bool, columnwise: bool) -> fp8blk.BlockTensor`` (Block2D, or
-MXFP8 under an MXFP8 config; the recipe must equal ``config.weight``) is asked for its FP8 form
-and used as it is (no requantization); any other weight is quantized from its high-precision
-values. The forward pass asks for ``rowwise=True, columnwise=False``, the backward pass for
-``rowwise=False, columnwise=True``. The weight is an input of the autograd function and is
-saved for backward either way, so dW flows to it.
-
-torch.compile: quantize, transpose and GEMM are custom ops with fake implementations, so
-``torch.compile(model, fullgraph=True)`` traces the layer without graph breaks (plain weights);
-where the eager hot path's per-signature plan serves the signature, each pass is instead one
-op that runs the plan (``_linear_ops``: the same bytes, a fraction of the host time).
-A layer whose weight is an FSDP2 FP8 weight, or that runs an fp8blk sequence-parallel style,
-runs eagerly under torch.compile (a graph break around the layer; see ``_forward_eagerly``).
-
-    import torch, fp8blk as fb
-    from fp8blk.torch import convert_to_float8_block
-    model = torch.nn.Sequential(torch.nn.Linear(384, 256), torch.nn.GELU(),
-                                torch.nn.Linear(256, 320))
-    convert_to_float8_block(model)          # in place; Float8BlockConfig() by default
-    y = model(torch.randn(8, 32, 384))
-    y.sum().backward()
-"""
+"""Float8BlockLinear, the ``nn.Linear`` whose three GEMMs run in block-scaled FP8, and
+``convert_to_float8_block``, which swaps a model's ``nn.Linear`` modules for it in place (the
+math, memory and interfaces: :mod:`fp8blk.torch.linear`)."""
 from __future__ import annotations
 
 import torch
 
-from .config import Float8BlockConfig
+from ..config import Float8BlockConfig
 from .dtensor import dtensor_forward, is_dtensor
-from .functional import (_weight_block_tensor, check_features,  # noqa: F401 (interface)
-                         float8_block_linear)
+from .functional import check_features, float8_block_linear
 
 
 class Float8BlockLinear(torch.nn.Linear):
-    """``nn.Linear`` whose forward and backward GEMMs run in block-scaled FP8 (see the module
-    docstring). Same parameters and state dict as ``nn.Linear``.
+    """``nn.Linear`` whose forward and backward GEMMs run in block-scaled FP8 (see
+    :mod:`fp8blk.torch.linear`). Same parameters and state dict as ``nn.Linear``.
 
     Under ``parallelize_module`` with torch's ColwiseParallel/RowwiseParallel (DTensor weights)
     the layer computes on the local shards and returns a DTensor with the placements the
@@ -98,17 +58,17 @@ class Float8BlockLinear(torch.nn.Linear):
 
 
 def _fsdp_fp8_weight(weight) -> bool:
-    """Whether `weight` is FSDP2's unsharded FP8 weight (fp8blk.torch.weight.Float8BlockWeight),
-    or a DTensor of one (FSDP2 x TP)."""
+    """Whether `weight` is FSDP2's unsharded FP8 weight
+    (fp8blk.torch.fsdp.weights.Float8BlockWeight), or a DTensor of one (FSDP2 x TP)."""
     local = weight._local_tensor if is_dtensor(weight) else weight
     return hasattr(local, "fp8blk_block_tensor")
 
 
 # Under torch.compile a layer whose weight is an FSDP2 FP8 weight, or that runs an fp8blk
 # sequence-parallel style, runs eagerly (a graph break). Dynamo does not trace the weight
-# subclass: the traced layer lost the weight's requires_grad -- no weight gradient, silently,
+# subclass: the traced layer loses the weight's requires_grad -- no weight gradient, silently,
 # in every backend (eager, aot_eager, inductor). The styles' FP8 all-gather crosses into
-# CuPy/NumPy arrays, which fake tensors cannot (dynamo raised)
+# CuPy/NumPy arrays, which fake tensors cannot (dynamo raises)
 _forward_eagerly = torch.compiler.disable(Float8BlockLinear._forward)
 
 
@@ -141,5 +101,4 @@ def convert_to_float8_block(model: torch.nn.Module, config: Float8BlockConfig = 
     return model
 
 
-__all__ = ["Float8BlockLinear", "convert_to_float8_block", "float8_block_linear",
-           "_weight_block_tensor"]
+__all__ = ["Float8BlockLinear", "convert_to_float8_block"]

@@ -1,8 +1,8 @@
 """FSDP2 with FP8 weights on the CPU (gloo), one torchrun launch per group, under a timeout.
 
-The worker (``fsdp_scripts/fsdp_worker.py``, whose docstring lists every check) trains a
+The worker (``tests/torch/scripts/fsdp_worker.py``, whose docstring lists every check) trains a
 3-layer Float8BlockLinear model for 5 steps per case and compares with a single-process
-reference on every rank (and issue 13's FeedForward parity, FSDP2 alone and FSDP2 x TP):
+reference on every rank (and the FeedForward parity of tests/torch/_parity.py, FSDP2 alone and FSDP2 x TP):
 bytes and scales after every all-gather, usage per pass, bytes on
 the wire, and losses/gradients/parameters bit for bit. Cases are ``mode:recipe:reshard``
 (Float8BlockLinear asks the weight for rowwise data in the forward pass and for columnwise
@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from ..comm.launch import run, suite_passes
+from ...comm.launch import run, suite_passes
 
 pytestmark = pytest.mark.mpi
 pytest.importorskip("torch.distributed")
 
-WORKER = Path(__file__).resolve().parent / "fsdp_scripts" / "fsdp_worker.py"
+WORKER = Path(__file__).resolve().parents[1] / "scripts" / "fsdp_worker.py"
 
 
 def _torchrun(n, rng, *cases, timeout=300):
@@ -38,7 +38,7 @@ def _torchrun(n, rng, *cases, timeout=300):
 def test_fsdp_fp8_weights_two_ranks(rng):
     # both modes, both recipes, reshard_after_forward True and False, the error cases,
     # clip_master_grad_norm_, torch.compile, a meta-device init
-    # + issue 13's FSDP2 parity of the FeedForward (fully_shard on projections and parent)
+    # + the FSDP2 parity of the FeedForward (fully_shard on projections and parent)
     _torchrun(2, rng, "errors", "clip", "compile", "meta", "cast:block2d:1", "primary:block2d:0", "cast:mxfp8:0",
               "primary:mxfp8:1", "ffn")
 
@@ -52,8 +52,8 @@ def test_fsdp_fp8_weights_four_ranks_uneven(rng):
 def test_bench_fsdp_runs_on_the_cpu(tmp_path):
     """The FSDP2 benchmark's own code (four cases built up front, interleaved timed steps, the
     byte checks after every all-gather, the hook and cast breakdown, the JSON) on 2 gloo
-    ranks with tiny layers, so that it cannot rot between GPU sessions."""
-    script = Path(__file__).resolve().parents[2] / "bench" / "bench_fsdp.py"
+    ranks with tiny layers, so that it cannot rot between GPU runs."""
+    script = Path(__file__).resolve().parents[3] / "bench" / "bench_fsdp.py"
     out = tmp_path / "fsdp.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node=2", str(script), "--device", "cpu", "--width", "256",
@@ -75,7 +75,7 @@ def test_bench_fsdp_runs_on_the_cpu(tmp_path):
 def test_fsdp_fp8_weights_one_gpu_nccl():
     # the benchmark's byte checks (every gather vs quantize(bf16(full weight))) on one GPU,
     # small shapes; the full benchmark is bench/bench_fsdp.py
-    script = Path(__file__).resolve().parents[2] / "bench" / "bench_fsdp.py"
+    script = Path(__file__).resolve().parents[3] / "bench" / "bench_fsdp.py"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node=1", str(script), "--width", "1024", "--layers", "2",
                "--tokens", "512", "--steps", "2", "--warmup", "1"]

@@ -16,7 +16,7 @@ import fp8blk as fb
 from fp8blk.torch import Float8BlockConfig, blockwise_scaled_mm, convert_to_float8_block
 from fp8blk.torch.scaled_mm import _dequant
 
-from ._parity import FeedForward, Recorder, assert_within, check_against_oracle, spread
+from .._parity import FeedForward, Recorder, assert_within, check_against_oracle, spread
 
 pytestmark = pytest.mark.gpu
 GPU_REL = 2.0 ** -6
@@ -122,9 +122,9 @@ from fp8blk.torch import convert_to_float8_block
 torch.cuda.set_device(0)
 # 1. the backward pass starts with fp8blk's kernels on autograd's worker thread for GPU 0
 M, K = {M}, {K}
-if {GENERAL}:     # the general path; else the per-signature hot path (_linear_plans)
-    from fp8blk.torch import _linear_plans
-    _linear_plans.plan_for = lambda *a: None
+if {GENERAL}:     # the general path; else the per-signature hot path (fp8blk.torch.linear.plans)
+    from fp8blk.torch.linear import plans
+    plans.plan_for = lambda *a: None
 model = convert_to_float8_block(torch.nn.Sequential(torch.nn.Linear(K, K, bias=False)))
 model.cuda()
 x = torch.randn(M, K, device="cuda", requires_grad=True)

@@ -1,35 +1,30 @@
 """The eager CUDA hot path of Float8BlockLinear: one plan per call signature.
 
-A Float8BlockLinear step on the general path validates every operand, wraps each quantized
-operand in a BlockTensor, views its buffers as ``torch._scaled_mm`` wants them and checks the
-GEMM layouts: ~420 Python calls per forward+backward. A plan does the same arithmetic with
-what only depends on the signature worked out once (~160 Python calls per step): each
-quantize launcher allocates its outputs directly in the dtype and strides the GEMM takes (FP8
-data as float8, scale buffers transposed: the same bytes as docs/layouts.md, seen another
-way), so a step is four quantize launches, three GEMM calls and the autograd bookkeeping
-(``low_memory_forward``: five and four, its forward pass in halves; :class:`LinearPlan`). The
-GEMMs run on cuBLASLt directly (``_cublaslt.ScaledMM``: torch's algorithm, found once per signature)
-where it serves the signature, else on ``torch._scaled_mm``; ``FP8BLK_CUBLASLT=0`` keeps them
-on ``torch._scaled_mm``.
+A Float8BlockLinear step on the general path (``functional``) validates every operand, wraps
+each quantized operand in a BlockTensor, views its buffers as ``torch._scaled_mm`` wants them
+and checks the GEMM layouts. A plan does the same arithmetic with what only depends on the
+signature worked out once: each quantize launcher (``fp8blk.ops.quantize_launcher``)
+allocates its outputs directly in the dtype and strides the GEMM takes (FP8 data as float8,
+scale buffers transposed: the same bytes as docs/layouts.md, seen another way), so a step is
+four quantize launches, three GEMM calls and the autograd bookkeeping (``low_memory_forward``:
+five and four, its forward pass in halves; :class:`LinearPlan`).
 
-Signatures a plan serves (everything else takes the general path in ``functional.py``):
-plain CUDA tensors (x a ``torch.Tensor``, the weight a ``torch.Tensor`` or ``nn.Parameter``,
-so not the FSDP2 FP8 weight), Block1D/Block2D configs, x (M, K) and W (N, K) of any non-empty
-shape, 16-byte aligned operands, float32/bfloat16/float16. Each GEMM runs on cuBLASLt
-directly where it serves the signature (the GEMM's M, N and K multiples of 16: any K-block
-count, e.g. 8000 tokens or 11008 features, with no padding), else through
-``scaled_mm.cuda_scaled_mm`` (``torch._scaled_mm``, on zero-padded copies where its kernel
-needs them: K not a multiple of 512, rows not of 4, N not of 16). The bytes are the general
-path's: the same kernels on the same inputs, the same GEMMs on the same bytes
-(tests/torch/test_linear_plans.py compares them on the GPU). Host time per (8192, 4096, 4096)
-bf16 fwd+bwd on the H200: 540-815 us against 920-1010 on the general path, as the host's
-speed moves (with autograd's multithreading off, so no handoff to its device thread: 294-545
-against 379-922 us; bench/README.md).
+Signatures a plan serves (everything else takes the general path): plain CUDA tensors (x a
+``torch.Tensor``, the weight a ``torch.Tensor`` or ``nn.Parameter``, so not the FSDP2 FP8
+weight), Block1D/Block2D configs, x (M, K) and W (N, K) of any non-empty shape, 16-byte
+aligned operands, float32/bfloat16/float16. Each GEMM runs on cuBLASLt directly
+(``fp8blk.torch._cublaslt.ScaledMM``: torch's algorithm, found once per signature) where it
+serves the signature (the GEMM's M, N and K multiples of 16: any K-block count, e.g. 8000
+tokens or 11008 features, with no padding), else through ``scaled_mm.cuda_scaled_mm``
+(``torch._scaled_mm``, on zero-padded copies where its kernel needs them: K not a multiple of
+512, rows not of 4, N not of 16); ``FP8BLK_CUBLASLT=0`` keeps them on ``torch._scaled_mm``.
+The bytes are the general path's: the same kernels on the same inputs, the same GEMMs on the
+same bytes (tests/torch/linear/test_plans.py compares them on the GPU).
 
-Plans are keyed by the signature (:func:`plan_for`); :data:`plans` is emptied when it grows
-past 1024 entries. Under torch.compile the layer's two ops (``_linear_ops``) hold no x in
-backward, so they key plans by shapes and dtypes instead (:func:`plan_for_shapes`,
-:data:`shape_plans`, emptied the same way).
+Plans are keyed by the signature (:func:`plan_for`); :data:`plans` keeps the 1024 used last.
+Under torch.compile the layer's two ops (``compiled``) hold no x in backward, so they key
+plans by shapes and dtypes instead (:func:`plan_for_shapes`, :data:`shape_plans`, bounded the
+same way).
 """
 from __future__ import annotations
 
@@ -37,18 +32,18 @@ import functools
 
 import torch
 
-from .. import _arrays
-from ..formats import MXFP8, Format
-from ..layout import cdiv, round_up
-from ..ops import quantize_launcher
-from . import _cublaslt
-from .scaled_mm import cuda_scaled_mm
+from ..._bounded import BoundedCache
+from ...formats import MXFP8
+from ...layout import cdiv, round_up
+from ...ops import quantize_launcher
+from .. import _cublaslt
+from ..dtypes import HIGH_DTYPES, fp8_dtype
+from ..scaled_mm import cuda_scaled_mm
 
-_F8 = {Format.E4M3: torch.float8_e4m3fn, Format.E5M2: torch.float8_e5m2}
-_HIGH = (torch.float32, torch.bfloat16, torch.float16)
 _WEIGHT_TYPES = (torch.Tensor, torch.nn.Parameter)
 
-plans = {}
+plans = BoundedCache(1024)        # call signature -> LinearPlan
+shape_plans = BoundedCache(1024)  # (m, k, n, dtypes, device, cfg, grads) -> LinearPlan
 
 
 def eligible(x2d, weight, cfg, out_dtype):
@@ -61,13 +56,14 @@ def eligible(x2d, weight, cfg, out_dtype):
 def traceable(x2d, weight, cfg, out_dtype):
     """:func:`eligible` without the tensor types, for torch.compile's traced (fake) tensors:
     what the signature alone decides (the FSDP2 FP8 weight, which hands out its own FP8 data,
-    excluded by its hook). The compiled ops (``_linear_ops``) make the rest hold per call."""
+    excluded by its hook). The compiled ops (``compiled``) make the rest hold per call."""
     if not x2d.is_cuda or isinstance(cfg.weight, MXFP8) or x2d.dim() != 2 \
             or weight.dim() != 2 or hasattr(weight, "fp8blk_block_tensor"):
         return False
     (m, k), n = x2d.shape, weight.shape[0]
     return (weight.device == x2d.device and weight.shape[1] == k and m > 0 and k > 0
-            and n > 0 and x2d.dtype in _HIGH and weight.dtype in _HIGH and out_dtype in _HIGH)
+            and n > 0 and x2d.dtype in HIGH_DTYPES and weight.dtype in HIGH_DTYPES
+            and out_dtype in HIGH_DTYPES)
 
 
 def _scale_t(rows, blocks):
@@ -96,14 +92,15 @@ class LinearPlan:
     With ``cfg.low_memory_forward`` the forward pass runs in ``halves``: per half of the
     tokens (a multiple of 128 rows first), a rowwise-only quantize of those rows of x and
     the forward GEMM into those rows of y, each half's FP8 copy freed before the next is
-    made; then, W's FP8 tiles freed, ``qx`` makes x's columnwise copy alone (config.py)."""
+    made; then, W's FP8 tiles freed, ``qx`` makes x's columnwise copy alone (fp8blk/torch/config.py)."""
 
     __slots__ = ("qx", "qw", "qwt", "qdy", "mm_fwd", "mm_dgrad", "mm_wgrad", "halves", "y_spec")
 
     def __init__(self, x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad):
         (m, k), n = x2d.shape, weight.shape[0]
         mt, kt, nt, k4 = cdiv(m, 128), cdiv(k, 128), cdiv(n, 128), round_up(k, 4)
-        fa, fw, fg = _F8[cfg.activation.fmt], _F8[cfg.weight.fmt], _F8[cfg.grad.fmt]
+        fa, fw, fg = (fp8_dtype(cfg.activation.fmt), fp8_dtype(cfg.weight.fmt),
+                      fp8_dtype(cfg.grad.fmt))
         w = weight.detach()
         # y = x @ W.T: a = x (M, K) row-major, its 1x128 scales (kt, M) as (M, kt); b = W's
         # (N, K) bytes as the column-major (K, N) torch takes, its tile scales (nt, kt) as
@@ -203,9 +200,7 @@ def plan_for(x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad):
     if plan is None:
         if not eligible(x2d, weight, cfg, out_dtype):
             return None
-        if len(plans) > 1024:
-            plans.clear()
-        plan = plans[k] = LinearPlan(x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad)
+        plan = plans.put(k, LinearPlan(x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad))
     return plan
 
 
@@ -216,13 +211,8 @@ def plan_for_shapes(m, k, n, x_dtype, w_dtype, device, cfg, out_dtype, need_dgra
     key = (m, k, n, x_dtype, w_dtype, device, cfg, out_dtype, need_dgrad, need_wgrad)
     plan = shape_plans.get(key)
     if plan is None:
-        if len(shape_plans) > 1024:
-            shape_plans.clear()
         x2d = torch.empty((m, k), dtype=x_dtype, device=device)
         weight = torch.empty((n, k), dtype=w_dtype, device=device)
-        plan = shape_plans[key] = LinearPlan(x2d, weight, cfg, out_dtype, need_dgrad,
-                                             need_wgrad)
+        plan = shape_plans.put(key, LinearPlan(x2d, weight, cfg, out_dtype, need_dgrad,
+                                               need_wgrad))
     return plan
-
-
-shape_plans = {}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import MXFP8
-from . import _linear_ops, _linear_plans
+from . import _linear_ops, _linear_plans, shared_quant
 from .config import Float8BlockConfig
 from .quantize_ops import (FP8_DTYPE, block2d_columnwise, block_tensor_buffers,
                            mxfp8_columnwise_as_rows, quantize_buffers)
@@ -131,15 +131,18 @@ class _Float8BlockLinearFn(torch.autograd.Function):
         plan = None if compiling else _linear_plans.plan_for(
             x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad)
         ctx.plan = plan
+        # layers reading the same x reuse its FP8 copies inside a sharing scope (shared_quant)
+        share = None if compiling else shared_quant.for_input(x, cfg, need_wgrad)
         if ctx.op is not None:
             y, qx_t = _linear_ops.forward(x2d, weight, cfg, out_dtype, *ctx.op)
         elif plan is not None:
-            y, qx_t = plan.forward(x2d, weight)
+            y, qx_t = plan.forward(x2d, weight, share)
         else:
             # low_memory_forward: x's rowwise copy made, used and freed before its columnwise
             # copy is made (config.py); by default both in one fused pass
             lean = cfg.low_memory_forward
-            qx = quantize_input(x2d, cfg.activation, need_wgrad and not lean)
+            qx = (quantize_input(x2d, cfg.activation, need_wgrad and not lean) if share is None
+                  else share("general", quantize_input, x2d, cfg.activation, need_wgrad))
             # The weight is asked for what each pass needs -- rowwise now, columnwise in the
             # backward pass -- and the weight itself is saved, not its FP8 buffers: an FSDP2
             # FP8 weight hands out what FSDP2 gathered for that pass (resharding after the

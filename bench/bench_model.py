@@ -40,7 +40,8 @@ Per case:
 * ``step_ms``: median of ``--steps`` steps, each between two CUDA events, back to back, after
   ``--warmup`` steps; ``tokens_per_s`` from it;
 * ``peak_bytes``: ``torch.cuda.max_memory_allocated`` over the timed steps (reset after the
-  warm-up, when the optimizer state exists);
+  warm-up, when the optimizer state exists), less what was allocated before the case's model
+  was built (``start_bytes``, 0 unless an earlier case leaked);
 * ``saved_bytes``: the bytes autograd keeps between the passes, counted in
   ``torch.autograd.graph.saved_tensors_hooks``: every saved tensor's storage once (parameters
   excluded: they are held anyway), for one forward pass; None where the hooks cannot run
@@ -49,7 +50,8 @@ Per case:
   alive);
 * ``host_ms``: the host's wall time to issue one step while the GPU runs a sleep kernel
   queued before it (longer than the step's issue time), so the GPU queue is not the bound:
-  the median over 3 steps; ``cpu_ms``: process CPU time per timed step (all threads: autograd
+  the median over 3 steps (``host_ms_waited_for_gpu``: the step waited for the GPU, so
+  ``host_ms`` is not the host's cost); ``cpu_ms``: process CPU time per timed step (all threads: autograd
   runs the backward pass's host work on its device thread);
 * ``breakdown`` (``--breakdown``): GPU kernel time per step from ``torch.profiler`` over 2
   steps, by kernel name: GEMMs, fp8blk's kernels (Numba's ``cudapy`` names), other quantize
@@ -183,9 +185,14 @@ def make_step(model, ids, lr=1e-4):
     fused = ids.is_cuda
     opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=fused, foreach=not fused)
 
-    def step():
+    def step(mark=None):
+        """One step; ``mark(phase)`` is called after the forward and backward passes."""
         loss = model(input_ids=ids, labels=ids).loss
+        if mark is not None:
+            mark("forward")
         loss.backward()
+        if mark is not None:
+            mark("backward")
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
@@ -316,20 +323,38 @@ def breakdown(step, device, steps=2):
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
 
-def _site(frames):
-    """The innermost frame outside torch's own files, as "file:line function"."""
+def _site(frames, depth=2):
+    """The `depth` innermost frames outside torch's own files, as "file:line function <-
+    ..."; frames are innermost first."""
+    out = []
     for f in frames:
         name = f.get("filename", "")
         if name and not name.startswith(_TORCH_DIR) and "<" not in name:
-            return f"{os.path.relpath(name, ROOT) if name.startswith(ROOT) else name}:" \
-                   f"{f.get('line')} {f.get('name')}"
-    return "(torch internals)" if frames else "(no stack)"
+            rel = os.path.relpath(name, ROOT) if name.startswith(ROOT) else \
+                re.sub(r".*/site-packages/", "", name)
+            out.append(f"{rel}:{f.get('line')} {f.get('name')}")
+            if len(out) == depth:
+                break
+    if out:
+        return " <- ".join(out)
+    return "(torch internals)" if frames else "(no Python frame)"
+
+
+def _phase_mark(phase):
+    """A tiny allocation whose stack names the phase that ends here (found by
+    :func:`summarize_snapshot`), kept until the snapshot is dumped."""
+    _marks.append((phase, torch.empty(1, device="cuda")))
+
+
+_marks = []
 
 
 def summarize_snapshot(path, top=15, baseline=None):
-    """The peak of allocated bytes within a recorded snapshot's trace and the allocations
-    alive at it, grouped by :func:`_site`. `baseline`: bytes allocated when recording began
-    (stored beside the snapshot by :func:`record_snapshot`)."""
+    """The peak of allocated bytes within a recorded snapshot's trace, the phase it falls in
+    (forward / backward / optimizer, from :func:`_phase_mark`'s allocations) and the
+    allocations alive at it that were made within the trace: grouped by :func:`_site`, and
+    the largest ones. `baseline`: bytes allocated when recording began (parameters, optimizer
+    state), stored beside the snapshot by :func:`record_snapshot`."""
     with open(path, "rb") as f:
         snap = pickle.load(f)
     if baseline is None:
@@ -337,16 +362,21 @@ def summarize_snapshot(path, top=15, baseline=None):
         baseline = json.load(open(meta))["baseline_bytes"] if os.path.exists(meta) else 0
     traces = [t for t in snap.get("device_traces", []) if t]
     trace = traces[0] if traces else []
-    alive, total, peak, peak_i = {}, 0, 0, -1
+    total, peak, peak_i = 0, 0, -1
+    bounds = []                      # (trace index, phase that ends there)
     for i, ev in enumerate(trace):
         if ev["action"] == "alloc":
-            alive[ev["addr"]] = ev
             total += ev["size"]
+            phase = next((f.get("name") for f in ev.get("frames", [])
+                          if f.get("name") == "_phase_mark"), None)
+            if phase is not None:
+                bounds.append(i)
         elif ev["action"] == "free_completed":
-            alive.pop(ev["addr"], None)
             total -= ev["size"]
         if total > peak:
             peak, peak_i = total, i
+    names = ("forward", "backward", "optimizer")
+    phase = names[sum(1 for b in bounds if b < peak_i)] if bounds else None
     alive = {}
     for ev in trace[:peak_i + 1]:
         if ev["action"] == "alloc":
@@ -355,37 +385,47 @@ def summarize_snapshot(path, top=15, baseline=None):
             alive.pop(ev["addr"], None)
     groups = collections.Counter()
     counts = collections.Counter()
+    largest = []
     for ev in alive.values():
         site = _site(ev.get("frames", []))
         groups[site] += ev["size"]
         counts[site] += 1
+        largest.append((ev["size"], site))
+    largest.sort(reverse=True)
     return {"baseline_bytes": baseline, "peak_above_baseline_bytes": peak,
-            "peak_bytes": baseline + peak, "events": len(trace),
+            "peak_bytes": baseline + peak, "peak_phase": phase, "events": len(trace),
             "alive_at_peak_bytes": sum(groups.values()),
             "top": [{"site": s, "bytes": b, "count": counts[s]}
-                    for s, b in groups.most_common(top)]}
+                    for s, b in groups.most_common(top)],
+            "largest": [{"site": s, "bytes": b} for b, s in largest[:top]]}
 
 
 def print_summary(name, s):
-    gib = 2 ** 30
+    gib, mib = 2 ** 30, 2 ** 20
     print(f"memory snapshot {name}: peak {s['peak_bytes'] / gib:.2f} GiB = baseline "
-          f"{s['baseline_bytes'] / gib:.2f} + {s['peak_above_baseline_bytes'] / gib:.2f} "
-          f"within the step ({s['events']} events); alive at the peak, allocated in the step:")
+          f"{s['baseline_bytes'] / gib:.2f} (parameters, optimizer state) + "
+          f"{s['peak_above_baseline_bytes'] / gib:.2f} made within the step, in its "
+          f"{s['peak_phase']} phase ({s['events']} events). Alive at the peak, by site "
+          f"(no Python frame: autograd's C++ backward):")
     for t in s["top"]:
         print(f"  {t['bytes'] / gib:8.3f} GiB  {t['count']:5d}x  {t['site']}")
+    print("  largest: " + ", ".join(f"{t['bytes'] / mib:.0f} MiB {t['site'].split(' <- ')[0]}"
+                                    for t in s["largest"][:8]))
 
 
 def record_snapshot(step, path):
-    """One step recorded with the allocator's history, dumped to `path` (CUDA)."""
+    """One step (``step(mark)``) recorded with the allocator's history, dumped to `path`
+    (CUDA)."""
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     try:
-        step()
+        step(_phase_mark)
         torch.cuda.synchronize()
         torch.cuda.memory._dump_snapshot(path)
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
+        _marks.clear()
     with open(path + ".json", "w") as f:
         json.dump({"baseline_bytes": baseline}, f)
     return summarize_snapshot(path, baseline=baseline)
@@ -396,9 +436,11 @@ def record_snapshot(step, path):
 def run_case(arch, variant, mode, args, device):
     case = {"arch": arch, "variant": variant, "mode": mode, "layers": args.layers,
             "tokens": args.batch * args.seq, "batch": args.batch, "seq": args.seq}
+    torch._dynamo.reset()       # compiled code of earlier cases holds on to their modules
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+        case["start_bytes"] = base = torch.cuda.memory_allocated()
     try:
         model = build_model(arch, variant, args.layers, args.seq, device, args.tiny)
     except RuntimeError as err:
@@ -446,8 +488,11 @@ def run_case(arch, variant, mode, args, device):
     case["tokens_per_s"] = case["tokens"] / case["step_ms"] * 1e3
     case["cpu_ms"] = cpu
     if device.type == "cuda":
-        case["peak_bytes"] = torch.cuda.max_memory_allocated()
-        case["host_ms"] = host_ms(step, device, sleep_ms=1.5 * case["step_ms"] + 50)
+        case["peak_bytes"] = torch.cuda.max_memory_allocated() - base
+        sleep = 1.5 * case["step_ms"] + 50
+        case["host_ms"] = host_ms(step, device, sleep_ms=sleep)
+        # a host that waited for the GPU within the step would have waited out the sleep
+        case["host_ms_waited_for_gpu"] = case["host_ms"] >= 0.9 * sleep
     if args.breakdown and device.type == "cuda":
         case["breakdown"] = breakdown(step, device)
     snap_variants = ("bf16",) + tuple(v for v in VARIANTS if v.startswith("fp8blk"))
@@ -457,7 +502,8 @@ def run_case(arch, variant, mode, args, device):
         path = os.path.join(args.memory_snapshot, f"{arch}-{variant}.pickle")
         case["memory_snapshot"] = {"path": path, **record_snapshot(step, path)}
         print_summary(f"{arch} {variant}", case["memory_snapshot"])
-    del step, opt, model
+    del step, opt, model, forward, params
+    torch._dynamo.reset()
     return case
 
 

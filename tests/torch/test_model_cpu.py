@@ -213,3 +213,16 @@ def test_tiny_llama_saves_fewer_bytes_than_bf16():
         saved[variant] = nbytes
     assert saved["fp8blk_opt"] < saved["fp8blk"] <= 1.02 * saved["bf16"], saved
     assert saved["fp8blk_opt"] < 0.9 * saved["bf16"], saved
+
+
+@pytest.mark.timeout(120)
+def test_bench_model_runs_tiny_on_the_cpu(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "model.json"
+    result = bench_model.main(["--device", "cpu", "--tiny", "--arch", "qwen3", "--variants",
+                               "bf16,fp8blk_opt", "--steps", "1", "--warmup", "1",
+                               "--out", str(out)])
+    cases = {c["variant"]: c for c in result["cases"]}
+    assert set(cases) == {"bf16", "fp8blk_opt"} and out.exists()
+    assert cases["fp8blk_opt"]["saved_bytes_vs_bf16"] < 0.9
+    assert all(c["step_ms"] > 0 and c["tokens"] == 256 for c in cases.values())

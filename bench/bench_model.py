@@ -23,9 +23,11 @@ Variants (every ``nn.Linear`` but ``lm_head`` converted):
 
 * ``bf16``: the model as built; ``bf16_norm``: its RMSNorms swapped for
   ``fp8blk.torch.norm.Float8BlockRMSNorm`` (what the norm alone buys, in bf16);
+  ``bf16_opt``: also its MLPs for ``fp8blk.torch.mlp.Float8BlockGatedMLP``;
 * ``fp8blk``: ``convert_to_float8_block`` with the default config;
 * ``fp8blk_share``: ``share_quantize=True`` (quantize once per activation,
-  ``fp8blk.torch.shared_quant``); ``fp8blk_norm``: ``norms=True``; ``fp8blk_opt``: both;
+  ``fp8blk.torch.shared_quant``); ``fp8blk_norm``: ``norms=True``; ``fp8blk_mlp``:
+  ``gated_mlps=True``; ``fp8blk_opt``: all three (the same bytes as ``fp8blk``);
 * ``torchao``: ``torchao.prototype.blockwise_fp8_training.linear.Float8BlockwiseLinear``
   (torchao 0.18, ``from_float``), where importable (it needs SM90).
 
@@ -87,6 +89,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from fp8blk.torch import convert_to_float8_block  # noqa: E402
+from fp8blk.torch.mlp import convert_gated_mlps  # noqa: E402
 from fp8blk.torch.norm import convert_norms  # noqa: E402
 
 WIDTHS = {
@@ -97,8 +100,8 @@ WIDTHS = {
 }
 TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512)
-VARIANTS = ("bf16", "bf16_norm", "fp8blk", "fp8blk_share", "fp8blk_norm", "fp8blk_opt",
-            "torchao")
+VARIANTS = ("bf16", "bf16_norm", "bf16_opt", "fp8blk", "fp8blk_share", "fp8blk_norm",
+            "fp8blk_mlp", "fp8blk_opt", "torchao")
 DEFAULT_VARIANTS = ("bf16", "fp8blk", "fp8blk_opt", "torchao")
 
 
@@ -145,6 +148,10 @@ def convert(model, variant):
     if variant == "bf16_norm":
         convert_norms(model)
         return model
+    if variant == "bf16_opt":
+        convert_norms(model)
+        convert_gated_mlps(model)
+        return model
     if variant == "torchao":
         try:
             from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
@@ -161,8 +168,8 @@ def convert(model, variant):
                                            f"{err}") from None
         return model
     opts = {"fp8blk": {}, "fp8blk_share": {"share_quantize": True},
-            "fp8blk_norm": {"norms": True},
-            "fp8blk_opt": {"share_quantize": True, "norms": True}}[variant]
+            "fp8blk_norm": {"norms": True}, "fp8blk_mlp": {"gated_mlps": True},
+            "fp8blk_opt": {"share_quantize": True, "norms": True, "gated_mlps": True}}[variant]
     return convert_to_float8_block(model, module_filter_fn=not_lm_head, **opts)
 
 

@@ -114,14 +114,16 @@ _forward_eagerly = torch.compiler.disable(Float8BlockLinear._forward)
 
 def convert_to_float8_block(model: torch.nn.Module, config: Float8BlockConfig = None,
                             module_filter_fn=None, *, share_quantize: bool = False,
-                            norms: bool = False) -> torch.nn.Module:
+                            norms: bool = False, gated_mlps: bool = False) -> torch.nn.Module:
     """Swap every ``nn.Linear`` inside ``model`` for a Float8BlockLinear sharing its
     parameters, in place, and return ``model``. ``module_filter_fn(module, fqn) -> bool``
     chooses which (default: all). A layer the recipe cannot take (MXFP8: features not
     multiples of 32) raises a ValueError naming it; filter it out to keep it in bf16.
     ``share_quantize``: layers reading the same tensor share its FP8 copies within each
     forward call of ``model`` (``fp8blk.torch.shared_quant``). ``norms``: RMSNorms swapped
-    for ones keeping only their input between the passes (``fp8blk.torch.norm``)."""
+    for ones keeping only their input between the passes (``fp8blk.torch.norm``).
+    ``gated_mlps``: SwiGLU MLPs swapped for ones not keeping the activation's output
+    (``fp8blk.torch.mlp``). Both give the same bytes and keep the state dict."""
     config = config or Float8BlockConfig()
 
     def swap(module, fqn):
@@ -145,6 +147,9 @@ def convert_to_float8_block(model: torch.nn.Module, config: Float8BlockConfig = 
     if norms:
         from .norm import convert_norms
         convert_norms(model)
+    if gated_mlps:
+        from .mlp import convert_gated_mlps
+        convert_gated_mlps(model)
     if share_quantize:
         from .shared_quant import install
         install(model)

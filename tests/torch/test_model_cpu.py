@@ -186,12 +186,15 @@ def _train(model, ids, steps=3):
 @pytest.mark.timeout(120)
 def test_tiny_llama_shares_with_the_same_bytes(quantize_calls):
     ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
-    ref = _train(_llama("fp8blk"), ids)
+    plain, shared = _llama("fp8blk"), _llama("fp8blk_opt")
+    assert sum(type(m).__name__ == "Float8BlockGatedMLP" for m in shared.modules()) == LAYERS
+    quantize_calls.clear()                       # the swaps' probes quantized too
+    ref = _train(plain, ids)
     per_step_plain = len(quantize_calls) // 3
     assert per_step_plain == 7 * LAYERS          # q, k, v, o, gate, up, down
     quantize_calls.clear()
     with shared_quant.counting() as stats:
-        opt = _train(_llama("fp8blk_opt"), ids)
+        opt = _train(shared, ids)
     # one quantization per distinct activation: the attention norm's output (q, k, v), the
     # attention output (o), the MLP norm's output (gate, up), the SwiGLU product (down)
     assert len(quantize_calls) // 3 == 4 * LAYERS

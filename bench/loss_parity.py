@@ -15,7 +15,8 @@ Model: ``LlamaForCausalLM`` from a config: 4 layers, hidden 512, intermediate 15
 4 KV heads, vocab 256, SDPA, bf16 parameters, AdamW (lr 1e-3, betas (0.9, 0.95), weight decay
 0.1), 30 warm-up steps then cosine to 10%, gradient norm clipped at 1.0; ``--steps`` 300 of
 16 x 512 tokens. Runs: ``bf16`` seeds 0 and 1, ``fp8blk`` (``convert_to_float8_block``, every
-Linear but lm_head, ``share_quantize=True, norms=True``: the bytes of the plain conversion)
+Linear but lm_head, ``share_quantize=True, norms=True, gated_mlps=True``: the bytes of the
+plain conversion)
 and ``torchao`` (``Float8BlockwiseLinear.from_float``, where importable) with seed 0, so
 fp8blk's and torchao's differences from bf16 seed 0 are the numerics' alone (same init, same
 batches).

@@ -66,7 +66,9 @@ printed and stored in the results: the peak within the step and the allocations 
 by the innermost stack frame outside torch (``python3 bench/bench_model.py --summarize
 FILE.pickle`` prints it again).
 
-Prints a table and writes one JSON file (machine, date, command, per-case figures).
+Prints a table and writes one JSON file (machine, date, command, per-case figures);
+``--combine A.json B.json --out FILE`` merges the files of separate runs (one per ``--arch``,
+say) into one.
 """
 from __future__ import annotations
 
@@ -558,6 +560,29 @@ def print_table(cases):
                 + f" (total {b['total_ms']:.1f})")
 
 
+def combine(paths, out):
+    """One result file from several: the machine of the first, every run's date, command and
+    cases (a later file's case replaces an earlier one of the same arch, variant and mode)."""
+    runs = [json.load(open(p)) for p in paths]
+    cases = {}
+    for r in runs:
+        for c in r["cases"]:
+            for key in [k for k in c if k.startswith("speedup_vs_") or k.endswith("_vs_bf16")]:
+                del c[key]
+            cases[(c["arch"], c["variant"], c["mode"])] = c
+    result = {"machine": runs[0]["machine"], "date": runs[-1]["date"],
+              "command": [r["command"] for r in runs], "runs": [
+                  {"date": r["date"], "command": r["command"], "wall_s": r.get("wall_s")}
+                  for r in runs],
+              "cases": ratios(list(cases.values()))}
+    print_table(result["cases"])
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+        print("wrote", out)
+    return result
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arch", default="llama,qwen3")
@@ -576,6 +601,9 @@ def main(argv=None):
     parser.add_argument("--memory-snapshot", metavar="DIR", default=None)
     parser.add_argument("--summarize", metavar="PICKLE", default=None,
                         help="print the summary of a snapshot written by --memory-snapshot")
+    parser.add_argument("--combine", nargs="+", metavar="JSON", default=None,
+                        help="merge result files of separate runs (e.g. one per --arch) into "
+                             "--out, ratios recomputed; runs nothing")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--out", default=None,
@@ -584,6 +612,8 @@ def main(argv=None):
     if args.summarize:
         print_summary(args.summarize, summarize_snapshot(args.summarize))
         return None
+    if args.combine:
+        return combine(args.combine, args.out)
     device = torch.device(args.device)
     args.layers = args.layers or (2 if args.tiny else 8)
     args.seq = args.seq or (128 if args.tiny else 4096)

@@ -5,6 +5,7 @@ torchao's blockwise FP8 Linear; loss curves (JSON) and a plot (PNG).
     python3 bench/loss_parity.py --out bench/results/loss-parity-h200.json \\
         --plot bench/results/loss-parity-h200.png
     python3 bench/loss_parity.py --device cpu --tiny       # smoke test
+    python3 bench/loss_parity.py --replot RESULTS.json --plot FILE.png   # the plot again
 
 Corpus: every ``*.py`` file under ``sysconfig.get_paths()["stdlib"]`` (not site-packages),
 sorted by path and concatenated as bytes (vocab 256, one token per byte); the last 2% of the
@@ -190,7 +191,17 @@ def main(argv=None):
     parser.add_argument("--runs", default=",".join(f"{v}:{s}" for v, s in RUNS))
     parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=None)
+    parser.add_argument("--replot", metavar="JSON", default=None,
+                        help="only draw --plot from a results file this script wrote")
     args = parser.parse_args(argv)
+    if args.replot:
+        result = json.load(open(args.replot))
+        s = result["settings"]
+        if result["summary"] and args.plot and plot(
+                result["runs"], result["summary"], args.plot, s["window"],
+                f"Llama {'2x128' if s['tiny'] else '4x512'}, stdlib bytes, from scratch"):
+            print("wrote", args.plot)
+        return result
     t = args.tiny
     args.steps = args.steps or (20 if t else 300)
     args.batch = args.batch or (2 if t else 16)

@@ -290,8 +290,8 @@ def host_ms(step, device, sleep_ms, repeats=3):
 
 
 _AREAS = (
-    ("attention", re.compile(r"flash|fmha|attention|sdpa|softmax_warp", re.I)),
-    ("fp8blk_kernels", re.compile(r"cudapy", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
+    ("fp8blk_kernels", re.compile(r"cudapy|fp8blk|^kernel\b")),
     ("quantize_other", re.compile(r"quant|fp8_blockwise|cast_to_fp8", re.I)),
     ("gemm", re.compile(r"gemm|nvjet|xmma|cutlass|matmul|cublas|splitk|wgmma", re.I)),
     ("optimizer", re.compile(r"adam|multi_tensor", re.I)),

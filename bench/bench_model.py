@@ -29,7 +29,10 @@ Variants (every ``nn.Linear`` but ``lm_head`` converted):
   ``fp8blk.torch.shared_quant``); ``fp8blk_norm``: ``norms=True``; ``fp8blk_mlp``:
   ``gated_mlps=True``; ``fp8blk_opt``: all three (the same bytes as ``fp8blk``);
 * ``torchao``: ``torchao.prototype.blockwise_fp8_training.linear.Float8BlockwiseLinear``
-  (torchao 0.18, ``from_float``), where importable (it needs SM90).
+  (torchao 0.18.0 wheel, ``torchao/prototype/blockwise_fp8_training/linear.py``:
+  ``from_float(mod)`` asserts no bias and in/out features multiples of 128, the constructor
+  SM90; the same module holds ``Float8BlockwiseLinearConfig`` for ``quantize_``), where
+  importable.
 
 A step: ``model(input_ids=ids, labels=ids).loss``, backward, ``AdamW.step`` (fused on CUDA),
 ``zero_grad(set_to_none=True)``; ids (batch, seq) random tokens, ``--tokens`` = batch x seq

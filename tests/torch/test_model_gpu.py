@@ -60,7 +60,7 @@ def test_compiled_does_not_share_and_matches_eager():
     x, g = _data()
     ref = _run(_model(False), x, g)
     model = _model(True)
-    model.compile(fullgraph=True)
+    model.compile()          # the root's sharing hooks return at once while traced
     with shared_quant.counting() as stats:
         got = _run(model, x, g)
     assert stats.misses == stats.hits == 0

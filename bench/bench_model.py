@@ -425,6 +425,20 @@ def print_summary(name, s):
                                     for t in s["largest"][:8]))
 
 
+def print_difference(name_a, name_b, a, b, top=20):
+    """What is alive at the peak of snapshot b and not of a, by site (largest differences)."""
+    gib = 2 ** 30
+    sa = {t["site"]: t["bytes"] for t in a["top"]}
+    sb = {t["site"]: t["bytes"] for t in b["top"]}
+    diff = sorted(((sb.get(k, 0) - sa.get(k, 0), k) for k in set(sa) | set(sb)),
+                  key=lambda d: -abs(d[0]))
+    print(f"alive at the peak, {name_b} minus {name_a}: peak "
+          f"{(b['peak_bytes'] - a['peak_bytes']) / gib:+.3f} GiB, baseline "
+          f"{(b['baseline_bytes'] - a['baseline_bytes']) / gib:+.3f} GiB")
+    for d, k in diff[:top]:
+        print(f"  {d / gib:+8.3f} GiB  {k}")
+
+
 def record_snapshot(step, path):
     """One step (``step(mark)``) recorded with the allocator's history, dumped to `path`
     (CUDA)."""
@@ -602,8 +616,9 @@ def main(argv=None):
     parser.add_argument("--compile-scope", choices=("layers", "model"), default="layers")
     parser.add_argument("--breakdown", action="store_true")
     parser.add_argument("--memory-snapshot", metavar="DIR", default=None)
-    parser.add_argument("--summarize", metavar="PICKLE", default=None,
-                        help="print the summary of a snapshot written by --memory-snapshot")
+    parser.add_argument("--summarize", metavar="PICKLE", nargs="+", default=None,
+                        help="print the summary of snapshots written by --memory-snapshot "
+                             "(two: also what differs between them, by site)")
     parser.add_argument("--combine", nargs="+", metavar="JSON", default=None,
                         help="merge result files of separate runs (e.g. one per --arch) into "
                              "--out, ratios recomputed; runs nothing")
@@ -613,7 +628,11 @@ def main(argv=None):
                         help="JSON path (default bench/results/model-h200.json on CUDA)")
     args = parser.parse_args(argv)
     if args.summarize:
-        print_summary(args.summarize, summarize_snapshot(args.summarize))
+        sums = [summarize_snapshot(p, top=10_000) for p in args.summarize]
+        for p, sm in zip(args.summarize, sums):
+            print_summary(p, dict(sm, top=sm["top"][:15]))
+        if len(sums) == 2:
+            print_difference(*args.summarize, *sums)
         return None
     if args.combine:
         return combine(args.combine, args.out)

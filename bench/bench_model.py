@@ -390,16 +390,18 @@ def summarize_snapshot(path, top=15, baseline=None):
     names = ("forward", "backward", "optimizer")
     phase = names[sum(1 for b in bounds if b < peak_i)] if bounds else None
     alive = {}
-    for ev in trace[:peak_i + 1]:
+    for i, ev in enumerate(trace[:peak_i + 1]):
         if ev["action"] == "alloc":
-            alive[ev["addr"]] = ev
+            alive[ev["addr"]] = (i, ev)
         elif ev["action"] == "free_completed":
             alive.pop(ev["addr"], None)
     groups = collections.Counter()
     counts = collections.Counter()
     largest = []
-    for ev in alive.values():
+    for i, ev in alive.values():
         site = _site(ev.get("frames", []))
+        if site.startswith("(") and bounds:      # no frame to name: say when it was made
+            site += f" made in {names[sum(1 for b in bounds if b < i)]}"
         groups[site] += ev["size"]
         counts[site] += 1
         largest.append((ev["size"], site))

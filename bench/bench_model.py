@@ -56,8 +56,8 @@ Per case:
 * ``host_ms``: the host's wall time to issue one step while the GPU runs a sleep kernel
   queued before it (longer than the step's issue time), so the GPU queue is not the bound:
   the median over 3 steps (``host_ms_waited_for_gpu``: the step waited for the GPU, so
-  ``host_ms`` is not the host's cost); ``cpu_ms``: process CPU time per timed step (all threads: autograd
-  runs the backward pass's host work on its device thread);
+  ``host_ms`` is not the host's cost); ``cpu_ms``: process CPU time per timed step (all
+  threads: autograd runs the backward pass's host work on its device thread);
 * ``breakdown`` (``--breakdown``): GPU kernel time per step from ``torch.profiler`` over 2
   steps, by kernel name: GEMMs, fp8blk's kernels (Numba's ``cudapy`` names), other quantize
   kernels (torchao's Triton), attention, optimizer, the rest.

@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from fp8blk.torch import Float8BlockLinear, convert_to_float8_block  # noqa: E402
+from fp8blk.torch import convert_to_float8_block  # noqa: E402
 from fp8blk.torch import functional, shared_quant  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))

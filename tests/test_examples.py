@@ -184,3 +184,14 @@ def test_run_notebook_runs_cells_saves_figures_and_stops_at_a_failure(tmp_path):
     code, out, _ = launch.run([sys.executable, script, bad], timeout=60)
     assert code == 1 and "FAILED in code cell 2" in out and "planted" in out, out
     assert "not reached" not in out
+
+
+@pytest.mark.timeout(180)
+def test_hf_llama_example():
+    pytest.importorskip("transformers", reason="transformers missing: "
+                        "pip install 'fp8blk[transformers]'")
+    code, output, _ = launch.run([sys.executable, str(EXAMPLES / "hf_llama.py")], timeout=150,
+                                 env=ONE_THREAD)
+    assert code == 0, output[-6000:]
+    assert "FAIL" not in output and output.count("  ok   ") == 3, output[-3000:]
+    assert re.search(r"^checks: PASSED$", output, re.M), output[-3000:]

@@ -17,7 +17,7 @@ from ..dtypes import HIGH_DTYPES, fp8_dtype
 from ..quantize_ops import (block2d_columnwise, block_tensor_buffers, mxfp8_columnwise_as_rows,
                             quantize_buffers)
 from ..scaled_mm import blocks_of, blockwise_scaled_mm
-from . import compiled, plans
+from . import compiled, plans, sharing
 
 _compiling = torch.compiler.is_compiling
 
@@ -127,15 +127,18 @@ class _Float8BlockLinearFn(torch.autograd.Function):
         plan = None if compiling else plans.plan_for(
             x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad)
         ctx.plan = plan
+        # layers reading the same x reuse its FP8 copies inside a sharing scope (``sharing``)
+        share = None if compiling else sharing.for_input(x, cfg, need_wgrad)
         if ctx.op is not None:
             y, qx_t = compiled.forward(x2d, weight, cfg, out_dtype, *ctx.op)
         elif plan is not None:
-            y, qx_t = plan.forward(x2d, weight)
+            y, qx_t = plan.forward(x2d, weight, share)
         else:
             # low_memory_forward: x's rowwise copy made, used and freed before its columnwise
             # copy is made (fp8blk/torch/config.py); by default both in one fused pass
             lean = cfg.low_memory_forward
-            qx = quantize_input(x2d, cfg.activation, need_wgrad and not lean)
+            qx = (quantize_input(x2d, cfg.activation, need_wgrad and not lean) if share is None
+                  else share("general", quantize_input, x2d, cfg.activation, need_wgrad))
             # The weight is asked for what each pass needs -- rowwise now, columnwise in the
             # backward pass -- and the weight itself is saved, not its FP8 buffers: an FSDP2
             # FP8 weight hands out what FSDP2 gathered for that pass (resharding after the

@@ -73,11 +73,17 @@ _forward_eagerly = torch.compiler.disable(Float8BlockLinear._forward)
 
 
 def convert_to_float8_block(model: torch.nn.Module, config: Float8BlockConfig = None,
-                            module_filter_fn=None) -> torch.nn.Module:
+                            module_filter_fn=None, *, share_quantize: bool = False,
+                            norms: bool = False, gated_mlps: bool = False) -> torch.nn.Module:
     """Swap every ``nn.Linear`` inside ``model`` for a Float8BlockLinear sharing its
     parameters, in place, and return ``model``. ``module_filter_fn(module, fqn) -> bool``
     chooses which (default: all). A layer the recipe cannot take (MXFP8: features not
-    multiples of 32) raises a ValueError naming it; filter it out to keep it in bf16."""
+    multiples of 32) raises a ValueError naming it; filter it out to keep it in bf16.
+    ``share_quantize``: layers reading the same tensor share its FP8 copies within each
+    forward call of ``model`` (``fp8blk.torch.linear.sharing``). ``norms``: RMSNorms swapped
+    for ones keeping only their input between the passes (``fp8blk.torch.norm``).
+    ``gated_mlps``: SwiGLU MLPs swapped for ones not keeping the activation's output
+    (``fp8blk.torch.mlp``). Both give the same bytes and keep the state dict."""
     config = config or Float8BlockConfig()
 
     def swap(module, fqn):
@@ -98,6 +104,15 @@ def convert_to_float8_block(model: torch.nn.Module, config: Float8BlockConfig = 
         raise TypeError("convert_to_float8_block converts in place; pass a model that "
                         "contains nn.Linear modules, not an nn.Linear itself (use "
                         "Float8BlockLinear.from_linear(linear))")
+    if norms:
+        from ..norm import convert_norms
+        convert_norms(model)
+    if gated_mlps:
+        from ..mlp import convert_gated_mlps
+        convert_gated_mlps(model)
+    if share_quantize:
+        from .sharing import install
+        install(model)
     return model
 
 

@@ -155,9 +155,11 @@ class LinearPlan:
                 ((n, m), (m, 1), fg) if need_wgrad else None,
                 _scale_t(n, mt) if need_wgrad else None])
 
-    def forward(self, x2d, weight):
+    def forward(self, x2d, weight, share=None):
         if self.halves is None:
-            xd, xs, xtd, xts = self.qx(x2d, x2d.data_ptr())
+            # share: the sharing scope's sharer of the layer's input (None: quantize here)
+            xd, xs, xtd, xts = (self.qx(x2d, x2d.data_ptr()) if share is None
+                                else share("plan", self.qx, x2d, x2d.data_ptr()))
             wd, ws = self.qw(weight, weight.data_ptr())[:2]
             return self.mm_fwd(xd, wd, xs, ws), (xtd, xts)
         shape, strides, dtype, dev = self.y_spec

@@ -1,0 +1,262 @@
+"""Loss parity on real text: a small Hugging Face Llama trained from scratch on the Python
+standard library's own source files as bytes, in bf16 (two seeds), with fp8blk and with
+torchao's blockwise FP8 Linear; loss curves (JSON) and a plot (PNG).
+
+    python3 -m bench.loss_parity --out bench/results/loss-parity-h200.json \\
+        --plot bench/results/loss-parity-h200.png
+    python3 -m bench.loss_parity --device cpu --tiny       # smoke test
+    python3 -m bench.loss_parity --replot RESULTS.json --plot FILE.png   # the plot again
+
+Corpus: every ``*.py`` file under ``sysconfig.get_paths()["stdlib"]`` (not site-packages),
+sorted by path and concatenated as bytes (vocab 256, one token per byte); the last 2% of the
+bytes are held out for an evaluation loss at the end. Batches: ``--batch`` windows of
+``--seq`` + 1 bytes at offsets drawn from a generator seeded with the run's seed.
+
+Model: ``LlamaForCausalLM`` from a config: 4 layers, hidden 512, intermediate 1536, 8 heads,
+4 KV heads, vocab 256, SDPA, bf16 parameters, AdamW (lr 1e-3, betas (0.9, 0.95), weight decay
+0.1), 30 warm-up steps then cosine to 10%, gradient norm clipped at 1.0; ``--steps`` 300 of
+16 x 512 tokens. Runs: ``bf16`` seeds 0 and 1, ``fp8blk`` (``convert_to_float8_block``, every
+Linear but lm_head, ``share_quantize=True, norms=True, gated_mlps=True``: the bytes of the
+plain conversion)
+and ``torchao`` (``Float8BlockwiseLinear.from_float``, where importable) with seed 0, so
+fp8blk's and torchao's differences from bf16 seed 0 are the numerics' alone (same init, same
+batches).
+
+The bound: S(run) is a run's loss smoothed by a moving average over ``--window`` (20) steps;
+``bound`` = max over the last ``--last`` (50) steps of |S(bf16 seed 0) - S(bf16 seed 1)|, the
+spread two bf16 runs that differ only in seed show. A run's ``final`` loss is the mean of its
+raw losses over the last ``--last`` steps; the run is within the bound when |final(run) -
+final(bf16 seed 0)| <= bound.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import math
+import os
+import platform
+import sys
+import sysconfig
+import time
+
+import torch
+
+from bench import bench_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+RUNS = (("bf16", 0), ("bf16", 1), ("fp8blk", 0), ("torchao", 0))
+
+
+def corpus_bytes(limit=None):
+    """The standard library's ``*.py`` sources concatenated (uint8 tensor), and file count."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = sorted(p for p in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
+                   if "site-packages" not in p and "dist-packages" not in p)
+    chunks, total = [], 0
+    for path in files:
+        with open(path, "rb") as f:
+            data = f.read()
+        chunks.append(data)
+        total += len(data)
+        if limit and total >= limit:
+            break
+    blob = b"".join(chunks)
+    return torch.frombuffer(bytearray(blob), dtype=torch.uint8), len(chunks)
+
+
+def model_for(variant, tiny, device, seed):
+    import transformers
+
+    widths = (dict(hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                   num_key_value_heads=1, num_hidden_layers=2) if tiny else
+              dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8,
+                   num_key_value_heads=4, num_hidden_layers=4))
+    cfg = transformers.LlamaConfig(vocab_size=256, max_position_embeddings=1024,
+                                   tie_word_embeddings=False, **widths)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    return bench_model.convert(model, "fp8blk_opt" if variant == "fp8blk" else variant)
+
+
+def lr_at(step, steps, peak=1e-3, warmup=30):
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    t = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def train(variant, seed, data, args, device):
+    """Per-step losses (floats) and the held-out loss of one run."""
+    model = model_for(variant, args.tiny, device, seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
+                            fused=device.type == "cuda", foreach=device.type != "cuda")
+    split = int(len(data) * 0.98)
+    train_data, held = data[:split], data[split:]
+    gen = torch.Generator().manual_seed(seed)
+    span = args.seq + 1
+    losses = []
+    for step in range(args.steps):
+        starts = torch.randint(0, len(train_data) - span, (args.batch,), generator=gen)
+        batch = torch.stack([train_data[s:s + span] for s in starts.tolist()]).to(
+            device, torch.long)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args.steps)
+        loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    losses = [float(v) for v in torch.stack(losses).cpu()]
+    with torch.no_grad():
+        n = min(len(held) // span, 8) or 1
+        batch = torch.stack([held[i * span:(i + 1) * span] for i in range(n)]).to(
+            device, torch.long)
+        held_loss = float(model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss)
+    return losses, held_loss
+
+
+def smooth(xs, window):
+    out, acc = [], 0.0
+    for i, v in enumerate(xs):
+        acc += v
+        if i >= window:
+            acc -= xs[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def summarize(runs, window, last):
+    s = {name: smooth(r["losses"], window) for name, r in runs.items()}
+    ref, other = "bf16_seed0", "bf16_seed1"
+    bound = max(abs(a - b) for a, b in zip(s[ref][-last:], s[other][-last:]))
+    out = {"bound": bound, "window": window, "last": last, "runs": {}}
+    final_ref = sum(runs[ref]["losses"][-last:]) / last
+    for name, r in runs.items():
+        final = sum(r["losses"][-last:]) / last
+        out["runs"][name] = {"final": final, "held_out": r["held_out"],
+                             "diff_vs_bf16_seed0": final - final_ref,
+                             "within_bound": abs(final - final_ref) <= bound}
+    return out
+
+
+def plot(runs, summary, path, window, title):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return False
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, r in runs.items():
+        s = smooth(r["losses"], window)
+        ax.plot(s, label=f"{name} (final {summary['runs'][name]['final']:.4f})", lw=1.2)
+        tail = len(s) // 3
+        ax2.plot(range(len(s) - tail, len(s)), s[-tail:], label=name, lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"training loss (moving average, {window} steps)")
+    ax.set_title(title)
+    ax.legend()
+    ax2.set_xlabel("step")
+    ax2.set_title(f"last third; bound (bf16 seed spread) {summary['bound']:.4f}")
+    ax2.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--steps", type=int, default=None, help="default 300 (--tiny: 20)")
+    parser.add_argument("--batch", type=int, default=None, help="default 16 (--tiny: 2)")
+    parser.add_argument("--seq", type=int, default=None, help="default 512 (--tiny: 64)")
+    parser.add_argument("--window", type=int, default=None, help="default 20 (--tiny: 5)")
+    parser.add_argument("--last", type=int, default=None, help="default 50 (--tiny: 5)")
+    parser.add_argument("--runs", default=",".join(f"{v}:{s}" for v, s in RUNS))
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--plot", default=None)
+    parser.add_argument("--replot", metavar="JSON", default=None,
+                        help="only draw --plot from a results file this script wrote")
+    args = parser.parse_args(argv)
+    if args.replot:
+        result = json.load(open(args.replot))
+        s = result["settings"]
+        if result["summary"] and args.plot and plot(
+                result["runs"], result["summary"], args.plot, s["window"],
+                f"Llama {'2x128' if s['tiny'] else '4x512'}, stdlib bytes, from scratch"):
+            print("wrote", args.plot)
+        return result
+    t = args.tiny
+    args.steps = args.steps or (20 if t else 300)
+    args.batch = args.batch or (2 if t else 16)
+    args.seq = args.seq or (64 if t else 512)
+    args.window = args.window or (5 if t else 20)
+    args.last = args.last or (5 if t else 50)
+    device = torch.device(args.device)
+    data, nfiles = corpus_bytes(limit=2_000_000 if t else None)
+    print(f"corpus: {nfiles} files, {len(data)} bytes from {sysconfig.get_paths()['stdlib']}")
+    runs, errors = {}, {}
+    t0 = time.perf_counter()
+    for item in args.runs.split(","):
+        variant, seed = item.split(":")
+        name = f"{variant}_seed{seed}"
+        t1 = time.perf_counter()
+        try:
+            losses, held = train(variant, int(seed), data, args, device)
+        except RuntimeError as err:
+            errors[name] = str(err)
+            print(f"{name}: {err}")
+            continue
+        runs[name] = {"variant": variant, "seed": int(seed), "losses": losses,
+                      "held_out": held, "wall_s": time.perf_counter() - t1}
+        print(f"{name}: final-{args.last} mean {sum(losses[-args.last:]) / args.last:.4f}, "
+              f"held-out {held:.4f} ({runs[name]['wall_s']:.1f} s)", flush=True)
+    summary = summarize(runs, args.window, args.last) \
+        if {"bf16_seed0", "bf16_seed1"} <= set(runs) else None
+    if summary:
+        print(f"bound (max |S(bf16 seed 0) - S(bf16 seed 1)| over the last {args.last} steps, "
+              f"S = {args.window}-step moving average): {summary['bound']:.4f}")
+        for name, r in summary["runs"].items():
+            print(f"  {name:12} final {r['final']:.4f}  vs bf16 seed 0 "
+                  f"{r['diff_vs_bf16_seed0']:+.4f}  held-out {r['held_out']:.4f}  "
+                  f"{'within' if r['within_bound'] else 'OUTSIDE'} the bound")
+    result = {"machine": {"host": platform.node(), "torch": torch.__version__,
+                          "device": str(device),
+                          "gpu": torch.cuda.get_device_name() if device.type == "cuda"
+                          else None},
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "command": " ".join([sys.executable] + (sys.argv if argv is None
+                                                      else ["bench/loss_parity.py", *argv])),
+              "corpus": {"files": nfiles, "bytes": len(data),
+                         "stdlib": sysconfig.get_paths()["stdlib"]},
+              "settings": {k: getattr(args, k) for k in ("steps", "batch", "seq", "window",
+                                                         "last", "tiny")},
+              "wall_s": time.perf_counter() - t0, "summary": summary, "errors": errors,
+              "runs": runs}
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print("wrote", args.out)
+    if args.plot and summary and plot(runs, summary, args.plot, args.window,
+        f"Llama {'2x128' if t else '4x512'}, stdlib bytes, from scratch"):
+        print("wrote", args.plot)
+    return result
+
+
+if __name__ == "__main__":
+    main()

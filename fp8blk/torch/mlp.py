@@ -1,0 +1,122 @@
+"""A gated MLP (SwiGLU) that keeps only the two projections' outputs between the passes.
+
+Hugging Face's ``LlamaMLP.forward`` (transformers 5.x,
+``src/transformers/models/llama/modeling_llama.py``; Qwen2's, Qwen3's and Mistral's MLPs are
+the same) is
+
+    down_proj(act_fn(gate_proj(x)) * up_proj(x))
+
+and autograd keeps, per layer, the gate output (for the activation), the activation's output
+and the up output (for the product), and the down projection's input: four (M, F) tensors
+in bf16 (F the intermediate size, 3.5x the hidden size in Llama-3), the largest share of
+what a block keeps. With Float8BlockLinear layers the down projection keeps its input as one
+FP8 copy (1 byte per element) and the product itself is not kept; :class:`Float8BlockGatedMLP`
+also does not keep the activation's output: it computes ``act_fn(g) * u`` without grad, keeps
+g and u, and in the backward pass runs those two ops again with grad and returns
+``torch.autograd.grad`` of them, the same kernels on the same values as autograd's, so every
+output and gradient equals the unconverted module's byte for byte. Cost: the activation once
+more per step (one read of g, one write).
+
+Under ``torch.compile`` the module runs the plain formula (inductor's partitioner decides
+what to recompute; dynamo does not trace ``torch.autograd.grad`` inside a backward).
+
+Which modules are swapped (:func:`convert_gated_mlps`, or ``convert_to_float8_block(...,
+gated_mlps=True)``): modules with children ``gate_proj``, ``up_proj``, ``down_proj`` and
+``act_fn``, no parameters of their own, whose output equals byte for byte, on a probe input (4
+rows of random values on the weights' device and dtype), the formula above; the state dict is
+unchanged (the three projections keep their names).
+
+    from fp8blk.torch.mlp import convert_gated_mlps
+    convert_gated_mlps(model)        # in place; returns the number swapped
+"""
+from __future__ import annotations
+
+import torch
+
+_compiling = torch.compiler.is_compiling
+
+
+class _RecomputedGate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g, u, act):
+        ctx.act = act
+        ctx.save_for_backward(g, u)
+        return act(g) * u
+
+    @staticmethod
+    def backward(ctx, dp):
+        g, u = ctx.saved_tensors
+        need = ctx.needs_input_grad[:2]
+        with torch.enable_grad():
+            gr = g.detach().requires_grad_(need[0])
+            ur = u.detach().requires_grad_(need[1])
+            p = ctx.act(gr) * ur
+            inputs = [t for t, n in ((gr, need[0]), (ur, need[1])) if n]
+            grads = iter(torch.autograd.grad(p, inputs, dp) if inputs else ())
+        return (next(grads) if need[0] else None), (next(grads) if need[1] else None), None
+
+
+class Float8BlockGatedMLP(torch.nn.Module):
+    """``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` keeping only the gate and up outputs
+    between the passes (module docstring). Children: the projections and activation of the
+    module it replaces (shared, not copied)."""
+
+    def __init__(self, gate_proj, up_proj, down_proj, act_fn):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+        self.act_fn = act_fn
+
+    @classmethod
+    def from_mlp(cls, module):
+        """A Float8BlockGatedMLP sharing `module`'s children, or None when `module` is not a
+        gated MLP this module reproduces (see :func:`convert_gated_mlps`)."""
+        parts = [getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj",
+                                                    "act_fn")]
+        if any(not isinstance(p, torch.nn.Module) for p in parts) \
+                or list(module.parameters(recurse=False)):
+            return None
+        new = cls(*parts)
+        return new if _same_output(module, new) else None
+
+    def forward(self, x):
+        g = self.gate_proj(x)
+        u = self.up_proj(x)
+        if _compiling() or not (torch.is_grad_enabled() and (g.requires_grad
+                                                             or u.requires_grad)):
+            return self.down_proj(self.act_fn(g) * u)
+        return self.down_proj(_RecomputedGate.apply(g, u, self.act_fn))
+
+
+def _same_output(module, new) -> bool:
+    w = new.gate_proj.weight
+    if w.is_meta:
+        return False
+    gen = torch.Generator(device=w.device).manual_seed(0)
+    x = torch.randn(4, w.shape[1], generator=gen, device=w.device).to(w.dtype)
+    with torch.no_grad():
+        try:
+            a, b = module(x), new(x)
+        except Exception:  # noqa: BLE001  (a module that cannot run alone is not swapped)
+            return False
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def convert_gated_mlps(model: torch.nn.Module, module_filter_fn=None) -> int:
+    """Swap every gated MLP inside `model` (module docstring) for a
+    :class:`Float8BlockGatedMLP`, in place; ``module_filter_fn(module, fqn) -> bool`` chooses
+    which. Returns the number swapped."""
+    count = 0
+    for fqn, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            full = f"{fqn}.{name}" if fqn else name
+            if isinstance(child, Float8BlockGatedMLP) or (
+                    module_filter_fn is not None and not module_filter_fn(child, full)):
+                continue
+            new = Float8BlockGatedMLP.from_mlp(child)
+            if new is not None:
+                setattr(parent, name, new)
+                count += 1
+    return count
+
+
+__all__ = ["Float8BlockGatedMLP", "convert_gated_mlps"]

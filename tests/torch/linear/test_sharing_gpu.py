@@ -1,0 +1,109 @@
+"""GPU checks of quantize-once sharing (fp8blk/torch/linear/sharing.py) on the eager plan path,
+compiled and under CUDA graph capture, and of a tiny Hugging Face Llama with sharing and
+Float8BlockRMSNorm (skipped without transformers): the unshared path's bytes exactly."""
+import os
+import sys
+
+import pytest
+import torch
+
+from fp8blk.torch import convert_to_float8_block
+from fp8blk.torch.linear import sharing
+
+pytestmark = pytest.mark.gpu
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+import bench_model  # noqa: E402
+
+
+class Siblings(torch.nn.Module):
+    def __init__(self, k=512, n=(512, 128, 128)):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(k, w, bias=False) for w in n)
+
+    def forward(self, x):
+        return torch.cat([self.a(x), self.b(x), self.c(x)], -1)
+
+
+def _model(share):
+    torch.manual_seed(0)
+    model = Siblings().cuda().to(torch.bfloat16)
+    return convert_to_float8_block(model, share_quantize=share)
+
+
+def _run(model, x, g):
+    x = x.detach().clone().requires_grad_()
+    for p in model.parameters():
+        p.grad = None
+    y = model(x)
+    y.backward(g)
+    return [y, x.grad] + [p.grad for p in model.parameters()]
+
+
+def _data(m=1024, k=512, n=768):
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    g = torch.randn(m, n, device="cuda", generator=gen).to(torch.bfloat16)
+    return x, g
+
+
+def test_plan_path_shares_with_the_same_bytes():
+    x, g = _data()
+    ref = _run(_model(False), x, g)
+    with sharing.counting() as stats:
+        got = _run(_model(True), x, g)
+    assert (stats.misses, stats.hits) == (1, 2)
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+
+
+def test_compiled_does_not_share_and_matches_eager():
+    x, g = _data()
+    ref = _run(_model(False), x, g)
+    model = _model(True)
+    model.compile()          # the root's sharing hooks return at once while traced
+    with sharing.counting() as stats:
+        got = _run(model, x, g)
+    assert stats.misses == stats.hits == 0
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+
+
+def test_cuda_graph_replay_of_a_shared_step():
+    x, g = _data()
+    model = _model(True)
+    static_x = x.clone().requires_grad_()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            model(static_x).backward(g)
+    torch.cuda.current_stream().wait_stream(side)
+    for p in model.parameters():
+        p.grad = None
+    static_x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with sharing.counting() as stats, torch.cuda.graph(graph):
+        y = model(static_x)
+        y.backward(g)
+    assert (stats.misses, stats.hits) == (1, 2)
+    fresh, _ = _data(k=512)
+    fresh = fresh * 3
+    static_x.data.copy_(fresh)
+    graph.replay()
+    ref = _run(_model(False), fresh, g)
+    for a, b in zip(ref, [y, static_x.grad] + [p.grad for p in model.parameters()]):
+        assert torch.equal(a, b)
+
+
+def test_tiny_llama_same_bytes_on_cuda():
+    pytest.importorskip("transformers")
+    ids = torch.randint(0, 512, (2, 128), device="cuda")
+    runs = []
+    for variant in ("fp8blk", "fp8blk_opt"):
+        model = bench_model.build_model("llama", variant, 2, 128, "cuda", tiny=True)
+        step, _ = bench_model.make_step(model, ids)
+        losses = [step().detach() for _ in range(3)]
+        runs.append(losses + [p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)

@@ -69,7 +69,7 @@ def profile():
     import cProfile
     import pstats
 
-    from fp8blk.kernels import _device_arrays as da
+    from fp8blk.kernels import _adapters as da
 
     dev = torch.device("cuda")
     b1 = fb.Block1D()
@@ -154,7 +154,7 @@ def main():
 
     # where a torch call's host time goes (256^2 bf16, Block1D rowwise)
     from fp8blk import _arrays, _dispatch, kernels as K
-    from fp8blk.kernels import _device_arrays as da
+    from fp8blk.kernels import _adapters as da
     xt = torch.randn(256, 256, device=dev, dtype=torch.bfloat16)
     bf = _arrays.BF16
     pre = [torch.empty((256, 256), dtype=torch.uint8, device=dev),

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _device as dev
+from . import _kernel_lib as dev
 from ._specs import BLOCK2D, MXFP8
 from ._specs import quantize_tile as tile_shape
 from ._numba import (absmax_bf16x2, absmax_f16x2, cuda, device, fmax32,

@@ -5,7 +5,7 @@ c = t % 8) loads 16 bytes from each of rows 4q..4q+3 (four 16-byte loads in flig
 transposes the 4 x 16 bytes in registers with ``prmt`` into 16 words (one per column, 4 rows
 each), writes them to a shared tile of words [128 cols][32 + 1], and after one barrier each
 thread stores 4 x 16 bytes of output rows (rows that are not 16-byte aligned, R % 16 != 0:
-``_device.tile_row_storer``). Addresses are byte offsets (no 64-bit division). CTA (0, 0)
+``_kernel_lib.tile_row_storer``). Addresses are byte offsets (no 64-bit division). CTA (0, 0)
 also transposes the (tiny) scale tensor's entry for its tile; every CTA writes its own tile's
 scale, and all CTAs share the padding fill.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _device as dev
+from . import _kernel_lib as dev
 from ._numba import cuda, ptr, st_v4_at, types
 from ._specs import TR_THREADS as THREADS
 from ._specs import TR_TILE as T

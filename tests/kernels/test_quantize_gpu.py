@@ -24,7 +24,7 @@ def _to_device(x):
 
 
 def _kernels():
-    from fp8blk import kernels
+    from fp8blk.kernels import backend as kernels
 
     return kernels
 

@@ -15,7 +15,7 @@ from fp8blk import reference as ref  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 def _kernels():
-    from fp8blk import kernels
+    from fp8blk.kernels import backend as kernels
 
     return kernels
 

@@ -36,7 +36,8 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import cupy  # noqa: E402
 
 import fp8blk as fb  # noqa: E402
-from fp8blk import kernels  # noqa: E402
+from fp8blk.kernels import backend as kernels  # noqa: E402
+from fp8blk.kernels import quantize as kquantize  # noqa: E402
 from fp8blk import reference as ref  # noqa: E402
 from fp8blk._arrays import BF16  # noqa: E402
 from fp8blk.kernels._specs import QuantizeSettings  # noqa: E402
@@ -110,7 +111,7 @@ def check(recipe, x, columnwise=True):
 
 def kernel_attrs():
     out = {}
-    for key, (fn, spec) in sys.modules["fp8blk.kernels.quantize"]._kernels.items():
+    for key, (fn, spec) in kquantize._kernels.items():
         try:
             out["regs"] = int(cupy.cuda.driver.funcGetAttribute(4, fn.ptr))
             out["local_bytes"] = int(cupy.cuda.driver.funcGetAttribute(3, fn.ptr))

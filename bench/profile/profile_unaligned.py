@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import cupy  # noqa: E402
 
 import fp8blk as fb  # noqa: E402
-from fp8blk import kernels  # noqa: E402
+from fp8blk.kernels import backend as kernels  # noqa: E402
 from fp8blk._arrays import BF16  # noqa: E402
 
 

@@ -67,7 +67,7 @@ STEPS=${STEPS:-tests kernels comm master comm_bench}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 CT=${COMM_TIMEOUT:-300}  # a cold machine JIT-compiles every gather variant first
 
-if has prebuild && ! absent prebuild fp8blk/_prebuild.py; then
+if has prebuild && ! absent prebuild fp8blk/cli/prebuild.py; then
   step prebuild ${PREBUILD_TIMEOUT:-600} python3 -m fp8blk prebuild
 fi
 has tests && step gpu_tests ${GPU_TESTS_TIMEOUT:-240} \

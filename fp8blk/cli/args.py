@@ -7,26 +7,21 @@ import os
 import tempfile
 
 
-def positive_int(text):
-    """An int >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _int_at_least(low, expected):
+    """An argparse type: an int >= `low`, `expected` naming it in the error."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
+        return value
+    return parse
 
 
-def seed(text):
-    """An int >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+positive_int = _int_at_least(1, "a positive integer")
+seed = _int_at_least(0, "an integer >= 0")
 
 
 def writable_dir(path, option):

@@ -81,6 +81,11 @@ class _NumpyLike:
         return arr.flags.c_contiguous
 
     @staticmethod
+    def device(arr):
+        """The CUDA device index (None: host memory, under the simulator)."""
+        return None
+
+    @staticmethod
     def launch(kernel, grid, block, args, like):
         # The compiled kernel's own call: on the GPU CuPy's Function (a Cython call converting
         # CuPy arrays to pointers, on CuPy's current stream: as fast as the raw launch and no
@@ -221,10 +226,6 @@ class _Sim(_NumpyLike):
     @staticmethod
     def ptr(arr):
         return arr.ctypes.data
-
-    @staticmethod
-    def device(arr):
-        return None
 
     @staticmethod
     def empty(shape, dtype, like):

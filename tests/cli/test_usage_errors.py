@@ -3,6 +3,7 @@ naming the option, no traceback, and no work done before it."""
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -50,6 +51,13 @@ def test_demo_shape_check_counts_the_memory_it_needs(monkeypatch):
     monkeypatch.setattr(cli_demo, "_host_available", lambda: 2**30)
     assert cli_demo.check_shape((1024, 1024), cpu=True) is None
     assert "this host has 1.0 GiB" in cli_demo.check_shape((8192, 8192), cpu=True)
+    # on a GPU its free memory counts too
+    monkeypatch.setattr(cli_demo, "_host_available", lambda: 2**40)
+    runtime = types.SimpleNamespace(memGetInfo=lambda: (2**30, 2**31))
+    gpu = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime))
+    monkeypatch.setattr(cli_demo, "gpu_module", lambda: gpu)
+    assert "the GPU has 1.0 GiB" in cli_demo.check_shape((16384, 16384), cpu=False)
+    assert cli_demo.check_shape((16384, 16384), cpu=True) is None
 
 
 def test_distributed_demo_refuses_shape(capsys):

@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 
 from .args import positive_int, writable_dir
@@ -190,7 +191,8 @@ def prebuild(cc, jobs=None, root=None, variants=None, out=None, build=None):
         ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux")
                                           else "spawn")
         tasks = [(build or kp.build, family, spec, tuple(cc), root) for family, spec in todo]
-        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        main = threading.current_thread() is threading.main_thread()  # signals: main only
+        previous = signal.signal(signal.SIGTERM, _on_sigterm) if main else None
         pool = ctx.Pool(jobs, initializer=_worker_init)
         try:
             for family, spec, result, error in pool.imap_unordered(_job, tasks):
@@ -199,12 +201,13 @@ def prebuild(cc, jobs=None, root=None, variants=None, out=None, build=None):
                 else:
                     errors.append(f"{family} {spec}: {error}")
                 done += 1
-                progress.show(done, family)
+                progress.show(done, family if error is None else f"{family} FAILED")
             pool.close()
         finally:
             pool.terminate()
             pool.join()
-            signal.signal(signal.SIGTERM, previous)
+            if main:
+                signal.signal(signal.SIGTERM, previous)
     seconds = time.perf_counter() - t0
     return {"variants": total, "compiled": built, "already_cached": cached,
             "seconds": seconds, "dir": root, "cc": list(cc), "jobs": jobs, "errors": errors}

@@ -90,6 +90,11 @@ def test_bench_checks_out_before_running(unwritable, capsys, monkeypatch):
     assert line.endswith("cannot write there (Not a directory)") and "--out" in line
 
 
+def test_prebuild_jobs_must_be_positive(capsys):
+    assert "--jobs: expected a positive integer, got 0" in _usage_error(
+        ["prebuild", "--jobs", "0"], capsys)
+
+
 @pytest.mark.parametrize("cc", ["abc", "9", "9.x", ""])
 def test_prebuild_cc_must_parse(cc, capsys):
     assert "--cc must look like 90 or 9.0" in _usage_error(["prebuild", "--cc", cc], capsys)

@@ -10,8 +10,9 @@ tensor never crosses into CuPy (DLPack costs ~24 us per import on the GPU):
   the data pointer). bfloat16 data is held as uint16 bit patterns (CuPy has no bf16).
 * torch: outputs from torch's caching allocator on the input's device, in the logical dtype
   (torch has bf16), one tensor per buffer (so that a direction dropped later frees its memory);
-  the launch goes to torch's current stream of that device (``fp8blk._arrays.torch_raw_stream``). The compiled kernels belong to the current CUDA
-  device: a tensor on another device is launched inside a device switch.
+  the launch goes to torch's current stream of that device (``fp8blk._arrays.torch_raw_stream``).
+  The compiled kernels belong to the current CUDA device: a tensor on another device is
+  launched inside a device switch.
 * NumPy (simulator): pointer arguments are flat NumPy views typed as the kernel indexes them.
 
 On the GPU every kernel argument is 8 bytes (a pointer or an int64), so a torch launch writes

@@ -106,8 +106,8 @@ class _Plan:
 def plan_for(recipe, columnwise, out_kind, rows, cols, data, sinv):
     """The cached :class:`_Plan` of a call (public for tests and benchmarks)."""
     ad = adapter_of(data)
-    key = (sp.RECIPE_OF_KIND[recipe_kind(recipe)], columnwise, recipe.fmt is E4M3, out_kind, rows, cols,
-           sinv.shape[1], ad.ptr(data) % 16, ad.ptr(sinv) % 16, ad.device(data))
+    key = (sp.RECIPE_OF_KIND[recipe_kind(recipe)], columnwise, recipe.fmt is E4M3, out_kind,
+           rows, cols, sinv.shape[1], ad.ptr(data) % 16, ad.ptr(sinv) % 16, ad.device(data))
     return cached_plan(_plans, key, _Plan)
 
 

@@ -1,6 +1,6 @@
-"""``python -m fp8blk prebuild`` (fp8blk/cli/prebuild.py, fp8blk/kernels/prebuild.py) on the CPU: real kernel variants compile
-through the one compile route into cubin files of the cache, deterministically, and a second
-run finds them cached."""
+"""``python -m fp8blk prebuild`` (fp8blk/cli/prebuild.py over fp8blk/kernels/prebuild.py) on
+the CPU: real kernel variants compile through the one compile route into cubin files of the
+cache, deterministically, and a second run finds them cached."""
 import os
 import subprocess
 import sys

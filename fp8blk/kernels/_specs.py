@@ -118,7 +118,6 @@ def quantize_tile(spec):
     return (64 if ve == 8 else 32), 128
 
 
-
 # ---- dequantize -------------------------------------------------------------------------------
 DQ_THREADS = 256        # threads per CTA of the rows and tiles kernels
 DQ_TILE = 128           # tile edge (bytes) of the tiles kernel

@@ -69,7 +69,7 @@ def profile():
     import cProfile
     import pstats
 
-    from fp8blk.kernels import _device_arrays as da
+    from fp8blk.kernels import _adapters as da
 
     dev = torch.device("cuda")
     b1 = fb.Block1D()
@@ -93,8 +93,8 @@ def profile():
         print(f"\n==== {name}: top by tottime (20000 calls)")
         pstats.Stats(pr).sort_stats("tottime").print_stats(14)
     # primitives
-    kq = sys.modules["fp8blk.kernels.quantize"]  # the module (the package exports the function)
-    key = next(iter(kq._plans))
+    from fp8blk.kernels import quantize as kq
+    key = next(iter(kq._plans.keys()))
     p = da._params
     pre_u8 = torch.empty(1 << 20, dtype=torch.uint8, device=dev)
     prims = {
@@ -153,8 +153,9 @@ def main():
     case("cupy 256^2 create_columnwise Block2D", lambda: qc2.create_columnwise(), 15)
 
     # where a torch call's host time goes (256^2 bf16, Block1D rowwise)
-    from fp8blk import _arrays, _dispatch, kernels as K
-    from fp8blk.kernels import _device_arrays as da
+    from fp8blk import _arrays, _dispatch
+    from fp8blk.kernels import backend as K
+    from fp8blk.kernels import _adapters as da
     xt = torch.randn(256, 256, device=dev, dtype=torch.bfloat16)
     bf = _arrays.BF16
     pre = [torch.empty((256, 256), dtype=torch.uint8, device=dev),
@@ -175,7 +176,7 @@ def main():
                                                    dtype=bf, family="torch"),
     }
     # the repeat-call hot path (fp8blk.ops): its launcher alone, and the launch alone
-    kq = sys.modules["fp8blk.kernels.quantize"]
+    from fp8blk.kernels import quantize as kq
     fb.quantize(xt, b1)
     tc = kq.repeat_calls.get((torch.Tensor, b1, torch.bfloat16, xt.shape, True, False, True, 0))
     if tc is not None:
@@ -202,7 +203,7 @@ def main():
     # GPU-bound loop at 4096^2: fb.quantize against its kernel alone (the backend entry point
     # writing into preallocated outputs: a few us of host time per launch, far below the
     # kernel's ~13 us, so back-to-back launches measure the kernel)
-    from fp8blk import kernels
+    from fp8blk.kernels import backend as kernels
     from fp8blk.layout import buffer_layouts
 
     big = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)

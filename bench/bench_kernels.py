@@ -34,7 +34,9 @@ sys.path.insert(0, ROOT)
 import cupy  # noqa: E402
 
 import fp8blk as fb  # noqa: E402
-from fp8blk import _bench, kernels  # noqa: E402
+from fp8blk.cli import bench as _bench  # noqa: E402
+from fp8blk.kernels import backend as kernels  # noqa: E402
+from fp8blk.kernels import quantize as quant  # noqa: E402
 from fp8blk._arrays import BF16  # noqa: E402
 
 RESULTS = {"cases": [], "peers": [], "host_us": {}, "nan_probe": {}, "notes": []}
@@ -50,7 +52,7 @@ def log(*a):
 
 def time_cupy(fn, inputs, reps=7, inner=10):
     """(median seconds per call, all figures) of fn(inp) over back-to-back calls, rotating
-    `inputs` (fp8blk._bench.time_cupy without its host figure)."""
+    `inputs` (fp8blk.cli.bench.time_cupy without its host figure)."""
     gpu, _, times = _bench.time_cupy(fn, inputs, reps, inner)
     return gpu, times
 
@@ -163,8 +165,6 @@ def _func_attr(fn, code):
 
 def kernel_attributes():
     """Registers / shared / local bytes of every compiled quantize kernel (CuPy Function)."""
-    quant = sys.modules["fp8blk.kernels.quantize"]
-
     out = {}
     for key, (fn, spec) in quant._kernels.items():
         name = f"{spec.recipe}-k{spec.kind}-r{int(spec.rowwise)}c{int(spec.columnwise)}" \
@@ -179,8 +179,6 @@ def bench_variants(copy_bps, shape=(16384, 16384)):
     """Re-time the slower kernels with a minimum-CTAs-per-SM launch bound (register cap)."""
     from fp8blk.kernels._specs import QuantizeSettings
     from fp8blk.kernels.quantize import use_settings
-    quant = sys.modules["fp8blk.kernels.quantize"]
-
     xs = bf16_inputs(shape)
     saved = use_settings(QuantizeSettings())
     for min_blocks in (2, 3, 4):
@@ -208,9 +206,9 @@ def bench_variants(copy_bps, shape=(16384, 16384)):
 
 
 def torch_formulas():
-    """The torch formulas of ``fp8blk._bench`` (one copy for both benchmarks), without its
+    """The torch formulas of ``fp8blk.cli.bench`` (one copy for both benchmarks), without its
     fused ``b1d_both``: this table compares torch.compile with single directions."""
-    from fp8blk._bench import torch_formulas as formulas
+    from fp8blk.cli.bench import torch_formulas as formulas
 
     return {k: v for k, v in formulas().items() if k != "b1d_both"}
 

@@ -74,7 +74,7 @@ def child_rank(outdir):
     import cupy
 
     import fp8blk as fb
-    from fp8blk import kernels
+    from fp8blk.kernels import backend as kernels
     from fp8blk.kernels import _cache, _compiled
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((1024, 1024)) * np.exp(rng.uniform(-6, 6, (1024, 1)))).astype(

@@ -69,7 +69,9 @@ STEPS=${STEPS:-tests kernels comm master comm_bench}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 CT=${COMM_TIMEOUT:-300}  # a cold machine JIT-compiles every gather variant first
 
-has prebuild && step prebuild ${PREBUILD_TIMEOUT:-600} python3 -m fp8blk prebuild
+if has prebuild; then
+  step prebuild ${PREBUILD_TIMEOUT:-600} python3 -m fp8blk prebuild
+fi
 has tests && step gpu-tests-$M ${GPU_TESTS_TIMEOUT:-240} \
   python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 ${GPU_TESTS:-tests}
 has kernel_tests && step gpu_kernel_tests ${TEST_TIMEOUT:-300} \

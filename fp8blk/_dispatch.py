@@ -12,15 +12,16 @@ import numpy as np
 from . import _arrays, reference
 
 
-_kernels = None  # fp8blk.kernels, imported on first device use (it imports numba)
+_kernels = None  # fp8blk.kernels.backend, imported on first device use
 
 
 def backend_for(arr):
+    """``fp8blk.reference`` for host arrays, ``fp8blk.kernels.backend`` for device arrays."""
     global _kernels
     if type(arr) is not np.ndarray and _arrays.on_gpu(arr):
         if _kernels is None:
-            from . import kernels
+            from .kernels import backend
 
-            _kernels = kernels
+            _kernels = backend
         return _kernels
     return reference

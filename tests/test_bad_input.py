@@ -1,11 +1,10 @@
-"""Issue 16, single process: bad input gets a clear error naming the argument and what was
+"""Single process: bad input gets a clear error naming the argument and what was
 expected, never a late AttributeError, a NumPy message or a silently wrong answer. (The
-multi-rank cases are in tests/test_bad_input_mpi.py.)"""
+multi-rank cases are in tests/test_bad_input_mpi.py, the command line's in tests/cli.)"""
 import numpy as np
 import pytest
 
 import fp8blk as fb
-from fp8blk.__main__ import main as cli
 from fp8blk.master import cast_master_weights
 from fp8blk.tensor import from_internal, internal_buffers
 from tests.master_scripts import cases
@@ -203,30 +202,6 @@ def test_comm_must_be_a_communicator():
             pass
     with pytest.raises(TypeError, match="rank, size and all_reduce"):
         cast_master_weights([], [], [], NoRank())
-
-
-# --------------------------------------------------------------------------------------------
-# The demo's command line
-
-
-@pytest.mark.parametrize("args, match", [
-    (["--shape", "0", "128"], "positive integer, got 0"),
-    (["--shape", "-4", "128"], "positive integer, got -4"),
-    (["--shape", "x", "128"], "positive integer, got 'x'"),
-    (["--seed", "-1"], "integer >= 0"),
-])
-def test_demo_arguments_are_checked(args, match, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        cli(["demo", "--cpu"] + args)
-    assert exit_info.value.code == 2
-    assert match in capsys.readouterr().err
-
-
-def test_demo_runs_on_a_shape_mxfp8_cannot_take(capsys):
-    assert cli(["demo", "--cpu", "--shape", "100", "100"]) == 0
-    out = capsys.readouterr().out
-    assert "MXFP8 E4M3    skipped: MXFP8 needs M and K to be multiples of 32" in out
-    assert "Block2D E4M3" in out
 
 
 @pytest.mark.gpu

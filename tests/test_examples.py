@@ -90,9 +90,10 @@ def test_bench_without_matplotlib_writes_json_and_says_so(tmp_path, capsys, monk
     assert not list(tmp_path.glob("*.png"))
 
 
-def test_bench_rejects_unknown_cases(tmp_path):
-    with pytest.raises(SystemExit, match="unknown --cases"):
+def test_bench_rejects_unknown_cases(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
         _bench(tmp_path, "--cases", "b1d_sideways")
+    assert exit_info.value.code == 2 and "unknown --cases" in capsys.readouterr().err
 
 
 def test_committed_notebook_has_cpu_outputs():

@@ -9,7 +9,7 @@ import numpy as np
 import cupy
 
 import fp8blk as fb
-from fp8blk import kernels
+from fp8blk.kernels import backend as kernels
 from fp8blk._arrays import BF16
 
 x = (cupy.random.standard_normal((16384, 16384), dtype=np.float32).view(np.uint32)

@@ -29,8 +29,7 @@ from fp8blk.torch.linear import plans as _linear_plans
 
 def pieces(step):
     """Median host us of each piece of a planned step (the pieces timed by wrapping them)."""
-    import fp8blk.kernels.quantize  # noqa: F401  (the module, not the function of that name)
-    kq = sys.modules["fp8blk.kernels.quantize"]
+    from fp8blk.kernels import quantize as kq
     acc = collections.defaultdict(list)
     saved = []
 

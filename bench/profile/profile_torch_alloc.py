@@ -18,7 +18,8 @@ import torch
 
 import fp8blk as fb
 from bench.bench_host import host_us
-from fp8blk.kernels import _device_arrays as da
+from fp8blk.kernels import _adapters as da
+from fp8blk.kernels import quantize as kq
 
 
 def main():
@@ -34,7 +35,6 @@ def main():
     base = torch.empty(1 << 20, dtype=u8, device=dev)
     shape_u8, shape_f32 = (256, 256), (2, 256)
     size_u8 = torch.Size(shape_u8)
-    kq = sys.modules["fp8blk.kernels.quantize"]
     fb.quantize(xt, fb.Block1D())
     fb.quantize(xt, fb.Block1D())
     tc = kq.repeat_calls[(torch.Tensor, fb.Block1D(), torch.bfloat16, xt.shape, True, False,

@@ -13,7 +13,7 @@ import numpy as np
 import cupy
 
 import fp8blk as fb
-from fp8blk import kernels
+from fp8blk.kernels import backend as kernels
 from fp8blk._arrays import BF16
 
 

@@ -31,7 +31,8 @@ import numpy as np
 import cupy
 
 import fp8blk as fb
-from fp8blk import kernels
+from fp8blk.kernels import backend as kernels
+from fp8blk.kernels import quantize as kquantize
 from fp8blk import reference as ref
 from fp8blk._arrays import BF16
 from fp8blk.kernels._specs import QuantizeSettings
@@ -105,7 +106,7 @@ def check(recipe, x, columnwise=True):
 
 def kernel_attrs():
     out = {}
-    for key, (fn, spec) in sys.modules["fp8blk.kernels.quantize"]._kernels.items():
+    for key, (fn, spec) in kquantize._kernels.items():
         try:
             out["regs"] = int(cupy.cuda.driver.funcGetAttribute(4, fn.ptr))
             out["local_bytes"] = int(cupy.cuda.driver.funcGetAttribute(3, fn.ptr))

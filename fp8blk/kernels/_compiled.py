@@ -21,7 +21,7 @@ from ._sim import SIM
 
 # family -> (builder module, its build function, kernel modules whose bytes enter the key).
 # Every module a builder imports from fp8blk.kernels must be listed (tests check it).
-_COMMON = ("_numba", "_device", "_specs")
+_COMMON = ("_numba", "_kernel_lib", "_specs")
 FAMILIES = {
     "quantize": ("_quantize_kernel", "build", ("_quantize_kernel",) + _COMMON),
     "dequantize": ("_dequantize_kernel", "build", ("_dequantize_kernel",) + _COMMON),

@@ -47,7 +47,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ._device import byte_window, transpose_bytes_4x4
+from ._kernel_lib import byte_window, transpose_bytes_4x4
 from ._specs import (BF16_OUT, BLOCK1D, BLOCK2D, BX, BY, DQ_THREADS, DQ_TILE,
                      F32_OUT, MXFP8, OUT_SIZE, ROWS, SCALAR, TILES, piece_of, transposed)
 from ._specs import dequantize_launch_bounds as launch_bounds

@@ -801,7 +801,7 @@ __all__ += ["e4m3x4_f32", "e5m2x4_f32", "fp8x4_f32", "bf16x2_pack", "f16x2_pack"
 # Narrow stores at byte offsets of a uint8 pointer, and a pointer's address: the rows of a
 # (K, M) byte array with M % 16 != 0 start at every alignment, so a kernel writing them finds
 # each row's alignment from the address and uses the widest store that fits
-# (_device.tile_row_storer; its 8- and 16-byte stores are st_v2_at / st_v4_at).
+# (_kernel_lib.tile_row_storer; its 8- and 16-byte stores are st_v2_at / st_v4_at).
 #   * addr_of(p): the address of pointer p as uint64 (simulator: of the simulated buffer);
 #   * st8_u8 / st8_u16 / st8_u32(p, off, v): the low 1 / 2 / 4 bytes of uint32 v at byte
 #     offset `off` of uint8 pointer p (address aligned to the size; the simulator checks it).

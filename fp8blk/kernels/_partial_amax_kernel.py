@@ -21,8 +21,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import _device as dev
-from ._device import e8m0_code
+from . import _kernel_lib as dev
+from ._kernel_lib import e8m0_code
 from ._numba import (bf16x2_f32, bits_f32, cuda, device, f16x2_f32,
                      f32_bf16_bits, f32_f16_bits, fmax32, group_fmax, ld_v4, ptr,
                      shfl_xor_f32, types)

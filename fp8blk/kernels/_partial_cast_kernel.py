@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._device import e8m0_multiplier, fp32_scale
+from ._kernel_lib import e8m0_multiplier, fp32_scale
 from ._numba import bits_f32, cuda, device, pack4_e4m3, pack4_e5m2, ptr, types
 from ._partial_amax_kernel import decode4, load_group, model_rounder, shard_of, weight_of
 from ._specs import (CAST_CHUNK, CAST_GROUPS, CAST_THREADS, F_CAST0, F_CASTF0, F_COLBUF,

@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _device as dev
+from . import _kernel_lib as dev
 from ._specs import BLOCK2D, MXFP8
 from ._specs import quantize_tile as tile_shape
 from ._numba import (absmax_bf16x2, absmax_f16x2, cuda, device, fmax32,
                      group_fmax, pack4_fp8, ptr, shfl_idx_f32, shfl_xor_f32, st_u32_at,
-                     st_v2_at, st_v4_at, types)
+                     st_v2_at, types)
 
 def argtypes(spec):
     """Numba argument types of the kernel for `spec`."""
@@ -79,8 +79,6 @@ def make_kernel_pyfunc(spec):
     TRANS = COL and not IS_MX                    # (K, M) transposed columnwise output
     TKT, TMW = (TK, TM // 4 + 1) if TRANS else (1, 1)   # +1 word: conflict-free 16B reads
     TKC = TK if COLRED else 1
-    NOUT = (TK * TM // 16) // NT if TRANS else 0    # 16-byte stores per thread
-    PARTS = TM // 16
     NAN_WORD = np.uint32(dev.NAN_WORD[KIND])
     NAN_HALF = dev.NAN_HALF.get(KIND, 0)
     ONE = np.float32(1.0)
@@ -104,7 +102,7 @@ def make_kernel_pyfunc(spec):
                                    spec.vmax)
     fill_padding = dev.fill_padding
     ld_v4_at_or = dev.ld_v4_at_or
-    store_unaligned = dev.tile_row_storer(TK, TM, NT) if TRANS and not COLVEC else None
+    store_tile = dev.tile_storer(TK, TM, NT, COLVEC) if TRANS else None
     float32, uint32 = types.float32, types.uint32
 
     @device
@@ -369,20 +367,9 @@ def make_kernel_pyfunc(spec):
                         elem(raw, 4 * q, e) * sc, elem(raw, 4 * q + 1, e) * sc,
                         elem(raw, 4 * q + 2, e) * sc, elem(raw, 4 * q + 3, e) * sc)
             cuda.syncthreads()
-            if COLVEC:
-                for it in range(NOUT):
-                    u = tid + NT * it
-                    kk = u // PARTS
-                    part = u % PARTS
-                    k = k0 + kk
-                    mm = m0 + part * 16
-                    if k < K and mm < M:
-                        st_v4_at(cdata, k * M + mm, tb[kk, part * 4], tb[kk, part * 4 + 1],
-                                 tb[kk, part * 4 + 2], tb[kk, part * 4 + 3])
-            else:
-                # rows of (K, M) are not 16-byte aligned: aligned 16-byte chunks, the
-                # partial chunks at the row ends with 1/2/4/8-byte stores
-                store_unaligned(tb, cdata, k0, m0, K, M, tid)
+            # rows of (K, M) not 16-byte aligned (not COLVEC): aligned 16-byte chunks, the
+            # partial chunks at the row ends with 1/2/4/8-byte stores
+            store_tile(tb, cdata, k0, m0, K, M, tid)
 
     return kernel
 

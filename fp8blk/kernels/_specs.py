@@ -24,6 +24,8 @@ NAN_HALF = {BF16: 0x7FC0, F16: 0x7E00}
 
 # ---- recipe kinds -----------------------------------------------------------------------------
 BLOCK1D, BLOCK2D, MXFP8 = "block1d", "block2d", "mxfp8"
+# the kernels' kind of each recipe, keyed by ``fp8blk.layout.recipe_kind``
+RECIPE_OF_KIND = {"Block1D": BLOCK1D, "Block2D": BLOCK2D, "MXFP8": MXFP8}
 
 
 # ---- quantize ---------------------------------------------------------------------------------
@@ -114,11 +116,6 @@ def quantize_tile(spec):
     if spec.columnwise:  # MXFP8 with 32x1 blocks: the tile is one block tall
         return 32, (256 if ve == 8 else 128)
     return (64 if ve == 8 else 32), 128
-
-
-def quantize_grid(spec, rows, cols):
-    tm, tk = quantize_tile(spec)
-    return (-(-rows // tm), -(-cols // tk), 1)
 
 
 # ---- dequantize -------------------------------------------------------------------------------

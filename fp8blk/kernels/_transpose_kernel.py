@@ -5,7 +5,7 @@ c = t % 8) loads 16 bytes from each of rows 4q..4q+3 (four 16-byte loads in flig
 transposes the 4 x 16 bytes in registers with ``prmt`` into 16 words (one per column, 4 rows
 each), writes them to a shared tile of words [128 cols][32 + 1], and after one barrier each
 thread stores 4 x 16 bytes of output rows (rows that are not 16-byte aligned, R % 16 != 0:
-``_device.tile_row_storer``). Addresses are byte offsets (no 64-bit division). CTA (0, 0)
+``_kernel_lib.tile_row_storer``). Addresses are byte offsets (no 64-bit division). CTA (0, 0)
 also transposes the (tiny) scale tensor's entry for its tile; every CTA writes its own tile's
 scale, and all CTAs share the padding fill.
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _device as dev
-from ._numba import cuda, ptr, st_v4_at, types
+from . import _kernel_lib as dev
+from ._numba import cuda, ptr, types
 from ._specs import TR_THREADS as THREADS
 from ._specs import TR_TILE as T
 
@@ -27,7 +27,7 @@ def make_kernel_pyfunc(vec_in, vec_out):
     uint32 = types.uint32
     ONE = np.float32(1.0)
     fill_padding = dev.fill_padding
-    store_unaligned = dev.tile_row_storer(T, T, THREADS)
+    store_tile = dev.tile_storer(T, T, THREADS, vec_out)
     ld_v4_at_or = dev.ld_v4_at_or
     transpose_bytes_4x4 = dev.transpose_bytes_4x4
     TB_SHAPE = (T, T // 4 + 1)  # +1 word per row: conflict-free 16-byte reads
@@ -72,20 +72,9 @@ def make_kernel_pyfunc(vec_in, vec_out):
             tb[16 * c + 4 * w + 2, q] = t2
             tb[16 * c + 4 * w + 3, q] = t3
         cuda.syncthreads()
-        if vec_out:
-            for it in range(T * T // 16 // THREADS):
-                u = tid + THREADS * it
-                kk = u // 8
-                part = u % 8
-                k = c0 + kk
-                mm = r0 + part * 16
-                if k < C and mm < R:
-                    st_v4_at(dst, k * R + mm, tb[kk, part * 4], tb[kk, part * 4 + 1],
-                             tb[kk, part * 4 + 2], tb[kk, part * 4 + 3])
-        else:
-            # output rows not 16-byte aligned: aligned 16-byte chunks, the partial chunks at
-            # the row ends with 1/2/4/8-byte stores
-            store_unaligned(tb, dst, c0, r0, C, R, tid)
+        # output rows not 16-byte aligned (not vec_out): aligned 16-byte chunks, the partial
+        # chunks at the row ends with 1/2/4/8-byte stores
+        store_tile(tb, dst, c0, r0, C, R, tid)
 
     return kernel
 

@@ -13,34 +13,28 @@ from dataclasses import replace
 import numpy as np
 
 from .._arrays import BF16
-from ..formats import Block1D, Block2D, E4M3, MXFP8
+from ..formats import E4M3
+from ..layout import cdiv, recipe_kind
 from . import _specs as sp
 from . import _compiled
-from ._device_arrays import adapter_of
-from ._host import SIM, cached_plan, cdiv, scalars
+from ._adapters import adapter_of
+from ._launch import SIM, Tuning, cached_plan, plan_cache, scalars
 from ._specs import (BF16_OUT, BX, BY, DQ_THREADS, DQ_TILE, F16_OUT, F32_OUT, MAX_GRID_Y, PIECE,
                      ROWS, SCALAR, TILES, DequantizeSpec, piece_of, transposed)
 
 _OUT = {np.dtype(np.float32): F32_OUT, BF16: BF16_OUT, np.dtype(np.float16): F16_OUT}
 
 
-_settings = sp.DequantizeSettings()
-
-
-def use_settings(settings):
-    """Make `settings` (a ``_specs.DequantizeSettings``) the tuning of later calls; returns
-    the previous settings. Every setting is a spec field (part of the cache key)."""
-    global _settings
-    if not isinstance(settings, sp.DequantizeSettings):
-        raise TypeError(f"settings must be a DequantizeSettings, got {type(settings).__name__}")
-    previous, _settings = _settings, settings
-    _plans.clear()
-    return previous
+# (recipe kind, columnwise, e4m3, out kind, M, K, ld, data address % 16, sinv address % 16,
+# device) -> _Plan
+_plans = plan_cache()
+_tuning = Tuning(sp.DequantizeSettings(), (_plans,))
+use_settings = _tuning.use  # (a _specs.DequantizeSettings) -> the previous settings
 
 
 def lpr_shift(spec, cols):
     """log2 of the lanes per row of the rows kernel: enough for a row's pieces, at most 32."""
-    pieces = -(-cols // piece_of(spec))
+    pieces = cdiv(cols, piece_of(spec))
     s = 0
     while s < 5 and (1 << s) < pieces:
         s += 1
@@ -85,7 +79,7 @@ class _Plan:
     def __init__(self, recipe_kind, columnwise, e4m3, out_kind, rows, cols, ld, data_align,
                  sinv_align, device):
         spec = DequantizeSpec(recipe_kind, bool(columnwise), bool(e4m3), out_kind, None,
-                              rows_per_thread=_settings.rows_per_thread)
+                              rows_per_thread=_tuning.settings.rows_per_thread)
         spec = self.spec = choose_path(spec, rows, cols, ld, data_align, sinv_align)
         self.kernel = _compiled.kernel("dequantize", spec, device)
         values = [rows, cols, ld]
@@ -107,16 +101,13 @@ class _Plan:
         self.arg_dtypes = _compiled.arg_dtypes("dequantize", spec, 3) if SIM else (None,) * 3
 
 
-# (recipe kind, columnwise, e4m3, out kind, M, K, ld, data address % 16, sinv address % 16)
-_plans = {}
-_KIND = {Block1D: sp.BLOCK1D, Block2D: sp.BLOCK2D, MXFP8: sp.MXFP8}
 
 
 def plan_for(recipe, columnwise, out_kind, rows, cols, data, sinv):
     """The cached :class:`_Plan` of a call (public for tests and benchmarks)."""
     ad = adapter_of(data)
-    key = (_KIND[type(recipe)], columnwise, recipe.fmt is E4M3, out_kind, rows, cols,
-           sinv.shape[1], ad.ptr(data) % 16, ad.ptr(sinv) % 16, ad.device(data))
+    key = (sp.RECIPE_OF_KIND[recipe_kind(recipe)], columnwise, recipe.fmt is E4M3, out_kind,
+           rows, cols, sinv.shape[1], ad.ptr(data) % 16, ad.ptr(sinv) % 16, ad.device(data))
     return cached_plan(_plans, key, _Plan)
 
 

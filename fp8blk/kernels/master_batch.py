@@ -26,7 +26,7 @@ from .. import _arrays
 from ..formats import Block2D, E4M3
 from ..layout import cdiv, round_up
 from ..tensor import cupy_buffers
-from ._host import SIM, data_ptr, module_of
+from ._launch import SIM, data_ptr, module_of
 from ._specs import (CAST_CHUNK, F_AMAX0, F_AMAXF0, F_BAND0, F_CAST0, F_CASTF0, F_COLBUF,
                      F_COLDATA, F_COLSINV, F_E4M3, F_EPS, F_FASTROW0, F_FASTROW1, F_H, F_HASCOL,
                      F_HASROW, F_MBF16, F_MOFF, F_MVEC, F_N, F_NCB, F_NFC, F_O, F_POW2, F_ROWBUF,

@@ -10,6 +10,7 @@ import numpy as np
 from .. import _arrays
 from . import _compiled
 from . import _specs as sp
+from ._launch import Tuning
 from ._specs import AMAX2D_THREADS, MXAMAX_THREADS
 from .master_batch import batch_for, ptr_arg  # noqa: F401  (batch_for: master's door)
 
@@ -27,19 +28,9 @@ def model_kind(dtype):
     return kind
 
 
-_settings = sp.MasterSettings()
 _kernels = {}  # (block2d, model, with_col, fast_path) -> kernel
-
-
-def use_settings(settings):
-    """Make `settings` (a ``_specs.MasterSettings``) the tuning of later partial-amax launches
-    (``partial_cast.use_settings`` sets the cast's); returns the previous settings."""
-    global _settings
-    if not isinstance(settings, sp.MasterSettings):
-        raise TypeError(f"settings must be a MasterSettings, got {type(settings).__name__}")
-    previous, _settings = _settings, settings
-    _kernels.clear()
-    return previous
+_tuning = Tuning(sp.MasterSettings(), (_kernels,))
+use_settings = _tuning.use  # (a _specs.MasterSettings) -> the previous settings
 
 
 def kernel_for(block2d, model, with_col, fast_path):
@@ -47,7 +38,7 @@ def kernel_for(block2d, model, with_col, fast_path):
     key = (block2d, model, with_col, fast_path)
     k = _kernels.get(key)
     if k is None:
-        spec = sp.partial_amax_spec(block2d, model, with_col, fast_path, _settings)
+        spec = sp.partial_amax_spec(block2d, model, with_col, fast_path, _tuning.settings)
         k = _kernels[key] = _compiled.kernel("partial_amax", spec)
     return k
 

@@ -9,25 +9,16 @@ import numpy as np
 
 from . import _compiled
 from . import _specs as sp
+from ._launch import Tuning
 from ._specs import CAST_THREADS, SCALE_THREADS
 from .master_batch import ptr_arg
 
 __all__ = ["launch_scales", "launch_cast"]
 
 
-_settings = sp.MasterSettings()
 _kernels = {}  # ("scale", block2d, vinf) / ("cast", block2d, model, with_col, fast) -> kernel
-
-
-def use_settings(settings):
-    """Make `settings` (a ``_specs.MasterSettings``) the tuning of later cast launches;
-    returns the previous settings."""
-    global _settings
-    if not isinstance(settings, sp.MasterSettings):
-        raise TypeError(f"settings must be a MasterSettings, got {type(settings).__name__}")
-    previous, _settings = _settings, settings
-    _kernels.clear()
-    return previous
+_tuning = Tuning(sp.MasterSettings(), (_kernels,))
+use_settings = _tuning.use  # (a _specs.MasterSettings) -> the previous settings
 
 
 def scale_kernel(block2d, vinf):
@@ -45,7 +36,7 @@ def cast_kernel(block2d, model, with_col, fast_path):
     key = ("cast", block2d, model, with_col, fast_path)
     k = _kernels.get(key)
     if k is None:
-        spec = sp.partial_cast_spec(block2d, model, with_col, fast_path, _settings)
+        spec = sp.partial_cast_spec(block2d, model, with_col, fast_path, _tuning.settings)
         k = _kernels[key] = _compiled.kernel("partial_cast", spec)
     return k
 

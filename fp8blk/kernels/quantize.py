@@ -13,34 +13,28 @@ import numpy as np
 
 from .. import scaling
 from .._arrays import BF16, numpy_to_torch_dtype
-from ..formats import Block1D, Block2D, E4M3, MXFP8
-from ..layout import buffer_layouts
+from ..formats import E4M3, MXFP8
+from ..layout import buffer_layouts, recipe_kind
 from . import _compiled
 from . import _specs as sp
-from ._device_arrays import adapter_of, contiguous_strides, torch_launch
-from ._host import SIM, cached_plan, kind_of, round_up, scalars
+from ._adapters import adapter_of, contiguous_strides, torch_launch
+from ._launch import (SIM, Tuning, cached_plan, cdiv, kind_of, plan_cache, round_up,
+                      scalars)
 
-_RECIPE_KIND = {Block1D: sp.BLOCK1D, Block2D: sp.BLOCK2D, MXFP8: sp.MXFP8}
 _VMAX = {sp.F32: scaling.FLT_MAX, sp.BF16: scaling.dtype_max(BF16),
          sp.F16: scaling.dtype_max(np.float16)}
 
-# (recipe, kind, rowwise, columnwise, vec, col_vec) -> (kernel, spec): the per-call lookup
+# (recipe, kind, rowwise, columnwise, vec, col_vec, device) -> (kernel, spec): the per-call
+# lookup (one entry per kernel variant in use: few)
 _kernels = {}
-_settings = sp.QuantizeSettings()
-
-
-def use_settings(settings):
-    """Make `settings` (a ``_specs.QuantizeSettings``) the tuning of later calls (benchmarks
-    and sweeps); returns the previous settings. Every setting is a field of the kernels'
-    specs, so variants of different settings are different cache entries."""
-    global _settings
-    if not isinstance(settings, sp.QuantizeSettings):
-        raise TypeError(f"settings must be a QuantizeSettings, got {type(settings).__name__}")
-    previous, _settings = _settings, settings
-    _kernels.clear()
-    _plans.clear()
-    repeat_calls.clear()
-    return previous
+_plans = plan_cache()  # call signature -> _Plan
+# The public ``fb.quantize`` validates a call once per (array type, recipe, dtype, shape,
+# directions, alignment, device) and keeps a launcher for it here; a later call with the same
+# key skips the checks, the plan lookup and the adapters: on the GPU its host time is the
+# allocations and the launch.
+repeat_calls = plan_cache()
+_tuning = Tuning(sp.QuantizeSettings(), (_kernels, _plans, repeat_calls))
+use_settings = _tuning.use  # (a _specs.QuantizeSettings) -> the previous settings
 
 
 def spec_for(recipe, kind, rowwise, columnwise, vec, col_vec, settings=None):
@@ -49,10 +43,10 @@ def spec_for(recipe, kind, rowwise, columnwise, vec, col_vec, settings=None):
     aligned input, `col_vec` M % 16 == 0; `settings` default: the current ones."""
     is_mx = isinstance(recipe, MXFP8)
     return sp.quantize_spec(
-        _RECIPE_KIND[type(recipe)], kind, recipe.fmt is E4M3, rowwise, columnwise,
+        sp.RECIPE_OF_KIND[recipe_kind(recipe)], kind, recipe.fmt is E4M3, rowwise, columnwise,
         pow2=False if is_mx else recipe.pow2_scales,
         eps=0.0 if is_mx else recipe.amax_epsilon, vmax=_VMAX[kind], vec=vec, col_vec=col_vec,
-        settings=_settings if settings is None else settings)
+        settings=_tuning.settings if settings is None else settings)
 
 
 def _kernel_for(recipe, kind, rowwise, columnwise, vec, col_vec, device):
@@ -77,7 +71,8 @@ class _Plan:
     def __init__(self, recipe, kind, rows, cols, rowwise, columnwise, vec, device):
         self.kernel, spec = _kernel_for(recipe, kind, rowwise, columnwise, vec, rows % 16 == 0,
                                         device)
-        self.grid = sp.quantize_grid(spec, rows, cols)
+        tm, tk = sp.quantize_tile(spec)
+        self.grid = (cdiv(rows, tm), cdiv(cols, tk), 1)
         self.block = (spec.threads, 1, 1)
         self.shapes = [None if s is None else (s.shape, s.dtype)
                        for s in buffer_layouts(recipe, rows, cols, rowwise, columnwise)]
@@ -92,8 +87,6 @@ class _Plan:
         # element types of the five pointer arguments (the simulator's views need them)
         self.arg_dtypes = _compiled.arg_dtypes("quantize", spec, 5) if SIM else (None,) * 5
 
-
-_plans = {}
 
 
 def _check_out(ad, out, shapes):
@@ -154,12 +147,7 @@ def quantize(x2d, recipe, rowwise=True, columnwise=False, dtype=None, out=None):
     return out
 
 
-# -- repeated calls ---------------------------------------------------------------------------
-# The public ``fb.quantize`` validates a call once per (array type, recipe, dtype, shape,
-# directions, alignment, device) and keeps a launcher for it here; a later call with the same
-# key skips the checks, the plan lookup and the adapters: on the GPU its host time is the
-# allocations and the launch. Emptied with the plans (``use_settings``).
-repeat_calls = {}
+# -- repeated calls (:data:`repeat_calls`) ----------------------------------------------------
 
 
 class _TorchCall:
@@ -270,7 +258,5 @@ def record_call(x, x2d, recipe, rowwise, columnwise, dtype):
     ad = adapter_of(x2d)
     plan, ptr = _call_plan(ad, x2d, recipe, rowwise, columnwise, kind_of(ad.dtype(x2d), dtype))
     call = (_CupyCall if ad.name == "cupy" else _TorchCall)(plan, x, dtype)
-    if len(repeat_calls) > 4096:
-        repeat_calls.clear()
-    repeat_calls[(type(x), recipe, x.dtype, x.shape, rowwise, columnwise, not ptr & 15,
-                  call.index)] = call
+    repeat_calls.put((type(x), recipe, x.dtype, x.shape, rowwise, columnwise, not ptr & 15,
+                      call.index), call)

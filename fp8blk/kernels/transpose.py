@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import _compiled
-from ._device_arrays import adapter_of
-from ._host import cdiv, round_up, scalars
+from ._adapters import adapter_of
+from ._launch import cdiv, round_up, scalars
 from ._specs import TR_THREADS as THREADS
 from ._specs import TR_TILE as T
 from ._specs import TransposeSpec

@@ -18,7 +18,7 @@ QUANTIZE_CASES = [
     ("mx-e5m2", "f32", True, True, (64, 96)),
     ("mx", "f16", False, True, (32, 288)),
     ("mx", "bf16", True, True, (64, 256)),
-    # transposed (K, M) outputs with M % 16 != 0 (_device.tile_row_storer): an odd M starts
+    # transposed (K, M) outputs with M % 16 != 0 (_kernel_lib.tile_row_storer): an odd M starts
     # rows at every address % 16; tile rows of 128 bytes, of 16..127, and narrower than 16
     ("b1d", "bf16", False, True, (201, 128)),      # 16-byte loads; tiles of 128 + 73 bytes
     ("b2d", "bf16", True, True, (142, 96)),        # 128 + 14 bytes; rows k >= K skipped

@@ -26,7 +26,7 @@ from _cases import (DTYPES, RECIPES, make_input, plant_fp8_specials,  # noqa: E4
                     same_bytes)
 from sim_cases import DEQUANT_CASES, QUANTIZE_CASES, TRANSPOSE_CASES  # noqa: E402
 from fp8blk import reference as ref  # noqa: E402
-from fp8blk.kernels import quantize as kquantize  # noqa: E402
+from fp8blk.kernels.quantize import quantize as kquantize  # noqa: E402
 from fp8blk.kernels.dequantize import dequantize as kdq  # noqa: E402
 from fp8blk.kernels.transpose import block2d_columnwise_from_rowwise as ktr  # noqa: E402
 

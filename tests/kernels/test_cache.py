@@ -134,7 +134,7 @@ def test_dequantize_rows_per_thread_is_in_the_key_and_the_plan():
     import numpy as np
 
     from fp8blk import Block1D
-    dq = sys.modules["fp8blk.kernels.dequantize"]
+    from fp8blk.kernels import dequantize as dq
     spec4 = sp.DequantizeSpec(sp.BLOCK1D, False, True, sp.BF16_OUT, sp.ROWS)
     spec2 = dataclasses.replace(spec4, rows_per_thread=2)
     assert _compiled.key("dequantize", spec4, (9, 0))[0] != \
@@ -291,14 +291,14 @@ import json, sys
 import fp8blk as fb
 from fp8blk.kernels import _cache, _compiled
 from fp8blk.kernels import _specs as sp
-q = sys.modules["fp8blk.kernels.quantize"]
+from fp8blk.kernels import quantize as q
 spec = q.spec_for(fb.Block1D(), sp.BF16, True, True, True, True)
 digest, _ = _compiled.key("quantize", spec, (9, 0))
 entry = _cache.store().read("quantize", digest)
 print(json.dumps({"digest": digest, "hit": entry is not None,
                   "numba": sorted(m for m in sys.modules
                                   if m.split(".")[0] == "numba" or m.endswith("_kernel")
-                                  or m.endswith("._numba") or m.endswith("._device"))}))
+                                  or m.endswith("._numba") or m.endswith("._kernel_lib"))}))
 """
 
 

@@ -34,7 +34,7 @@ import hashlib, json, sys
 import numpy as np
 import cupy
 import fp8blk as fb
-from fp8blk import kernels
+from fp8blk.kernels import backend as kernels
 from fp8blk.kernels import _cache
 rng = np.random.default_rng(7)
 x = (rng.standard_normal((1000, 1100)) * np.exp(rng.uniform(-8, 8, (1000, 1)))).astype(np.float32)

@@ -1,21 +1,16 @@
 """GPU dequantize kernels byte for byte against the reference on fresh random data, every path
 (``pytest -m gpu tests/kernels``; skipped without CUDA + CuPy)."""
-import os
-import sys
-
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _cases import (DTYPES, RECIPES, make_input, plant_fp8_specials,  # noqa: E402
-                    same_bytes)
-
-from fp8blk import reference as ref  # noqa: E402
+from fp8blk import reference as ref
+from tests.kernels._cases import DTYPES, RECIPES, make_input, plant_fp8_specials, same_bytes
 
 pytestmark = pytest.mark.gpu
 
+
 def _kernels():
-    from fp8blk import kernels
+    from fp8blk.kernels import backend as kernels
 
     return kernels
 

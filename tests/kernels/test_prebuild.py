@@ -1,6 +1,6 @@
-"""``python -m fp8blk prebuild`` (fp8blk/_prebuild.py) on the CPU: real kernel variants compile
-through the one compile route into cubin files of the cache, deterministically, and a second
-run finds them cached."""
+"""``python -m fp8blk prebuild`` (fp8blk/cli/prebuild.py over fp8blk/kernels/prebuild.py) on
+the CPU: real kernel variants compile through the one compile route into cubin files of the
+cache, deterministically, and a second run finds them cached."""
 import os
 import subprocess
 import sys
@@ -11,9 +11,10 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
     pytest.skip("compiling cubins needs the real Numba CUDA target, not the simulator",
                 allow_module_level=True)
 
-from fp8blk import _prebuild  # noqa: E402
+from fp8blk.cli import prebuild as cli_prebuild  # noqa: E402
 from fp8blk.kernels import _cache, _compiled  # noqa: E402
 from fp8blk.kernels import _specs as sp  # noqa: E402
+from fp8blk.kernels import prebuild as kprebuild  # noqa: E402
 from fp8blk.kernels._numba import cubin_entries  # noqa: E402
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -22,7 +23,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 def test_prebuild_two_real_variants(tmp_path, capsys):
     variants = [("transpose", sp.TransposeSpec(True, True)),
                 ("dequantize", sp.DequantizeSpec(sp.MXFP8, False, True, sp.F32_OUT, sp.ROWS))]
-    summary = _prebuild.prebuild((9, 0), jobs=2, root=str(tmp_path), variants=variants)
+    summary = cli_prebuild.prebuild((9, 0), jobs=2, root=str(tmp_path), variants=variants)
     assert summary["errors"] == [] and summary["compiled"] == 2, summary
     files = sorted(f for f in os.listdir(tmp_path) if f.endswith(".cubin"))
     assert [f.split("-")[0] for f in files] == ["dequantize", "transpose"]
@@ -37,13 +38,13 @@ def test_prebuild_two_real_variants(tmp_path, capsys):
     family, spec = variants[0]
     assert _compiled.compile_variant(family, spec, (9, 0))[1] == \
         store.read(family, _compiled.key(family, spec, (9, 0))[0]).cubin
-    again = _prebuild.prebuild((9, 0), jobs=2, root=str(tmp_path), variants=variants)
+    again = cli_prebuild.prebuild((9, 0), jobs=2, root=str(tmp_path), variants=variants)
     assert (again["compiled"], again["already_cached"]) == (0, 2)
     assert "2/2 variants" in capsys.readouterr().out
 
 
 def test_common_variants_and_cli_arguments():
-    variants = _prebuild.common_variants()
+    variants = kprebuild.common_variants()
     families = [f for f, _ in variants]
     # 3 recipes x 2 formats x 3 input dtypes x 3 directions; 3 x 2 x 2 directions x 3 outputs
     assert families.count("quantize") == 54 and families.count("dequantize") == 36
@@ -51,10 +52,10 @@ def test_common_variants_and_cli_arguments():
     assert len({_compiled.key(f, s, (9, 0))[0] for f, s in variants}) == len(variants)
     assert all(s.vec and s.col_vec for f, s in variants if f == "quantize")
     assert all(s.path != sp.SCALAR and s.piece == 0 for f, s in variants if f == "dequantize")
-    assert _prebuild.parse_cc("90") == (9, 0) and _prebuild.parse_cc("10.0") == (10, 0)
-    assert _prebuild.parse_cc("sm_90a") == (9, 0) and _prebuild.parse_cc("120") == (12, 0)
+    assert cli_prebuild.parse_cc("90") == (9, 0) and cli_prebuild.parse_cc("10.0") == (10, 0)
+    assert cli_prebuild.parse_cc("sm_90a") == (9, 0) and cli_prebuild.parse_cc("120") == (12, 0)
     with pytest.raises(ValueError, match="--cc"):
-        _prebuild.parse_cc("nine")
+        cli_prebuild.parse_cc("nine")
     out = subprocess.run([sys.executable, "-m", "fp8blk", "prebuild", "--help"], cwd=_REPO,
                          capture_output=True, text=True, check=True).stdout
     assert "--cc" in out and "--jobs" in out and "--dir" in out
@@ -63,4 +64,4 @@ def test_common_variants_and_cli_arguments():
 def test_prebuild_refuses_when_the_cache_is_off(monkeypatch, tmp_path):
     monkeypatch.setenv("FP8BLK_KERNEL_CACHE", "0")
     with pytest.raises(RuntimeError, match="FP8BLK_KERNEL_CACHE"):
-        _prebuild.prebuild((9, 0), root=str(tmp_path), variants=[])
+        cli_prebuild.prebuild((9, 0), root=str(tmp_path), variants=[])

@@ -1,16 +1,11 @@
 """GPU quantize kernels byte for byte against the reference on fresh random data (run on the
 H200: ``pytest -m gpu tests/kernels``; skipped without CUDA + CuPy)."""
-import os
-import sys
-
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _cases import BF16, DTYPES, RECIPES, make_input, same_bytes  # noqa: E402
-
-import fp8blk as fb  # noqa: E402
-from fp8blk import reference as ref  # noqa: E402
+import fp8blk as fb
+from fp8blk import reference as ref
+from tests.kernels._cases import BF16, DTYPES, RECIPES, make_input, same_bytes
 
 pytestmark = pytest.mark.gpu
 
@@ -24,7 +19,7 @@ def _to_device(x):
 
 
 def _kernels():
-    from fp8blk import kernels
+    from fp8blk.kernels import backend as kernels
 
     return kernels
 

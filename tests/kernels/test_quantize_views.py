@@ -3,7 +3,6 @@
 view must cover exactly the bytes of its docs/layouts.md buffer, densely, and a direction is
 viewed iff it is held. The GPU side (the bytes the kernels write through such views) is
 tests/torch/linear/test_plans.py."""
-import importlib
 
 import numpy as np
 import pytest
@@ -12,10 +11,8 @@ torch = pytest.importorskip("torch")
 
 import fp8blk as fb  # noqa: E402
 from fp8blk._arrays import numpy_to_torch_dtype  # noqa: E402
+from fp8blk.kernels import quantize as kq  # noqa: E402
 from fp8blk.layout import buffer_layouts  # noqa: E402
-
-# the module (fp8blk.kernels.quantize is also the name of the package's quantize function)
-kq = importlib.import_module("fp8blk.kernels.quantize")
 
 F8 = torch.float8_e4m3fn
 

@@ -5,16 +5,11 @@ The simulator must be enabled before numba is imported, so the cases run in one 
 case is reported as its own test here.
 """
 import json
-import os
-import sys
 
 import pytest
 
 from tests import sim_jobs
-
-HERE = os.path.dirname(__file__)
-sys.path.insert(0, HERE)
-import sim_cases  # noqa: E402
+from tests.kernels import sim_cases
 
 NAMES = sim_cases.names()
 

@@ -1,21 +1,17 @@
 """GPU Block2D transpose byte for byte against the reference (``pytest -m gpu tests/kernels``;
 skipped without CUDA + CuPy)."""
-import os
-import sys
-
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _cases import make_input, same_bytes  # noqa: E402
-
-import fp8blk as fb  # noqa: E402
-from fp8blk import reference as ref  # noqa: E402
+import fp8blk as fb
+from fp8blk import reference as ref
+from tests.kernels._cases import make_input, same_bytes
 
 pytestmark = pytest.mark.gpu
 
+
 def _kernels():
-    from fp8blk import kernels
+    from fp8blk.kernels import backend as kernels
 
     return kernels
 

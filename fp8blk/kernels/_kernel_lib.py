@@ -196,6 +196,31 @@ def fill_padding(p, rows_valid, cols_valid, rows_total, cols_total, value, gtid,
 
 
 @lru_cache(maxsize=None)
+def tile_storer(tile_rows, row_bytes, nthreads, aligned):
+    """``store(tb, dst, k0, m0, K, M, tid)``: write a shared tile of transposed bytes (the
+    layout of :func:`tile_row_storer`) to the (K, M) byte array `dst`. `aligned` (M % 16 == 0,
+    `dst` 16-byte aligned): every 16 bytes of a tile row with one 16-byte store, a CTA's
+    `nthreads` threads taking consecutive chunks; else :func:`tile_row_storer`."""
+    if not aligned:
+        return tile_row_storer(tile_rows, row_bytes, nthreads)
+    NOUT = tile_rows * row_bytes // 16 // nthreads    # 16-byte stores per thread
+    PARTS = row_bytes // 16                          # 16-byte chunks per tile row
+
+    @device
+    def store(tb, dst, k0, m0, K, M, tid):
+        for it in range(NOUT):
+            u = tid + nthreads * it
+            kk = u // PARTS
+            part = u % PARTS
+            k = k0 + kk
+            mm = m0 + part * 16
+            if k < K and mm < M:
+                st_v4_at(dst, k * M + mm, tb[kk, part * 4], tb[kk, part * 4 + 1],
+                         tb[kk, part * 4 + 2], tb[kk, part * 4 + 3])
+    return store
+
+
+@lru_cache(maxsize=None)
 def tile_row_storer(tile_rows, row_bytes, nthreads):
     """``store(tb, dst, k0, m0, K, M, tid)``: write a shared tile of transposed bytes to a
     (K, M) byte array whose rows need not be 16-byte aligned (M % 16 != 0, or any address).

@@ -10,10 +10,9 @@ tensor never crosses into CuPy (DLPack costs ~24 us per import on the GPU):
   the data pointer). bfloat16 data is held as uint16 bit patterns (CuPy has no bf16).
 * torch: outputs from torch's caching allocator on the input's device, in the logical dtype
   (torch has bf16), one tensor per buffer (so that a direction dropped later frees its memory);
-  the launch goes to torch's current stream of that device, read with
-  ``torch._C._cuda_getCurrentRawStream`` (what torch's own generated code uses: ~0.2 us, where
-  ``torch.cuda.current_stream()`` costs ~5 us). The compiled kernels belong to the current CUDA
-  device: a tensor on another device is launched inside a device switch.
+  the launch goes to torch's current stream of that device (``fp8blk._arrays.torch_raw_stream``).
+  The compiled kernels belong to the current CUDA device: a tensor on another device is
+  launched inside a device switch.
 * NumPy (simulator): pointer arguments are flat NumPy views typed as the kernel indexes them.
 
 On the GPU every kernel argument is 8 bytes (a pointer or an int64), so a torch launch writes
@@ -25,12 +24,12 @@ call, so the block is reused at once. CuPy arrays go through CuPy's own ``Functi
 from __future__ import annotations
 
 import ctypes
-import sys
 import threading
 
 import numpy as np
 
-from .._arrays import BF16, torch_to_numpy_dtype, numpy_to_torch_dtype
+from .._arrays import (BF16, numpy_to_torch_dtype, torch_module, torch_raw_stream,
+                       torch_to_numpy_dtype)
 
 _U16 = np.dtype(np.uint16)
 
@@ -81,6 +80,11 @@ class _NumpyLike:
     @staticmethod
     def contiguous(arr):
         return arr.flags.c_contiguous
+
+    @staticmethod
+    def device(arr):
+        """The CUDA device index (None: host memory, under the simulator)."""
+        return None
 
     @staticmethod
     def launch(kernel, grid, block, args, like):
@@ -153,8 +157,7 @@ class _Torch:
 
     @staticmethod
     def empty(shape, dtype, like):
-        torch = sys.modules["torch"]
-        return torch.empty(shape, dtype=numpy_to_torch_dtype(dtype), device=like.device)
+        return torch_module().empty(shape, dtype=numpy_to_torch_dtype(dtype), device=like.device)
 
     @staticmethod
     def arg(arr, np_dtype):
@@ -170,10 +173,10 @@ class _Torch:
         """One torch tensor per buffer from the caching allocator (its blocks are 512-byte
         aligned), so that a direction dropped later frees its memory (a saved FP8 activation
         must not pin the other direction)."""
-        empty, device = sys.modules["torch"].empty_strided, like.device
-        dtypes = _TORCH_DTYPES or _torch_dtypes()
+        empty, device = torch_module().empty_strided, like.device
         return tuple([None if s is None else empty(s[0], contiguous_strides(s[0]),
-                                                   dtype=dtypes[s[1]], device=device)
+                                                   dtype=numpy_to_torch_dtype(s[1]),
+                                                   device=device)
                       for s in layouts])
 
     @staticmethod
@@ -186,7 +189,7 @@ def torch_launch(kernel, grid, block, args, index):
     of CUDA device `index` (what ``_Torch.launch`` does; the torch hot paths call it with the
     device index they keyed their plan by)."""
     runtime = (_cuda or _cupy_cuda())[1]
-    stream = (_RAW_STREAM or _raw_stream_init())[0](index)
+    stream = torch_raw_stream()(index)
     if runtime.getDevice() == index:
         try:
             raw_launch(kernel, grid, block, args, stream)
@@ -216,23 +219,6 @@ def contiguous_strides(shape):
 
 
 _INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
-_TORCH_DTYPES = {}  # logical NumPy dtype -> torch dtype, filled on first use
-_RAW_STREAM = []
-
-
-def _torch_dtypes():
-    torch = sys.modules["torch"]
-    _TORCH_DTYPES.update({np.dtype(np.uint8): torch.uint8, np.dtype(np.float32): torch.float32,
-                          np.dtype(np.float16): torch.float16, BF16: torch.bfloat16})
-    return _TORCH_DTYPES
-
-
-def _raw_stream_init():
-    """Look up ``torch._C._cuda_getCurrentRawStream`` (device index -> the current stream's
-    handle) once; returns the one-element list holding it."""
-    if not _RAW_STREAM:
-        _RAW_STREAM.append(sys.modules["torch"]._C._cuda_getCurrentRawStream)
-    return _RAW_STREAM
 
 
 class _Sim(_NumpyLike):
@@ -241,10 +227,6 @@ class _Sim(_NumpyLike):
     @staticmethod
     def ptr(arr):
         return arr.ctypes.data
-
-    @staticmethod
-    def device(arr):
-        return None
 
     @staticmethod
     def empty(shape, dtype, like):
@@ -279,7 +261,7 @@ def adapter_of(arr):
     hit = _BY_TYPE.get(type(arr))
     if hit is not None:
         return hit
-    torch = sys.modules.get("torch")
+    torch = torch_module()
     if torch is not None and isinstance(arr, torch.Tensor):
         if not arr.is_cuda:
             raise TypeError("the kernels take CUDA tensors; CPU tensors use the reference")

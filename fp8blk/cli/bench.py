@@ -31,8 +31,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _arrays
-from .formats import MXFP8, Block1D, Block2D
+from .. import _arrays
+from ..formats import MXFP8, Block1D, Block2D
+from .args import positive_int, writable_dir
 
 GPU_SIZES = (1024, 2048, 4096, 8192, 16384)
 CPU_SIZES = (8192,)
@@ -70,21 +71,57 @@ CASES = [
 CPU_DEFAULT_CASES = ("b1d_row", "b1d_both", "b2d_both", "mx_both")
 
 
-def add_arguments(parser):
-    """The ``bench`` subcommand's options (called by ``fp8blk.__main__``)."""
+HELP = """\
+What the kernels achieve, as a table, a JSON file and a plot.
+
+On a GPU (unless --cpu): every quantize kernel (Block1D, Block2D, MXFP8; rowwise, columnwise,
+both), the Block2D FP8 transpose and the dequantize kernels on bf16 N x N inputs over a sweep of
+sizes: median GPU time of back-to-back calls (CUDA events), host time per call, bytes moved,
+TB/s and the fraction of a device-to-device copy at the same size; at the largest size
+torch.compile of the same formulas and torchao's Triton kernels where installed.
+
+On the CPU: the same cases on float32 inputs through the NumPy reference (the CPU execution
+path, not the GPU kernels), best of --reps wall times, against a NumPy copy.
+
+--out DIR writes DIR/bench-{gpu,cpu}-DATE.json and, with matplotlib (pip install
+'fp8blk[plot]'), DIR/bench-{gpu,cpu}-DATE.png.
+"""
+
+
+def add_parser(sub):
+    """Register the ``bench`` subcommand on an argparse subparsers object."""
+    import argparse
+
+    parser = sub.add_parser("bench", help="kernel bandwidth table and plot (GPU), "
+                            "reference-path timings (CPU)", description=HELP,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", metavar="DIR",
-                        help="write bench-{gpu,cpu}-DATE.json and .png (plot needs matplotlib)")
-    parser.add_argument("--sizes", type=int, nargs="+", metavar="N",
+                        help="write bench-{gpu,cpu}-DATE.json and .png (plot needs matplotlib); "
+                             "checked for writing before the benchmark runs")
+    parser.add_argument("--sizes", type=positive_int, nargs="+", metavar="N",
                         help=f"N x N inputs (GPU default {' '.join(map(str, GPU_SIZES))}; "
                              f"CPU default {' '.join(map(str, CPU_SIZES))})")
     parser.add_argument("--cases", nargs="+", metavar="CASE",
                         help="subset of: " + " ".join(c.name for c in CASES))
     parser.add_argument("--cpu", action="store_true",
                         help="time the CPU reference path even when a GPU is present")
-    parser.add_argument("--reps", type=int, default=None,
+    parser.add_argument("--reps", type=positive_int, default=None,
                         help="timed repetitions per case (GPU: 7 x 10 calls; CPU: best of 3)")
     parser.add_argument("--no-peers", action="store_true",
                         help="skip torch.compile and torchao (they take minutes to compile)")
+    parser.set_defaults(run=run, check=check)
+    return parser
+
+
+def check(args):
+    """Usage errors found before the benchmark runs (None when there is none)."""
+    known = {c.name for c in CASES}
+    unknown = [n for n in args.cases or () if n not in known]
+    if unknown:
+        return f"unknown --cases {' '.join(unknown)}; choose from {' '.join(sorted(known))}"
+    if args.out:
+        return writable_dir(args.out, "--out")
+    return None
 
 
 # -- progress and timing --------------------------------------------------------------------
@@ -218,7 +255,7 @@ def cpu_inputs(n, count=1, seed=0):
 
 def gpu_operation(case, inputs):
     """(fn, args list, bytes per call) for a case on the GPU kernels (``fp8blk.kernels``)."""
-    from . import kernels
+    from ..kernels import backend as kernels
 
     bf16 = _arrays.BF16
     n = inputs[0].shape
@@ -240,7 +277,7 @@ def gpu_operation(case, inputs):
 
 def cpu_operation(case, inputs):
     """(fn, args list, bytes per call) for a case on the NumPy reference (``fb.quantize``)."""
-    from .ops import quantize
+    from ..ops import quantize
 
     rec, rw, cw = case.recipe, case.rowwise, case.columnwise
     if case.op == "quantize":
@@ -376,7 +413,7 @@ def run_peers(n, inputs, copy_bps, results, notes, progress):
 
 
 def _b2d_rowwise_bytes(x):
-    from . import kernels
+    from ..kernels import backend as kernels
 
     return kernels.quantize(x, Block2D(), True, False, dtype=_arrays.BF16)[0]
 
@@ -389,15 +426,6 @@ def _row(case, kind, n, seconds, host_seconds, nbytes, copy_bps, all_seconds=Non
             "host_seconds_per_call": host_seconds, "bytes": int(nbytes),
             "tb_s": nbytes / seconds / 1e12, "frac_copy": nbytes / seconds / copy_bps,
             "all_seconds": all_seconds}
-
-
-def _gpu_present():
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
 
 
 def _versions(on_gpu):
@@ -416,25 +444,20 @@ def _versions(on_gpu):
 
 
 def _select(names):
-    if not names:
-        return CASES
+    """The cases named (checked by :func:`check`), all without names."""
     known = {c.name: c for c in CASES}
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise SystemExit(f"unknown --cases {unknown}; choose from {sorted(known)}")
-    return [known[n] for n in names]
+    return [known[n] for n in names] if names else CASES
 
 
 def run(args) -> int:
     """The ``bench`` subcommand. Returns the exit status."""
-    on_gpu = not args.cpu and _gpu_present()
+    from .info import gpu_module
+
+    on_gpu = not args.cpu and gpu_module() is not None
     cases = _select(args.cases)
     if not on_gpu and not args.cases:
         cases = [c for c in CASES if c.name in CPU_DEFAULT_CASES]
     sizes = args.sizes or (GPU_SIZES if on_gpu else CPU_SIZES)
-    bad = [n for n in sizes if n <= 0]
-    if bad:
-        raise SystemExit(f"--sizes must be positive, got {bad}")
     device = "gpu" if on_gpu else "cpu"
     date = datetime.datetime.now(datetime.timezone.utc)
     report = {"device": device, "date": date.isoformat(timespec="seconds"),
@@ -604,5 +627,5 @@ def plot(report, path):
     plt.close(fig)
 
 
-__all__ = ["add_arguments", "run", "CASES", "time_cupy", "time_torch", "time_host",
+__all__ = ["add_parser", "check", "run", "CASES", "time_cupy", "time_torch", "time_host",
            "gpu_copy_bandwidth", "cpu_copy_bandwidth", "torch_formulas", "plot"]

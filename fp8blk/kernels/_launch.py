@@ -1,11 +1,12 @@
-"""Host-side helpers shared by the kernels' Python entry points: input kinds, launch-plan
-caches, scalar arguments (allocation, pointers and launches are per array family:
-``_device_arrays``)."""
+"""Host-side helpers shared by the launchers: input kinds, launch-plan caches, the tuning
+settings, scalar arguments (allocation, pointers and launches are per array family:
+``_adapters``)."""
 from __future__ import annotations
 
 import numpy as np
 
 from .._arrays import BF16
+from .._bounded import BoundedCache
 from ..layout import cdiv, round_up  # noqa: F401  (re-exported for the launchers)
 from . import _specs as sp
 from ._sim import SIM
@@ -51,16 +52,42 @@ def data_ptr(arr) -> int:
     return arr.ctypes.data if isinstance(arr, np.ndarray) else arr.data.ptr
 
 
+PLAN_CACHE_SIZE = 4096  # a program cycling through more call signatures rebuilds plans
+
+
+def plan_cache():
+    """A launcher's cache of launch plans (or of validated calls) keyed by call signature:
+    least recently used out past :data:`PLAN_CACHE_SIZE` (never unbounded memory)."""
+    return BoundedCache(PLAN_CACHE_SIZE)
+
+
 def cached_plan(cache, key, build):
     """``cache[key]``, built with ``build(*key)`` on a miss: the per-call lookup of the
-    kernels' launch plans. The cache is emptied when it passes 4096 entries (a program that
-    cycles through that many shapes pays a rebuild, never unbounded memory)."""
+    kernels' launch plans (`cache` from :func:`plan_cache`)."""
     plan = cache.get(key)
     if plan is None:
-        if len(cache) > 4096:
-            cache.clear()
-        plan = cache[key] = build(*key)
+        plan = cache.put(key, build(*key))
     return plan
+
+
+class Tuning:
+    """A launcher's settings (a ``_specs`` settings dataclass) and the caches built under them.
+    Every setting is a field of the kernels' specs, so kernels of different settings are
+    different cache entries on disk; in memory, :meth:`use` empties `caches`."""
+
+    def __init__(self, settings, caches):
+        self.settings, self._caches = settings, tuple(caches)
+
+    def use(self, settings):
+        """Make `settings` (of the launcher's settings type) the tuning of later calls
+        (benchmarks and sweeps); returns the previous settings."""
+        kind = type(self.settings)
+        if not isinstance(settings, kind):
+            raise TypeError(f"settings must be a {kind.__name__}, got {type(settings).__name__}")
+        previous, self.settings = self.settings, settings
+        for cache in self._caches:
+            cache.clear()
+        return previous
 
 
 def scalars(*values):

@@ -1,9 +1,6 @@
 """GPU checks of quantize-once sharing (fp8blk/torch/linear/sharing.py) on the eager plan path,
 compiled and under CUDA graph capture, and of a tiny Hugging Face Llama with sharing and
 Float8BlockRMSNorm (skipped without transformers): the unshared path's bytes exactly."""
-import os
-import sys
-
 import pytest
 import torch
 
@@ -12,8 +9,7 @@ from fp8blk.torch.linear import sharing
 
 pytestmark = pytest.mark.gpu
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-import bench_model  # noqa: E402
+from bench import bench_model  # noqa: E402
 
 
 class Siblings(torch.nn.Module):

@@ -665,6 +665,8 @@ def main(argv=None):
     except Exception:  # noqa: BLE001
         machine["torchao"] = None
     if device.type == "cuda":
+        if device.index is None:  # "cuda": the current device, named by index from here on
+            device = torch.device("cuda", torch.cuda.current_device())
         machine["gpu"] = torch.cuda.get_device_name(device)
         torch.cuda.set_device(device)
     t0 = time.perf_counter()

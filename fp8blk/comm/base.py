@@ -46,12 +46,12 @@ Counters (``comm.stats``, a :class:`Stats`; ``comm.reset_stats()`` zeroes them):
 ``meta_calls``   barriers and the small metadata collectives fp8blk's helpers issue to check
 ``meta_bytes``   layouts and exchange sizes (see :meth:`Communicator.metadata`).
 ``ops``          {op name: [calls, bytes]} for the data collectives.
-``gather_paths`` a Counter of the paths ``gather_along_first_dim`` took ("fast", "fallback",
-                 "plain"), and ``last_gather_path`` the latest one.
+
+Features of the package add counters of their own (:meth:`Stats.add_counter`): the quantized
+gather's ``gather_paths`` and ``last_gather_path`` (:mod:`fp8blk.comm.gather`).
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 
@@ -71,9 +71,17 @@ class Stats:
     work."""
 
     _FIELDS = ("calls", "bytes", "meta_calls", "meta_bytes")
+    _added = {}  # name -> (zero, export) of the counters features added
 
     def __init__(self):
         self.reset()
+
+    @classmethod
+    def add_counter(cls, name: str, zero, export=None):
+        """A counter of a feature built on the communicators: attribute ``name`` of every
+        Stats, ``zero()`` after each reset, ``export(value)`` (default: the value) in
+        :meth:`as_dict`. The feature updates the attribute itself."""
+        cls._added[name] = (zero, export)
 
     def reset(self):
         self.calls = 0
@@ -81,8 +89,8 @@ class Stats:
         self.meta_calls = 0
         self.meta_bytes = 0
         self.ops = {}
-        self.gather_paths = collections.Counter()
-        self.last_gather_path = None
+        for name, (zero, _) in self._added.items():
+            setattr(self, name, zero())
 
     def record(self, op: str, nbytes: int, meta: bool = False):
         if meta:
@@ -95,18 +103,17 @@ class Stats:
         entry[0] += 1
         entry[1] += int(nbytes)
 
-    def record_gather_path(self, path: str):
-        self.gather_paths[path] += 1
-        self.last_gather_path = path
-
     def __getitem__(self, name):
         return getattr(self, name)
 
     def as_dict(self) -> dict:
-        return {"calls": self.calls, "bytes": self.bytes, "meta_calls": self.meta_calls,
-                "meta_bytes": self.meta_bytes, "ops": {k: list(v) for k, v in self.ops.items()},
-                "gather_paths": dict(self.gather_paths),
-                "last_gather_path": self.last_gather_path}
+        result = {"calls": self.calls, "bytes": self.bytes, "meta_calls": self.meta_calls,
+                  "meta_bytes": self.meta_bytes,
+                  "ops": {k: list(v) for k, v in self.ops.items()}}
+        for name, (_, export) in self._added.items():
+            value = getattr(self, name)
+            result[name] = value if export is None else export(value)
+        return result
 
     def __repr__(self):
         return f"Stats({self.as_dict()})"
@@ -407,9 +414,6 @@ class Communicator:
         raise NotImplementedError
 
     # -- internal hooks of the quantized gather (fp8blk.comm.gather) --------------------------
-    #: the quantized gather's cache of plans (fp8blk.comm.gather.plan_cache)
-    _gather_plans = None
-
     #: True for backends that order against torch's current stream (torch process groups):
     #: the gather makes its communication stream torch's current stream around them
     _orders_torch_stream = False

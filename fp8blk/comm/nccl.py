@@ -29,7 +29,6 @@ import contextlib
 import numpy as np
 
 from .. import _arrays
-from ._native import torch_stream_ptr
 from .base import Communicator, Handle, torch_gather_out
 
 _F16 = np.dtype(np.float16)
@@ -76,7 +75,7 @@ def _direct_pair(inp, out, size):
         out = torch_gather_out(torch, inp, out, size) if inp.is_cuda else None
         if out is None:
             return None
-        stream = torch_stream_ptr(torch, inp.device.index)
+        stream = _arrays.torch_raw_stream()(inp.device.index)
         return (inp.numel() * inp.element_size(), inp.data_ptr(), out.data_ptr(), stream, out)
     cupy = _arrays.cupy_module()
     if cupy is None or type(inp) is not cupy.ndarray or inp.ndim == 0 \

@@ -11,9 +11,10 @@ import types
 
 import numpy as np
 
-from fp8blk.comm import Communicator, Handle, NCCLComm, _native
+from fp8blk.comm import Communicator, Handle, NCCLComm
+from fp8blk.comm.gather.arrays import NumpyOps
 from fp8blk.comm import nccl as nccl_module
-from fp8blk.comm._device_copy import Copies
+from fp8blk.comm.gather.copies import Copies
 
 STREAM = 0x5EED  # the stream handle DeviceOps reports (HostRuntime checks it comes back)
 
@@ -137,7 +138,7 @@ class HostRuntime:
         ctypes.memset(ptr, value, size)
 
 
-class DeviceOps(_native.NumpyOps):
+class DeviceOps(NumpyOps):
     """NumPy arrays taken for device arrays: the gather takes its device path on them (the
     fix-up's runtime calls, no views per call), on the stream handle ``STREAM``."""
 

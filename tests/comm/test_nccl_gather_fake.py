@@ -12,7 +12,8 @@ import pytest
 import fp8blk as fb
 from fp8blk.comm import GatherFallbackWarning
 from fp8blk.comm import nccl as nccl_module
-from fp8blk.comm.gather import gather_along_first_dim, plan_cache
+from fp8blk.comm.gather import gather_along_first_dim, plan_cache, plan as gather_plan
+from fp8blk.comm.gather import arrays as gather_arrays, paths as gather_paths
 
 from .fake_ranks import DeviceOps, FakeNccl, host_nccl, run_ranks
 
@@ -108,9 +109,7 @@ def test_torch_native_arrays(fake_nccl, monkeypatch, recipe, rowwise, columnwise
     """The path torch CUDA inputs take (torch output buffers, torch windows and strided
     copies, pointers from data_ptr), run on CPU tensors standing in for CUDA ones."""
     torch = pytest.importorskip("torch")
-    from fp8blk.comm import _native, gather as gather_module
-
-    monkeypatch.setattr(gather_module, "_internal_ops", lambda src: _native.ops_for(src.x))
+    monkeypatch.setattr(gather_paths, "result_ops", lambda src: gather_arrays.ops_for(src.x))
     monkeypatch.setattr(nccl_module, "_ptr", lambda arr: arr.data_ptr()
                         if isinstance(arr, torch.Tensor) else arr.ctypes.data)
     n, k = 3, 96 if isinstance(recipe, fb.MXFP8) else 260
@@ -175,8 +174,6 @@ def test_device_fix_up_calls(fake_nccl, monkeypatch, recipe, rowwise, columnwise
     equal ``quantize`` of the whole for equal, unequal and empty shards and shards that are
     not multiples of 4 rows; one memcpy2D per rank and staged part; the steady state (the same
     out= again) builds no views and repeats the same calls."""
-    from fp8blk.comm import gather as gather_module
-
     mx = isinstance(recipe, fb.MXFP8)
     k = 96 if mx else 300
     if mx:
@@ -192,7 +189,7 @@ def test_device_fix_up_calls(fake_nccl, monkeypatch, recipe, rowwise, columnwise
         every = [_data(rng, r, k) for r in rows]
         expected = fb.quantize(np.concatenate(every), recipe, rowwise, columnwise)
         ops = [CheckedDeviceOps() for _ in range(n)]
-        monkeypatch.setattr(gather_module, "_internal_ops", lambda src: ops[_RANK.value])
+        monkeypatch.setattr(gather_paths, "result_ops", lambda src: ops[_RANK.value])
         fresh = [_data(rng, r, k) for r in rows]
         again_expected = fb.quantize(np.concatenate(fresh), recipe, rowwise, columnwise)
 
@@ -228,20 +225,19 @@ def test_steady_state_lane(fake_nccl, monkeypatch, rng):
     checks: no metadata, a cache hit); anything that differs takes the checked path: a
     rank whose rows went stale raises while its peers complete, out's buffers replaced are
     checked again, an evicted plan takes its lane with it (then every rank exchanges)."""
-    from fp8blk.comm import _gather_plan
     from fp8blk.comm import gather as gather_module
     from fp8blk.tensor import internal_buffers
 
     n, k, rows = 3, 260, [128, 0, 128]  # Block1D row+col: ranks start at multiples of 128
     every = [[_data(rng, r, k) for r in rows] for _ in range(3)]
     expected = [fb.quantize(np.concatenate(e), fb.Block1D(), True, True) for e in every]
-    steady = gather_module._gather_steady
+    steady = gather_module.gather_steady
     taken = [0] * n
 
     def counted(comm, *args):
         taken[comm.rank] += 1
         return steady(comm, *args)
-    monkeypatch.setattr(gather_module, "_gather_steady", counted)
+    monkeypatch.setattr(gather_module, "gather_steady", counted)
     recipe = fb.Block1D()
 
     def call(comm, x, sizes=rows, out=None, recipe=recipe):
@@ -280,7 +276,7 @@ def test_steady_state_lane(fake_nccl, monkeypatch, rng):
         _same(out, expected[0])
         # evicted with its plan: the next call misses (every rank exchanges) and works
         lane = cache.lanes[id(out)]
-        for extra in range(_gather_plan.CACHE_SIZE + 2):  # other keys (K), plain ones too
+        for extra in range(gather_plan.CACHE_SIZE + 2):  # other keys (K), plain ones too
             gather_along_first_dim(np.ones((1, 8 + extra), np.float32), comm,
                                    fb.Block1D() if extra % 2 else None, sizes=[1] * n)
         assert lane.plan.lane is None and id(out) not in cache.lanes
@@ -318,11 +314,9 @@ def test_invalid_input_on_one_rank_with_sizes(fake_nccl, monkeypatch, path, bad,
     and raises its own error; the peers complete (zeros for its rows); the next call on every
     rank is exact. Without the join the ranks issue different collectives (the fake world
     raises; real ones hang)."""
-    from fp8blk.comm import gather as gather_module
-
     if device:  # the device path: NCCL's issuer, the fix-up as runtime calls
         ops = DeviceOps()
-        monkeypatch.setattr(gather_module, "_internal_ops", lambda src: ops)
+        monkeypatch.setattr(gather_paths, "result_ops", lambda src: ops)
     n, k = 3, 256
     rows = [100, 64, 128] if path == "fallback" else [128, 64, 128]
     recipe = None if path == "plain" else fb.Block1D()

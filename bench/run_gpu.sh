@@ -89,12 +89,12 @@ if has ncu_fused && command -v ncu >/dev/null; then
 fi
 has profile && step profile 700 bash bench/profile/profile_all.sh
 if has comm; then
-  step comm_nccl_1 $CT $MPIEXEC -n 1 $PY -m mpi4py tests/comm/mpi_scripts/comm_suite.py nccl
-  step comm_mpi_cupy_2 $CT $MPIEXEC -n 2 $PY -m mpi4py tests/comm/mpi_scripts/comm_suite.py mpi-cupy
+  step comm_nccl_1 $CT $MPIEXEC -n 1 $PY -m mpi4py tests/comm/scripts/comm_suite.py nccl
+  step comm_mpi_cupy_2 $CT $MPIEXEC -n 2 $PY -m mpi4py tests/comm/scripts/comm_suite.py mpi-cupy
   step comm_torch_nccl_1 ${TORCH_TIMEOUT:-90} torchrun --standalone --nproc-per-node 1 \
-    tests/comm/mpi_scripts/torch_suite.py nccl
+    tests/comm/scripts/torch_suite.py nccl
   if [ "$NGPU" -gt 1 ]; then
-    step comm_nccl_$NGPU $CT $MPIEXEC -n $NGPU $PY -m mpi4py tests/comm/mpi_scripts/comm_suite.py nccl
+    step comm_nccl_$NGPU $CT $MPIEXEC -n $NGPU $PY -m mpi4py tests/comm/scripts/comm_suite.py nccl
   fi
 fi
 if has master || has bench; then
@@ -113,9 +113,9 @@ if has gather_torch; then
 fi
 if has multirank; then  # the N-rank comm suites on NCCL: NCCLComm and TorchComm, one GPU per rank
   step comm_nccl_$NGPU ${MULTIRANK_TIMEOUT:-200} $MPIEXEC -n $NGPU $PY -m mpi4py \
-    tests/comm/mpi_scripts/comm_suite.py nccl
+    tests/comm/scripts/comm_suite.py nccl
   step comm_torch_nccl_$NGPU ${MULTIRANK_TIMEOUT:-200} torchrun --standalone \
-    --nproc-per-node $NGPU tests/comm/mpi_scripts/torch_suite.py nccl
+    --nproc-per-node $NGPU tests/comm/scripts/torch_suite.py nccl
 fi
 if has tp; then  # tensor / sequence parallelism parity, one GPU per rank, NCCL
   FP8BLK_TP_DEVICE=cuda step tp_parity_$NGPU ${TP_TIMEOUT:-200} torchrun --standalone \

@@ -19,7 +19,7 @@ Calls inside ``with comm.group():`` are fused into one NCCL group launch; uneven
 GPU test (the lead runs it on the H200; Open MPI there needs the flags)::
 
     /usr/bin/mpiexec --allow-run-as-root --oversubscribe -n 1 \\
-        python3 -m mpi4py tests/comm/mpi_scripts/comm_suite.py nccl
+        python3 -m mpi4py -m tests.comm.scripts.comm_suite nccl
     python3 -m pytest -m gpu tests/comm -q
 """
 from __future__ import annotations

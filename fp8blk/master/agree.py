@@ -1,4 +1,4 @@
-"""Rank agreement for ``cast_master_weights``: when the ranks' batches disagree, or one rank's
+"""Rank agreement for ``cast_master_weights`` (on the probe of :mod:`fp8blk.comm.agree`): when the ranks' batches disagree, or one rank's
 arguments are invalid, every rank raises the same error -- no hang, no crash inside the
 collective library, no wrong bytes -- and the steady state makes no collective of its own.
 
@@ -36,27 +36,15 @@ stages device buffers through the host or synchronizes anyway; NCCL/torch do not
 """
 from __future__ import annotations
 
-import hashlib
 import weakref
 
 import numpy as np
 
+from ..comm.agree import Agreement, fingerprint, metadata_scope, probe_row
+from ..formats import Block2D, MXFP8
+from .items import MODEL_DTYPES
+
 _MAX_CONFIGS = 64  # verified configs kept per communicator (FIFO; the same on every rank)
-
-
-def fingerprint(*parts) -> int:
-    """A stable 62-bit hash of ``repr(parts)`` (the same in every process, unlike hash())."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2
-
-
-def _meta(comm):
-    scope = getattr(comm, "metadata", None)
-    if scope is None:
-        import contextlib
-
-        return contextlib.nullcontext()
-    return scope()
 
 
 def _reduce_small(comm, arr):
@@ -68,9 +56,26 @@ def _reduce_small(comm, arr):
         import cupy
 
         arr = cupy.asarray(arr)
-    with _meta(comm):
+    with metadata_scope(comm):
         comm.all_reduce(arr, op="max")
     return _to_host(arr)
+
+
+def local_batch(items, model_dtype, on_device):
+    """This rank's :class:`LocalBatch` of validated items (fp8blk.master.items): per weight
+    (h, w, recipe, rowwise, columnwise, start, count), empty shards as (0, 0)."""
+    weights = tuple([(it.h, it.w, it.recipe, it.rowwise, it.columnwise,
+                      it.start if it.count else 0, it.count) for it in items])
+
+    def first():
+        """(on_device, unit dtype, entries) of the first bucket's packed buffer, or None."""
+        for bucket_type, unit in ((Block2D, np.int32), (MXFP8, np.uint8)):
+            bucket = [it for it in items if isinstance(it.recipe, bucket_type)]
+            if bucket:
+                return (on_device, np.dtype(unit),
+                        sum(it.row_blocks + it.col_blocks for it in bucket))
+        return None
+    return LocalBatch(weights, MODEL_DTYPES.index(model_dtype), on_device, first)
 
 
 class Diverted(Exception):
@@ -172,20 +177,20 @@ def header_size(unit) -> int:
 def encode(unit, error, miss, fp):
     bits, n, mask = _chunking(unit)
     chunks = [((fp or 0) >> (bits * i)) & mask for i in range(n)]
-    return np.array([int(error), int(miss), int(fp is None)] + chunks
-                    + [mask - c for c in chunks], dtype=unit)
+    return np.array([int(error), int(miss), int(fp is None)] + probe_row(chunks, top=mask),
+                    dtype=unit)
 
 
 class Header:
     __slots__ = ("error", "miss", "unknown", "agree", "fp")
 
     def __init__(self, reduced):
-        values = [int(v) for v in reduced]
+        values = [int(v) for v in reduced[:3]]
         bits, n, mask = _chunking(reduced.dtype)
-        chunks, rest = values[3: 3 + n], values[3 + n:]
+        chunks = Agreement(reduced[3:], top=mask)
         self.error, self.miss, self.unknown = values[0] > 0, values[1] > 0, values[2] > 0
-        self.agree = all(c == mask - r for c, r in zip(chunks, rest))
-        self.fp = sum(c << (bits * i) for i, c in enumerate(chunks))
+        self.agree = chunks.same()
+        self.fp = sum(c << (bits * i) for i, c in enumerate(chunks.high))
 
     @property
     def steady(self):
@@ -233,7 +238,7 @@ def _zeros_with_header(comm, first, header):
         xp = np
     full = xp.zeros(entries + header.size, unit)
     full[entries:] = xp.asarray(header)
-    with _meta(comm):  # no data of this rank's moves (hit ranks count it as their data)
+    with metadata_scope(comm):  # no data of this rank's moves (hit ranks count it as their data)
         comm.all_reduce(full, op="max")
     return Header(_to_host(full[entries:]))
 

@@ -1,4 +1,4 @@
-"""Multi-rank tests: the communicator suite (tests/comm/mpi_scripts/checks.py) under mpiexec
+"""Multi-rank tests: the communicator suite (tests/comm/scripts/checks.py) under mpiexec
 with MPIComm at 1-4 ranks, under torchrun with TorchComm on gloo, and jobs whose ranks fail
 (they must end within the timeout, not hang).
 

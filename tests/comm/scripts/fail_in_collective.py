@@ -1,6 +1,6 @@
 """One rank fails while the others are inside a collective; the job must end, not hang.
 
-    mpiexec -n N python -m mpi4py tests/comm/mpi_scripts/fail_in_collective.py MODE
+    mpiexec -n N python -m mpi4py tests/comm/scripts/fail_in_collective.py MODE
 
 MODE ``between``: rank 1 raises after a first all_reduce while the others enter the next one.
 MODE ``inside``: rank 1 raises inside gather_along_first_dim, after the metadata exchange and

@@ -17,7 +17,7 @@ import numpy as np
 import fp8blk as fb
 from fp8blk.master import cast_master_weights
 from fp8blk.tensor import internal_buffers
-from tests.master_scripts import cases
+from tests.master.scripts import cases
 
 BF16 = cases.BF16
 CASES = []

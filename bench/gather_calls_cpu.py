@@ -118,12 +118,12 @@ def mpi_main(args):
 
 
 def device_main(args):
-    from fp8blk.comm import gather as gather_module
+    from fp8blk.comm.gather import paths
     from tests.comm.fake_ranks import DeviceOps, FakeNccl, World, host_nccl, run_ranks
 
     host_nccl(setattr)
     ops = DeviceOps()
-    gather_module._internal_ops = lambda src: ops  # every rank's arrays "on the device"
+    paths.result_ops = lambda src: ops  # every rank's arrays "on the device"
     gate = World(args.ranks)
 
     def body(comm):

@@ -1,7 +1,7 @@
 """Partial-amax kernels of the master-weight path (fp8blk/kernels/partial_amax.py, _partial_amax_kernel.py,
 master_batch.py): PTX for
 sm_90 without a GPU, byte-exact results under the simulator (subprocess), the batch table
-(constant launches for 100 weights), and the same on the GPU (-m gpu, see tests/test_master.py).
+(constant launches for 100 weights), and the same on the GPU (-m gpu, see tests/master/test_master.py).
 """
 import numpy as np
 import pytest

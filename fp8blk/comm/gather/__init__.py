@@ -73,78 +73,15 @@ from __future__ import annotations
 import sys
 
 from ... import _arrays
-from ..agree import all_agree
 from ..base import Communicator, Handle
-from .errors import GatherFallbackWarning, join_peers_and_raise, join_with_zeros, warn_once
+from .errors import GatherFallbackWarning, join_with_zeros, warn_once
 from .lane import gather_steady, steady_lane
+from .lookup import resolve
 from .paths import data_ops, gather_fallback, gather_fast, gather_plain
-from .plan import FALLBACK, FAST, PLAIN, Plan, Source, check_sizes, exchange, local_key
+from .plan import FALLBACK, FAST, PLAIN
 from .state import plan_cache, record_path
 from .streams import NULL
 
-
-
-def _resolve(comm, x, recipe, rowwise, columnwise, sizes, out=None):
-    """(source, plan, local_error, sizes as a checked tuple or None): ``local_error`` is set
-    only on the ``sizes=`` steady state when this rank's input does not fit the plan its
-    peers use. An invalid input with well-formed ``sizes`` for which a plan is known raises
-    here, after joining that plan's collectives (:func:`join_peers_and_raise`)."""
-    src, sizes, error = _checked_input(comm, x, recipe, rowwise, columnwise, sizes)
-    cache = plan_cache(comm)
-    if error is not None and sizes is not None and comm.size > 1:
-        join_peers_and_raise(comm, cache, sizes, out, error)
-    key = None if error is not None else local_key(src, sizes)
-    plan = None if key is None else cache.get(key)
-    if comm.size == 1:
-        if error is not None:
-            raise error
-    elif sizes is not None and plan is not None:
-        problem = plan.expects(src)
-        cache.hits += 1
-        if problem is None:
-            cache.note_sizes_call(sizes, plan, data_ops(plan, src))
-        return src, plan, (None if problem is None else ValueError(
-            f"gather_along_first_dim: {problem}; this rank joined the collectives with zeros "
-            f"so that no rank waits forever (the other ranks received zeros for its rows): "
-            f"pass the true sizes")), sizes
-    else:
-        # The check (a probe of fp8blk.comm.agree): every rank found the same plan. A
-        # miss with sizes= makes it too (then exchanges), so that a miss issues the same two
-        # host collectives whether or not the ranks passed sizes=.
-        mark = plan.table_hash if plan is not None else -1 - comm.rank
-        agreed = all_agree(comm, [mark], comm._meta_all_reduce_max).same()
-        if plan is not None and agreed:
-            cache.hits += 1
-            return src, plan, None, sizes
-        plan = None
-    if plan is not None:  # world size 1
-        cache.hits += 1
-        return src, plan, None, sizes
-    cache.misses += 1
-    columns, table_hash = exchange(comm, src, sizes, error)
-    plan = Plan(src, columns, comm.size, comm.rank, table_hash)
-    cache.put(key, plan)
-    if sizes is not None and comm.size > 1:
-        cache.note_sizes_call(sizes, plan, data_ops(plan, src))
-    return src, plan, None, sizes
-
-
-def _checked_input(comm, x, recipe, rowwise, columnwise, sizes):
-    """(source or None, sizes as a checked tuple or None, this rank's error or None). Sizes
-    are checked apart from the input, so that an invalid input still knows them; malformed
-    sizes are dropped (that rank then cannot find its peers' plan, see
-    :func:`join_peers_and_raise`)."""
-    src = error = None
-    try:
-        src = Source(x, recipe, rowwise, columnwise)
-    except Exception as caught:  # every rank must learn of it, or its peers would wait
-        error = caught
-    if sizes is not None:
-        try:
-            sizes = check_sizes(sizes, comm.size)
-        except Exception as caught:
-            error, sizes = error or caught, None
-    return src, sizes, error
 
 
 def gather_along_first_dim(x, comm, recipe=None, rowwise=True, columnwise=False,
@@ -185,8 +122,8 @@ def gather_along_first_dim(x, comm, recipe=None, rowwise=True, columnwise=False,
     if not isinstance(comm, Communicator):
         raise TypeError(f"comm must be an fp8blk communicator (MPIComm, NCCLComm, "
                         f"TorchComm), got {type(comm).__name__}")
-    src, plan, local_error, sizes = _resolve(comm, x, recipe, rowwise, columnwise, sizes,
-                                             out)
+    src, plan, local_error, sizes = resolve(comm, x, recipe, rowwise, columnwise, sizes,
+                                            out)
     record_path(comm, plan.path)
     with _on_device_of(src):
         return _gather(comm, src, plan, local_error, async_op, out, stream, sizes, frame)

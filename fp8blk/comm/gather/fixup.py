@@ -52,7 +52,7 @@ def derive_post(plan, targets):
 
 def _device_fix_up_calls(plan, targets, stagings, ops, stream):
     """(calls, constants): the runtime calls ``(function, args)`` of the fix-up (see
-    :mod:`fp8blk.comm._device_copy`), addresses and sizes worked out once, and the constant
+    :mod:`fp8blk.comm.gather.copies`), addresses and sizes worked out once, and the constant
     blocks they copy fills from (filled here on the current stream, which the communication
     stream waits for, in begin(), before the first call reads them)."""
     copies = ops.copies()

@@ -30,7 +30,7 @@ def result_ops(src):
     return internal_ops(True)
 
 
-def _targets(plan, out, ops):
+def targets_for(plan, out, ops):
     """The four output buffers (None where not written): out's, or new ones."""
     layouts = plan.out_layouts
     if out is None:
@@ -103,7 +103,7 @@ def _block_sends(src, plan):
 
 def gather_fast(comm, src, plan, out, async_op, stream, sizes):
     ops = result_ops(src)
-    targets = _targets(plan, out, ops)
+    targets = targets_for(plan, out, ops)
     result = _result(plan, src, targets, out)
     streams, ptr = streams_for(comm, ops, stream, async_op)
     if plan.direct:  # one rank: the output IS the local quantize
@@ -194,7 +194,7 @@ def _prepared(comm, plan, src, targets, ops, stream, reusable):
 
 def gather_fallback(comm, src, plan, out, async_op, stream):
     ops = result_ops(src)
-    targets = _targets(plan, out, ops)
+    targets = targets_for(plan, out, ops)
     result = _result(plan, src, targets, out)
     if src.kind == 1:  # dequantize to the BlockTensor's own dtype, on its backend
         some = next(b for b in src.buffers if b is not None)

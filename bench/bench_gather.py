@@ -1,4 +1,4 @@
-"""Quantized all-gather vs a bf16 all-gather vs raw NCCL (issue 12). One rank per GPU:
+"""Quantized all-gather vs a bf16 all-gather vs raw NCCL. One rank per GPU:
 
     mpiexec --allow-run-as-root --oversubscribe -n 2 python3 -m mpi4py bench/bench_gather.py \
         --out bench/results                                   # NCCLComm (+ raw cupy NCCL)

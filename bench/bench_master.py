@@ -1,4 +1,4 @@
-"""Benchmark of the master-weight path on one GPU (issue 5; bench/README.md method).
+"""Benchmark of the master-weight path on one GPU (bench/README.md method).
 
     python bench/bench_master.py [--out bench/results/master_h200.json] [--quick]
 

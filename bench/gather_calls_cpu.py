@@ -1,4 +1,4 @@
-"""Python calls per steady-state quantized gather, on the CPU (issue 12): ``sizes=`` and
+"""Python calls per steady-state quantized gather, on the CPU: ``sizes=`` and
 ``out=`` given, the same ``out`` every call. Two set-ups:
 
     mpiexec -n 2 python -m mpi4py bench/gather_calls_cpu.py mpi [--calls 200] [--cprofile F]

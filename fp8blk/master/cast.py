@@ -40,7 +40,7 @@ def _all_reduce_max(comm, buf):
     as their int32 bit patterns. Amaxes are >= 0 and never NaN, so the patterns order like the
     values (+0 lowest, +inf highest) and the integer MAX is exact for every amax -- including
     subnormal ones (a tile of NaNs, zeros and values like 2**-133), which a float MAX built
-    with flush-to-zero turns into 0 (CuPy reductions use ``-ftz=true``; found on the H200)."""
+    with flush-to-zero turns into 0 (CuPy reductions use ``-ftz=true``)."""
     if buf.dtype == np.float32:
         buf = buf.view(np.int32)
     comm.all_reduce(buf, op="max")

@@ -39,14 +39,20 @@ def _run(specs, fulls, ranges, size, seed, fragments=False, model_dtype=cases.BF
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 @pytest.mark.parametrize("name", cases.SCENARIOS)
 def test_world_size_invariance(name, size, rng):
+    _check_world_size_invariance(_run, name, size, rng)
+
+
+def _check_world_size_invariance(run, name, size, rng):
+    """``run`` (the host or the GPU path) on scenario ``name`` cut for ``size`` ranks: exact,
+    and exactly one collective per recipe bucket with the expected payload."""
     specs = cases.scenario(name)
     fulls = [cases.make_full(rng, s.shape) for s in specs]
     ranges = cases.cut_ranges(rng, specs, size)
-    weights, _, stats = _run(specs, fulls, ranges, size, int(rng.integers(1 << 30)))
+    weights, _, stats = run(specs, fulls, ranges, size, int(rng.integers(1 << 30)))
     cases.check(specs, fulls, ranges, weights)
     calls, b2_bytes, mx_bytes = cases.expected_payload(specs)
     for s in stats:
-        assert s.calls == calls  # exactly one collective per recipe bucket
+        assert s.calls == calls
         assert s.bytes == b2_bytes + mx_bytes
 
 
@@ -415,13 +421,7 @@ def _run_gpu(specs, fulls, ranges, size, seed, fragments=False, model_dtype=case
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 @pytest.mark.parametrize("name", cases.SCENARIOS)
 def test_gpu_world_size_invariance(name, size, rng):
-    specs = cases.scenario(name)
-    fulls = [cases.make_full(rng, s.shape) for s in specs]
-    ranges = cases.cut_ranges(rng, specs, size)
-    weights, _, stats = _run_gpu(specs, fulls, ranges, size, int(rng.integers(1 << 30)))
-    cases.check(specs, fulls, ranges, weights)
-    calls, b2_bytes, mx_bytes = cases.expected_payload(specs)
-    assert all(s.calls == calls and s.bytes == b2_bytes + mx_bytes for s in stats)
+    _check_world_size_invariance(_run_gpu, name, size, rng)
 
 
 @pytest.mark.gpu

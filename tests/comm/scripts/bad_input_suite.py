@@ -1,4 +1,4 @@
-"""Issue 16 under real MPI: every multi-rank bad-input case of bad_input_cases.py, in sequence,
+"""Under real MPI: every multi-rank bad-input case of bad_input_cases.py, in sequence,
 on fp8blk.comm.MPIComm. Each case must end with the expected exception on every rank or a
 correct result; a hang is caught by the launcher's timeout, a crash inside MPI by the exit code.
 

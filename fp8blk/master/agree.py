@@ -40,11 +40,14 @@ import weakref
 
 import numpy as np
 
+from .._bounded import BoundedCache
 from ..comm.agree import Agreement, fingerprint, metadata_scope, probe_row
 from ..formats import Block2D, MXFP8
 from .items import MODEL_DTYPES
 
-_MAX_CONFIGS = 64  # verified configs kept per communicator (FIFO; the same on every rank)
+# verified configs kept per communicator; least recently used first out: every rank looks up
+# and inserts the same configs in the same order, so every rank evicts the same
+_MAX_CONFIGS = 64
 
 
 def _reduce_small(comm, arr):
@@ -122,7 +125,7 @@ class Config:
 
 class _State:
     def __init__(self):
-        self.verified = {}   # fp -> Config, oldest first
+        self.verified = BoundedCache(_MAX_CONFIGS, on_evict=self._forget)  # fp -> Config
         self.local = {}      # this rank's key -> fp of the latest verified config holding it
         self.successor = {}  # fp -> fp of the config that followed it last time
         self.last = None     # fp of the previous call's config; None after an error
@@ -133,13 +136,12 @@ class _State:
         return self.verified.get(self.successor.get(self.last, self.last))
 
     def remember(self, config):
-        if config.fp not in self.verified and len(self.verified) >= _MAX_CONFIGS:
-            old = next(iter(self.verified))
-            del self.verified[old]
-            self.local = {k: v for k, v in self.local.items() if v != old}
-            self.successor = {k: v for k, v in self.successor.items() if old not in (k, v)}
-        self.verified[config.fp] = config
+        self.verified.put(config.fp, config)
         self.local[config.key] = config.fp
+
+    def _forget(self, old, config):
+        self.local = {k: v for k, v in self.local.items() if v != old}
+        self.successor = {k: v for k, v in self.successor.items() if old not in (k, v)}
 
     def finish(self, fp):
         if self.last is not None:
@@ -279,8 +281,9 @@ def run(comm, batch, error, cast):
                 return
         if result.error:
             _raise_errors(comm, error)
-        if not result.unknown and result.agree and result.fp in state.verified:
-            config = state.verified[result.fp]  # every rank is in this known config
+        known = state.verified.get(result.fp) if result.agree and not result.unknown else None
+        if known is not None:
+            config = known  # every rank is in this known config
         else:
             config = _verify(comm, batch)
             state.remember(config)

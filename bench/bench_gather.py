@@ -204,7 +204,7 @@ def breakdown(world, x, recipe, rowwise, columnwise, sizes, out):
             nccl.groupEnd()
         result["collective_gpu_us"], result["collective_host_us"] = measure(world, raw)
     items = [(None, ops.empty(sum(p.counts), np.uint8), p.counts) for p in plan.parts]
-    issuer, stream_ptr = comm._gather_parts_issuer(items), ops.current_stream_ptr()
+    issuer, stream_ptr = comm.gather_parts_issuer(items), ops.current_stream_ptr()
 
     def issue():  # as the steady state issues it (arguments worked out once)
         finish = issuer(stream_ptr)

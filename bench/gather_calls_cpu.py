@@ -33,7 +33,7 @@ import fp8blk as fb  # noqa: E402
 
 CASES = (("b1d_row", fb.Block1D(), True, False), ("b1d_rowcol", fb.Block1D(), True, True),
          ("mxfp8_row", fb.MXFP8(), True, False))
-REGIONS = {"quantize_into": "quantize", "_gather_parts": "collective", "issue": "collective",
+REGIONS = {"quantize_into": "quantize", "gather_parts": "collective", "issue": "collective",
            "allGather": "nccl", "broadcast": "nccl", "memcpy2DAsync": "fixup_rt",
            "memsetAsync": "fixup_rt"}
 

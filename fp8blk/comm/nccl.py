@@ -258,20 +258,20 @@ class NCCLComm(Communicator):
                              self._stream().ptr)
         return self._enqueued(async_op)
 
-    _stream_ordered = True
+    stream_ordered = True
 
-    def _gather_parts(self, items, stream_ptr=None):
+    def gather_parts(self, items, stream_ptr=None):
         """All items in ONE NCCL group on ``stream_ptr`` (default: the current CuPy stream):
         equal counts are an in-place ncclAllGather, unequal ones a broadcast per non-empty
         rank. Device arrays (CuPy or torch CUDA tensors) are passed by pointer: nothing is
         converted. Host items go to the MPI host communicator."""
-        return self._gather_parts_issuer(items)(stream_ptr)
+        return self.gather_parts_issuer(items)(stream_ptr)
 
-    def _gather_parts_issuer(self, items):
-        """``issue(stream_ptr)`` of ``_gather_parts``: the NCCL calls (pointers, counts,
+    def gather_parts_issuer(self, items):
+        """``issue(stream_ptr)`` of ``gather_parts``: the NCCL calls (pointers, counts,
         roots) are worked out here, once; an issue makes only them, in one group."""
         if items and not _arrays.is_device(items[0][1]) and _host_array(items[0][1]):
-            return self.host_comm._gather_parts_issuer(items)
+            return self.host_comm.gather_parts_issuer(items)
         nccl = _nccl()
         calls = self._nccl_gather_calls(items, nccl)
 

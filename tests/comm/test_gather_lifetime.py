@@ -32,8 +32,8 @@ class _Streams:
 
 
 class _Comm:
-    _stream_ordered = True
-    _orders_torch_stream = False
+    stream_ordered = True
+    orders_torch_stream = False
 
 
 class _Temp:

@@ -74,7 +74,7 @@ def join_with_zeros(comm, plan, ops):
         send = ops.empty(counts[plan.rank], U8)
         ops.fill(send, 0)
         items.append((send, ops.empty(sum(counts), U8), counts))
-    comm._record("all_gather_v", plan.sent_bytes())  # the peers count it: so does this rank
+    comm.record("all_gather_v", plan.sent_bytes())  # the peers count it: so does this rank
     streams, ptr = streams_for(comm, ops, None, False)
     run(comm, issuer(comm, items), nothing, streams, ptr, False, None)
 

@@ -90,7 +90,7 @@ def gather_steady(comm, lane, x, async_op, streams, ptr):
     if lane.m:
         quantize_into(local_x2d(x, lane.m, lane.k, lane.rows), plan.recipe, plan.row_q,
                       plan.col_q, lane.dtype, prepared.local_out)
-    comm._record("all_gather_v", lane.sent)
+    comm.record("all_gather_v", lane.sent)
     handle = run(comm, prepared.issue, prepared.post, streams, ptr, async_op, lane.out, x)
     if async_op:
         return lane.out, handle if handle is not None else Handle.completed(lane.out)

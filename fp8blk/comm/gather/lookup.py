@@ -38,7 +38,7 @@ def resolve(comm, x, recipe, rowwise, columnwise, sizes, out=None):
         # miss with sizes= makes it too (then exchanges), so that a miss issues the same two
         # host collectives whether or not the ranks passed sizes=.
         mark = plan.table_hash if plan is not None else -1 - comm.rank
-        agreed = all_agree(comm, [mark], comm._meta_all_reduce_max).same()
+        agreed = all_agree(comm, [mark], comm.meta_all_reduce_max).same()
         if plan is not None and agreed:
             cache.hits += 1
             return src, plan, None, sizes

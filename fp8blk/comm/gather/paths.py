@@ -113,7 +113,7 @@ def gather_fast(comm, src, plan, out, async_op, stream, sizes):
     if src.kind == 0 and src.m:
         quantize_into(local_x2d(src.x, src.m, src.k, plan.local_rows()), plan.recipe,
                       plan.row_q, plan.col_q, src.dtype, prepared.local_out)
-    comm._record("all_gather_v", plan.sent_bytes())
+    comm.record("all_gather_v", plan.sent_bytes())
     handle = run(comm, prepared.issue, prepared.post, streams, ptr, async_op, result,
                   (prepared, src.x))
     if sizes is not None and out is not None and src.kind == 0:
@@ -209,7 +209,7 @@ def gather_fallback(comm, src, plan, out, async_op, stream):
     row_bytes = plan.K * plan.dtype.itemsize
     counts = [m * row_bytes for m in plan.ms]
     items = [(ops.flat_bytes(local), ops.flat_bytes(full), counts)]
-    comm._record("all_gather_v", counts[plan.rank])
+    comm.record("all_gather_v", counts[plan.rank])
 
     def post():
         if plan.M:
@@ -233,7 +233,7 @@ def gather_plain(comm, src, plan, out, async_op, stream):
             raise ValueError(f"out must be C-contiguous with dtype {src.dtype}")
     streams, ptr = streams_for(comm, ops, stream, async_op)
     items = [(ops.flat_bytes(src.x), ops.flat_bytes(full), plan.counts)]
-    comm._record("all_gather_v", plan.counts[plan.rank])
+    comm.record("all_gather_v", plan.counts[plan.rank])
     return full, run(comm, issuer(comm, items), nothing, streams, ptr, async_op, full,
                       items)
 

@@ -219,7 +219,7 @@ def exchange(comm, src, sizes, error):
     if comm.size == 1:
         table = row.reshape(1, -1)
     else:
-        table = comm._meta_all_gather(row)
+        table = comm.meta_all_gather(row)
     columns = {name: table[:, i] for i, name in enumerate(_FIELDS)}
     bad = [int(r) for r in np.flatnonzero(columns["error"])]
     if bad:

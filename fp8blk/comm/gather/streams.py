@@ -46,7 +46,7 @@ class DeviceStreams:
     def begin(self):
         """The communication stream waits for the work queued so far (the local quantize)."""
         if not self.same:
-            self.comm.wait_event(self._record(self.compute))
+            self.comm.wait_event(self.record(self.compute))
 
     def _record(self, stream):
         if self.torch_flavour:
@@ -73,13 +73,13 @@ class DeviceStreams:
         an asynchronous handle waits for."""
         if not async_op:
             if not self.same:
-                self.compute.wait_event(self._record(self.comm))
+                self.compute.wait_event(self.record(self.comm))
             return None
         lib = self.lib
         if self.torch_flavour and self.comm is None:
             event = lib.cuda.current_stream().record_event()
         else:
-            event = self._record(self.comm)
+            event = self.record(self.comm)
         if self.torch_flavour:
             return lambda: lib.cuda.current_stream().wait_event(event)
         return lambda: lib.cuda.get_current_stream().wait_event(event)
@@ -148,11 +148,11 @@ def run(comm, issue, post, streams, ptr, async_op, result, keep=None):
             finish()
         post()
         return None
-    stream_ordered = comm._stream_ordered
+    stream_ordered = comm.stream_ordered
     streams.begin()
     with streams.context():
         if issue is not None:
-            with streams.torch_context() if comm._orders_torch_stream else NULL:
+            with streams.torch_context() if comm.orders_torch_stream else NULL:
                 finish = issue(streams.ptr)
                 if finish is not None and (stream_ordered or not async_op):
                     finish()  # stream-ordered: only makes this stream wait, host goes on
@@ -192,7 +192,7 @@ def streams_for(comm, ops, stream, async_op):
     if not ops.device:
         return None, None
     if stream is None and not async_op and not (
-            comm._orders_torch_stream and ops.family != _arrays.TORCH):
+            comm.orders_torch_stream and ops.family != _arrays.TORCH):
         return None, ops.current_stream_ptr()
     streams = DeviceStreams(ops.family == _arrays.TORCH, stream)
     return streams, streams.ptr
@@ -200,7 +200,7 @@ def streams_for(comm, ops, stream, async_op):
 
 def issuer(comm, items):
     """``issue(stream_ptr)`` of a grouped gather of ``items`` (None when there are none)."""
-    return comm._gather_parts_issuer(items) if items else None
+    return comm.gather_parts_issuer(items) if items else None
 
 
 def nothing():

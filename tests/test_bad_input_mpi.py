@@ -32,7 +32,7 @@ def test_bad_input_cases_on_thread_ranks(size):
             if size < min_size:
                 continue
             if fresh:
-                comm = ThreadComm(comm._group, rank)
+                comm = ThreadComm(comm.group, rank)
             outcomes.append(run_case(comm, rank, size, name, fn, expect))
         return outcomes
     failures = [o for per_rank in run_ranks(size, body) for o in per_rank if o != "ok"]

@@ -220,9 +220,10 @@ class TorchComm(Communicator):
         dist = _dist()
         works, posts = [], []
         me = self.rank
-        # On CUDA tensors with NCCL the caller makes its stream wait at once (gather._run):
-        # a synchronous collective does exactly that, without a Work object to wait on
-        # (Work.wait() cost ~100 us of host time per item on the H200, torch 2.11)
+        # On CUDA tensors with NCCL the caller makes its stream wait at once
+        # (fp8blk.comm.gather.streams.run): a synchronous collective does exactly that, without
+        # a Work object to wait on (Work.wait() cost ~100 us of host time per item on the
+        # H200, torch 2.11)
         sync = self._cuda_ok and stream_ptr is not None
         for send, recv, counts in items:
             recv_t, copy_back, group = self._work(recv)

@@ -1,6 +1,7 @@
-"""Rank agreement for ``cast_master_weights`` (on the probe of :mod:`fp8blk.comm.agree`): when the ranks' batches disagree, or one rank's
-arguments are invalid, every rank raises the same error -- no hang, no crash inside the
-collective library, no wrong bytes -- and the steady state makes no collective of its own.
+"""Rank agreement for ``cast_master_weights``, on the probe of :mod:`fp8blk.comm.agree`: when
+the ranks' batches disagree, or one rank's arguments are invalid, every rank raises the same
+error -- no hang, no crash inside the collective library, no wrong bytes -- and the steady state
+makes no collective of its own.
 
 What must agree: the number of weights; per weight (h, w), the recipe (type, fmt, pow2_scales,
 amax_epsilon) and the directions held; the model dtype; host or device buffers. And the shards

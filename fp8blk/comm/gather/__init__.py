@@ -5,7 +5,8 @@ m_r = d_r * prod(rest[:-1])). The result is the tensor of shape (sum d_r, *rest)
 ``fb.quantize(concatenate(x_0, ..., x_{n-1}), recipe, rowwise, columnwise)`` returns, byte for
 byte, on every rank.
 
-Paths (:mod:`fp8blk.comm.gather.paths`; ``comm.stats.last_gather_path`` / ``comm.stats.gather_paths`` record which one ran):
+Paths (:mod:`fp8blk.comm.gather.paths`; ``comm.stats.last_gather_path`` /
+``comm.stats.gather_paths`` record which one ran):
 
 ``"fast"``      each rank quantizes its shard straight into its slot of the gathered output
                 (the FP8 rows of rank r are a contiguous slice of the (M, K) data), and the
@@ -18,9 +19,9 @@ Paths (:mod:`fp8blk.comm.gather.paths`; ``comm.stats.last_gather_path`` / ``comm
                 buffer) and writes the scale padding (1.0 fp32, 0 E8M0). On the device that
                 is one cudaMemcpy2DAsync per rank and staged buffer, a cudaMemsetAsync per
                 zero padding and a 2-D copy from a constant block for the 1.0 padding, worked
-                out once per set of output buffers (fp8blk.comm.gather.copies, fix-up in :mod:`fp8blk.comm.gather.fixup`); on the host,
-                copies between strided views. Block2D gathers rowwise only and derives
-                columnwise by FP8 transpose. A BlockTensor input sends its own bytes.
+                out once per set of output buffers (:mod:`fp8blk.comm.gather.fixup` with
+                :mod:`fp8blk.comm.gather.copies`); on the host, copies between strided views.
+                Block2D gathers rowwise only and derives columnwise by FP8 transpose. A BlockTensor input sends its own bytes.
 ``"fallback"``  where a shard cannot be quantized on its own: a block would cross a rank
                 boundary (Block1D columnwise or any Block2D with a non-empty rank whose first
                 row is not a multiple of 128; MXFP8 columnwise with a local row count that is
@@ -46,24 +47,25 @@ rank is left waiting). The resulting plan is cached per communicator: later call
 ``sizes=`` (see :mod:`fp8blk.comm.gather.plan` for the protocol). World size 1 never
 exchanges anything. With ``sizes=`` and a plan for them, a rank whose input is invalid (or
 whose rows no longer match) cannot tell its peers, who skip the metadata: it joins their data
-collectives with zeros and raises; they complete (see :mod:`fp8blk.comm.gather.errors`). A rank whose
-own ``sizes`` is malformed cannot find their plan and is left to the exchange they skip.
+collectives with zeros and raises; they complete (see :mod:`fp8blk.comm.gather.errors`). A
+rank whose own ``sizes`` is malformed cannot find their plan and is left to the exchange they skip.
 
 Steady state: with ``sizes=`` and ``out=``, a call that repeats the last such call into the
 same ``out`` (equal recipe, usages and sizes; an input of the same type, dtype, shape and
 device, C-contiguous; ``out`` holding the same buffers; the same stream) skips the input
 checks, the plan lookup and the output checks: it quantizes into the kept buffers, issues the
-collective with its arguments worked out before and replays the fix-up (see :mod:`fp8blk.comm.gather.lane`).
-Anything else takes the checked path, which keeps the record for the next call.
+collective with its arguments worked out before and replays the fix-up (see
+:mod:`fp8blk.comm.gather.lane`). Anything else takes the checked path, which keeps the record
+for the next call.
 
-Streams (device arrays, :mod:`fp8blk.comm.gather.streams`): the local quantize runs on the current stream; the collective and the
-fix-up step run on ``stream`` (default: the current stream), which first waits for the current
-stream. A synchronous call returns once everything is enqueued (the current stream then waits
-for ``stream``; on the current stream itself no stream objects or events are made); with
-``async_op=True`` the returned Handle's ``wait()`` makes the then-current stream wait for an
-event: no host synchronization, no Python callbacks. Host backends (MPI,
-gloo) complete on the host: an asynchronous handle's ``wait()`` finishes the collective and
-the fix-up.
+Streams (device arrays, :mod:`fp8blk.comm.gather.streams`): the local quantize runs on the
+current stream; the collective and the fix-up step run on ``stream`` (default: the current
+stream), which first waits for the current stream. A synchronous call returns once everything is
+enqueued (the current stream then waits for ``stream``; on the current stream itself no stream
+objects or events are made); with ``async_op=True`` the returned Handle's ``wait()`` makes the
+then-current stream wait for an event: no host synchronization, no Python callbacks. Host
+backends (MPI, gloo) complete on the host: an asynchronous handle's ``wait()`` finishes the
+collective and the fix-up.
 
 Inputs may be strided (array inputs are copied to C-contiguous first). The returned BlockTensor
 (or array) is in the input's array family (NumPy, CuPy or torch) and on its device.

@@ -1,6 +1,6 @@
 """Array operations of the gather in the caller's own array family (NumPy, CuPy or torch),
 so that torch tensors stay torch tensors (torch.empty, views, copy_) and nothing crosses
-DLPack per call except where a backend needs it (see :func:`backend_arrays`).
+DLPack per call except where a backend needs it.
 
 ``ops_for(arr)`` returns the operations object of an array's family:
 

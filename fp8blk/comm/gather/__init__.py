@@ -21,7 +21,8 @@ Paths (:mod:`fp8blk.comm.gather.paths`; ``comm.stats.last_gather_path`` /
                 zero padding and a 2-D copy from a constant block for the 1.0 padding, worked
                 out once per set of output buffers (:mod:`fp8blk.comm.gather.fixup` with
                 :mod:`fp8blk.comm.gather.copies`); on the host, copies between strided views.
-                Block2D gathers rowwise only and derives columnwise by FP8 transpose. A BlockTensor input sends its own bytes.
+                Block2D gathers rowwise only and derives columnwise by FP8 transpose. A
+                BlockTensor input sends its own bytes.
 ``"fallback"``  where a shard cannot be quantized on its own: a block would cross a rank
                 boundary (Block1D columnwise or any Block2D with a non-empty rank whose first
                 row is not a multiple of 128; MXFP8 columnwise with a local row count that is

@@ -1,4 +1,4 @@
-"""Multi-GPU benchmark of fp8blk.comm and cast_master_weights (issue 6). One rank per GPU:
+"""Multi-GPU benchmark of fp8blk.comm and cast_master_weights. One rank per GPU:
 
     /usr/bin/mpiexec --allow-run-as-root --oversubscribe -n N \
         python3 -m mpi4py bench/bench_comm.py --out DIR

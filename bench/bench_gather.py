@@ -1,4 +1,4 @@
-"""Quantized all-gather vs a bf16 all-gather vs raw NCCL (issue 12). One rank per GPU:
+"""Quantized all-gather vs a bf16 all-gather vs raw NCCL. One rank per GPU:
 
     mpiexec --allow-run-as-root --oversubscribe -n 2 python3 -m mpi4py bench/bench_gather.py \
         --out bench/results                                   # NCCLComm (+ raw cupy NCCL)
@@ -43,10 +43,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import fp8blk as fb  # noqa: E402
-from fp8blk.comm import gather as gather_module  # noqa: E402
-from fp8blk.comm import _native  # noqa: E402
-from fp8blk.comm._gather_plan import STAGED  # noqa: E402
+from fp8blk.comm.gather import arrays, fixup, lane, lookup, paths  # noqa: E402
+from fp8blk.comm.gather.plan import STAGED  # noqa: E402
 from fp8blk.layout import all_layouts  # noqa: E402
+from fp8blk.ops import quantize_into  # noqa: E402
 
 K = 4096
 
@@ -165,29 +165,29 @@ def breakdown(world, x, recipe, rowwise, columnwise, sizes, out):
     from cupy.cuda import nccl
 
     comm = world.comm
-    src, plan, _, _ = gather_module._resolve(comm, x, recipe, rowwise, columnwise, sizes)
-    ops = gather_module._internal_ops(src)  # torch ops for torch input (no DLPack)
-    targets = gather_module._targets(plan, out, ops)
+    src, plan, _, _ = lookup.resolve(comm, x, recipe, rowwise, columnwise, sizes)
+    ops = paths.result_ops(src)  # torch ops for torch input (no DLPack)
+    targets = paths.targets_for(plan, out, ops)
     layouts = all_layouts(recipe, plan.local_rows(), plan.K)
     quantized = [i for i in range(4) if (i < 2 and rowwise) or (i >= 2 and (
         columnwise and not isinstance(recipe, fb.Block2D)))]
     local = [ops.empty(layouts[i].shape, layouts[i].dtype) if i in quantized else None
              for i in range(4)]
-    x2d = gather_module._local_x2d(src.x, src.m, src.k, plan.local_rows())
+    x2d = arrays.local_x2d(src.x, src.m, src.k, plan.local_rows())
     row, col = rowwise, columnwise and not isinstance(recipe, fb.Block2D)
     result = {}
-    q = lambda: _native.quantize_into(x2d, recipe, row, col, src.dtype, local)  # noqa: E731
+    q = lambda: quantize_into(x2d, recipe, row, col, src.dtype, local)  # noqa: E731
     result["quantize_gpu_us"], _ = measure(world, q)
     result["quantize_host_us"] = host_only(world, q)
     result["plan_host_us"] = host_only(
-        world, lambda: gather_module._resolve(comm, x, recipe, rowwise, columnwise, sizes))
+        world, lambda: lookup.resolve(comm, x, recipe, rowwise, columnwise, sizes))
     # the steady state's match against the last call into out (instead of the plan lookup)
-    result["lane_host_us"] = host_only(world, lambda: gather_module._steady_lane(
+    result["lane_host_us"] = host_only(world, lambda: lane.steady_lane(
         comm, x, recipe, rowwise, columnwise, sizes, out, False, None))
     stagings = {p.index: ops.empty(sum(p.counts), np.uint8) for p in plan.parts
                 if p.mode == STAGED}
     # the fix-up as the steady state replays it (built once: device calls on this stream)
-    fix = gather_module._fix_up_post(plan, targets, stagings, ops, ops.current_stream_ptr())
+    fix = fixup.fix_up_post(plan, targets, stagings, ops, ops.current_stream_ptr())
     result["fixup_gpu_us"], _ = measure(world, fix)
     result["fixup_host_us"] = host_only(world, fix)
     if world.kind == "nccl":
@@ -204,7 +204,7 @@ def breakdown(world, x, recipe, rowwise, columnwise, sizes, out):
             nccl.groupEnd()
         result["collective_gpu_us"], result["collective_host_us"] = measure(world, raw)
     items = [(None, ops.empty(sum(p.counts), np.uint8), p.counts) for p in plan.parts]
-    issuer, stream_ptr = comm._gather_parts_issuer(items), ops.current_stream_ptr()
+    issuer, stream_ptr = comm.gather_parts_issuer(items), ops.current_stream_ptr()
 
     def issue():  # as the steady state issues it (arguments worked out once)
         finish = issuer(stream_ptr)

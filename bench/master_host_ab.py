@@ -1,6 +1,6 @@
 """Host time per ``cast_master_weights`` call through the public API only, so that two versions
-of fp8blk can be compared on the same workload (issue 16: the agreement and validation must not
-add more than 5% to the steady state's host time).
+of fp8blk can be compared on the same workload (target: the rank agreement and validation add
+at most 5% to the steady state's host time).
 
     PYTHONPATH=<tree A> python bench/master_host_ab.py --label A          # world size 1
     PYTHONPATH=<tree B> python bench/master_host_ab.py --label B

@@ -48,7 +48,6 @@ M=${MACHINE:-$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | awk
 MPIEXEC="/usr/bin/mpiexec --allow-run-as-root --oversubscribe"
 PY=$(command -v python3)  # mpiexec's children would otherwise find /usr/bin/python3
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
-SCRIPTS_COMM=$(ls -d tests/comm/scripts tests/comm/mpi_scripts 2>/dev/null | head -1)
 SCRIPTS_TORCH=tests/torch/scripts
 
 step() {  # step NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, print its tail and status
@@ -91,12 +90,12 @@ if has ncu_fused && command -v ncu >/dev/null; then
 fi
 has profile && step profile 700 bash bench/profile/profile_all.sh
 if has comm; then
-  step comm_nccl_1 $CT $MPIEXEC -n 1 $PY -m mpi4py $SCRIPTS_COMM/comm_suite.py nccl
-  step comm_mpi_cupy_2 $CT $MPIEXEC -n 2 $PY -m mpi4py $SCRIPTS_COMM/comm_suite.py mpi-cupy
+  step comm_nccl_1 $CT $MPIEXEC -n 1 $PY -m mpi4py tests/comm/scripts/comm_suite.py nccl
+  step comm_mpi_cupy_2 $CT $MPIEXEC -n 2 $PY -m mpi4py tests/comm/scripts/comm_suite.py mpi-cupy
   step comm_torch_nccl_1 ${TORCH_TIMEOUT:-90} torchrun --standalone --nproc-per-node 1 \
-    $SCRIPTS_COMM/torch_suite.py nccl
+    tests/comm/scripts/torch_suite.py nccl
   if [ "$NGPU" -gt 1 ]; then
-    step comm_nccl_$NGPU $CT $MPIEXEC -n $NGPU $PY -m mpi4py $SCRIPTS_COMM/comm_suite.py nccl
+    step comm_nccl_$NGPU $CT $MPIEXEC -n $NGPU $PY -m mpi4py tests/comm/scripts/comm_suite.py nccl
   fi
 fi
 if has master || has bench; then
@@ -118,9 +117,9 @@ if has gather_torch; then
 fi
 if has multirank; then  # the N-rank comm suites on NCCL: NCCLComm and TorchComm, one GPU per rank
   step comm_nccl_$NGPU ${MULTIRANK_TIMEOUT:-200} $MPIEXEC -n $NGPU $PY -m mpi4py \
-    $SCRIPTS_COMM/comm_suite.py nccl
+    tests/comm/scripts/comm_suite.py nccl
   step comm_torch_nccl_$NGPU ${MULTIRANK_TIMEOUT:-200} torchrun --standalone \
-    --nproc-per-node $NGPU $SCRIPTS_COMM/torch_suite.py nccl
+    --nproc-per-node $NGPU tests/comm/scripts/torch_suite.py nccl
 fi
 if has tp; then  # tensor / sequence parallelism parity, one GPU per rank, NCCL
   FP8BLK_TP_DEVICE=cuda step tp_parity_$NGPU ${TP_TIMEOUT:-200} torchrun --standalone \

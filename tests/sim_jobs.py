@@ -19,9 +19,9 @@ import threading
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SCRIPTS = {"kernels": ("tests/kernels/sim_runner.py",),
-            "amax": ("tests/master_scripts/sim_checks.py", "amax"),
-            "cast": ("tests/master_scripts/sim_checks.py", "cast"),
-            "fast": ("tests/master_scripts/sim_checks.py", "fast")}
+            "amax": ("-m", "tests.master.scripts.sim_checks", "amax"),
+            "cast": ("-m", "tests.master.scripts.sim_checks", "cast"),
+            "fast": ("-m", "tests.master.scripts.sim_checks", "fast")}
 # seconds of one core each on a CI machine (2026-12-01): the order the background runs them
 _COST = {"fast": 149, "kernels": 147, "cast": 72, "amax": 20}
 TIMEOUT = 600  # per job, from its own start

@@ -7,8 +7,8 @@ import pytest
 import fp8blk as fb
 from fp8blk.master import cast_master_weights
 from fp8blk.tensor import from_internal, internal_buffers
-from tests.master_scripts import cases
-from tests.master_scripts.fake_comm import run_ranks
+from tests.master.scripts import cases
+from tests.master.scripts.fake_comm import run_ranks
 
 
 def _x(rng, shape=(64, 256)):

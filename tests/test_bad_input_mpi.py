@@ -1,4 +1,4 @@
-"""Issue 16, multi-rank: the bad-input cases of tests/comm/mpi_scripts/bad_input_cases.py under
+"""Multi-rank: the bad-input cases of tests/comm/scripts/bad_input_cases.py under
 ``mpiexec -n 2..4``, with and without ``-m mpi4py`` (one launch runs every case in sequence), and
 on in-process thread ranks (fast, no MPI). Each case ends with a clear exception on every rank
 or a correct result; none may hang (launcher timeout) or crash inside MPI (exit code)."""
@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from tests.comm import launch
-from tests.comm.mpi_scripts.bad_input_cases import CASES, run_case
-from tests.master_scripts.fake_comm import ThreadComm, run_ranks
+from tests.comm.scripts.bad_input_cases import CASES, run_case
+from tests.master.scripts.fake_comm import ThreadComm, run_ranks
 
 SCRIPT = launch.SCRIPTS / "bad_input_suite.py"
 
@@ -32,7 +32,7 @@ def test_bad_input_cases_on_thread_ranks(size):
             if size < min_size:
                 continue
             if fresh:
-                comm = ThreadComm(comm._group, rank)
+                comm = ThreadComm(comm.group, rank)
             outcomes.append(run_case(comm, rank, size, name, fn, expect))
         return outcomes
     failures = [o for per_rank in run_ranks(size, body) for o in per_rank if o != "ok"]
@@ -51,7 +51,7 @@ def test_gpu_agreement_on_device_buffers(size, rng):
     cp = pytest.importorskip("cupy")
     import fp8blk as fb
     from fp8blk.master import cast_master_weights
-    from tests.master_scripts import cases
+    from tests.master.scripts import cases
 
     specs = [cases.Spec((300, 257), fb.Block2D(fb.E4M3, pow2_scales=False), columnwise=True),
              cases.Spec((128, 96), fb.MXFP8(fb.E5M2), columnwise=True)]

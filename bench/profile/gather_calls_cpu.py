@@ -29,7 +29,7 @@ import fp8blk as fb
 
 CASES = (("b1d_row", fb.Block1D(), True, False), ("b1d_rowcol", fb.Block1D(), True, True),
          ("mxfp8_row", fb.MXFP8(), True, False))
-REGIONS = {"quantize_into": "quantize", "_gather_parts": "collective", "issue": "collective",
+REGIONS = {"quantize_into": "quantize", "gather_parts": "collective", "issue": "collective",
            "allGather": "nccl", "broadcast": "nccl", "memcpy2DAsync": "fixup_rt",
            "memsetAsync": "fixup_rt"}
 
@@ -114,12 +114,12 @@ def mpi_main(args):
 
 
 def device_main(args):
-    from fp8blk.comm import gather as gather_module
+    from fp8blk.comm.gather import paths
     from tests.comm.fake_ranks import DeviceOps, FakeNccl, World, host_nccl, run_ranks
 
     host_nccl(setattr)
     ops = DeviceOps()
-    gather_module._internal_ops = lambda src: ops  # every rank's arrays "on the device"
+    paths.result_ops = lambda src: ops  # every rank's arrays "on the device"
     gate = World(args.ranks)
 
     def body(comm):

@@ -18,8 +18,9 @@ import time
 import numpy as np
 
 import fp8blk as fb
-from fp8blk import _master_agree as agree
 from fp8blk import master
+from fp8blk.master import agree
+from fp8blk.master.items import MODEL_DTYPES
 from fp8blk.layout import buffer_layouts
 
 
@@ -62,7 +63,7 @@ def main(sizes):
     for n in sizes:
         ws, ms, starts = weights_and_masters(n, rng)
         items, on_device = master.validate(ws, ms, starts, None)
-        batch = master._local_batch(items, fb.master._MODEL_DTYPES[1], on_device)
+        batch = agree.local_batch(items, MODEL_DTYPES[1], on_device)
         predicted = agree.Config(12345, batch.key, batch.first())
         packed = np.zeros(predicted.first[2], predicted.first[1])
         comm = IdentityComm()
@@ -72,12 +73,12 @@ def main(sizes):
 
         def after():
             its, dev = master.validate(ws, ms, starts, None)
-            b = master._local_batch(its, fb.master._MODEL_DTYPES[1], dev)
+            b = agree.local_batch(its, MODEL_DTYPES[1], dev)
             assert b.key == predicted.key
             agree.HeaderedComm(comm, predicted).all_reduce(packed)
 
         def agreement_only():
-            b = master._local_batch(items, fb.master._MODEL_DTYPES[1], on_device)
+            b = agree.local_batch(items, MODEL_DTYPES[1], on_device)
             assert b.key == predicted.key
             agree.HeaderedComm(comm, predicted).all_reduce(packed)
 

@@ -46,12 +46,12 @@ Counters (``comm.stats``, a :class:`Stats`; ``comm.reset_stats()`` zeroes them):
 ``meta_calls``   barriers and the small metadata collectives fp8blk's helpers issue to check
 ``meta_bytes``   layouts and exchange sizes (see :meth:`Communicator.metadata`).
 ``ops``          {op name: [calls, bytes]} for the data collectives.
-``gather_paths`` a Counter of the paths ``gather_along_first_dim`` took ("fast", "fallback",
-                 "plain"), and ``last_gather_path`` the latest one.
+
+Features of the package add counters of their own (:meth:`Stats.add_counter`): the quantized
+gather's ``gather_paths`` and ``last_gather_path`` (:mod:`fp8blk.comm.gather`).
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 
@@ -71,9 +71,17 @@ class Stats:
     work."""
 
     _FIELDS = ("calls", "bytes", "meta_calls", "meta_bytes")
+    _added = {}  # name -> (zero, export) of the counters features added
 
     def __init__(self):
         self.reset()
+
+    @classmethod
+    def add_counter(cls, name: str, zero, export=None):
+        """A counter of a feature built on the communicators: attribute ``name`` of every
+        Stats, ``zero()`` after each reset, ``export(value)`` (default: the value) in
+        :meth:`as_dict`. The feature updates the attribute itself."""
+        cls._added[name] = (zero, export)
 
     def reset(self):
         self.calls = 0
@@ -81,8 +89,8 @@ class Stats:
         self.meta_calls = 0
         self.meta_bytes = 0
         self.ops = {}
-        self.gather_paths = collections.Counter()
-        self.last_gather_path = None
+        for name, (zero, _) in self._added.items():
+            setattr(self, name, zero())
 
     def record(self, op: str, nbytes: int, meta: bool = False):
         if meta:
@@ -95,18 +103,17 @@ class Stats:
         entry[0] += 1
         entry[1] += int(nbytes)
 
-    def record_gather_path(self, path: str):
-        self.gather_paths[path] += 1
-        self.last_gather_path = path
-
     def __getitem__(self, name):
         return getattr(self, name)
 
     def as_dict(self) -> dict:
-        return {"calls": self.calls, "bytes": self.bytes, "meta_calls": self.meta_calls,
-                "meta_bytes": self.meta_bytes, "ops": {k: list(v) for k, v in self.ops.items()},
-                "gather_paths": dict(self.gather_paths),
-                "last_gather_path": self.last_gather_path}
+        result = {"calls": self.calls, "bytes": self.bytes, "meta_calls": self.meta_calls,
+                  "meta_bytes": self.meta_bytes,
+                  "ops": {k: list(v) for k, v in self.ops.items()}}
+        for name, (_, export) in self._added.items():
+            value = getattr(self, name)
+            result[name] = value if export is None else export(value)
+        return result
 
     def __repr__(self):
         return f"Stats({self.as_dict()})"
@@ -262,13 +269,16 @@ class Communicator:
     ``_broadcast(buf, root, async_op)``, ``_barrier()``. ``inp`` / ``buf`` of all_gather,
     all_gather_v and broadcast arrive as flat uint8 views; reductions keep their dtype.
 
-    Internal hooks of the quantized gather (defaults here; backends override for speed):
-    ``_gather_parts(items, stream_ptr)`` (one grouped, possibly in-place all-gather of several
+    Package-internal operations the quantized gather (``fp8blk.comm.gather``) builds on, not
+    part of the user protocol (defaults here; backends override for speed):
+    ``record(op, nbytes)`` (count a collective issued outside the public methods),
+    ``gather_parts(items, stream_ptr)`` (one grouped, possibly in-place all-gather of several
     byte buffers; NCCL: one group, MPI: in-place Iallgather(v), torch: in-place
-    all_gather_into_tensor), ``_gather_parts_issuer(items)`` (the same as a callable of the
-    stream, for items issued again and again), ``_meta_all_gather(row)`` /
-    ``_meta_all_reduce_max(row)`` (small host int64 metadata, never staged through a device),
-    ``_stream_ordered`` (whether ``_gather_parts`` only enqueues on a stream).
+    all_gather_into_tensor), ``gather_parts_issuer(items)`` (the same as a callable of the
+    stream, for items issued again and again), ``meta_all_gather(row)`` /
+    ``meta_all_reduce_max(row)`` (small host int64 metadata, never staged through a device),
+    ``stream_ordered`` (whether ``gather_parts`` only enqueues on a stream),
+    ``orders_torch_stream`` (whether the backend orders against torch's current stream).
     """
 
     rank: int = 0
@@ -292,7 +302,9 @@ class Communicator:
         finally:
             self._meta_depth -= 1
 
-    def _record(self, op, nbytes):
+    def record(self, op, nbytes):
+        """Count one collective of ``nbytes`` in ``stats`` (as metadata inside
+        :meth:`metadata`)."""
         self.stats.record(op, nbytes, meta=self._meta_depth > 0)
 
     def __repr__(self):
@@ -304,7 +316,7 @@ class Communicator:
         arr, family, logical = _arrays.to_backend(buf)
         dtype = _reduce_dtype(arr, logical, dtype)
         _require_contiguous(arr, "all_reduce buffer")
-        self._record("all_reduce", nbytes_of(arr))
+        self.record("all_reduce", nbytes_of(arr))
         handle = self._all_reduce(arr, dtype, op, async_op)
         return _finish(handle, async_op, buf)
 
@@ -317,7 +329,7 @@ class Communicator:
         arr = xp.ascontiguousarray(arr)
         out_shape = (self.size * arr.shape[0],) + tuple(arr.shape[1:])
         out, out_arr = _output(out, out_shape, arr, family, logical, "all_gather")
-        self._record("all_gather", nbytes_of(arr))
+        self.record("all_gather", nbytes_of(arr))
         handle = self._all_gather(byte_view(arr), byte_view(out_arr), async_op)
         return _finish(handle, async_op, out, sync_result=out)
 
@@ -336,7 +348,7 @@ class Communicator:
                                flat_ok=True)
         item = arr.dtype.itemsize
         byte_counts = [c * item for c in counts]
-        self._record("all_gather_v", self._all_gather_v_wire_bytes(byte_counts))
+        self.record("all_gather_v", self._all_gather_v_wire_bytes(byte_counts))
         handle = self._all_gather_v(byte_view(arr), byte_counts, byte_view(out_arr), async_op)
         return _finish(handle, async_op, out, sync_result=out)
 
@@ -351,7 +363,7 @@ class Communicator:
         arr = xp.ascontiguousarray(arr)
         out_shape = (arr.shape[0] // self.size,) + tuple(arr.shape[1:])
         out, out_arr = _output(out, out_shape, arr, family, logical, "reduce_scatter")
-        self._record("reduce_scatter", nbytes_of(arr))
+        self.record("reduce_scatter", nbytes_of(arr))
         handle = self._reduce_scatter(arr, out_arr, dtype, op, async_op)
         return _finish(handle, async_op, out, sync_result=out)
 
@@ -360,7 +372,7 @@ class Communicator:
             raise ValueError(f"broadcast root must be a rank in [0, {self.size}), got {root!r}")
         arr, family, logical = _arrays.to_backend(buf)
         _require_contiguous(arr, "broadcast buffer")
-        self._record("broadcast", nbytes_of(arr))
+        self.record("broadcast", nbytes_of(arr))
         handle = self._broadcast(byte_view(arr), int(root), async_op)
         return _finish(handle, async_op, buf)
 
@@ -406,42 +418,39 @@ class Communicator:
     def _barrier(self):  # pragma: no cover - abstract
         raise NotImplementedError
 
-    # -- internal hooks of the quantized gather (fp8blk.comm.gather) --------------------------
-    #: the quantized gather's cache of plans (fp8blk.comm.gather.plan_cache)
-    _gather_plans = None
-
+    # -- package-internal operations of the quantized gather (fp8blk.comm.gather) -------------
     #: True for backends that order against torch's current stream (torch process groups):
     #: the gather makes its communication stream torch's current stream around them
-    _orders_torch_stream = False
+    orders_torch_stream = False
 
-    #: True when ``_gather_parts`` enqueues on a device stream and its ``finish`` (if any)
+    #: True when ``gather_parts`` enqueues on a device stream and its ``finish`` (if any)
     #: only orders that stream (never blocks the host): then the gather's post-processing is
     #: enqueued right away and an asynchronous gather's handle is an event.
-    _stream_ordered = False
+    stream_ordered = False
 
-    def _meta_all_gather(self, row):
+    def meta_all_gather(self, row):
         """All-gather a small host int64 vector (metadata) into a (size, len) NumPy table,
         through host memory only (no device staging), counted as metadata."""
         table = np.empty((self.size, row.size), dtype=np.int64)
         with self.metadata():
-            self._record("all_gather", nbytes_of(row))
+            self.record("all_gather", nbytes_of(row))
             self._all_gather(byte_view(row), byte_view(table), False).wait()
         return table
 
-    def _meta_all_reduce_max(self, row):
+    def meta_all_reduce_max(self, row):
         """In-place MAX all-reduce of a small host int64 vector, counted as metadata."""
         with self.metadata():
-            self._record("all_reduce", nbytes_of(row))
+            self.record("all_reduce", nbytes_of(row))
             self._all_reduce(row, row.dtype, "max", False).wait()
         return row
 
-    def _gather_parts_issuer(self, items):
-        """``issue(stream_ptr)``, the same as ``_gather_parts(items, stream_ptr)``, for items
+    def gather_parts_issuer(self, items):
+        """``issue(stream_ptr)``, the same as ``gather_parts(items, stream_ptr)``, for items
         that are issued again and again (the gather's steady state keeps it): backends work
         out their call arguments once where they can."""
-        return functools.partial(self._gather_parts, items)
+        return functools.partial(self.gather_parts, items)
 
-    def _gather_parts(self, items, stream_ptr=None):
+    def gather_parts(self, items, stream_ptr=None):
         """One grouped all-gather of several byte buffers (the quantized gather's data and
         scales), issued without Python post-processing where the backend allows.
 

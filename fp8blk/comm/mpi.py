@@ -241,7 +241,7 @@ class MPIComm(Communicator):
         post()
         return Handle.completed()
 
-    def _gather_parts(self, items, stream_ptr=None):
+    def gather_parts(self, items, stream_ptr=None):
         """Each item is one non-blocking Allgather(v) (MPI_IN_PLACE where this rank's bytes
         are already in place); device (CuPy) buffers are staged through host memory unless
         the MPI is CUDA-aware. Returns the ``finish()`` that waits for all of them."""

@@ -19,7 +19,7 @@ Calls inside ``with comm.group():`` are fused into one NCCL group launch; uneven
 GPU test (the lead runs it on the H200; Open MPI there needs the flags)::
 
     /usr/bin/mpiexec --allow-run-as-root --oversubscribe -n 1 \\
-        python3 -m mpi4py tests/comm/mpi_scripts/comm_suite.py nccl
+        python3 -m mpi4py -m tests.comm.scripts.comm_suite nccl
     python3 -m pytest -m gpu tests/comm -q
 """
 from __future__ import annotations
@@ -29,7 +29,6 @@ import contextlib
 import numpy as np
 
 from .. import _arrays
-from ._native import torch_stream_ptr
 from .base import Communicator, Handle, torch_gather_out
 
 _F16 = np.dtype(np.float16)
@@ -76,7 +75,7 @@ def _direct_pair(inp, out, size):
         out = torch_gather_out(torch, inp, out, size) if inp.is_cuda else None
         if out is None:
             return None
-        stream = torch_stream_ptr(torch, inp.device.index)
+        stream = _arrays.torch_raw_stream()(inp.device.index)
         return (inp.numel() * inp.element_size(), inp.data_ptr(), out.data_ptr(), stream, out)
     cupy = _arrays.cupy_module()
     if cupy is None or type(inp) is not cupy.ndarray or inp.ndim == 0 \
@@ -259,20 +258,20 @@ class NCCLComm(Communicator):
                              self._stream().ptr)
         return self._enqueued(async_op)
 
-    _stream_ordered = True
+    stream_ordered = True
 
-    def _gather_parts(self, items, stream_ptr=None):
+    def gather_parts(self, items, stream_ptr=None):
         """All items in ONE NCCL group on ``stream_ptr`` (default: the current CuPy stream):
         equal counts are an in-place ncclAllGather, unequal ones a broadcast per non-empty
         rank. Device arrays (CuPy or torch CUDA tensors) are passed by pointer: nothing is
         converted. Host items go to the MPI host communicator."""
-        return self._gather_parts_issuer(items)(stream_ptr)
+        return self.gather_parts_issuer(items)(stream_ptr)
 
-    def _gather_parts_issuer(self, items):
-        """``issue(stream_ptr)`` of ``_gather_parts``: the NCCL calls (pointers, counts,
+    def gather_parts_issuer(self, items):
+        """``issue(stream_ptr)`` of ``gather_parts``: the NCCL calls (pointers, counts,
         roots) are worked out here, once; an issue makes only them, in one group."""
         if items and not _arrays.is_device(items[0][1]) and _host_array(items[0][1]):
-            return self.host_comm._gather_parts_issuer(items)
+            return self.host_comm.gather_parts_issuer(items)
         nccl = _nccl()
         calls = self._nccl_gather_calls(items, nccl)
 

@@ -10,43 +10,25 @@ first checked step) to issue exactly one collective.
 """
 from __future__ import annotations
 
-import contextlib
-import hashlib
-
 import numpy as np
 
 from .. import _arrays
+from ..layout import round_up
+from .agree import all_agree, fingerprint
 from .base import byte_view, check_op, nbytes_of, xp_of
 
 ALIGN = 16  # bytes: every packed part starts on this boundary, so typed views stay aligned
 
 
-def fingerprint(*parts) -> int:
-    """A stable 62-bit hash of ``repr(parts)`` (the same in every process, unlike hash())."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2
-
-
-def meta_scope(comm):
-    """``comm.metadata()`` where the communicator has it (count as metadata), else nothing."""
-    scope = getattr(comm, "metadata", None)
-    return scope() if scope is not None else contextlib.nullcontext()
-
-
 def check_layout(comm, what: str, count: int, layout_fingerprint: int, describe: str):
-    """Raise ValueError on every rank unless all ranks pass the same count and fingerprint.
-
-    One MAX all-reduce of int64 [count, -count, fp, -fp]: the maxima of x and -x agree only
-    when every rank holds the same x.
-    """
-    probe = np.array([count, -count, layout_fingerprint, -layout_fingerprint], dtype=np.int64)
-    with meta_scope(comm):
-        comm.all_reduce(probe, op="max")
-    if probe[0] != -probe[1]:
+    """Raise ValueError on every rank unless all ranks pass the same count and fingerprint
+    (one probe of :mod:`fp8blk.comm.agree`: a 32-byte MAX all-reduce, counted as metadata)."""
+    agreement = all_agree(comm, [count, layout_fingerprint])
+    if not agreement.same(0):
         raise ValueError(f"{what}: ranks disagree on the number of packed elements (from "
-                         f"{-probe[1]} to {probe[0]}; this rank: {describe}); every rank must "
-                         f"pass arrays of the same sizes, in the same order")
-    if probe[2] != -probe[3]:
+                         f"{agreement.low[0]} to {agreement.high[0]}; this rank: {describe}); "
+                         f"every rank must pass arrays of the same sizes, in the same order")
+    if not agreement.same(1):
         raise ValueError(f"{what}: ranks agree on the element count ({count}) but not on the "
                          f"layout (shapes, dtype or op; this rank: {describe}); every rank "
                          f"must pass the same shapes, dtype and op")
@@ -58,7 +40,7 @@ def byte_layout(nbytes_list):
     offsets, total = [], 0
     for nbytes in nbytes_list:
         offsets.append(total)
-        total += -(-int(nbytes) // ALIGN) * ALIGN
+        total += round_up(int(nbytes), ALIGN)
     return offsets, total
 
 
@@ -179,5 +161,5 @@ def packed_all_gather(comm, arrays, check=True, async_op=False):
     return result.wait()
 
 
-__all__ = ["packed_all_reduce", "packed_all_gather", "check_layout", "fingerprint",
-           "byte_layout", "pack_bytes", "meta_scope"]
+__all__ = ["packed_all_reduce", "packed_all_gather", "check_layout", "byte_layout",
+           "pack_bytes"]

@@ -47,8 +47,8 @@ class TorchComm(Communicator):
         backend = str(dist.get_backend(group)).lower()
         self._cpu_ok = "gloo" in backend or "mpi" in backend
         self._cuda_ok = "nccl" in backend or "cuda" in backend
-        self._stream_ordered = self._cuda_ok  # NCCL work only orders streams on wait()
-        self._orders_torch_stream = True
+        self.stream_ordered = self._cuda_ok  # NCCL work only orders streams on wait()
+        self.orders_torch_stream = True
         self._host_pg = None  # a gloo group for host buffers when the group takes CUDA only
 
     # -- conversions --------------------------------------------------------------------------
@@ -139,7 +139,7 @@ class TorchComm(Communicator):
         if direct is None:
             return super().all_gather(inp, out, async_op)
         send, recv, out = direct
-        self._record("all_gather", send.numel())
+        self.record("all_gather", send.numel())
         # synchronous NCCL: the current stream waits for the collective (no Work.wait() call)
         work = _all_gather_single(_dist())(recv, send, group=self.group, async_op=async_op)
         if async_op:
@@ -211,7 +211,7 @@ class TorchComm(Communicator):
     def _barrier(self):
         _dist().barrier(group=self.group)
 
-    def _gather_parts(self, items, stream_ptr=None):
+    def gather_parts(self, items, stream_ptr=None):
         """Each item: an in-place ``all_gather_into_tensor`` on uint8 for equal counts; for
         unequal counts a list ``all_gather`` on NCCL (which takes uneven sizes), or, on gloo,
         every rank's bytes padded to the largest count. Torch tensors are used as they are;
@@ -220,9 +220,10 @@ class TorchComm(Communicator):
         dist = _dist()
         works, posts = [], []
         me = self.rank
-        # On CUDA tensors with NCCL the caller makes its stream wait at once (gather._run):
-        # a synchronous collective does exactly that, without a Work object to wait on
-        # (Work.wait() cost ~100 us of host time per item on the H200, torch 2.11)
+        # On CUDA tensors with NCCL the caller makes its stream wait at once
+        # (fp8blk.comm.gather.streams.run): a synchronous collective does exactly that, without
+        # a Work object to wait on (Work.wait() cost ~100 us of host time per item on the
+        # H200, torch 2.11)
         sync = self._cuda_ok and stream_ptr is not None
         for send, recv, counts in items:
             recv_t, copy_back, group = self._work(recv)
@@ -263,26 +264,26 @@ class TorchComm(Communicator):
                 post()
         return finish
 
-    def _meta_all_gather(self, row):
+    def meta_all_gather(self, row):
         """Metadata through the host group (gloo) with a NumPy-backed tensor: no device
         staging, no stream drain."""
         group = self._host_group()
         if group is None:
-            return super()._meta_all_gather(row)
+            return super().meta_all_gather(row)
         torch = _arrays.torch_module()
         table = np.empty((self.size, row.size), dtype=np.int64)
         with self.metadata():
-            self._record("all_gather", row.nbytes)
+            self.record("all_gather", row.nbytes)
             _all_gather_single(_dist())(torch.from_numpy(table.reshape(-1)),
                                            torch.from_numpy(row), group=group)
         return table
 
-    def _meta_all_reduce_max(self, row):
+    def meta_all_reduce_max(self, row):
         group = self._host_group()
         if group is None:
-            return super()._meta_all_reduce_max(row)
+            return super().meta_all_reduce_max(row)
         with self.metadata():
-            self._record("all_reduce", row.nbytes)
+            self.record("all_reduce", row.nbytes)
             _dist().all_reduce(_arrays.torch_module().from_numpy(row), op=_dist().ReduceOp.MAX,
                                group=group)
         return row

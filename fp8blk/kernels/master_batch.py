@@ -1,6 +1,6 @@
 """The batch table of the master-weight kernels (``partial_amax``, ``partial_cast``): one row per
-weight of a recipe bucket, the arena that addresses every array of the batch from one base,
-and the launches over ranges of rows.
+weight of a recipe bucket (:class:`BatchWeight`: plain arrays and numbers), the arena that
+addresses every array of the batch from one base, and the launches over ranges of rows.
 
 Batch table
 -----------
@@ -23,14 +23,55 @@ import threading
 import numpy as np
 
 from .. import _arrays
+from .._bounded import BoundedCache
 from ..formats import Block2D, E4M3
 from ..layout import cdiv, round_up
-from ..tensor import cupy_buffers
 from ._launch import SIM, data_ptr, module_of
 from ._specs import (CAST_CHUNK, F_AMAX0, F_AMAXF0, F_BAND0, F_CAST0, F_CASTF0, F_COLBUF,
                      F_COLDATA, F_COLSINV, F_E4M3, F_EPS, F_FASTROW0, F_FASTROW1, F_H, F_HASCOL,
                      F_HASROW, F_MBF16, F_MOFF, F_MVEC, F_N, F_NCB, F_NFC, F_O, F_POW2, F_ROWBUF,
                      F_ROWDATA, F_ROWSINV, F_SCALE0, F_VEC2D, F_W, MX_COLS, NF)
+
+
+# ---- one weight ---------------------------------------------------------------------------------
+
+
+class BatchWeight:
+    """One weight of a bucket as the kernels read it. ``index``: its place in the caller's
+    list (for messages); ``h``, ``w``: its logical (M, K) shape; ``recipe``: Block2D or MXFP8;
+    ``master``: this rank's flat shard, an internal 1-D array (NumPy or CuPy) of ``count``
+    elements starting at flat ``start`` of the row-major weight, or None (``count`` 0);
+    ``master_dtype``: the shard's logical dtype (float32 or BF16; device bf16 arrays are
+    uint16); ``rowwise`` / ``columnwise``: the directions the weight holds; ``frag_row`` /
+    ``frag_col``: internal uint8 (count,) arrays the owned data bytes go to instead of the
+    weight's data buffers, or None. :meth:`buffers` gives the weight's four internal arrays
+    (rowwise data, rowwise scale_inv, columnwise data, columnwise scale_inv; None where not
+    held), in the layouts of docs/layouts.md."""
+
+    def __init__(self, index, h, w, recipe, master, master_dtype, start, count, rowwise,
+                 columnwise, buffers=None, frag_row=None, frag_col=None):
+        self.index, self.h, self.w, self.recipe = index, h, w, recipe
+        self.master, self.master_dtype, self.start, self.count = master, master_dtype, start, \
+            count
+        self.rowwise, self.columnwise = rowwise, columnwise
+        self.frag_row, self.frag_col = frag_row, frag_col
+        self._buffers = buffers
+
+    def buffers(self):
+        return self._buffers
+
+    @property
+    def row_blocks(self) -> int:
+        """Entries this weight contributes to its bucket's rowwise part of the buffer."""
+        if isinstance(self.recipe, Block2D):
+            return cdiv(self.h, 128) * cdiv(self.w, 128)
+        return self.h * (self.w // 32) if self.rowwise else 0
+
+    @property
+    def col_blocks(self) -> int:
+        if isinstance(self.recipe, Block2D):
+            return 0
+        return (self.h // 32) * self.w if self.columnwise else 0
 
 
 # ---- pointer arguments -------------------------------------------------------------------------
@@ -146,9 +187,12 @@ class Launch:
         return launches
 
 
-_table_cache = {}
+_table_cache = BoundedCache(32)
 _table_lock = threading.Lock()
-_TABLE_CACHE_SIZE = 32
+
+#: what the caches did: ``tables_uploaded`` (batch tables copied to the device) and
+#: ``batches_built`` (Batch objects made by :func:`batch_for`), cumulative
+counters = {"tables_uploaded": 0, "batches_built": 0}
 
 
 def _device_table(table, xp):
@@ -164,15 +208,13 @@ def _device_table(table, xp):
     with _table_lock:
         hit = _table_cache.get(key)
         if hit is None:
-            if len(_table_cache) >= _TABLE_CACHE_SIZE:
-                _table_cache.pop(next(iter(_table_cache)))
-            hit = xp.asarray(table)
-            _table_cache[key] = hit
+            hit = _table_cache.put(key, xp.asarray(table))
+            counters["tables_uploaded"] += 1
     return hit
 
 
 class Batch:
-    """Table, arena and launches for the weights of one bucket (``fp8blk.master.Item`` list).
+    """Table, arena and launches for the weights of one bucket (a list of :class:`BatchWeight`).
 
     Rows are ordered with the weights that have no columnwise output first (row-only MXFP8;
     Block2D without transposed data, or with fragments), so each kernel specialization
@@ -181,7 +223,7 @@ class Batch:
 
     def __init__(self, items, have_fragments):
         self.block2d = isinstance(items[0].recipe, Block2D)
-        some = next(b for b in cupy_buffers(items[0].weight) if b is not None)
+        some = next(b for b in items[0].buffers() if b is not None)
         self.xp = module_of(some)
 
         def with_col(it):
@@ -191,7 +233,7 @@ class Batch:
         arrays, written = [], []
         for it in self.items:
             arrays.append(it.master)
-            for b in cupy_buffers(it.weight):
+            for b in it.buffers():
                 arrays.append(b)
                 written.append(b)
             arrays += [it.frag_row, it.frag_col]
@@ -264,7 +306,7 @@ class Batch:
         if self.block2d:
             row[F_POW2] = int(r.pow2_scales)
             row[F_EPS] = int(np.float32(r.amax_epsilon).view(np.int32))
-        row_data, row_sinv, col_data, col_sinv = cupy_buffers(it.weight)
+        row_data, row_sinv, col_data, col_sinv = it.buffers()
         row[F_HASROW], row[F_HASCOL] = int(it.rowwise), int(it.columnwise)
         if it.rowwise:
             row[F_ROWDATA] = (a.offset(it.frag_row, 1) - o) if it.frag_row is not None else \
@@ -338,8 +380,14 @@ class Batch:
         self.arena.finish()
 
 
-_batch_cache = {}
-_BATCH_CACHE_SIZE = 16
+_batch_cache = BoundedCache(16)
+
+
+def clear_caches():
+    """Forget every cached Batch and device table (the next calls build and upload anew)."""
+    with _table_lock:
+        _batch_cache.clear()
+        _table_cache.clear()
 
 
 def _ptr(arr):
@@ -351,7 +399,7 @@ def _item_key(it):
     place, and the addresses of every array (not the arrays: a key keeps nothing alive)."""
     return (it.h, it.w, it.recipe, it.rowwise, it.columnwise, it.start, it.count,
             it.master_dtype, _ptr(it.master),
-            tuple(_ptr(b) for b in cupy_buffers(it.weight)),
+            tuple(_ptr(b) for b in it.buffers()),
             _ptr(it.frag_row), _ptr(it.frag_col))
 
 
@@ -363,7 +411,7 @@ def batch_for(items, have_fragments):
     device table. The simulator copies arrays into a pool per call: never cached there."""
     if SIM:
         return Batch(items, have_fragments)
-    xp = module_of(next(b for b in cupy_buffers(items[0].weight) if b is not None))
+    xp = module_of(next(b for b in items[0].buffers() if b is not None))
     stream = 0 if xp is np else xp.cuda.get_current_stream().ptr
     key = (stream, have_fragments) + tuple(_item_key(it) for it in items)
     with _table_lock:
@@ -372,7 +420,6 @@ def batch_for(items, have_fragments):
         hit = Batch(items, have_fragments)
         hit.items = None  # the items hold the caller's arrays; launches need only the table
         with _table_lock:
-            if len(_batch_cache) >= _BATCH_CACHE_SIZE:
-                _batch_cache.pop(next(iter(_batch_cache)))
-            _batch_cache[key] = hit
+            _batch_cache.put(key, hit)
+            counters["batches_built"] += 1
     return hit

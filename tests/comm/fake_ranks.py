@@ -3,7 +3,7 @@ exchanges Python objects, an MPI-like host communicator for the metadata over it
 NCCL stand-in on host memory (:class:`FakeNccl`, installed by :func:`host_nccl`), and NumPy
 arrays taken for device arrays (:class:`DeviceOps`: the gather's device path, its fix-up's
 runtime calls done on host memory by :class:`HostRuntime`). Used by
-tests/comm/test_nccl_gather_fake.py, tests/comm/test_gather_fake_ranks_gpu.py (with an NCCL
+tests/comm/test_gather_nccl_fake.py, tests/comm/test_gather_fake_ranks_gpu.py (with an NCCL
 stand-in between device buffers) and bench/gather_calls_cpu.py."""
 import ctypes
 import threading
@@ -11,9 +11,10 @@ import types
 
 import numpy as np
 
-from fp8blk.comm import Communicator, Handle, NCCLComm, _native
+from fp8blk.comm import Communicator, Handle, NCCLComm
+from fp8blk.comm.gather.arrays import NumpyOps
 from fp8blk.comm import nccl as nccl_module
-from fp8blk.comm._device_copy import Copies
+from fp8blk.comm.gather.copies import Copies
 
 STREAM = 0x5EED  # the stream handle DeviceOps reports (HostRuntime checks it comes back)
 
@@ -67,22 +68,34 @@ def run_ranks(n, body, nccl):
         comm = NCCLComm(nccl(world, r), r, n, host_comm=FakeHost(world, r))
         comm.host_comm.stats = comm.stats
         comms.append(comm)
-    results, errors = [None] * n, []
+    return run_threads(n, lambda r: body(comms[r]), world.barrier.abort), comms
 
-    def run(r):
+
+def run_threads(n, body, abort, timeout=240.0):
+    """``body(rank)`` on n threads; returns the results by rank. A rank that raises calls
+    ``abort()`` (breaking the barrier the others wait at); the first error that is not such a
+    broken barrier is re-raised (else the first error). The one thread-rank runner of the
+    tests (fp8blk.comm's and the master weights')."""
+    results, errors = [None] * n, [None] * n
+
+    def run(rank):
         try:
-            results[r] = body(comms[r])
-        except BaseException as error:  # noqa: BLE001 - reported below
-            errors.append((r, error))
-            world.barrier.abort()
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+            results[rank] = body(rank)
+        except BaseException as error:  # noqa: BLE001 - handed to the caller below
+            errors[rank] = error
+            abort()
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(n)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0][1]
-    return results, comms
+        t.join(timeout)
+        if t.is_alive():
+            raise TimeoutError("a thread rank did not finish")
+    failed = [e for e in errors if e is not None]
+    real = [e for e in failed if not isinstance(e, threading.BrokenBarrierError)]
+    if failed:
+        raise (real or failed)[0]
+    return results
 
 
 class FakeNccl:
@@ -137,7 +150,7 @@ class HostRuntime:
         ctypes.memset(ptr, value, size)
 
 
-class DeviceOps(_native.NumpyOps):
+class DeviceOps(NumpyOps):
     """NumPy arrays taken for device arrays: the gather takes its device path on them (the
     fix-up's runtime calls, no views per call), on the stream handle ``STREAM``."""
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = HERE / "mpi_scripts"
+SCRIPTS = HERE / "scripts"
 REPO = HERE.parent.parent
 
 

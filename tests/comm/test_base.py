@@ -3,6 +3,7 @@ NaN-ignoring MAX keys, argument checks of the Communicator base class, the gathe
 table against fb.quantize, and importing fp8blk.comm without mpi4py / CuPy / torch."""
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 import fp8blk as fb
 from fp8blk.comm import Communicator, Handle, Stats
 from fp8blk.comm.base import float_to_max_keys, max_keys_to_float
+from fp8blk.comm.gather.state import record_path
 from fp8blk.layout import all_layouts as buffer_layouts
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -55,7 +57,7 @@ def test_stats_record_and_reset():
     stats.record("all_reduce", 40)
     stats.record("all_gather", 8)
     stats.record("all_reduce", 16, meta=True)
-    stats.record_gather_path("fast")
+    record_path(SimpleNamespace(stats=stats), "fast")
     assert (stats.calls, stats.bytes, stats.meta_calls, stats.meta_bytes) == (2, 48, 1, 16)
     assert stats["calls"] == 2 and stats.ops == {"all_reduce": [1, 40], "all_gather": [1, 8]}
     assert stats.as_dict()["gather_paths"] == {"fast": 1} and stats.last_gather_path == "fast"

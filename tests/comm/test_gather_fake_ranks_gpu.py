@@ -10,7 +10,6 @@ the same ``out=`` again) too. Run on the H200 with
 ``python3 -m pytest -m gpu tests/comm/test_gather_fake_ranks_gpu.py -q``."""
 import types
 
-import numpy as np
 import pytest
 
 import fp8blk as fb
@@ -18,10 +17,10 @@ from fp8blk.comm import nccl as nccl_module
 from fp8blk.comm.gather import gather_along_first_dim, plan_cache
 
 from .fake_ranks import run_ranks
+from .gather_checks import assert_same_bytes, gather_input
 
 pytestmark = pytest.mark.gpu
 
-NAMES = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
 D2D = 3  # cudaMemcpyDeviceToDevice
 
 
@@ -63,11 +62,6 @@ def device_nccl(monkeypatch):
     pytest.importorskip("cupy")
     fake = types.SimpleNamespace(NCCL_UINT8=0, groupStart=lambda: None, groupEnd=lambda: None)
     monkeypatch.setattr(nccl_module, "_nccl", lambda: fake)
-
-
-def _input(rng, rows, k):
-    x = rng.standard_normal((rows, k)) * 10.0 ** rng.integers(-4, 4, (rows, 1))
-    return x.astype(np.float32)
 
 
 class _Family:
@@ -113,12 +107,7 @@ class _Family:
 
 def _same(fam, got, expected, label):
     fam.sync()
-    for name in NAMES:
-        g, e = fam.host(getattr(got, name)), fam.host(getattr(expected, name))
-        assert (g is None) == (e is None), (label, name)
-        if e is not None:
-            assert g.shape == e.shape, (label, name, g.shape, e.shape)
-            assert np.array_equal(g.view(np.uint8), e.view(np.uint8)), (label, name)
+    assert_same_bytes(got, expected, fam.host, (label,))
 
 
 CASES = [(fb.Block1D(), True, False), (fb.Block1D(), True, True), (fb.MXFP8(), True, False),
@@ -144,7 +133,7 @@ def test_fake_ranks_gather_is_quantize(device_nccl, family, recipe, rowwise, col
     fam = _Family(family)
     k = 96 if isinstance(recipe, fb.MXFP8) else 300
     for rows in _splits(recipe, rowwise, columnwise, n):
-        hosts = [[_input(rng, r, k) for r in rows] for _ in range(4)]
+        hosts = [[gather_input(rng, r, k) for r in rows] for _ in range(4)]
         inputs = [[fam.make(h) for h in step] for step in hosts]
         expected = [fb.quantize(fam.concat(step), recipe, rowwise, columnwise)
                     for step in inputs]

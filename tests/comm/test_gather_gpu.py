@@ -8,9 +8,9 @@ import pytest
 
 import fp8blk as fb
 
-pytestmark = pytest.mark.gpu
+from .gather_checks import assert_same_bytes, gather_input
 
-NAMES = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
+pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
@@ -31,20 +31,6 @@ def _host(buf):
     return cupy.asnumpy(buf)
 
 
-def _same(got, expected):
-    for name in NAMES:
-        g, e = _host(getattr(got, name)), _host(getattr(expected, name))
-        assert (g is None) == (e is None), name
-        if e is not None:
-            assert g.shape == e.shape and np.array_equal(g.view(np.uint8), e.view(np.uint8)), \
-                name
-
-
-def _input(rng, rows, k):
-    x = rng.standard_normal((rows, k)) * 10.0 ** rng.integers(-4, 4, (rows, 1))
-    return x.astype(np.float32)
-
-
 CASES = [(fb.Block1D(), True, False, 300, 1000), (fb.Block1D(), True, True, 256, 1024),
          (fb.MXFP8(), True, False, 96, 512), (fb.Block2D(), False, True, 200, 640)]
 
@@ -54,7 +40,7 @@ CASES = [(fb.Block1D(), True, False, 300, 1000), (fb.Block1D(), True, True, 256,
 def test_one_rank_gather_is_quantize(comm, family, recipe, rowwise, columnwise, rows, k, rng):
     import cupy
 
-    host = _input(rng, rows, k)
+    host = gather_input(rng, rows, k)
     if family == "torch":
         torch = pytest.importorskip("torch")
         x = torch.from_numpy(host).cuda().to(torch.bfloat16)
@@ -64,11 +50,11 @@ def test_one_rank_gather_is_quantize(comm, family, recipe, rowwise, columnwise, 
     comm.reset_stats()
     out, handle = fb.comm.gather_along_first_dim(x, comm, recipe, rowwise, columnwise)
     assert handle is None and comm.stats.meta_calls == 0
-    _same(out, expected)
+    assert_same_bytes(out, expected, _host)
     # out= reused on a side stream, asynchronously; then synchronously on the current one
     side = cupy.cuda.Stream(non_blocking=True)
     for step in range(3):
-        host = _input(rng, rows, k)
+        host = gather_input(rng, rows, k)
         x = torch.from_numpy(host).cuda().to(torch.bfloat16) if family == "torch" \
             else cupy.asarray(host)
         expected = fb.quantize(x, recipe, rowwise, columnwise)
@@ -78,7 +64,7 @@ def test_one_rank_gather_is_quantize(comm, family, recipe, rowwise, columnwise, 
         assert again is out
         if handle is not None:
             assert handle.wait() is out
-        _same(out, expected)
+        assert_same_bytes(out, expected, _host)
 
 
 def test_all_gather_direct_path(comm, rng):

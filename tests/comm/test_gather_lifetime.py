@@ -1,16 +1,16 @@
 """An asynchronous device gather on a communication stream keeps its temporaries (staging,
 the input, the fallback's full buffer) alive until its handle is waited for: the memory pools
 would otherwise give their memory to new work on the caller's stream while the communication
-stream still reads or writes it. Checked on ``gather._run`` with a stand-in for the streams
+stream still reads or writes it. Checked on ``fp8blk.comm.gather.streams.run`` with a stand-in for the streams
 (the GPU suites run the real ones)."""
 import gc
 import weakref
 
-from fp8blk.comm import gather
+from fp8blk.comm.gather import streams as gather_streams
 
 
 class _Streams:
-    """What ``_run`` needs of ``_DeviceStreams``: a side stream that records an event."""
+    """What ``run`` needs of ``DeviceStreams``: a side stream that records an event."""
     ptr = 1234
 
     def __init__(self):
@@ -20,10 +20,10 @@ class _Streams:
         pass
 
     def context(self):
-        return gather._NULL
+        return gather_streams.NULL
 
     def torch_context(self):
-        return gather._NULL
+        return gather_streams.NULL
 
     def end(self, async_op):
         if not async_op:
@@ -32,8 +32,8 @@ class _Streams:
 
 
 class _Comm:
-    _stream_ordered = True
-    _orders_torch_stream = False
+    stream_ordered = True
+    orders_torch_stream = False
 
 
 class _Temp:
@@ -44,7 +44,7 @@ def test_async_handle_keeps_temporaries_until_waited():
     temp, streams = _Temp(), _Streams()
     ref = weakref.ref(temp)
     issued = []
-    handle = gather._run(_Comm(), lambda ptr: issued.append(ptr), lambda: None, streams,
+    handle = gather_streams.run(_Comm(), lambda ptr: issued.append(ptr), lambda: None, streams,
                          streams.ptr, True, "result", keep=temp)
     del temp
     gc.collect()
@@ -59,7 +59,7 @@ def test_async_handle_keeps_temporaries_until_waited():
 def test_synchronous_call_keeps_nothing():
     temp, streams = _Temp(), _Streams()
     ref = weakref.ref(temp)
-    assert gather._run(_Comm(), lambda ptr: None, lambda: None, streams, streams.ptr, False,
+    assert gather_streams.run(_Comm(), lambda ptr: None, lambda: None, streams, streams.ptr, False,
                        "result", keep=temp) is None
     del temp
     gc.collect()

@@ -1,4 +1,4 @@
-"""Multi-rank tests: the communicator suite (tests/comm/mpi_scripts/checks.py) under mpiexec
+"""Multi-rank tests: the communicator suite (tests/comm/scripts/checks.py) under mpiexec
 with MPIComm at 1-4 ranks, under torchrun with TorchComm on gloo, and jobs whose ranks fail
 (they must end within the timeout, not hang).
 
@@ -26,7 +26,7 @@ def test_mpi_suite(n):
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("module", [True, False], ids=["m-mpi4py", "plain-python"])
 def test_plain_gather_uneven_and_errors(n, module):
-    # issue 16: 1-D inputs, lengths that differ per rank, one rank's invalid input; started
+    # 1-D inputs, lengths that differ per rank, one rank's invalid input; started
     # without -m mpi4py nothing may hang either
     _expect_suite(mpi(n, "comm_suite.py", "mpi", "plain", timeout=90, mpi4py_module=module), n)
 

@@ -1,7 +1,7 @@
 """Partial-amax kernels of the master-weight path (fp8blk/kernels/partial_amax.py, _partial_amax_kernel.py,
 master_batch.py): PTX for
 sm_90 without a GPU, byte-exact results under the simulator (subprocess), the batch table
-(constant launches for 100 weights), and the same on the GPU (-m gpu, see tests/test_master.py).
+(constant launches for 100 weights), and the same on the GPU (-m gpu, see tests/master/test_master.py).
 """
 import numpy as np
 import pytest
@@ -13,14 +13,14 @@ from fp8blk.kernels import _partial_amax_kernel as pak
 from fp8blk.kernels import _specs as dev
 from fp8blk.kernels import master_batch as mb
 from tests import sim_jobs
-from tests.master_scripts import cases
+from tests.master.scripts import cases
 
 needs_compiler = pytest.mark.skipif(_numba.SIM, reason="compile_ptx needs the real Numba CUDA "
                                                         "target (this process is simulated)")
 
 
 def run_sim(what):
-    """The result of tests/master_scripts/sim_checks.py `what` under the simulator (run in the
+    """The result of tests/master/scripts/sim_checks.py `what` under the simulator (run in the
     background from the end of collection: tests/sim_jobs.py); assert it passed."""
     code, out, err, seed = sim_jobs.result(what)
     assert code == 0 and f"OK {what}" in out, f"seed={seed}\n{out[-3000:]}\n{err[-6000:]}"
@@ -121,6 +121,6 @@ def test_table_rejects_weights_too_large_for_32_bit_indexing():
 def test_gpu_partial_amax_matches_reference(scale, rng):
     """The simulator's checks on the GPU, at the tiny shapes and 64 times taller."""
     cp = pytest.importorskip("cupy")
-    from tests.master_scripts import kernel_checks
+    from tests.master.scripts import kernel_checks
 
     kernel_checks.check_amax(rng, xp=cp, scale=scale)

@@ -56,7 +56,7 @@ def test_fast_paths_match_reference_in_simulator():
 def test_gpu_device_path_matches_quantize(scale, rng):
     """The simulator's whole-path checks on the GPU, at the tiny shapes and 32 times taller."""
     cp = pytest.importorskip("cupy")
-    from tests.master_scripts import kernel_checks
+    from tests.master.scripts import kernel_checks
 
     kernel_checks.check_cast(rng, xp=cp, scale=scale)
 
@@ -66,6 +66,6 @@ def test_gpu_device_path_matches_quantize(scale, rng):
 def test_gpu_fast_paths_match_reference(scale, rng):
     """The simulator's fast-path checks on the GPU, and 16 times taller."""
     cp = pytest.importorskip("cupy")
-    from tests.master_scripts import kernel_checks
+    from tests.master.scripts import kernel_checks
 
     kernel_checks.check_fast_paths(rng, xp=cp, scale=scale)

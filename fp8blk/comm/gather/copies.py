@@ -1,5 +1,5 @@
 """Stream-ordered 2-D copies and fills between raw device addresses, for the gather's fix-up
-(fp8blk.comm.gather): each is ONE CUDA runtime call (``cudaMemcpy2DAsync``,
+(:mod:`fp8blk.comm.gather.fixup`): each is ONE CUDA runtime call (``cudaMemcpy2DAsync``,
 ``cudaMemsetAsync``), enqueued on an explicit stream. Raw addresses serve CuPy arrays and torch
 CUDA tensors alike (``data.ptr`` / ``data_ptr()``), so neither family builds a view or launches
 a strided-copy kernel per call: the calls are worked out once (addresses, pitches, sizes) and

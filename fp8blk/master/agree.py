@@ -1,6 +1,7 @@
-"""Rank agreement for ``cast_master_weights``: when the ranks' batches disagree, or one rank's
-arguments are invalid, every rank raises the same error -- no hang, no crash inside the
-collective library, no wrong bytes -- and the steady state makes no collective of its own.
+"""Rank agreement for ``cast_master_weights``, on the probe of :mod:`fp8blk.comm.agree`: when
+the ranks' batches disagree, or one rank's arguments are invalid, every rank raises the same
+error -- no hang, no crash inside the collective library, no wrong bytes -- and the steady state
+makes no collective of its own.
 
 What must agree: the number of weights; per weight (h, w), the recipe (type, fmt, pow2_scales,
 amax_epsilon) and the directions held; the model dtype; host or device buffers. And the shards
@@ -36,27 +37,18 @@ stages device buffers through the host or synchronizes anyway; NCCL/torch do not
 """
 from __future__ import annotations
 
-import hashlib
 import weakref
 
 import numpy as np
 
-_MAX_CONFIGS = 64  # verified configs kept per communicator (FIFO; the same on every rank)
+from .._bounded import BoundedCache
+from ..comm.agree import Agreement, fingerprint, metadata_scope, probe_row
+from ..formats import Block2D, MXFP8
+from .items import MODEL_DTYPES
 
-
-def fingerprint(*parts) -> int:
-    """A stable 62-bit hash of ``repr(parts)`` (the same in every process, unlike hash())."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2
-
-
-def _meta(comm):
-    scope = getattr(comm, "metadata", None)
-    if scope is None:
-        import contextlib
-
-        return contextlib.nullcontext()
-    return scope()
+# verified configs kept per communicator; least recently used first out: every rank looks up
+# and inserts the same configs in the same order, so every rank evicts the same
+_MAX_CONFIGS = 64
 
 
 def _reduce_small(comm, arr):
@@ -68,9 +60,26 @@ def _reduce_small(comm, arr):
         import cupy
 
         arr = cupy.asarray(arr)
-    with _meta(comm):
+    with metadata_scope(comm):
         comm.all_reduce(arr, op="max")
     return _to_host(arr)
+
+
+def local_batch(items, model_dtype, on_device):
+    """This rank's :class:`LocalBatch` of validated items (fp8blk.master.items): per weight
+    (h, w, recipe, rowwise, columnwise, start, count), empty shards as (0, 0)."""
+    weights = tuple([(it.h, it.w, it.recipe, it.rowwise, it.columnwise,
+                      it.start if it.count else 0, it.count) for it in items])
+
+    def first():
+        """(on_device, unit dtype, entries) of the first bucket's packed buffer, or None."""
+        for bucket_type, unit in ((Block2D, np.int32), (MXFP8, np.uint8)):
+            bucket = [it for it in items if isinstance(it.recipe, bucket_type)]
+            if bucket:
+                return (on_device, np.dtype(unit),
+                        sum(it.row_blocks + it.col_blocks for it in bucket))
+        return None
+    return LocalBatch(weights, MODEL_DTYPES.index(model_dtype), on_device, first)
 
 
 class Diverted(Exception):
@@ -117,7 +126,7 @@ class Config:
 
 class _State:
     def __init__(self):
-        self.verified = {}   # fp -> Config, oldest first
+        self.verified = BoundedCache(_MAX_CONFIGS, on_evict=self._forget)  # fp -> Config
         self.local = {}      # this rank's key -> fp of the latest verified config holding it
         self.successor = {}  # fp -> fp of the config that followed it last time
         self.last = None     # fp of the previous call's config; None after an error
@@ -128,13 +137,12 @@ class _State:
         return self.verified.get(self.successor.get(self.last, self.last))
 
     def remember(self, config):
-        if config.fp not in self.verified and len(self.verified) >= _MAX_CONFIGS:
-            old = next(iter(self.verified))
-            del self.verified[old]
-            self.local = {k: v for k, v in self.local.items() if v != old}
-            self.successor = {k: v for k, v in self.successor.items() if old not in (k, v)}
-        self.verified[config.fp] = config
+        self.verified.put(config.fp, config)
         self.local[config.key] = config.fp
+
+    def _forget(self, old, config):
+        self.local = {k: v for k, v in self.local.items() if v != old}
+        self.successor = {k: v for k, v in self.successor.items() if old not in (k, v)}
 
     def finish(self, fp):
         if self.last is not None:
@@ -172,20 +180,20 @@ def header_size(unit) -> int:
 def encode(unit, error, miss, fp):
     bits, n, mask = _chunking(unit)
     chunks = [((fp or 0) >> (bits * i)) & mask for i in range(n)]
-    return np.array([int(error), int(miss), int(fp is None)] + chunks
-                    + [mask - c for c in chunks], dtype=unit)
+    return np.array([int(error), int(miss), int(fp is None)] + probe_row(chunks, top=mask),
+                    dtype=unit)
 
 
 class Header:
     __slots__ = ("error", "miss", "unknown", "agree", "fp")
 
     def __init__(self, reduced):
-        values = [int(v) for v in reduced]
+        values = [int(v) for v in reduced[:3]]
         bits, n, mask = _chunking(reduced.dtype)
-        chunks, rest = values[3: 3 + n], values[3 + n:]
+        chunks = Agreement(reduced[3:], top=mask)
         self.error, self.miss, self.unknown = values[0] > 0, values[1] > 0, values[2] > 0
-        self.agree = all(c == mask - r for c, r in zip(chunks, rest))
-        self.fp = sum(c << (bits * i) for i, c in enumerate(chunks))
+        self.agree = chunks.same()
+        self.fp = sum(c << (bits * i) for i, c in enumerate(chunks.high))
 
     @property
     def steady(self):
@@ -233,7 +241,7 @@ def _zeros_with_header(comm, first, header):
         xp = np
     full = xp.zeros(entries + header.size, unit)
     full[entries:] = xp.asarray(header)
-    with _meta(comm):  # no data of this rank's moves (hit ranks count it as their data)
+    with metadata_scope(comm):  # no data of this rank's moves (hit ranks count it as their data)
         comm.all_reduce(full, op="max")
     return Header(_to_host(full[entries:]))
 
@@ -274,8 +282,9 @@ def run(comm, batch, error, cast):
                 return
         if result.error:
             _raise_errors(comm, error)
-        if not result.unknown and result.agree and result.fp in state.verified:
-            config = state.verified[result.fp]  # every rank is in this known config
+        known = state.verified.get(result.fp) if result.agree and not result.unknown else None
+        if known is not None:
+            config = known  # every rank is in this known config
         else:
             config = _verify(comm, batch)
             state.remember(config)

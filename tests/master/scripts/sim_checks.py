@@ -1,7 +1,7 @@
 """Master-weight kernels under the Numba CUDA simulator, byte for byte against the reference.
 
 Run in a fresh process (the simulator must be chosen before numba loads):
-    NUMBA_ENABLE_CUDASIM=1 python tests/master_scripts/sim_checks.py amax|cast|fast [SEED]
+    NUMBA_ENABLE_CUDASIM=1 python -m tests.master.scripts.sim_checks amax|cast|fast [SEED]
 Prints "OK <what>" when every check passes; raises otherwise. Shapes are tiny: a simulated
 thread costs ~150 us and these kernels launch 128-256 threads per CUDA block.
 """
@@ -9,7 +9,6 @@ import os
 import sys
 import threading
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
     raise SystemExit("set NUMBA_ENABLE_CUDASIM=1 before running this script")
 sys.setswitchinterval(0.01)  # the simulator's busy manager thread stalls blocks at 5 ms (sim_runner)
@@ -17,7 +16,7 @@ sys.setswitchinterval(0.01)  # the simulator's busy manager thread stalls blocks
 import numpy as np  # noqa: E402
 
 from fp8blk.kernels import _numba  # noqa: E402
-from tests.master_scripts import kernel_checks  # noqa: E402
+from tests.master.scripts import kernel_checks  # noqa: E402
 
 
 # Simulated launches swap module globals while they run: never run two at once (the fake-comm

@@ -12,9 +12,13 @@ import pytest
 import fp8blk as fb
 from fp8blk.comm import GatherFallbackWarning
 from fp8blk.comm import nccl as nccl_module
+from fp8blk.comm.gather import arrays as gather_arrays
 from fp8blk.comm.gather import gather_along_first_dim, plan_cache
+from fp8blk.comm.gather import paths as gather_paths
+from fp8blk.comm.gather import plan as gather_plan
 
 from .fake_ranks import DeviceOps, FakeNccl, host_nccl, run_ranks
+from .gather_checks import assert_same_bytes, gather_input
 
 
 @pytest.fixture
@@ -24,21 +28,6 @@ def fake_nccl(monkeypatch):
 
 def _run_ranks(n, body):
     return run_ranks(n, body, FakeNccl)
-
-
-def _data(rng, rows, k):
-    x = rng.standard_normal((rows, k)) * 10.0 ** rng.integers(-4, 4, (rows, 1))
-    return x.astype(np.float32)
-
-
-def _same(got, expected):
-    for name in ("rowwise_data", "rowwise_scale_inv", "columnwise_data",
-                 "columnwise_scale_inv"):
-        g, e = getattr(got, name), getattr(expected, name)
-        assert (g is None) == (e is None), name
-        if e is not None:
-            assert g.shape == e.shape and np.array_equal(g.view(np.uint8), e.view(np.uint8)), \
-                name
 
 
 CASES = [(fb.Block1D(), True, False), (fb.Block1D(), True, True), (fb.Block1D(), False, True),
@@ -58,7 +47,7 @@ def test_nccl_grouped_gather_bytes(fake_nccl, recipe, rowwise, columnwise, n, rn
     for rows in splits:
         if mx and sum(rows) % 32:
             continue
-        every = [_data(rng, r, k) for r in rows]
+        every = [gather_input(rng, r, k) for r in rows]
         expected = fb.quantize(np.concatenate(every), recipe, rowwise, columnwise)
 
         def body(comm, rows=rows, every=every):
@@ -72,7 +61,7 @@ def test_nccl_grouped_gather_bytes(fake_nccl, recipe, rowwise, columnwise, n, rn
             return out, comm.stats.last_gather_path
         results, comms = _run_ranks(n, body)
         for (out, path), comm in zip(results, comms):
-            _same(out, expected)
+            assert_same_bytes(out, expected)
             calls = comm.nccl_comm.calls
             if path == "fast" and len(set(rows)) == 1:
                 # equal shards: every collective an in-place allGather
@@ -87,7 +76,7 @@ def test_nccl_plain_and_cache(fake_nccl, rng):
     def body(comm):
         out, _ = gather_along_first_dim(every[comm.rank], comm)
         meta = comm.stats.meta_calls
-        x = _data(np.random.default_rng(comm.rank), 64, 256)
+        x = gather_input(np.random.default_rng(comm.rank), 64, 256)
         gather_along_first_dim(x, comm, fb.Block1D())
         gather_along_first_dim(x, comm, fb.Block1D())
         cache = plan_cache(comm)
@@ -108,14 +97,12 @@ def test_torch_native_arrays(fake_nccl, monkeypatch, recipe, rowwise, columnwise
     """The path torch CUDA inputs take (torch output buffers, torch windows and strided
     copies, pointers from data_ptr), run on CPU tensors standing in for CUDA ones."""
     torch = pytest.importorskip("torch")
-    from fp8blk.comm import _native, gather as gather_module
-
-    monkeypatch.setattr(gather_module, "_internal_ops", lambda src: _native.ops_for(src.x))
+    monkeypatch.setattr(gather_paths, "result_ops", lambda src: gather_arrays.ops_for(src.x))
     monkeypatch.setattr(nccl_module, "_ptr", lambda arr: arr.data_ptr()
                         if isinstance(arr, torch.Tensor) else arr.ctypes.data)
     n, k = 3, 96 if isinstance(recipe, fb.MXFP8) else 260
     for rows in ([128] * n, [256, 128, 96 if not isinstance(recipe, fb.Block2D) else 0]):
-        every = [_data(rng, r, k) for r in rows]
+        every = [gather_input(rng, r, k) for r in rows]
         expected = fb.quantize(np.concatenate(every), recipe, rowwise, columnwise)
 
         def body(comm, every=every):
@@ -175,8 +162,6 @@ def test_device_fix_up_calls(fake_nccl, monkeypatch, recipe, rowwise, columnwise
     equal ``quantize`` of the whole for equal, unequal and empty shards and shards that are
     not multiples of 4 rows; one memcpy2D per rank and staged part; the steady state (the same
     out= again) builds no views and repeats the same calls."""
-    from fp8blk.comm import gather as gather_module
-
     mx = isinstance(recipe, fb.MXFP8)
     k = 96 if mx else 300
     if mx:
@@ -189,18 +174,18 @@ def test_device_fix_up_calls(fake_nccl, monkeypatch, recipe, rowwise, columnwise
     else:
         splits = [[5] * n, [6, 0] + [3] * (n - 2), [128, 7] + [1] * (n - 2), [0] * (n - 1) + [9]]
     for rows in splits:
-        every = [_data(rng, r, k) for r in rows]
+        every = [gather_input(rng, r, k) for r in rows]
         expected = fb.quantize(np.concatenate(every), recipe, rowwise, columnwise)
         ops = [CheckedDeviceOps() for _ in range(n)]
-        monkeypatch.setattr(gather_module, "_internal_ops", lambda src: ops[_RANK.value])
-        fresh = [_data(rng, r, k) for r in rows]
+        monkeypatch.setattr(gather_paths, "result_ops", lambda src: ops[_RANK.value])
+        fresh = [gather_input(rng, r, k) for r in rows]
         again_expected = fb.quantize(np.concatenate(fresh), recipe, rowwise, columnwise)
 
         def body(comm, rows=rows, every=every, fresh=fresh):
             _RANK.value = comm.rank
             out, _ = gather_along_first_dim(every[comm.rank], comm, recipe, rowwise,
                                             columnwise, sizes=rows)
-            _same(out, expected)
+            assert_same_bytes(out, expected)
             first = len(ops[comm.rank].runtime.calls)
             views = ops[comm.rank].views
             target = out
@@ -216,7 +201,7 @@ def test_device_fix_up_calls(fake_nccl, monkeypatch, recipe, rowwise, columnwise
             return again, calls, comm.stats.last_gather_path
         results, _ = _run_ranks(n, body)
         for out, calls, path in results:
-            _same(out, again_expected)
+            assert_same_bytes(out, again_expected)
             if path == "fast":
                 copies, memsets = _expected_calls(recipe, rowwise, columnwise, rows, k)
                 assert sum(c[0] == "memcpy2D" for c in calls) == copies, (rows, calls)
@@ -228,20 +213,19 @@ def test_steady_state_lane(fake_nccl, monkeypatch, rng):
     checks: no metadata, a cache hit); anything that differs takes the checked path: a
     rank whose rows went stale raises while its peers complete, out's buffers replaced are
     checked again, an evicted plan takes its lane with it (then every rank exchanges)."""
-    from fp8blk.comm import _gather_plan
     from fp8blk.comm import gather as gather_module
     from fp8blk.tensor import internal_buffers
 
     n, k, rows = 3, 260, [128, 0, 128]  # Block1D row+col: ranks start at multiples of 128
-    every = [[_data(rng, r, k) for r in rows] for _ in range(3)]
+    every = [[gather_input(rng, r, k) for r in rows] for _ in range(3)]
     expected = [fb.quantize(np.concatenate(e), fb.Block1D(), True, True) for e in every]
-    steady = gather_module._gather_steady
+    steady = gather_module.gather_steady
     taken = [0] * n
 
     def counted(comm, *args):
         taken[comm.rank] += 1
         return steady(comm, *args)
-    monkeypatch.setattr(gather_module, "_gather_steady", counted)
+    monkeypatch.setattr(gather_module, "gather_steady", counted)
     recipe = fb.Block1D()
 
     def call(comm, x, sizes=rows, out=None, recipe=recipe):
@@ -256,20 +240,20 @@ def test_steady_state_lane(fake_nccl, monkeypatch, rng):
         hits = cache.hits
         assert call(comm, every[2][me], sizes=tuple(rows), out=out) is out
         assert taken[me] == 1 and cache.hits == hits + 1 and comm.stats.meta_calls == 0
-        _same(out, expected[2])
+        assert_same_bytes(out, expected[2])
         # a recipe equal by value takes it too; sizes as a generator do not (checked path)
         call(comm, every[1][me], out=out, recipe=fb.Block1D())
         call(comm, every[0][me], sizes=(r for r in rows), out=out)
         assert taken[me] == 2
-        _same(out, expected[0])
+        assert_same_bytes(out, expected[0])
         # one rank's rows went stale: it raises, its peers complete, nobody waits forever
         if me == n - 1:
             with pytest.raises(ValueError, match="joined the collectives with zeros"):
-                call(comm, _data(rng, rows[me] + 1, k), out=out)
+                call(comm, gather_input(rng, rows[me] + 1, k), out=out)
         else:
             call(comm, every[2][me], out=out)
         call(comm, every[2][me], out=out)
-        _same(out, expected[2])
+        assert_same_bytes(out, expected[2])
         # out's buffer replaced (on every rank): checked again, and rejected
         held = internal_buffers(out)
         kept, held[1] = held[1], np.empty(3, np.float32)
@@ -277,17 +261,17 @@ def test_steady_state_lane(fake_nccl, monkeypatch, rng):
             call(comm, every[2][me], out=out)
         held[1] = kept
         call(comm, every[0][me], out=out)
-        _same(out, expected[0])
+        assert_same_bytes(out, expected[0])
         # evicted with its plan: the next call misses (every rank exchanges) and works
         lane = cache.lanes[id(out)]
-        for extra in range(_gather_plan.CACHE_SIZE + 2):  # other keys (K), plain ones too
+        for extra in range(gather_plan.CACHE_SIZE + 2):  # other keys (K), plain ones too
             gather_along_first_dim(np.ones((1, 8 + extra), np.float32), comm,
                                    fb.Block1D() if extra % 2 else None, sizes=[1] * n)
         assert lane.plan.lane is None and id(out) not in cache.lanes
         comm.reset_stats()
         call(comm, every[1][me], out=out)
         assert comm.stats.meta_calls == 2  # the check and the exchange of a miss
-        _same(out, expected[1])
+        assert_same_bytes(out, expected[1])
         return taken[me]
     results, _ = _run_ranks(n, body)
     # lane calls: the tuple sizes, the equal recipe, the stale call (peers only), the good
@@ -318,16 +302,14 @@ def test_invalid_input_on_one_rank_with_sizes(fake_nccl, monkeypatch, path, bad,
     and raises its own error; the peers complete (zeros for its rows); the next call on every
     rank is exact. Without the join the ranks issue different collectives (the fake world
     raises; real ones hang)."""
-    from fp8blk.comm import gather as gather_module
-
     if device:  # the device path: NCCL's issuer, the fix-up as runtime calls
         ops = DeviceOps()
-        monkeypatch.setattr(gather_module, "_internal_ops", lambda src: ops)
+        monkeypatch.setattr(gather_paths, "result_ops", lambda src: ops)
     n, k = 3, 256
     rows = [100, 64, 128] if path == "fallback" else [128, 64, 128]
     recipe = None if path == "plain" else fb.Block1D()
     columnwise = path == "fallback"  # Block1D columnwise, ranks not at multiples of 128
-    every = [[_data(rng, r, k) for r in rows] for _ in range(5)]
+    every = [[gather_input(rng, r, k) for r in rows] for _ in range(5)]
     zeroed = [list(e[:-1]) + [np.zeros_like(e[-1])] for e in every]
 
     def expected(data):
@@ -349,7 +331,7 @@ def test_invalid_input_on_one_rank_with_sizes(fake_nccl, monkeypatch, path, bad,
             assert not gs[:, m0:m1].any()
             assert np.array_equal(gs[:, m1:].view(np.uint32), ws[:, m1:].view(np.uint32))
         else:
-            _same(got, want)
+            assert_same_bytes(got, want)
 
     def call(comm, x, out):
         with warnings.catch_warnings():

@@ -1,6 +1,6 @@
 """Run the communicator suite over a torch.distributed process group (TorchComm).
 
-    torchrun --standalone --nproc-per-node N tests/comm/mpi_scripts/torch_suite.py [gloo|nccl]
+    PYTHONPATH=. torchrun --standalone --nproc-per-node N tests/comm/scripts/torch_suite.py [gloo|nccl]
 
 gloo (CPU): the suite runs on torch CPU tensors, and its collective part once more on NumPy
 arrays. nccl (one GPU per process): on CUDA tensors. Each rank prints ``SUITE OK ...``.
@@ -11,13 +11,11 @@ import datetime
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-import checks  # noqa: E402
-from fp8blk.comm import TorchComm  # noqa: E402
+from fp8blk.comm import TorchComm
+from tests.comm.scripts import checks
 
 
 def main():

@@ -25,16 +25,15 @@ peers skip):
 """
 from __future__ import annotations
 
-import collections
-
 import numpy as np
 
-from .. import _arrays
-from ..formats import MXFP8, Block1D, Block2D, check_recipe
-from ..layout import all_layouts, c_strides, cdiv, round_up
-from ..tensor import BlockTensor, internal_buffers
-from ._native import contiguous, logical_dtype
-from .packed import fingerprint
+from ... import _arrays
+from ..._bounded import BoundedCache
+from ...formats import MXFP8, Block1D, Block2D, check_recipe
+from ...layout import all_layouts, c_strides, cdiv, round_up
+from ...tensor import BlockTensor, internal_buffers
+from ..agree import fingerprint
+from .arrays import contiguous, logical_dtype
 
 FAST, FALLBACK, PLAIN = "fast", "fallback", "plain"
 ROW, COL = "rowwise", "columnwise"
@@ -42,7 +41,9 @@ SLOT, STAGED = "slot", "staged"
 _NUMPY = _arrays.NUMPY
 _RECIPE_TYPES = (Block1D, Block2D, MXFP8)
 _HIGH_PRECISION = frozenset(_arrays.HIGH_PRECISION)
-CACHE_SIZE = 64  # plans per communicator; FIFO eviction (the same on every rank)
+# plans per communicator; evicted in insertion order (lookups never reorder them), which is
+# the same on every rank because every rank inserts the same plans in the same order
+CACHE_SIZE = 64
 
 
 # --------------------------------------------------------------------------------------------
@@ -218,7 +219,7 @@ def exchange(comm, src, sizes, error):
     if comm.size == 1:
         table = row.reshape(1, -1)
     else:
-        table = comm._meta_all_gather(row)
+        table = comm.meta_all_gather(row)
     columns = {name: table[:, i] for i, name in enumerate(_FIELDS)}
     bad = [int(r) for r in np.flatnonzero(columns["error"])]
     if bad:
@@ -261,7 +262,7 @@ class Plan:
 
     def __init__(self, src, columns, comm_size, rank, table_hash):
         self.table_hash = table_hash
-        self.lane = None  # gather's steady-state record of the last sizes=/out= call
+        self.lane = None  # the lane: steady-state record of the last sizes=/out= call
         self.rank = rank
         self.size = comm_size
         self.dim0s = [int(d) for d in columns["dim0"]]
@@ -294,7 +295,7 @@ class Plan:
         self.quantized = [self.row_q, self.row_q, self.col_q, self.col_q]
         self.direct = comm_size == 1 and self.kind == 0  # the local quantize is the output
         self.checked_out = None  # (out, its buffers) last validated as this plan's out=
-        self.prepared = None     # gather._Prepared: views and items for the last targets
+        self.prepared = None     # paths' prepared views and items for the last targets
 
     # -- the path ------------------------------------------------------------------------
     def _aligned(self, block):
@@ -447,33 +448,39 @@ def _row_bytes(plan):
 # The cache
 
 class PlanCache:
-    """Plans of one communicator, FIFO-bounded (every rank inserts and evicts identically).
+    """Plans of one communicator, bounded: the oldest inserted plan goes first (lookups
+    do not reorder, so every rank inserts and evicts identically).
 
-    ``lanes``: {id(out): lane} of the ``sizes=``/``out=`` steady state (fp8blk.comm.gather):
-    at most one lane per cached plan (``plan.lane``), dropped with its plan, so that a lane
-    is found only while the plan it belongs to is cached, on every rank alike (a lane hit
-    then issues exactly what a plan-cache hit issues: no metadata).
+    ``lanes``: {id(out): lane} of the ``sizes=``/``out=`` steady state
+    (:mod:`fp8blk.comm.gather.lane`): at most one lane per cached plan (``plan.lane``),
+    dropped with its plan, so that a lane is found only while the plan it belongs to is
+    cached, on every rank alike (a lane hit then issues exactly what a plan-cache hit issues:
+    no metadata).
 
     ``by_sizes``: {sizes: (plan, ops)} of the last checked ``sizes=`` call with those sizes
     (``ops``: the array operations its data moved with), dropped with its plan like a lane:
     what a rank whose own input is invalid joins so that peers on a cache hit complete."""
 
     def __init__(self):
-        self.plans = collections.OrderedDict()
+        self.plans = BoundedCache(CACHE_SIZE, on_evict=self._evict)
+        self._index = {}  # key -> plan: lookups that leave the eviction order alone
         self.lanes = {}
         self.by_sizes = {}
         self.hits = self.misses = 0
 
     def get(self, key):
-        return self.plans.get(key)
+        return self._index.get(key)
 
     def put(self, key, plan):
-        old = self.plans.get(key)
+        old = self._index.get(key)
         if old is not None:
             self._forget(old)
-        self.plans[key] = plan
-        while len(self.plans) > CACHE_SIZE:
-            self._forget(self.plans.popitem(last=False)[1])
+        self._index[key] = plan
+        self.plans.put(key, plan)
+
+    def _evict(self, key, plan):
+        del self._index[key]
+        self._forget(plan)
 
     def note_sizes_call(self, sizes, plan, ops):
         """Record ``plan`` (cached, keyed with ``sizes``) as the last one used with them."""

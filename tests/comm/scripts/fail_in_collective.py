@@ -1,6 +1,6 @@
 """One rank fails while the others are inside a collective; the job must end, not hang.
 
-    mpiexec -n N python -m mpi4py tests/comm/mpi_scripts/fail_in_collective.py MODE
+    mpiexec -n N python -m mpi4py tests/comm/scripts/fail_in_collective.py MODE
 
 MODE ``between``: rank 1 raises after a first all_reduce while the others enter the next one.
 MODE ``inside``: rank 1 raises inside gather_along_first_dim, after the metadata exchange and
@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 import fp8blk as fb
 from fp8blk.comm import MPIComm, gather_along_first_dim
-from fp8blk.comm import gather as gather_module
+from fp8blk.comm.gather import lane, paths
 
 comm = MPIComm(MPI.COMM_WORLD)
 mode = sys.argv[1]
@@ -25,7 +25,7 @@ if mode == "between" and comm.rank == 1:
 if mode == "inside" and comm.rank == 1:
     def failing_quantize(*args, **kwargs):
         raise RuntimeError("rank 1 fails on purpose inside gather_along_first_dim")
-    gather_module.quantize_into = failing_quantize
+    paths.quantize_into = lane.quantize_into = failing_quantize
 for _ in range(3):
     comm.all_reduce(buf)
     gather_along_first_dim(np.ones((128, 256), np.float32), comm, fb.Block1D())

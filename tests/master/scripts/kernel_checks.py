@@ -1,5 +1,5 @@
 """Kernel-level checks of the master-weight path, byte for byte against the reference, on
-NumPy arrays under the Numba simulator (tests/master_scripts/sim_checks.py, tiny shapes) or on
+NumPy arrays under the Numba simulator (tests/master/scripts/sim_checks.py, tiny shapes) or on
 CuPy arrays on a GPU (the ``gpu`` tests, larger shapes). ``xp`` is numpy or cupy.
 """
 import numpy as np
@@ -9,8 +9,8 @@ from fp8blk import master, reference, scaling
 from fp8blk.kernels import _specs as dev
 from fp8blk.kernels import master_batch as mb
 from fp8blk.kernels import partial_amax as pa
-from tests.master_scripts import cases
-from tests.master_scripts.fake_comm import run_ranks
+from tests.master.scripts import cases
+from tests.master.scripts.fake_comm import run_ranks
 
 MODEL = {np.dtype(np.float32): dev.F32, cases.BF16: dev.BF16, np.dtype(np.float16): dev.F16}
 

@@ -1,6 +1,6 @@
 """cast_master_weights under real MPI: world-size invariance, repeated steps, fragments.
 
-Run from the repository root:  mpiexec -n 4 python -m mpi4py tests/master_scripts/mpi_invariance.py SEED
+Run from the repository root:  mpiexec -n 4 python -m mpi4py -m tests.master.scripts.mpi_invariance SEED
 
 Every rank builds the same scenarios from SEED (shards cut for this world size), calls
 cast_master_weights through fp8blk.comm.MPIComm, and sends its buffers to rank 0, which checks
@@ -9,19 +9,16 @@ recipe bucket was made, with the expected payload (plus, from the second call on
 agreement's header on the first bucket). Prints "OK <size>" on rank 0 when all pass;
 any failure raises, and ``-m mpi4py`` aborts every rank.
 """
-import os
 import sys
 from types import SimpleNamespace
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import numpy as np
+from mpi4py import MPI
 
-import numpy as np  # noqa: E402
-from mpi4py import MPI  # noqa: E402
-
-import fp8blk as fb  # noqa: E402
-from fp8blk import _master_agree  # noqa: E402
-from fp8blk.master import cast_master_weights  # noqa: E402
-from tests.master_scripts import cases  # noqa: E402
+import fp8blk as fb
+from fp8blk.master import agree as master_agree
+from fp8blk.master import cast_master_weights
+from tests.master.scripts import cases
 
 
 def _mpicomm(world):
@@ -59,7 +56,7 @@ def run(seed):
         calls, b2_bytes, mx_bytes = cases.expected_payload(specs)
         # the steady state carries the agreement header in the first bucket's all-reduce
         unit = np.dtype(np.int32 if b2_bytes else np.uint8)
-        header = _master_agree.header_size(unit) * unit.itemsize
+        header = master_agree.header_size(unit) * unit.itemsize
         for step in range(2):  # repeated calls on the same weights, the master changing
             masters, starts = cases.rank_inputs(specs, fulls, ranges, rank, local)
             frags = cases.make_fragments(specs, ranges, rank, local)[0] if use_fragments \

@@ -1,8 +1,8 @@
 """cast_master_weights on the host: world-size invariance against quantize, one collective per
 bucket, payload bytes, fragments, in-range writes, repeated steps, model dtypes, validation.
 
-Ranks are threads sharing an in-process communicator (tests/master_scripts/fake_comm.py); the
-same scenarios run under real MPI (mpiexec, tests/master_scripts/mpi_invariance.py) in
+Ranks are threads sharing an in-process communicator (tests/master/scripts/fake_comm.py); the
+same scenarios run under real MPI (mpiexec, tests/master/scripts/mpi_invariance.py) in
 test_mpi_world_size_invariance.
 """
 import os
@@ -18,8 +18,8 @@ import fp8blk as fb
 from fp8blk import scaling
 from fp8blk.master import cast_master_weights
 from fp8blk.tensor import from_internal
-from tests.master_scripts import cases
-from tests.master_scripts.fake_comm import run_ranks
+from tests.master.scripts import cases
+from tests.master.scripts.fake_comm import run_ranks
 
 
 def _run(specs, fulls, ranges, size, seed, fragments=False, model_dtype=cases.BF16,
@@ -39,14 +39,20 @@ def _run(specs, fulls, ranges, size, seed, fragments=False, model_dtype=cases.BF
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 @pytest.mark.parametrize("name", cases.SCENARIOS)
 def test_world_size_invariance(name, size, rng):
+    _check_world_size_invariance(_run, name, size, rng)
+
+
+def _check_world_size_invariance(run, name, size, rng):
+    """``run`` (the host or the GPU path) on scenario ``name`` cut for ``size`` ranks: exact,
+    and exactly one collective per recipe bucket with the expected payload."""
     specs = cases.scenario(name)
     fulls = [cases.make_full(rng, s.shape) for s in specs]
     ranges = cases.cut_ranges(rng, specs, size)
-    weights, _, stats = _run(specs, fulls, ranges, size, int(rng.integers(1 << 30)))
+    weights, _, stats = run(specs, fulls, ranges, size, int(rng.integers(1 << 30)))
     cases.check(specs, fulls, ranges, weights)
     calls, b2_bytes, mx_bytes = cases.expected_payload(specs)
     for s in stats:
-        assert s.calls == calls  # exactly one collective per recipe bucket
+        assert s.calls == calls
         assert s.bytes == b2_bytes + mx_bytes
 
 
@@ -297,7 +303,7 @@ def test_empty_batch_makes_no_data_collective():
 # --------------------------------------------------------------------------------------------
 # Real MPI (mpiexec subprocesses)
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 
 
@@ -309,7 +315,7 @@ def test_mpi_world_size_invariance(size):
         pytest.skip(f"no mpiexec beside {sys.executable} (pip install mpich)")
     seed = int.from_bytes(os.urandom(4), "little")
     cmd = [_MPIEXEC, "-n", str(size), sys.executable, "-m", "mpi4py",
-           os.path.join(_REPO, "tests", "master_scripts", "mpi_invariance.py"), str(seed)]
+           "-m", "tests.master.scripts.mpi_invariance", str(seed)]
     proc = subprocess.run(cmd, cwd=_REPO, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0 and f"OK {size}" in proc.stdout, (
         f"seed={seed}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
@@ -406,7 +412,7 @@ def test_errors_on_storage_and_mxfp8_fragments():
 
 def _run_gpu(specs, fulls, ranges, size, seed, fragments=False, model_dtype=cases.BF16):
     cp = pytest.importorskip("cupy")
-    from tests.master_scripts.kernel_checks import device_run
+    from tests.master.scripts.kernel_checks import device_run
 
     return device_run(specs, fulls, ranges, size, seed, fragments, model_dtype, cp)
 
@@ -415,13 +421,7 @@ def _run_gpu(specs, fulls, ranges, size, seed, fragments=False, model_dtype=case
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 @pytest.mark.parametrize("name", cases.SCENARIOS)
 def test_gpu_world_size_invariance(name, size, rng):
-    specs = cases.scenario(name)
-    fulls = [cases.make_full(rng, s.shape) for s in specs]
-    ranges = cases.cut_ranges(rng, specs, size)
-    weights, _, stats = _run_gpu(specs, fulls, ranges, size, int(rng.integers(1 << 30)))
-    cases.check(specs, fulls, ranges, weights)
-    calls, b2_bytes, mx_bytes = cases.expected_payload(specs)
-    assert all(s.calls == calls and s.bytes == b2_bytes + mx_bytes for s in stats)
+    _check_world_size_invariance(_run_gpu, name, size, rng)
 
 
 @pytest.mark.gpu
@@ -482,9 +482,9 @@ def test_gpu_steps_on_the_same_arrays_reuse_the_batch(rng):
                 for m, f in zip(masters, fresh):
                     if m is not None and m.size:
                         m[...] = f  # in place: same addresses
-            before = len(pa._batch_cache)
+            before = pa.counters["batches_built"]
             cast_master_weights(ws, masters, starts, comm)
-            built.append(len(pa._batch_cache) - before)
+            built.append(pa.counters["batches_built"] - before)
             cp.cuda.get_current_stream().synchronize()
             cases.check(specs, steps[step], ranges, [ws])
         return built
@@ -492,6 +492,6 @@ def test_gpu_steps_on_the_same_arrays_reuse_the_batch(rng):
     steps = [fulls]
     for _ in range(2):
         steps.append([cases.step_full(rng, f) for f in steps[-1]])
-    pa._batch_cache.clear()
+    pa.clear_caches()
     built = run_ranks(1, body)[0]
     assert built[1:] == [0, 0], f"batches built per step: {built}"

@@ -1,6 +1,6 @@
 """Array operations of the gather in the caller's own array family (NumPy, CuPy or torch),
 so that torch tensors stay torch tensors (torch.empty, views, copy_) and nothing crosses
-DLPack per call except where a backend needs it (see :func:`backend_arrays`).
+DLPack per call except where a backend needs it.
 
 ``ops_for(arr)`` returns the operations object of an array's family:
 
@@ -15,7 +15,9 @@ DLPack per call except where a backend needs it (see :func:`backend_arrays`).
 ``device``                         True for CUDA arrays
 ``current_stream_ptr()``           device: the raw handle of the family's current stream
 ``copies()``                       device: the raw stream-ordered copies and fills
-                                   (:class:`fp8blk.comm._device_copy.Copies`)
+                                   (:class:`fp8blk.comm.gather.copies.Copies`)
+
+and :func:`local_x2d` gives the local input as the (rows, K) array the quantize takes.
 """
 from __future__ import annotations
 
@@ -23,9 +25,8 @@ import sys
 
 import numpy as np
 
-from .. import _arrays, reference
-from .._dispatch import backend_for
-from . import _device_copy
+from ... import _arrays
+from .copies import cuda_copies
 
 U8 = np.dtype(np.uint8)
 
@@ -100,7 +101,7 @@ class CupyOps(NumpyOps):
         return self.cupy.cuda.get_current_stream().ptr
 
     def copies(self):
-        return _device_copy.cuda_copies()
+        return cuda_copies()
 
 
 class TorchOps:
@@ -151,22 +152,18 @@ class TorchOps:
     def current_stream_ptr(self):
         if not self.device:
             return None
-        return torch_stream_ptr(self.torch, self.where.index)
+        return torch_stream_ptr(self.where.index)
 
     def copies(self):
-        return _device_copy.cuda_copies()
+        return cuda_copies()
 
 
-def torch_stream_ptr(torch, index=None):
+def torch_stream_ptr(index=None):
     """The raw handle of torch's current CUDA stream on device ``index`` (None: the current
-    device), without building a Stream object (~5 us): ``torch._C._cuda_getCurrentRawStream``,
-    what torch's own generated code uses, where this torch has it."""
+    device), without building a Stream object."""
     if index is None:
-        index = torch.cuda.current_device()
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return raw(index)
-    return torch.cuda.current_stream(index).cuda_stream
+        index = _arrays.torch_module().cuda.current_device()
+    return _arrays.torch_raw_stream()(index)
 
 
 _NUMPY = NumpyOps()
@@ -215,5 +212,24 @@ def ops_for(arr):
     return ops
 
 
-__all__ = ["ops_for", "internal_ops", "logical_dtype", "contiguous",
+def local_x2d(x, m, k, rows):
+    """The local (rows, K) high-precision array as the quantize backend takes it (``x``: the
+    C-contiguous input of m * K elements; rows > m: MXFP8 rowwise pads with zero rows up to a
+    multiple of 32, never sent)."""
+    if type(x) is not np.ndarray and _arrays.is_torch(x) and not x.is_cuda:
+        x = _arrays.to_backend(x)[0]  # a CPU tensor: its NumPy view (no copy)
+    x2d = x if x.ndim == 2 else x.reshape(m, k)
+    if rows != m:
+        if ops_for(x2d).family == _arrays.TORCH:
+            padded = x2d.new_zeros((rows, k))
+        else:
+            padded = (np if isinstance(x2d, np.ndarray) else _arrays.cupy_module()).zeros(
+                (rows, k), dtype=x2d.dtype)
+        padded[:m] = x2d
+        x2d = padded
+    return x2d
+
+
+
+__all__ = ["local_x2d", "ops_for", "internal_ops", "logical_dtype", "contiguous",
            "NumpyOps", "CupyOps", "TorchOps"]

@@ -1,6 +1,6 @@
 """Run the communicator suite under mpiexec.
 
-    mpiexec -n N python -m mpi4py tests/comm/mpi_scripts/comm_suite.py BACKEND [PARTS]
+    mpiexec -n N python -m mpi4py -m tests.comm.scripts.comm_suite BACKEND [PARTS]
 
 BACKEND: ``mpi`` (MPIComm, NumPy arrays), ``mpi-cupy`` (MPIComm with CuPy arrays staged
 through host memory), ``nccl`` (NCCLComm on CuPy arrays; one rank per GPU). PARTS: a comma list
@@ -10,19 +10,17 @@ of collectives,packed,gather,plain (default: all; gather includes plain). Each r
 On the GPU machine (system Open MPI, not CUDA-aware)::
 
     /usr/bin/mpiexec --allow-run-as-root --oversubscribe -n 1 \\
-        python3 -m mpi4py tests/comm/mpi_scripts/comm_suite.py nccl
+        python3 -m mpi4py -m tests.comm.scripts.comm_suite nccl
     /usr/bin/mpiexec --allow-run-as-root --oversubscribe -n 2 \\
-        python3 -m mpi4py tests/comm/mpi_scripts/comm_suite.py mpi-cupy
+        python3 -m mpi4py -m tests.comm.scripts.comm_suite mpi-cupy
 """
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mpi4py import MPI
 
-from mpi4py import MPI  # noqa: E402
-
-import checks  # noqa: E402
-from fp8blk.comm import MPIComm, NCCLComm  # noqa: E402
+from fp8blk.comm import MPIComm, NCCLComm
+from tests.comm.scripts import checks
 
 
 def main():

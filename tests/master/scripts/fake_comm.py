@@ -15,6 +15,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from tests.comm.fake_ranks import run_threads
+
 _TIMEOUT_S = 60.0
 
 
@@ -37,7 +39,7 @@ class _Group:
 
 class ThreadComm:
     def __init__(self, group, rank):
-        self._group = group
+        self.group = group
         self.rank = rank
         self.size = group.size
         self.reset_stats()
@@ -61,7 +63,7 @@ class ThreadComm:
         xp = _module_of(buf)
         if not buf.flags.c_contiguous:
             raise TypeError("ThreadComm.all_reduce takes a contiguous NumPy or CuPy buffer")
-        g = self._group
+        g = self.group
         g.slots[self.rank] = (op, buf.copy())
         g.barrier.wait()
         ops = {s[0] for s in g.slots}
@@ -86,23 +88,5 @@ def run_ranks(size, fn):
     """Run ``fn(rank, comm)`` on `size` threads; return the results by rank, re-raising the
     first exception (other ranks are released through the broken barrier)."""
     group = _Group(size)
-    results, errors = [None] * size, [None] * size
-
-    def body(rank):
-        try:
-            results[rank] = fn(rank, ThreadComm(group, rank))
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
-            errors[rank] = exc
-            group.barrier.abort()
-
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(_TIMEOUT_S * 4)
-        if t.is_alive():
-            raise TimeoutError("a fake-comm rank did not finish")
-    real = [e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)]
-    if real or any(errors):
-        raise (real or [e for e in errors if e is not None])[0]
-    return results
+    return run_threads(size, lambda rank: fn(rank, ThreadComm(group, rank)),
+                       group.barrier.abort, _TIMEOUT_S * 4)

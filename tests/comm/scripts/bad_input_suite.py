@@ -1,22 +1,18 @@
-"""Issue 16 under real MPI: every multi-rank bad-input case of bad_input_cases.py, in sequence,
+"""Under real MPI: every multi-rank bad-input case of bad_input_cases.py, in sequence,
 on fp8blk.comm.MPIComm. Each case must end with the expected exception on every rank or a
 correct result; a hang is caught by the launcher's timeout, a crash inside MPI by the exit code.
 
-    mpiexec -n 3 python -m mpi4py tests/comm/mpi_scripts/bad_input_suite.py
-    mpiexec -n 3 python tests/comm/mpi_scripts/bad_input_suite.py      # without -m mpi4py too
+    mpiexec -n 3 python -m mpi4py -m tests.comm.scripts.bad_input_suite
+    mpiexec -n 3 python -m tests.comm.scripts.bad_input_suite      # without mpi4py's -m too
 
 Every rank prints "SUITE OK" when all its cases passed; rank 0 prints every rank's failures.
 """
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))))))
+from mpi4py import MPI
 
-from mpi4py import MPI  # noqa: E402
-
-from fp8blk.comm.mpi import MPIComm  # noqa: E402
-from tests.comm.mpi_scripts.bad_input_cases import CASES, run_case  # noqa: E402
+from fp8blk.comm.mpi import MPIComm
+from tests.comm.scripts.bad_input_cases import CASES, run_case
 
 
 def main():

@@ -1,4 +1,4 @@
-"""Multi-rank bad-input cases of ``cast_master_weights`` (issue 16), shared by the in-process
+"""Multi-rank bad-input cases of ``cast_master_weights``, shared by the in-process
 thread-rank tests (tests/test_bad_input.py) and the MPI suite (bad_input_suite.py).
 
 Each case runs on every rank with the same arguments but the rank, and must end with either a
@@ -17,7 +17,7 @@ import numpy as np
 import fp8blk as fb
 from fp8blk.master import cast_master_weights
 from fp8blk.tensor import internal_buffers
-from tests.master_scripts import cases
+from tests.master.scripts import cases
 
 BF16 = cases.BF16
 CASES = []

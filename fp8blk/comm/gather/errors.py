@@ -1,0 +1,80 @@
+"""The error protocol of the gather: a rank whose input is invalid, or no longer fits the plan
+its peers run from their caches, still joins their data collectives (with zeros) and then
+raises, so that no rank waits forever; the fallback path's warning, once per call site."""
+from __future__ import annotations
+
+import warnings
+
+from .arrays import U8
+from .plan import FAST, PLAIN
+from .streams import issuer, nothing, run, streams_for
+
+
+class GatherFallbackWarning(UserWarning):
+    """gather_along_first_dim gathered high-precision data because the FP8 shards could not
+    be gathered as they are (same result, more traffic)."""
+
+
+warned_sites = set()
+
+
+def warn_once(site, message):
+    if site in warned_sites:
+        return
+    warned_sites.add(site)
+    warnings.warn_explicit(message, GatherFallbackWarning, site[0], site[1])
+
+
+def join_peers_and_raise(comm, cache, sizes, out, error):
+    """This rank's input is invalid, its ``sizes`` well-formed. Peers that hit their cached
+    plan for ``sizes`` go straight to its data collectives and would wait forever for this
+    rank, so it joins them with zeros and raises ``error``. Their plan, as far as this rank
+    can tell without the metadata exchange they skip: ``out``'s steady-state lane, else the
+    plan of the last checked call with these sizes (the ranks' caches change alike, so theirs
+    hold it too). Neither known (e.g. a first call): return, and the caller probes and
+    exchanges, where every rank raises as the peers miss too."""
+    lane = cache.lanes.get(id(out)) if out is not None else None
+    if lane is not None and lane.out is out and lane.sizes == sizes:
+        plan, ops = lane.plan, lane.ops
+    else:
+        entry = cache.by_sizes.get(sizes)
+        if entry is None:
+            return
+        plan, ops = entry
+    join_with_zeros(comm, plan, ops)
+    note = (f"; this rank joined the collectives of its cached plan for sizes={list(sizes)} "
+            f"with zeros so that no rank waits forever (the other ranks received zeros for "
+            f"its rows and did not raise)")
+    raise _with_note(error, note)
+
+
+def _with_note(error, note):
+    """``error`` with ``note`` appended to its message (its type and traceback kept)."""
+    if len(error.args) == 1 and isinstance(error.args[0], str):
+        error.args = (error.args[0] + note,)
+    elif hasattr(error, "add_note"):  # Python >= 3.11
+        error.add_note(note.lstrip("; "))
+    return error
+
+
+def join_with_zeros(comm, plan, ops):
+    """Issue ``plan``'s collectives with zeros as this rank's bytes (so that no peer waits
+    forever) on arrays of ``ops``: the sizes= steady state when this rank's input does not fit
+    the plan, or is invalid. Every count, item and call is the one the peers issue, as their
+    issue depends only on the counts (NCCL's precomputed issuer included)."""
+    if plan.path == PLAIN:
+        count_sets = [plan.counts]
+    elif plan.path == FAST:
+        count_sets = [p.counts for p in plan.parts]
+    else:
+        row_bytes = plan.K * plan.dtype.itemsize
+        count_sets = [[m * row_bytes for m in plan.ms]]
+    items = []
+    for counts in count_sets:
+        send = ops.empty(counts[plan.rank], U8)
+        ops.fill(send, 0)
+        items.append((send, ops.empty(sum(counts), U8), counts))
+    comm.record("all_gather_v", plan.sent_bytes())  # the peers count it: so does this rank
+    streams, ptr = streams_for(comm, ops, None, False)
+    run(comm, issuer(comm, items), nothing, streams, ptr, False, None)
+

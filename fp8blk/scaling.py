@@ -96,7 +96,8 @@ def e8m0_cast_multiplier(code) -> np.ndarray:
 
 
 def e8m0_decode(code) -> np.ndarray:
-    """fp32 value of an E8M0 scale for dequantization: ``2**(c - 127)``; 255 -> NaN."""
+    """fp32 value of an E8M0 scale for dequantization: ``2**(c - 127)``, as TransformerEngine's
+    ``exp2f`` (2.20.2): code 0 gives 2**-127 (the fp32 subnormal 0x00400000), 255 gives NaN."""
     c = np.asarray(code, dtype=np.uint8).astype(np.int32)
     exp = np.where(c == 0, 0, c).astype(np.uint32)
     value = (exp << np.uint32(23)).view(np.float32)

@@ -131,8 +131,9 @@ class MXFP8:
     """OCP MX: 1x32 rowwise and 32x1 columnwise blocks, E8M0 (power-of-two) scales.
 
     Special values follow Transformer Engine: NaN gives the NaN byte; a block holding +-inf
-    gets amax inf, so its finite values become 0 and each inf becomes NaN (no saturation, unlike
-    Block1D/Block2D, where +-inf saturate to +-max)."""
+    gets amax inf (E8M0 code 254, multiplier 2**-127), so each inf saturates to +-max, which the
+    block's scale 2**127 dequantizes back to +-inf, and its finite values x become the cast of
+    x * 2**-127 (0 unless huge) (docs/numerics.md)."""
 
     fmt: Format = Format.E4M3
 

@@ -41,7 +41,8 @@ def quantize(x, recipe, rowwise: bool = True, columnwise: bool = False) -> Block
     M and K to be multiples of 32. ``rowwise``/``columnwise`` are bools (``numpy.bool_`` too;
     0/1 or strings are a TypeError). NaN inputs give NaN bytes. +-inf: Block1D and Block2D
     saturate them to +-max; MXFP8 follows Transformer Engine, where a block holding +-inf gets
-    amax inf, so the block's finite values become 0 and each inf becomes NaN. Empty inputs give
+    amax inf (E8M0 code 254, multiplier 2**-127), so each inf saturates to +-max and the
+    block's finite values x become the cast of x * 2**-127 (0 unless huge). Empty inputs give
     correctly shaped empty buffers.
 
         import numpy as np, fp8blk as fb

@@ -83,19 +83,21 @@ def e8m0_from_amax(amax, fmt: Format) -> np.ndarray:
 def e8m0_cast_multiplier(code) -> np.ndarray:
     """fp32 factor applied before the FP8 cast for E8M0 code ``c``: ``2**(127 - c)``.
 
-    Written as TE's ``exp2f_rcp`` does: code 0 gives 1.0 (not 2**127), 254 gives 0.0 and 255
-    gives -inf (the bit pattern ``(254 - c) << 23``). Code 0 only arises for amax <= F * 2**-127,
-    code 254 only for an inf amax and 255 for an all-NaN block, so ordinary data never sees
-    these; they matter for matching TE byte for byte.
+    Written as TransformerEngine's ``exp2f_rcp`` (2.13 and later) does: the bit pattern
+    ``(254 - c) << 23``, so code 0 gives 2**127; code 254 gives 2**-127 (the fp32 subnormal
+    0x00400000) and code 255 gives NaN (0x7FFFFFFF). Code 0 only arises for amax <= ~F * 2**-127,
+    code 254 only for an inf amax and 255 never from ``quantize`` (amaxes are never NaN).
     """
     c = np.asarray(code, dtype=np.uint8).astype(np.int32)
     bits = ((254 - c) << 23).astype(np.uint32)
-    mult = bits.view(np.float32)
-    return np.where(c == 0, np.float32(1), mult).astype(np.float32)
+    bits = np.where(c == 254, np.uint32(0x00400000), bits)
+    bits = np.where(c == 255, np.uint32(0x7FFFFFFF), bits).astype(np.uint32)
+    return bits.view(np.float32)
 
 
 def e8m0_decode(code) -> np.ndarray:
-    """fp32 value of an E8M0 scale for dequantization: ``2**(c - 127)``; 255 -> NaN."""
+    """fp32 value of an E8M0 scale for dequantization: ``2**(c - 127)``, as TransformerEngine's
+    ``exp2f`` (2.20.2): code 0 gives 2**-127 (the fp32 subnormal 0x00400000), 255 gives NaN."""
     c = np.asarray(code, dtype=np.uint8).astype(np.int32)
     exp = np.where(c == 0, 0, c).astype(np.uint32)
     value = (exp << np.uint32(23)).view(np.float32)

@@ -214,16 +214,12 @@ def e8m0_code(amax: float, fmt) -> int:
 
 
 def e8m0_multiplier(code: int) -> float:
-    """fp32 factor applied before the cast for an E8M0 code, as TE's current ``exp2f_rcp``
-    computes it: 0 -> 1.0, 1..253 -> 2**(127 - c), 254 -> the bit pattern 0 (0.0),
-    255 -> the bit pattern 0xFF800000 (-inf). (docs/numerics.md's text says 254 -> 2**-127 and
-    255 -> NaN; see the report. Code 254 only arises for an inf amax.)"""
-    if code == 0:
-        return 1.0
-    if code == 254:
-        return 0.0
+    """fp32 factor applied before the cast for an E8M0 code, as TransformerEngine's
+    ``exp2f_rcp`` (transformer_engine/common/util/ptx.cuh, 2.13 and later) computes it:
+    0..253 -> 2**(127 - c) (so 0 -> 2**127), 254 -> 2**-127 (an fp32 subnormal), 255 -> NaN.
+    (Code 254 only arises for an inf amax.)"""
     if code == 255:
-        return -math.inf
+        return math.nan
     return math.ldexp(1.0, 127 - code)
 
 

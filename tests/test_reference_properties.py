@@ -16,9 +16,8 @@ h(y) = half the FP8 spacing at min(|y|, F): 2**(max(floor(log2|y|), emin) - m - 
 * fl32(D) itself can overflow: x near FLT_MAX (or bf16's max with pow2 scales) rounds up to
   an FP8 value whose D is 2**128, so dequantize to fp32 gives +-inf there. That is the
   specified arithmetic, not a quantization error; the bound is stated on D for that reason.
-* exception, MXFP8 E8M0 code 0 (amax*fl32(1/F) <= 2**-127): the cast multiplier is 1.0 (TE's
-  exp2f_rcp), not 2**127, while dequantize multiplies by 2**-127, so every byte is +-0 and
-  dequantize gives 0: the error is |x| <= ~F*2**-127, not half an ulp of the block scale.
+* MXFP8 E8M0 code 0 (amax*fl32(1/F) <= 2**-127) is no exception: TE's exp2f_rcp gives it the
+  multiplier 2**127 and dequantize the factor 2**-127, exact reciprocals like every other code.
 """
 import math
 
@@ -29,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fp8blk as fb
-from fp8blk import reference
+from fp8blk import reference, scaling
 from tests import _oracles as O
 from tests._same import assert_same_buffers, buffers
 
@@ -142,13 +141,9 @@ def check_roundtrip_bound(x, recipe, rowwise):
     bound = h * sinv + 2.0 ** -149 * sinv
     if not exact_scales:
         bound += 2.0 ** -20 * np.abs(x64)
-    code0 = (sinv == 2.0 ** -127) if isinstance(recipe, fb.MXFP8) else np.zeros_like(sinv, bool)
     err = np.abs(exact - x64)
-    bad = ~code0 & (err > bound)
+    bad = err > bound
     assert not bad.any(), [(x64[i], exact[i], bound[i]) for i in zip(*np.nonzero(bad))][:3]
-    # E8M0 code 0: every byte is +-0 and the values it stood for are at most ~F * 2**-127
-    assert np.all(deq[code0] == 0)
-    assert np.all(np.abs(x64[code0]) <= fmt.max * 2.0 ** -127 * (1 + 2.0 ** -20))
 
 
 @PROPERTY
@@ -217,12 +212,14 @@ def test_inf_inside_block():
     assert list(q.rowwise_data[0, :3]) == [0x7E, 0xFE, 0x7F]
     assert q.rowwise_data[0, 3] == reference.encode_fp8(f32(-3.0), fb.E4M3)
     assert q.rowwise_scale_inv[0, 1] == f32(1) / (f32(448) / f32(3))  # other rows unaffected
-    # MXFP8: amax inf -> code 254 -> cast multiplier 0.0 (TE): inf*0 = NaN, finite*0 = +-0
+    # MXFP8: amax inf -> code 254 -> cast multiplier 2**-127 (TE's exp2f_rcp): +-inf saturate
+    # to +-F, NaN stays NaN, -3 * 2**-127 rounds to -0; dequantize (x 2**127) gives +-inf back
     qm = fb.quantize(x, fb.MXFP8())
     assert qm.rowwise_scale_inv[0, 0] == 254
-    assert list(qm.rowwise_data[0, :3]) == [0x7F, 0x7F, 0x7F]
+    assert list(qm.rowwise_data[0, :3]) == [0x7E, 0xFE, 0x7F]
     assert np.all(qm.rowwise_data[0, 3:] == 0x80)
-    assert np.isnan(qm.dequantize()[0, 0]) and np.all(qm.dequantize()[0, 3:] == 0)
+    d = qm.dequantize()
+    assert list(d[0, :2]) == [np.inf, -np.inf] and np.isnan(d[0, 2]) and np.all(d[0, 3:] == 0)
 
 
 def test_all_nan_block():
@@ -278,12 +275,92 @@ def test_fp16_subnormal_amax():
     assert q.rowwise_data[0, 127] == 0x7E
 
 
-@pytest.mark.parametrize("fmt", FMTS)
-def test_mxfp8_code0_block(fmt):
-    """amax * fl32(1/F) <= 2**-127 -> code 0 -> multiplier 1.0 -> all bytes 0, dequantize 0."""
-    x = np.full((32, 32), 1e-38, dtype=np.float32)
-    x[::2] = -1e-38
-    q = fb.quantize(x, fb.MXFP8(fmt), columnwise=True)
-    assert np.all(q.rowwise_scale_inv[:32, :1] == 0) and np.all(q.columnwise_scale_inv[:1] == 0)
-    assert set(np.unique(q.rowwise_data)) == {0x00, 0x80}
-    assert np.all(q.dequantize() == 0)
+# MXFP8 blocks with E8M0 codes 0 and 254, and the bytes TransformerEngine 2.20.2 writes for
+# them, derived from its source independently of fp8blk: exp2f_rcp (util/ptx.cuh) gives the
+# multiplier 2**127 for code 0 and 2**-127 for code 254; each byte is then the saturating RN
+# cast (cvt.rn.satfinite) of fl32(x * multiplier), computed with ml_dtypes (clip to +-F, then
+# float8_e4m3fn / float8_e5m2), NaN -> 0x7F. Every value is exact in bf16 too.
+CODE0_BLOCK = ([2.0 ** -125, -2.0 ** -125, 1.75 * 2.0 ** -119, 2.0 ** -130, 3 * 2.0 ** -133,
+                -5 * 2.0 ** -133, 2.0 ** -133, -0.0, 0.0, math.nan, 1.25 * 2.0 ** -121,
+                -1.5 * 2.0 ** -124, 1.375 * 2.0 ** -126]
+               + [(k - 22) * 2.0 ** -128 for k in range(13, 32)])
+CODE0_BYTES = {
+    "E4M3": [0x48, 0xC8, 0x7E, 0x20, 0x14, 0x9A, 0x08, 0x80, 0x00, 0x7F, 0x6A, 0xD4, 0x43,
+             0xC9, 0xC8, 0xC6, 0xC4, 0xC2, 0xC0, 0xBC, 0xB8, 0xB0, 0x00, 0x30, 0x38, 0x3C,
+             0x40, 0x42, 0x44, 0x46, 0x48, 0x49],
+    "E5M2": [0x44, 0xC4, 0x5F, 0x30, 0x2A, 0xAD, 0x24, 0x80, 0x00, 0x7F, 0x55, 0xCA, 0x42,
+             0xC4, 0xC4, 0xC3, 0xC2, 0xC1, 0xC0, 0xBE, 0xBC, 0xB8, 0x00, 0x38, 0x3C, 0x3E,
+             0x40, 0x41, 0x42, 0x43, 0x44, 0x44],
+}
+INF_BLOCK = ([math.inf, -math.inf, math.nan, -5.0, 1.0, float(ml_dtypes.finfo(BF16).max),
+              -1.5 * 2.0 ** 127, 1.25 * 2.0 ** 120, 2.0 ** 100, -3 * 2.0 ** 113]
+             + [(k - 20) * 2.0 ** 124 for k in range(10, 32)])
+INF_BYTES = {
+    "E4M3": [0x7E, 0xFE, 0x7F, 0x80, 0x00, 0x40, 0xBC, 0x05, 0x00, 0x80, 0xBA, 0xB9, 0xB8,
+             0xB6, 0xB4, 0xB2, 0xB0, 0xAC, 0xA8, 0xA0, 0x00, 0x20, 0x28, 0x2C, 0x30, 0x32,
+             0x34, 0x36, 0x38, 0x39, 0x3A, 0x3B],
+    "E5M2": [0x7B, 0xFB, 0x7F, 0x80, 0x00, 0x40, 0xBE, 0x21, 0x00, 0x8A, 0xBD, 0xBC, 0xBC,
+             0xBB, 0xBA, 0xB9, 0xB8, 0xB6, 0xB4, 0xB0, 0x00, 0x30, 0x34, 0x36, 0x38, 0x39,
+             0x3A, 0x3B, 0x3C, 0x3C, 0x3D, 0x3E],
+}
+
+
+def check_te_block(block, code, want, fmt, dtype):
+    """Quantize a (32, 32) array whose every row is `block` (rowwise) and its transpose
+    (columnwise, whose (M, K) data then holds `block` down each column): one E8M0 code `code`
+    per block, and TE's bytes `want` in both directions. Dequantize multiplies by the exact
+    reciprocal 2**(code - 127). Returns the rowwise BlockTensor."""
+    row = np.array(block, dtype=np.float32)
+    assert np.array_equal(row.astype(dtype).astype(np.float32), row, equal_nan=True)
+    x = np.tile(row, (32, 1)).astype(dtype)
+    q = fb.quantize(x, fb.MXFP8(fmt))
+    assert np.all(q.rowwise_scale_inv[:32, :1] == code)
+    assert np.all(q.rowwise_data == np.array(want, np.uint8)[None, :])
+    qc = fb.quantize(np.ascontiguousarray(x.T), fb.MXFP8(fmt), rowwise=False, columnwise=True)
+    assert np.all(qc.columnwise_scale_inv[:1, :32] == code)
+    assert np.array_equal(qc.columnwise_data, q.rowwise_data.T)
+    return q
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("fmt", FMTS, ids=lambda f: f.name)
+def test_mxfp8_code0_block_te_bytes(fmt, dtype):
+    """amax * fl32(1/F) <= 2**-127 -> code 0 -> multiplier 2**127: real bytes, not +-0, and
+    dequantize (x 2**-127) returns the FP8 values' own magnitudes."""
+    q = check_te_block(CODE0_BLOCK, 0, CODE0_BYTES[fmt.name], fmt, dtype)
+    d = q.dequantize(np.float32)[0]
+    want = O.fp8_code_values(fmt)[np.array(CODE0_BYTES[fmt.name])] * 2.0 ** -127
+    assert np.array_equal(d, want.astype(np.float32), equal_nan=True)
+    assert d[0] == 2.0 ** -125 and d[2] == 1.75 * 2.0 ** -119 and np.signbit(d[7])
+    # np.full((32, 32), 2**-125) (the whole block 4.0 after scaling)
+    qf = fb.quantize(np.full((32, 32), 2.0 ** -125, dtype), fb.MXFP8(fmt))
+    assert np.all(qf.rowwise_scale_inv[:32, :1] == 0)
+    assert np.all(qf.rowwise_data == (0x48 if fmt is fb.E4M3 else 0x44))
+
+
+def test_mxfp8_code0_boundary():
+    """E4M3 amaxes around v = 2**-127: 448 * 2**-127 and the next fp32 above it still give
+    code 0 (v rounds to the fp32 subnormal 2**-127), the second one above gives code 1."""
+    top = np.float32(1.75 * 2.0 ** -119)  # 448 * 2**-127
+    up = np.nextafter(np.nextafter(top, np.float32(1)), np.float32(1))
+    assert scaling.e8m0_from_amax(np.nextafter(top, np.float32(1)), fb.E4M3) == 0
+    x = np.tile(np.array([top, up], np.float32).repeat(32), (32, 1))
+    q = fb.quantize(x, fb.MXFP8(fb.E4M3))
+    assert list(q.rowwise_scale_inv[0, :2]) == [0, 1]
+    assert q.rowwise_data[0, 0] == 0x7E           # 448 * 2**-127 * 2**127 = 448
+    assert q.rowwise_data[0, 32] == 0x76          # ~448 * 2**-127 * 2**126 = 224
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("fmt", FMTS, ids=lambda f: f.name)
+def test_mxfp8_inf_block_te_bytes(fmt, dtype):
+    """A block holding +-inf -> code 254 -> multiplier 2**-127: +-inf saturate to +-F, NaN
+    stays 0x7F, finite x become the cast of fl32(x * 2**-127); dequantize (x 2**127) gives
+    +-inf for +-F (beyond fp32) and the values' magnitudes back for the rest."""
+    q = check_te_block(INF_BLOCK, 254, INF_BYTES[fmt.name], fmt, dtype)
+    d = q.dequantize(np.float32)[0]
+    assert list(d[:2]) == [np.inf, -np.inf] and np.isnan(d[2])
+    with np.errstate(over="ignore"):
+        want = (O.fp8_code_values(fmt)[np.array(INF_BYTES[fmt.name])] * 2.0 ** 127)
+        assert np.array_equal(d, want.astype(np.float32), equal_nan=True)
+    assert d[6] == -1.5 * 2.0 ** 127

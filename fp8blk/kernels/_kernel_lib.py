@@ -144,11 +144,13 @@ def e8m0_code(amax, inv_f):
 @device
 def e8m0_multiplier(code):
     """The fp32 cast multiplier 2**(127 - code) of an E8M0 code, as TE's exp2f_rcp
-    (scaling.e8m0_cast_multiplier): 0 -> 1, 255 -> -inf (bits_f32 keeps the low 32 bits).
-    ``int``: codes arrive as uint8/uint32, whose own arithmetic would wrap (simulator)."""
-    if code == 0:
-        return _ONE
-    return bits_f32((254 - int(code)) << 23)
+    (scaling.e8m0_cast_multiplier): bits (254 - code) << 23, so 0 -> 2**127; 254 -> 2**-127
+    (0x00400000), 255 -> NaN (0x7FFFFFFF). ``int``: codes arrive as uint8/uint32, whose own
+    arithmetic would wrap (simulator)."""
+    c = int(code)
+    if c >= 254:
+        return bits_f32(0x00400000 if c == 254 else 0x7FFFFFFF)
+    return bits_f32((254 - c) << 23)
 
 
 @lru_cache(maxsize=None)

@@ -12,7 +12,8 @@ DTYPES = {"f32": np.dtype(np.float32), "bf16": BF16, "f16": np.dtype(np.float16)
 def make_input(rng, shape, dtype, specials=True):
     """Random (…, K) array of `dtype` with magnitudes over many binades, plus (when
     `specials`) NaN, -NaN, +-inf, a zero 128x128 region, an all-NaN 1x32 run, the dtype's max,
-    subnormal-range values and a tiny-amax row."""
+    subnormal-range values, a tiny-amax row, a row of MXFP8 code-0 blocks (amax <= ~F * 2**-127)
+    and a block holding +-inf beside the dtype's max (MXFP8 code 254: finite bytes non-zero)."""
     dtype = np.dtype(dtype)
     x = rng.standard_normal(shape).astype(np.float32)
     x *= np.exp2(rng.integers(-8, 9, size=shape)).astype(np.float32)
@@ -36,6 +37,11 @@ def make_input(rng, shape, dtype, specials=True):
             float(np.finfo(dtype).max)
         if m > 4:
             flat[3, : min(k, 7)] = big * np.array([1, -1, 1, 0.5, -1, 1, 1][: min(k, 7)])
+        if m > 5:
+            flat[4, :] *= np.float32(2.0 ** -135)   # MXFP8 E8M0 code 0, fp32 subnormals
+        if m > 6:                                   # MXFP8 code 254: +-inf beside huge values
+            flat[5, : min(k, 6)] = np.array([np.inf, big, -big, 0.5 * big, -np.inf, -0.25 * big]
+                                            )[: min(k, 6)]
     with np.errstate(over="ignore"):
         return x.astype(dtype)
 

@@ -26,10 +26,13 @@ def test_cast_kernel_compiles_for_sm90(block2d, model, with_col, fast_path):
     assert ".local" not in ptx
     assert "div.s64" not in ptx and "rem.s64" not in ptx  # 32-bit index division only
     if not block2d and not with_col:
-        # the row-only specialization has no columnwise code at all
+        # the row-only specialization has no columnwise code at all: no loads of column E8M0
+        # code words and no more casts (whether LLVM also unswitches the with-columns loop on
+        # the format, doubling its casts, depends on the loop's size)
         with_col_ptx = _numba.compile_ptx_sm90(pc.cast_pyfunc(False, model, True, fast_path),
                                                pc.cast_argtypes(False))
-        assert ptx.count("cvt.rn.satfinite") < with_col_ptx.count("cvt.rn.satfinite")
+        assert ptx.count("ld.global.u32") < with_col_ptx.count("ld.global.u32")
+        assert ptx.count("cvt.rn.satfinite") <= with_col_ptx.count("cvt.rn.satfinite")
 
 
 @needs_compiler

@@ -13,7 +13,8 @@ TORCH := torch==2.13.0
 # of the same version brings about 20 CUDA library packages (several GB). Where that index cannot be reached,
 # pip's own sources (which may hold a CPU wheel) are used.
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
-PIP := $(PY) -m pip install --progress-bar on
+# --no-compile: Python writes bytecode for the modules it imports, not all ~240 MB of it
+PIP := $(PY) -m pip install --progress-bar on --no-compile
 
 .PHONY: demo test bench info clean
 

@@ -108,7 +108,7 @@ def _max_over_blocks(a: np.ndarray, block: int, axis: int) -> np.ndarray:
     n = a.shape[axis]
     if block == 1:
         return a
-    if n <= block:  # one block, maybe short: a plain reduction
+    if 0 < n <= block:  # one block, maybe short: a plain reduction
         return np.fmax.reduce(a, axis=axis, keepdims=True, initial=np.float32(0))
     if n % block == 0:
         shape = (n // block, block, a.shape[1]) if axis == 0 else (a.shape[0], n // block, block)

@@ -4,18 +4,41 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 # notebook: the tests execute examples/kernels.ipynb. On a machine with an NVIDIA driver, also
-# install CuPy so the demo runs on the GPU.
-EXTRAS := test,torch,notebook$(shell command -v nvidia-smi >/dev/null 2>&1 && echo ,gpu)
+# install the gpu extra (Numba-CUDA's CUDA 13 wheels, CuPy) so the demo runs on the GPU.
+HAVE_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo yes)
+comma := ,
+EXTRAS := test,torch,notebook$(if $(HAVE_GPU),$(comma)gpu)
+TORCH := torch==2.13.0
+# Without an NVIDIA driver, torch's CPU build from PyTorch's CPU index: the default Linux build
+# of the same version brings about 20 CUDA library packages (several GB). Where that index cannot be reached,
+# pip's own sources (which may hold a CPU wheel) are used.
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+# --no-compile: Python writes bytecode for the modules it imports, not all ~240 MB of it
+PIP := $(PY) -m pip install --progress-bar on --no-compile
 
 .PHONY: demo test bench info clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
+	@echo "==> [1/4] creating $(VENV) with $(PYTHON)"
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	# torch==2.13.0 first: a bare `torch` requirement would pull a multi-GB CUDA build.
-	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
-	touch $@
+	@echo "==> [2/4] upgrading pip"
+	$(PIP) --upgrade pip
+	@echo "==> [3/4] installing $(TORCH) ($(if $(HAVE_GPU),CUDA build: nvidia-smi found,CPU build: no nvidia-smi))"
+ifeq ($(HAVE_GPU),)
+	@if $(PY) -c "import urllib.request as u; u.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=15)" 2>/dev/null; then \
+		echo "$(PIP) --index-url $(TORCH_CPU_INDEX) $(TORCH)"; \
+		$(PIP) --index-url $(TORCH_CPU_INDEX) "$(TORCH)" || $(PIP) "$(TORCH)"; \
+	else \
+		echo "    $(TORCH_CPU_INDEX) cannot be reached: installing $(TORCH) from pip's configured sources"; \
+		$(PIP) "$(TORCH)"; \
+	fi
+else
+	$(PIP) "$(TORCH)"
+endif
+	@echo "==> [4/4] installing fp8blk (editable) with extras [$(EXTRAS)]"
+	$(PIP) -e ".[$(EXTRAS)]"
+	@touch $@
+	@echo "==> $(VENV) ready ($$(du -sh $(VENV) | cut -f1)); activate it with: source $(VENV)/bin/activate"
 
 demo: $(VENV)/.installed
 	$(PY) -m fp8blk demo

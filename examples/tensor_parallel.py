@@ -234,7 +234,9 @@ def run(args, cuda):
     say(f"per pass, rank {rank}: " + ", ".join(f"{op} {n}x {b:,} bytes"
                                                for op, (n, b) in stats.ops.items()))
     say(f"  the {gathers} FP8 all-gathers sent {fp8_bytes:,} bytes; bf16 gathers of the same "
-        f"activations: {bf16_bytes:,}")
+        f"activations: {bf16_bytes:,}. Each FP8 gather carries two 1-byte copies (rowwise for "
+        f"the forward GEMM, columnwise for the weight gradient) plus their scales: "
+        f"{2 * fp8_bytes / max(bf16_bytes, 1):.3f} bytes an element against bf16's 2")
     results = _all_gather_objects(checks)
     ok = all(all(r.values()) for r in results)
     for what in checks:

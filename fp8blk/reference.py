@@ -22,8 +22,6 @@ from .formats import Block1D, Block2D, Format, MXFP8
 from .layout import cdiv, round_up
 
 
-
-
 # --------------------------------------------------------------------------------------------
 # FP8 encoding and decoding
 
@@ -94,38 +92,60 @@ def decode_fp8(codes, fmt: Format) -> np.ndarray:
 # Block helpers
 
 
-def _as_blocks(x2d: np.ndarray, block_rows: int, block_cols: int, fill) -> np.ndarray:
-    """(R, C) -> (cdiv(R,br), br, cdiv(C,bc), bc), padding edge blocks with `fill`."""
-    rows, cols = x2d.shape
-    padded_rows, padded_cols = round_up(rows, block_rows), round_up(cols, block_cols)
-    if (padded_rows, padded_cols) != (rows, cols):
-        padded = np.full((padded_rows, padded_cols), fill, dtype=x2d.dtype)
-        padded[:rows, :cols] = x2d
-        x2d = padded
-    return x2d.reshape(padded_rows // block_rows, block_rows, padded_cols // block_cols,
-                       block_cols)
+def _block_lengths(n: int, block: int):
+    """Lengths of the cdiv(n, block) blocks along an axis of n: ``block`` itself when every
+    block is whole, else an int array whose last entry is the short edge block."""
+    if n % block == 0:
+        return block
+    lengths = np.full(cdiv(n, block), block, dtype=np.intp)
+    lengths[-1] = n % block
+    return lengths
+
+
+def _max_over_blocks(a: np.ndarray, block: int, axis: int) -> np.ndarray:
+    """``fmax`` over consecutive runs of `block` along `axis` (0 or 1) of a 2-D array; the edge
+    run may be short. Nothing is padded, so memory stays proportional to the input."""
+    n = a.shape[axis]
+    if block == 1:
+        return a
+    if 0 < n <= block:  # one block, maybe short: a plain reduction
+        return np.fmax.reduce(a, axis=axis, keepdims=True, initial=np.float32(0))
+    if n % block == 0:
+        shape = (n // block, block, a.shape[1]) if axis == 0 else (a.shape[0], n // block, block)
+        return np.fmax.reduce(a.reshape(shape), axis=axis + 1, initial=np.float32(0))
+    return np.fmax.reduceat(a, np.arange(0, n, block), axis=axis)
 
 
 def block_amax(x2d, block_rows: int, block_cols: int) -> np.ndarray:
     """max |x| of each (block_rows x block_cols) block of a 2-D array, as ``fmaxf`` from 0.
 
-    Returns fp32 (cdiv(R, br), cdiv(C, bc)), never NaN (an all-NaN block gives 0).
+    Returns fp32 (cdiv(R, br), cdiv(C, bc)), never NaN (an all-NaN block gives 0). Temporary
+    memory: one fp32 copy of the input (its magnitudes), edge blocks are not padded.
     """
     x = np.asarray(x2d).astype(np.float32, copy=False)
-    blocks = _as_blocks(x, block_rows, block_cols, np.float32(0))
-    return np.fmax.reduce(np.abs(blocks), axis=(1, 3), initial=np.float32(0))
+    amax = _max_over_blocks(_max_over_blocks(np.abs(x), block_rows, 0), block_cols, 1)
+    return np.fmax(amax, np.float32(0))  # a run of NaNs reduces to NaN: fmaxf from 0 gives 0
+
+
+def _expand_blocks(values, block_rows, block_cols, rows, cols):
+    """Per-block values (cdiv(rows, br), cdiv(cols, bc)) -> per-element (rows, cols), the edge
+    blocks cropped (never materialized beyond the output's size)."""
+    values = np.asarray(values)[: cdiv(rows, block_rows), : cdiv(cols, block_cols)]
+    return np.repeat(np.repeat(values, _block_lengths(rows, block_rows), axis=0),
+                     _block_lengths(cols, block_cols), axis=1)
 
 
 def _cast_blocks(x2d, block_rows: int, block_cols: int, multiplier, fmt: Format) -> np.ndarray:
     """FP8 bytes of ``fl32(x * multiplier[block])`` for a 2-D array, shape of x2d."""
     rows, cols = x2d.shape
     x = np.asarray(x2d).astype(np.float32, copy=False)
-    blocks = _as_blocks(x, block_rows, block_cols, np.float32(0))
     with np.errstate(all="ignore"):
-        scaled = blocks * multiplier[:, None, :, None]
-    codes = encode_fp8(scaled, fmt).reshape(blocks.shape[0] * block_rows,
-                                           blocks.shape[2] * block_cols)
-    return np.ascontiguousarray(codes[:rows, :cols])
+        if rows % block_rows == 0 and cols % block_cols == 0:
+            scaled = (x.reshape(rows // block_rows, block_rows, cols // block_cols, block_cols)
+                      * multiplier[:, None, :, None]).reshape(rows, cols)
+        else:
+            scaled = x * _expand_blocks(multiplier, block_rows, block_cols, rows, cols)
+    return encode_fp8(scaled, fmt)
 
 
 def _pad2d(a: np.ndarray, rows: int, cols: int, fill) -> np.ndarray:
@@ -256,11 +276,6 @@ def block2d_columnwise_from_rowwise(rowwise_data, rowwise_scale_inv, out=(None, 
 
 # --------------------------------------------------------------------------------------------
 # Dequantize
-
-
-def _expand_blocks(values, block_rows, block_cols, rows, cols):
-    """Per-block values (nr, nc) -> per-element (rows, cols), cropping edge blocks."""
-    return np.repeat(np.repeat(values, block_rows, axis=0), block_cols, axis=1)[:rows, :cols]
 
 
 def dequantize(recipe, shape2d, rowwise_data=None, rowwise_scale_inv=None,

@@ -1,8 +1,9 @@
 """The examples in docs/*.md run, so the docs cannot rot.
 
-A ```python block preceded by ``<!-- runnable -->`` is executed; the blocks of one file run in
-order in one namespace (later examples may use earlier names), all files in ONE subprocess
-(mpi4py and torch are imported at most once, and a crash cannot take pytest down). Blocks
+A ```python block preceded by ``<!-- runnable -->`` is executed alone, in a fresh namespace, as a
+reader would paste it; a block whose first line is ``# continues the block above`` runs in the
+namespace its file's previous runnable block left. All files run in ONE subprocess (mpi4py and
+torch are imported at most once, and a crash cannot take pytest down). Blocks
 marked ``<!-- runnable: gpu -->`` run the same way in a second subprocess where a GPU is
 present (``-m gpu``), and are only compiled elsewhere; blocks marked ``<!-- runnable: mpi N -->``
 run each under ``mpiexec -n N python -m mpi4py`` with a timeout (a few seconds each on 2
@@ -38,19 +39,24 @@ def blocks():
     return found
 
 
+CONTINUES = "# continues the block above"
+
 _RUNNER = r"""
 import json, sys, traceback
+CONTINUES = %r
 blocks = json.loads(sys.stdin.read())
-results, spaces = {}, {}
+results, space, previous = {}, {}, None
 for name, line, code in blocks:
-    space = spaces.setdefault(name, {"__name__": "__docs__"})
+    if not (name == previous and code.startswith(CONTINUES)):
+        space = {"__name__": "__docs__"}
+    previous = name
     try:
         exec(compile(code, f"{name}:{line}", "exec"), space)
         results[f"{name}:{line}"] = None
     except BaseException:
         results[f"{name}:{line}"] = traceback.format_exc()
 print("@@RESULTS@@" + json.dumps(results))
-"""
+""" % CONTINUES
 
 
 def _run(tag):

@@ -1,7 +1,7 @@
 """Multi-GPU benchmark of fp8blk.comm and cast_master_weights. One rank per GPU:
 
     /usr/bin/mpiexec --allow-run-as-root --oversubscribe -n N \
-        python3 -m mpi4py bench/bench_comm.py --out DIR
+        python3 -m mpi4py -m bench.bench_comm --out DIR
 
 Measures, with CUDA events around back-to-back calls (median of several repetitions):
 1. all_gather bus bandwidth of NCCLComm against a raw ``cupy.cuda.nccl`` allGather of the same
@@ -11,7 +11,8 @@ Measures, with CUDA events around back-to-back calls (median of several repetiti
    result is checked against ``quantize`` of the concatenation;
 3. ``cast_master_weights`` on a 100-weight Block2D + MXFP8 batch sharded over the ranks: time
    per call and collectives per call.
-Rank 0 prints a table and writes ``DIR/comm-h200xN-<date>.json``.
+Rank 0 prints a table and writes ``DIR/comm-<machine>.json`` (machine ``h200`` on one GPU,
+``h200x<N>`` on N).
 """
 from __future__ import annotations
 
@@ -20,16 +21,14 @@ import datetime
 import json
 import os
 import platform
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import cupy
+import numpy as np
+from mpi4py import MPI
 
-import cupy  # noqa: E402
-import numpy as np  # noqa: E402
-from mpi4py import MPI  # noqa: E402
-
-import fp8blk as fb  # noqa: E402
+import fp8blk as fb
+from bench import machine
 
 WORLD = MPI.COMM_WORLD
 
@@ -166,11 +165,11 @@ def main():
 
                 traceback.print_exc()
     if comm.rank == 0:
-        record = {"machine": f"{comm.size}x " + cupy.cuda.runtime.getDeviceProperties(0)[
-                      "name"].decode(), "date": datetime.date.today().isoformat(),
-                  "command": "mpiexec -n %d python3 -m mpi4py bench/bench_comm.py" % comm.size,
+        gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+        record = {"machine": f"{comm.size}x {gpu}", "date": datetime.date.today().isoformat(),
+                  "command": "mpiexec -n %d python3 -m mpi4py -m bench.bench_comm" % comm.size,
                   "host": platform.node(), "ranks": comm.size, "results": results}
-        path = os.path.join(args.out, f"comm-h200x{comm.size}-{record['date']}.json")
+        path = os.path.join(args.out, f"comm-{machine(gpu, comm.size)}.json")
         with open(path, "w") as handle:
             json.dump(record, handle, indent=1)
         for row in results:

@@ -1,14 +1,14 @@
-"""FSDP2 with FP8 weights: step time and bytes all-gathered per step (issue 14).
+"""FSDP2 with FP8 weights: step time and bytes all-gathered per step (modes "primary" and "cast" of ``fp8blk.torch.fsdp``).
 
 A 4-layer model of Float8BlockLinear layers (``--width`` wide, default 8192, no bias) under
 FSDP2 (every layer and the root ``fully_shard``-ed, reshard_after_forward=True), three ways:
 
   bf16      bf16 parameters: FSDP gathers 2 bytes per element, the layer quantizes the weight
-  primary   mode 1: FP8 primary weights, fp32 master shards, cast_master_weights_ per step
-  cast      mode 2: bf16 parameters, FP8 on the wire, precompute_fp8_scales per step
+  primary   FP8 primary weights, fp32 master shards, cast_master_weights_ per step
+  cast      bf16 parameters, FP8 on the wire, precompute_fp8_scales per step
   bf16_master  fp32 parameters, FSDP2 MixedPrecisionPolicy(param_dtype=bf16): gathers 2 bytes
             per element cast from the fp32 shards, the optimizer updates fp32 weights; what
-            mode 1 replaces (``step_time_vs_bf16_master``)
+            the primary mode replaces (``step_time_vs_bf16_master``)
 
 Timed steps are interleaved across the cases (one step of each per round, the order rotated
 per round), so that GPU clock drift falls on every case alike.
@@ -32,11 +32,14 @@ the top kernels, to stderr: where the GPU time goes.
 
 Run (writes JSON with machine, date, command and the figures):
 
-    torchrun --standalone --nproc-per-node=1 bench/bench_fsdp.py --out bench/results/fsdp_1gpu.json
-    torchrun --standalone --nproc-per-node=2 bench/bench_fsdp.py --out bench/results/fsdp_2gpu.json
+    torchrun --standalone --nproc-per-node=1 -m bench.bench_fsdp --out bench/results/
+    torchrun --standalone --nproc-per-node=2 -m bench.bench_fsdp --out bench/results/
     # CPU smoke run (gloo): --device cpu --width 256 --tokens 256 --steps 2
     # where the host time goes, on two GPUs:
-    torchrun --standalone --nproc-per-node=2 bench/bench_fsdp.py --profile 5 --out bench/results/
+    torchrun --standalone --nproc-per-node=2 -m bench.bench_fsdp --profile 5 --out /tmp/
+
+A folder as ``--out`` gets the standard name ``fsdp[-tokens<T>]-<machine>.json`` (machine
+``h200`` on one GPU, ``h200x2`` on two; ``-tokens<T>`` unless 8192 tokens).
 """
 from __future__ import annotations
 
@@ -56,6 +59,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fp8blk as fb
+from bench import machine
 from fp8blk.torch import Float8BlockConfig, convert_to_float8_block
 from fp8blk.torch import fsdp as F
 from fp8blk.torch.fsdp import weights as W
@@ -142,10 +146,10 @@ def build(case, args, device, mesh, gen):
             w *= 10.0 ** (torch.rand(w.shape[0], 1, generator=gen) * 2 - 1)
             lin.weight.copy_((w / args.width ** 0.5).to(device))
     model = torch.nn.Sequential(*layers)
-    # bf16 parameters in every case but bf16_master (mode 1: its nominal dtype, so gradients
+    # bf16 parameters in every case but bf16_master (primary: its nominal dtype, so gradients
     # are bf16 and the reduce-scatter moves what the bf16 baseline's does; the masters are
     # fp32); bf16_master: fp32 parameters that FSDP2 casts to bf16 for the all-gather, the
-    # usual mixed-precision setup that mode 1 replaces (both keep fp32 weights to update)
+    # usual mixed-precision setup that the primary mode replaces (both keep fp32 weights to update)
     mp = None
     if case == "bf16_master":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
@@ -486,7 +490,7 @@ def breakdown(c, args, rank):
         "pre_all_gather_host_ms": med(pre_h), "post_all_gather_host_ms": med(post_h),
         "pre_all_gather_gpu_ms": med(pre_g) if pre_g else None,
         "post_all_gather_gpu_ms": med(post_g) if post_g else None,
-        # the per-step FP8 cast of all weights (mode 1: cast_master_weights_, mode 2:
+        # the per-step FP8 cast of all weights (primary: cast_master_weights_, cast:
         # precompute_fp8_scales): one packed all-reduce plus the batched kernels
         "fp8_cast_host_ms": med(cast_h) if cast_h else None,
         "fp8_cast_gpu_ms": med(cast_g) if cast_g else None,
@@ -530,7 +534,7 @@ def main():
     p.add_argument("--profile-dump", default=None, metavar="DIR",
                    help="with --profile: also write DIR/<case>.pstats (rank 0)")
     p.add_argument("--out", default=None, help="JSON output path, or a folder to write "
-                   "fsdp-h200x<world>-<date>[-tokens<T>].json in (rank 0 writes it)")
+                   "fsdp[-tokens<T>]-<machine>.json in (rank 0 writes it)")
     args = p.parse_args()
     cuda = args.device == "cuda"
     if cuda:  # before the process group, so NCCL binds each rank to its own GPU
@@ -574,9 +578,9 @@ def main():
         if args.out:
             path = args.out
             if os.path.isdir(path) or path.endswith(os.sep):  # a folder: the standard name
-                suffix = "" if args.tokens == 8192 else f"-tokens{args.tokens}"
-                path = os.path.join(path, f"fsdp-h200x{world}-{time.strftime('%Y-%m-%d')}"
-                                          f"{suffix}.json")
+                tokens = "" if args.tokens == 8192 else f"-tokens{args.tokens}"
+                gpu = report["machine"]["gpu"] or "cpu"
+                path = os.path.join(path, f"fsdp{tokens}-{machine(gpu, world)}.json")
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             with open(path, "w") as f:
                 f.write(text + "\n")

@@ -1,7 +1,7 @@
 """Host cost per call of the public operations, from torch and from CuPy, and whether a
-back-to-back loop is GPU-bound (issue: fast from torch).
+back-to-back loop is GPU-bound.
 
-    python3 bench/bench_host.py [--out results/host-h200.json] [--n 5000]
+    python3 -m bench.bench_host [--out bench/results/host-h200.json] [--n 5000]
 
 Host figures: per call, the wall-clock time of n back-to-back calls on a small tensor (256x256,
 where the GPU finishes each kernel long before the next launch, so the loop measures the host)
@@ -20,15 +20,12 @@ import statistics
 import sys
 import time
 
+import cupy
+import ml_dtypes
 import numpy as np
+import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import cupy  # noqa: E402
-import torch  # noqa: E402
-
-import fp8blk as fb  # noqa: E402
+import fp8blk as fb
 
 
 def host_us(fn, n, repeats=9):
@@ -64,64 +61,11 @@ def event_us(fn, n=200, repeats=5):
     return statistics.median(out)
 
 
-def profile():
-    """cProfile of the hot paths: where each call's host time goes, by function."""
-    import cProfile
-    import pstats
-
-    from fp8blk.kernels import _adapters as da
-
-    dev = torch.device("cuda")
-    b1 = fb.Block1D()
-    xt = torch.randn(256, 256, device=dev, dtype=torch.bfloat16)
-    xc = cupy.random.standard_normal((256, 256), dtype=np.float32)
-    q = fb.quantize(xt, b1)
-    cases = {"torch quantize": lambda: fb.quantize(xt, b1),
-             "torch quantize row+col": lambda: fb.quantize(xt, b1, True, True),
-             "cupy quantize": lambda: fb.quantize(xc, b1),
-             "torch dequantize": lambda: q.dequantize(torch.bfloat16)}
-    for name, fn in cases.items():
-        for _ in range(500):
-            fn()
-        torch.cuda.synchronize()
-        pr = cProfile.Profile()
-        pr.enable()
-        for _ in range(20000):
-            fn()
-        pr.disable()
-        torch.cuda.synchronize()
-        print(f"\n==== {name}: top by tottime (20000 calls)")
-        pstats.Stats(pr).sort_stats("tottime").print_stats(14)
-    # primitives
-    from fp8blk.kernels import quantize as kq
-    key = next(iter(kq._plans.keys()))
-    p = da._params
-    pre_u8 = torch.empty(1 << 20, dtype=torch.uint8, device=dev)
-    prims = {
-        "ctypes slot write x7 (ints)": lambda: [p.slots.__setitem__(i, 12345) for i in range(7)],
-        "cupy get_current_stream().ptr": lambda: cupy.cuda.get_current_stream().ptr,
-        "torch.empty (2,256) f32": lambda: torch.empty((2, 256), dtype=torch.float32,
-                                                       device=dev),
-        "xt.data_ptr()": lambda: xt.data_ptr(),
-        "kq._plan_for (hit)": lambda: kq._plan_for(*key),
-        "xt.new_empty (2,256) f32": lambda: xt.new_empty((2, 256), dtype=torch.float32),
-        "u8 base.as_strided": lambda: pre_u8.as_strided((256, 256), (256, 1), 512),
-        "u8 base.view(float32)": lambda: pre_u8.view(torch.float32),
-    }
-    for name, fn in prims.items():
-        lo, med = host_us(fn, 3000)
-        print(f"  prim {name:40s} min {lo:6.2f}  median {med:6.2f} us", flush=True)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--n", type=int, default=5000)
-    ap.add_argument("--profile", action="store_true",
-                    help="only cProfile 20000 calls of each hot path and print the top entries")
     args = ap.parse_args()
-    if args.profile:
-        return profile()
     dev = torch.device("cuda")
     b1, b2, mx = fb.Block1D(), fb.Block2D(), fb.MXFP8()
     results = {}
@@ -152,54 +96,6 @@ def main():
     qc2 = fb.quantize(xc, b2)
     case("cupy 256^2 create_columnwise Block2D", lambda: qc2.create_columnwise(), 15)
 
-    # where a torch call's host time goes (256^2 bf16, Block1D rowwise)
-    from fp8blk import _arrays, _dispatch
-    from fp8blk.kernels import backend as K
-    from fp8blk.kernels import _adapters as da
-    xt = torch.randn(256, 256, device=dev, dtype=torch.bfloat16)
-    bf = _arrays.BF16
-    pre = [torch.empty((256, 256), dtype=torch.uint8, device=dev),
-           torch.empty((2, 256), dtype=torch.float32, device=dev), None, None]
-    stages = {
-        "to_internal": lambda: _arrays.to_internal(xt),
-        "backend_for": lambda: _dispatch.backend_for(xt),
-        "kernels.quantize (entry, allocates)": lambda: K.quantize(xt, b1, True, False, dtype=bf),
-        "kernels.quantize (entry, out=)": lambda: K.quantize(xt, b1, True, False, dtype=bf,
-                                                              out=pre),
-        "torch.empty (256,256) u8": lambda: torch.empty((256, 256), dtype=torch.uint8,
-                                                        device=dev),
-        "torch.empty x2 via adapter.alloc": lambda: da.TORCH.alloc(
-            xt, 0, [((256, 256), np.dtype(np.uint8)), ((2, 256), np.dtype(np.float32)), None,
-                    None], None),
-        "_cuda_getCurrentRawStream": lambda: torch._C._cuda_getCurrentRawStream(0),
-        "BlockTensor(...)": lambda: fb.BlockTensor((256, 256), b1, pre[0], pre[1], None, None,
-                                                   dtype=bf, family="torch"),
-    }
-    # the repeat-call hot path (fp8blk.ops): its launcher alone, and the launch alone
-    from fp8blk.kernels import quantize as kq
-    fb.quantize(xt, b1)
-    tc = kq.repeat_calls.get((torch.Tensor, b1, torch.bfloat16, xt.shape, True, False, True, 0))
-    if tc is not None:
-        launch_args = [xt.data_ptr(), pre[0].data_ptr(), pre[1].data_ptr(), xt.data_ptr(),
-                       xt.data_ptr()] + tc.scalars
-        stages["repeat launcher (2 torch.empty + launch)"] = lambda: tc(xt, xt.data_ptr())
-        stages["torch_launch alone"] = lambda: da.torch_launch(tc.kernel, tc.grid, tc.block,
-                                                               launch_args, 0)
-    stages["torch.empty (2,256) f32 device="] = lambda: torch.empty((2, 256),
-                                                                    dtype=torch.float32,
-                                                                    device=dev)
-    stages["xt.new_empty (2,256) f32"] = lambda: xt.new_empty((2, 256), dtype=torch.float32)
-    breakdown = {}
-    for name, fn in stages.items():
-        try:
-            lo, med = host_us(fn, args.n)
-        except Exception as exc:  # a stage another tree of fp8blk does not have (A/B runs)
-            print(f"  stage {name:44s} n/a ({type(exc).__name__}: {exc})", flush=True)
-            continue
-        breakdown[name] = {"min_us": round(lo, 2), "median_us": round(med, 2)}
-        print(f"  stage {name:44s} min {lo:6.2f}  median {med:6.2f} us", flush=True)
-    results["torch stage breakdown (256^2 bf16 Block1D row)"] = breakdown
-
     # GPU-bound loop at 4096^2: fb.quantize against its kernel alone (the backend entry point
     # writing into preallocated outputs: a few us of host time per launch, far below the
     # kernel's ~13 us, so back-to-back launches measure the kernel)
@@ -210,7 +106,7 @@ def main():
     outs = [None if lay is None else torch.empty(lay.shape, device=dev, dtype=(
         torch.uint8 if lay.dtype == np.uint8 else torch.float32))
         for lay in buffer_layouts(b1, 4096, 4096, True, False)]
-    bf16 = fb._arrays.BF16
+    bf16 = np.dtype(ml_dtypes.bfloat16)
 
     def alone():
         kernels.quantize(big, b1, True, False, dtype=bf16, out=outs)
@@ -234,7 +130,7 @@ def main():
             json.dump({"machine": torch.cuda.get_device_name(), "host": platform.node(),
                        "date": time.strftime("%Y-%m-%d %H:%M"),
                        "versions": {"torch": torch.__version__, "cupy": cupy.__version__},
-                       "command": "python3 bench/bench_host.py " + " ".join(sys.argv[1:]),
+                       "command": "python3 -m bench.bench_host " + " ".join(sys.argv[1:]),
                        "cases": results}, f, indent=1)
 
 

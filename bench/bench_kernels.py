@@ -1,6 +1,6 @@
 """Benchmark of the fp8blk GPU kernels against the copy limit and peers, in one process.
 
-    python3 bench/bench_kernels.py --out DIR [--quick] [--no-peers]
+    python3 -m bench.bench_kernels --out DIR [--quick] [--no-peers]
 
 Measures, on bf16 inputs at 8192x8192, 16384x16384 and 8191x8320 (MXFP8: 8192x8320):
   * each quantize / transpose / dequantize kernel: median time of back-to-back calls through
@@ -10,9 +10,10 @@ Measures, on bf16 inputs at 8192x8192, 16384x16384 and 8191x8320 (MXFP8: 8192x83
   * peers on the same inputs (16384x16384): torch.compile of the same formula, and torchao
     0.18's Triton kernels (act_quant_lhs, act_quant_transposed_lhs, weight_quant_rhs,
     weight_quant_transposed_rhs) where they exist;
-  * host microseconds per ``fp8blk.quantize`` call on 256x256 arrays (CuPy fp32, torch bf16);
-  * what the hardware FP8 cvt writes for NaN / -NaN inputs.
-Writes DIR/h200-<date>.json (machine, date, command, per-case figures) and prints a table.
+  * host microseconds per ``fp8blk.quantize`` call on 256x256 arrays (CuPy fp32, torch bf16).
+Writes DIR/kernels-<machine>.json (machine, date, command, per-case figures; machine e.g.
+``h200``) and prints a table. What the hardware FP8 cvt writes for NaN inputs:
+``python -m bench.profile.nan_probe``.
 """
 from __future__ import annotations
 
@@ -24,22 +25,21 @@ import platform
 import statistics
 import sys
 import time
-import traceback
 
+import cupy
+import ml_dtypes
 import numpy as np
 
+import fp8blk as fb
+from bench import machine
+from fp8blk.cli import bench as cli_bench
+from fp8blk.kernels import backend as kernels
+from fp8blk.kernels import quantize as quant
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+BF16 = np.dtype(ml_dtypes.bfloat16)
 
-import cupy  # noqa: E402
-
-import fp8blk as fb  # noqa: E402
-from fp8blk.cli import bench as _bench  # noqa: E402
-from fp8blk.kernels import backend as kernels  # noqa: E402
-from fp8blk.kernels import quantize as quant  # noqa: E402
-from fp8blk._arrays import BF16  # noqa: E402
-
-RESULTS = {"cases": [], "peers": [], "host_us": {}, "nan_probe": {}, "notes": []}
+RESULTS = {"cases": [], "peers": [], "host_us": {}, "notes": []}
 
 
 def log(*a):
@@ -53,7 +53,7 @@ def log(*a):
 def time_cupy(fn, inputs, reps=7, inner=10):
     """(median seconds per call, all figures) of fn(inp) over back-to-back calls, rotating
     `inputs` (fp8blk.cli.bench.time_cupy without its host figure)."""
-    gpu, _, times = _bench.time_cupy(fn, inputs, reps, inner)
+    gpu, _, times = cli_bench.time_cupy(fn, inputs, reps, inner)
     return gpu, times
 
 
@@ -166,7 +166,7 @@ def _func_attr(fn, code):
 def kernel_attributes():
     """Registers / shared / local bytes of every compiled quantize kernel (CuPy Function)."""
     out = {}
-    for key, (fn, spec) in quant._kernels.items():
+    for fn, spec in quant.loaded_kernels():
         name = f"{spec.recipe}-k{spec.kind}-r{int(spec.rowwise)}c{int(spec.columnwise)}" \
                f"-v{int(spec.vec)}{int(spec.col_vec)}"
         out[name] = {a: _func_attr(fn, code) for a, code in
@@ -177,8 +177,8 @@ def kernel_attributes():
 
 def bench_variants(copy_bps, shape=(16384, 16384)):
     """Re-time the slower kernels with a minimum-CTAs-per-SM launch bound (register cap)."""
-    from fp8blk.kernels._specs import QuantizeSettings
     from fp8blk.kernels.quantize import use_settings
+    from fp8blk.kernels.tuning import QuantizeSettings
     xs = bf16_inputs(shape)
     saved = use_settings(QuantizeSettings())
     for min_blocks in (2, 3, 4):
@@ -191,7 +191,7 @@ def bench_variants(copy_bps, shape=(16384, 16384)):
                 nbytes = xs[0].nbytes + out_bytes(bufs)
                 t, ts = time_cupy(lambda x: kernels.quantize(x, recipe, rw, cw, dtype=BF16), xs)
                 add_case(name, shape, t, nbytes, copy_bps, ts, kind=f"minblk{min_blocks}")
-                fn = quant._kernels[next(iter(quant._kernels))][0]
+                fn = quant.loaded_kernels()[0][0]
                 RESULTS["variant_regs"] = RESULTS.get("variant_regs", {})
                 RESULTS["variant_regs"][f"{name}-minblk{min_blocks}"] = _func_attr(fn, 4)
             except Exception as exc:
@@ -332,36 +332,6 @@ def host_cost(n=3000):
     return out
 
 
-def nan_probe():
-    """Bytes the hardware cvt.rn.satfinite writes for NaN inputs, raw and after x * 1.0."""
-    from fp8blk.kernels._numba import (bits_f32, compile_kernel, cuda, pack4_e4m3, pack4_e5m2,
-                                       ptr, types)
-
-    def k(src, dst, one):
-        i = cuda.threadIdx.x
-        v = bits_f32(src[i])
-        dst[4 * i] = pack4_e4m3(v, v, v, v)
-        dst[4 * i + 1] = pack4_e5m2(v, v, v, v)
-        w = v * bits_f32(one[0])
-        dst[4 * i + 2] = pack4_e4m3(w, w, w, w)
-        dst[4 * i + 3] = pack4_e5m2(w, w, w, w)
-    fn = compile_kernel(k, (ptr(types.uint32), ptr(types.uint32), ptr(types.uint32)))
-    vals = [0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFFFFFFF, 0xFF800001, 0x7FFFFFFF]
-    src = cupy.asarray(np.array(vals, dtype=np.uint32))
-    dst = cupy.zeros(4 * len(vals), dtype=np.uint32)
-    one = cupy.asarray(np.array([0x3F800000], dtype=np.uint32))
-    fn((1, 1, 1), (len(vals), 1, 1), (src, dst, one))
-    d = dst.get().reshape(len(vals), 4)
-    out = {}
-    for v, row in zip(vals, d):
-        out[f"0x{v:08X}"] = {"e4m3_raw": f"0x{row[0] & 0xFF:02X}",
-                             "e5m2_raw": f"0x{row[1] & 0xFF:02X}",
-                             "e4m3_after_mul1": f"0x{row[2] & 0xFF:02X}",
-                             "e5m2_after_mul1": f"0x{row[3] & 0xFF:02X}"}
-        log("  nan probe", f"0x{v:08X}", out[f"0x{v:08X}"])
-    return out
-
-
 # -------------------------------------------------------------------------------------------
 
 
@@ -397,8 +367,8 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     date = datetime.date.today().isoformat()
-    path = os.path.join(args.out, f"h200-{date}.json")
     props = cupy.cuda.runtime.getDeviceProperties(0)
+    path = os.path.join(args.out, f"kernels-{machine(props['name'])}.json")
     RESULTS.update({
         "machine": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
         "sms": props["multiProcessorCount"], "date": date,
@@ -410,11 +380,6 @@ def main():
         except Exception as exc:
             RESULTS["versions"][mod] = repr(exc)[:80]
     log("versions", RESULTS["versions"])
-    try:
-        RESULTS["nan_probe"] = nan_probe()
-    except Exception:
-        RESULTS["notes"].append("nan probe failed: " + traceback.format_exc(limit=3))
-        log(traceback.format_exc())
     if args.host_only:
         RESULTS["host_us"] = host_cost()
         write(path.replace(".json", "-host.json"))

@@ -1,6 +1,6 @@
-"""GPU benchmark of fp8blk.torch.Float8BlockLinear (issue 13), one H200:
+"""GPU benchmark of fp8blk.torch.Float8BlockLinear, one H200:
 
-    python3 bench/bench_linear.py --out bench/results/linear-h200-$(date +%F).json [--quick]
+    python3 -m bench.bench_linear --out bench/results/linear-h200.json [--quick]
         [--speed-only] [--shapes 0,1,2 | --shapes 8000x4096x4096,...]
 
 1. Accuracy: SQNR (dB) of the output, input gradient and weight gradient against bf16
@@ -41,16 +41,13 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import torch
 
-import torch  # noqa: E402
-
-from fp8blk.torch import Float8BlockLinear, blockwise_scaled_mm  # noqa: E402
-from fp8blk.torch import Float8BlockConfig, convert_to_float8_block  # noqa: E402
-from fp8blk.torch import _cublaslt  # noqa: E402
-from fp8blk.torch.linear import functional as fl  # noqa: E402
-from fp8blk.torch.quantize_ops import block2d_columnwise, quantize_buffers  # noqa: E402
+from fp8blk.torch import Float8BlockLinear, blockwise_scaled_mm
+from fp8blk.torch import Float8BlockConfig, convert_to_float8_block
+from fp8blk.torch import _cublaslt
+from fp8blk.torch.linear import functional as fl
+from fp8blk.torch.quantize_ops import block2d_columnwise, quantize_buffers
 
 SHAPES = [(16384, 8192, 8192), (16384, 4096, 14336), (8192, 4096, 4096)]
 TARGETS = {SHAPES[0]: 1.5, SHAPES[1]: 1.5, SHAPES[2]: 1.2}

@@ -1,6 +1,6 @@
 """Benchmark of the master-weight path on one GPU (bench/README.md method).
 
-    python bench/bench_master.py [--out bench/results/master_h200.json] [--quick]
+    python3 -m bench.bench_master [--out bench/results/master-h200.json] [--quick] [--sweep]
 
 Measures, on a 16384x6144 weight (fp32 master shard covering all of it, and an unaligned shard):
   * the device-to-device copy bandwidth of the same bytes (the limit);
@@ -12,7 +12,8 @@ Measures, on a 16384x6144 weight (fp32 master shard covering all of it, and an u
   * the all-reduce payload of one call: E8M0 codes vs what bf16 amaxes would take;
   * a 100-weight batch: kernel launches, memsets, collectives and table uploads per call (must
     equal the 4-weight numbers), and the time per call, GPU and host.
-Prints a summary and writes everything as JSON to --out.
+Prints a summary and writes everything as JSON to --out (default
+``bench/results/master-<machine>.json``, machine e.g. ``h200``).
 """
 from __future__ import annotations
 
@@ -24,17 +25,19 @@ import statistics
 import sys
 import time
 
+import ml_dtypes
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import fp8blk as fb
+from bench import machine
+from fp8blk import master
+from fp8blk.kernels import master_batch as mb
+from fp8blk.kernels import partial_amax as pa
+from fp8blk.kernels import partial_cast as pc
+from fp8blk.kernels.tuning import MasterSettings
+from fp8blk.layout import buffer_layouts
 
-import fp8blk as fb  # noqa: E402
-from fp8blk import master  # noqa: E402
-from fp8blk.layout import buffer_layouts  # noqa: E402
-from fp8blk.kernels import _specs as dev  # noqa: E402
-from fp8blk.kernels import master_batch as mb  # noqa: E402
-from fp8blk.kernels import partial_amax as pa  # noqa: E402
-from fp8blk.kernels import partial_cast as pc  # noqa: E402
+BF16 = pa.model_kind(ml_dtypes.bfloat16)  # the launches' model kind of a bf16 model weight
 
 H, W = 16384, 6144
 HOST_REPS = 20  # calls timed on the host clock (no synchronization) per batch
@@ -127,11 +130,11 @@ def kernel_rows(cp, copy_bw, reps, inner, only=None, aligned_only=False):
                 batch = mb.Batch(items, have_fragments=False)
                 buf = batch.new_buffer()
                 times_amax.append(gpu_time(
-                    cp, lambda: pa.launch_partial_amax(batch, buf, dev.BF16), reps, inner))
+                    cp, lambda: pa.launch_partial_amax(batch, buf, BF16), reps, inner))
                 scales = pc.launch_scales(batch, buf, 3.3895313892515355e38)
                 sbuf = scales if batch.block2d else buf
                 times_cast.append(gpu_time(
-                    cp, lambda: pc.launch_cast(batch, sbuf, dev.BF16), reps, inner))
+                    cp, lambda: pc.launch_cast(batch, sbuf, BF16), reps, inner))
             t_amax, t_cast = statistics.median(times_amax), statistics.median(times_cast)
             amax_bytes = 4 * n + batch.buf_entries * buf.itemsize
             out_bytes = n * (int(row) + int(col))  # FP8 bytes written per direction
@@ -161,12 +164,12 @@ def specialization_rows(cp, reps, inner):
         items, _ = master.validate([weight], [m], [0], None)
         batch = mb.Batch(items, have_fragments=False)
         buf = batch.new_buffer()
-        pa.launch_partial_amax(batch, buf, dev.BF16)
+        pa.launch_partial_amax(batch, buf, BF16)
         pc.launch_scales(batch, buf, 0.0)
         if force_general:
             for ln in batch.cast_launches:
                 ln.with_col = True  # HASCOL = 0 in the table: the runtime branch skips it
-        out[label] = gpu_time(cp, lambda: pc.launch_cast(batch, buf, dev.BF16), reps,
+        out[label] = gpu_time(cp, lambda: pc.launch_cast(batch, buf, BF16), reps,
                               inner) * 1e6
         print(f"  {label:40s} {out[label]:8.1f} us", flush=True)
     return out
@@ -244,7 +247,7 @@ def payload_rows():
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.path.join("bench", "results", "master_h200.json"))
+    ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--sweep", action="store_true",
                     help="also time the MXFP8 fast-path kernels under other register caps")
@@ -276,9 +279,9 @@ def main():
     kernels = kernel_rows(cp, copy_bw, reps, inner)
     sweep = {}
     if args.sweep:
-        saved = pa.use_settings(dev.MasterSettings()), pc.use_settings(dev.MasterSettings())
+        saved = pa.use_settings(MasterSettings()), pc.use_settings(MasterSettings())
         for min_blocks in (3, 4):
-            sweep_settings = dev.MasterSettings(amax_fast_min_blocks_mxfp8=min_blocks,
+            sweep_settings = MasterSettings(amax_fast_min_blocks_mxfp8=min_blocks,
                                                 cast_fast_min_blocks_mxfp8=min_blocks)
             pa.use_settings(sweep_settings)
             pc.use_settings(sweep_settings)
@@ -300,11 +303,12 @@ def main():
                "kernels": kernels, "mxfp8_min_blocks_sweep": sweep,
                "mxfp8_cast_specialization_us": spec,
                "payload_bytes": payload, "batches": batches,
-               "command": "python bench/bench_master.py " + " ".join(sys.argv[1:])}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
+               "command": "python3 -m bench.bench_master " + " ".join(sys.argv[1:])}
+    out = args.out or os.path.join("bench", "results", f"master-{machine(info['device'])}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
         json.dump(results, f, indent=1)
-    print(f"wrote {args.out}", flush=True)
+    print(f"wrote {out}", flush=True)
 
 
 if __name__ == "__main__":

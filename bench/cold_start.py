@@ -1,6 +1,6 @@
 """Cold start of fp8blk's kernels with the compiled-kernel cache (fp8blk/kernels/_cache.py).
 
-    python3 bench/cold_start.py --out DIR_OR_FILE.json [--ranks 4] [--jobs 16] [--launcher procs]
+    python3 -m bench.cold_start --out DIR_OR_FILE.json [--ranks 4] [--jobs 16] [--launcher procs]
 
 Steps, each in fresh processes, on one GPU:
   1. ``python -m fp8blk prebuild`` into an empty cache folder: variants, time.
@@ -32,6 +32,8 @@ import sys
 import tempfile
 import time
 
+from bench import machine
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ---- child processes --------------------------------------------------------------------------
@@ -58,12 +60,11 @@ def child_warm():
         fb.quantize(x, fb.Block1D(), rowwise=True, columnwise=True)
         cupy.cuda.Device().synchronize()
         times.append(time.perf_counter() - t0)
-    from fp8blk.kernels import _cache
-    st = _cache.store()
+    from fp8blk.kernels import prebuild
     return {"import_numpy_cupy_s": t_cupy, "import_fp8blk_s": t_import, "context_s": t_ctx,
             "first_quantize_s": times[0], "second_quantize_s": times[1],
             "first_beyond_second_s": times[0] - times[1],
-            "numba_imported": "numba" in sys.modules, "builds": st.builds, "loads": st.loads}
+            "numba_imported": "numba" in sys.modules, **prebuild.cache_counts()}
 
 
 def child_rank(outdir):
@@ -75,7 +76,7 @@ def child_rank(outdir):
 
     import fp8blk as fb
     from fp8blk.kernels import backend as kernels
-    from fp8blk.kernels import _cache, _compiled
+    from fp8blk.kernels import prebuild
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((1024, 1024)) * np.exp(rng.uniform(-6, 6, (1024, 1)))).astype(
         np.float32)
@@ -92,14 +93,11 @@ def child_rank(outdir):
     out["tr"] = [hashlib.sha256(b.get().tobytes()).hexdigest() for b in t]
     cupy.cuda.Device().synchronize()
     seconds = time.perf_counter() - t0
-    st = _cache.store()
-    cubins = {}
-    for (family, spec, dev), _ in list(_compiled._loaded.items()):
-        cc = cupy.cuda.Device(dev).compute_capability
-        digest, _ = _compiled.key(family, spec, (int(cc[:-1]), int(cc[-1])))
-        e = st.read(family, digest)
-        cubins[f"{family}-{digest[:16]}"] = hashlib.sha256(e.cubin).hexdigest()
-    res = {"rank": rank, "outputs": out, "cubins": cubins, "builds": st.builds,
+    cc = cupy.cuda.Device().compute_capability
+    cubins = {name: cubin and hashlib.sha256(cubin).hexdigest()
+              for name, cubin in prebuild.loaded_cubins((int(cc[:-1]), int(cc[-1]))).items()}
+    res = {"rank": rank, "outputs": out, "cubins": cubins,
+           "builds": prebuild.cache_counts()["builds"],
            "seconds": seconds, "numba_imported": "numba" in sys.modules}
     with open(os.path.join(outdir, f"rank-{rank}.json"), "w") as f:
         json.dump(res, f)
@@ -109,7 +107,7 @@ def child_rank(outdir):
 
 
 def run_child(args, env):
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)] + args, env=env,
+    proc = subprocess.run([sys.executable, "-m", "bench.cold_start"] + args, env=env,
                           capture_output=True, text=True, timeout=900)
     if proc.returncode:
         raise RuntimeError(proc.stderr[-3000:])
@@ -188,7 +186,7 @@ def main():
     outdir = os.path.join(work, "ranks")
     os.makedirs(outdir)
     env = base_env(shared)
-    child = [sys.executable, os.path.abspath(__file__), "--child", "rank", "--outdir", outdir]
+    child = [sys.executable, "-m", "bench.cold_start", "--child", "rank", "--outdir", outdir]
     t0 = time.perf_counter()
     if args.launcher == "mpiexec" and shutil.which(args.mpiexec.split()[0]):
         proc = subprocess.run(args.mpiexec.split() + ["-n", str(args.ranks)] + child, env=env,
@@ -225,8 +223,7 @@ def main():
     if args.out:
         path = args.out
         if os.path.isdir(path) or path.endswith(os.sep):   # a folder: name the file
-            path = os.path.join(path, f"cold-start-{platform.node()}-"
-                                      f"{datetime.date.today().isoformat()}.json")
+            path = os.path.join(path, f"cold-start-{machine(res['gpu'])}.json")
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(res, f, indent=1)

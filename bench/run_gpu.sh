@@ -25,6 +25,8 @@
 #   gather        bench.bench_gather under mpiexec, one rank per GPU -> gather-nccl-<machine>.json
 #   gather_torch  bench.bench_gather --comm torch under torchrun -> gather-torch-<machine>.json
 #   linear        bench.bench_linear -> linear-<machine>.json (LINEAR_ARGS: more flags)
+#   model         bench.bench_model -> model-<machine>.json (MODEL_ARGS, MODEL_TIMEOUT)
+#   loss_parity   bench.loss_parity -> loss-parity-<machine>.{json,png}         (LOSS_TIMEOUT)
 #   fsdp          bench.bench_fsdp under torchrun per token count in FSDP_TOKENS (default 8192)
 #                 -> fsdp-<machine>.json, fsdp-tokens<T>-<machine>.json for other counts
 #                 (FSDP_ARGS: more flags, e.g. "--profile 5": where the host time goes)
@@ -58,7 +60,8 @@ step() {  # step NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, print its tail 
   tail -n ${TAIL:-6} "$OUT/$name.log"
   echo "== $name: rc=$rc in $(( $(date +%s) - t0 )) s"
 }
-name_result() {  # name_result GLOB NAME: the newest $OUT/GLOB (a dated name) becomes $OUT/NAME
+name_result() {  # name_result GLOB NAME: the newest $OUT/GLOB becomes $OUT/NAME (bench_gather
+  # names its file by date)
   local f=$(ls -t $OUT/$1 2>/dev/null | head -1)
   [ -n "$f" ] && [ "$f" != "$OUT/$2" ] && mv "$f" "$OUT/$2"
   return 0
@@ -78,7 +81,6 @@ has kernel_tests && step gpu_kernel_tests ${TEST_TIMEOUT:-300} \
 if has kernels; then
   TAIL=${KERNELS_TAIL:-80} step bench_kernels ${BENCH_TIMEOUT:-280} \
     python3 -m bench.bench_kernels --out "$OUT" $BENCH_ARGS
-  name_result "h200-20??-??-??.json" kernels-$M.json
 fi
 has cold_start && step cold_start ${COLD_TIMEOUT:-300} \
   python3 -m bench.cold_start --out "$OUT/cold-start-$M.json"
@@ -103,7 +105,6 @@ if has master || has bench; then
 fi
 if has comm_bench || has bench; then
   step bench_comm_$NGPU 120 $MPIEXEC -n $NGPU $PY -m mpi4py -m bench.bench_comm --out "$OUT"
-  name_result "comm-h200x*-20??-??-??.json" comm-$M.json
 fi
 if has gather; then
   step bench_gather_$NGPU ${GATHER_TIMEOUT:-300} $MPIEXEC -n $NGPU $PY -m mpi4py \
@@ -135,6 +136,10 @@ if has examples; then  # the examples at their GPU sizes, one rank per GPU
 fi
 has linear && step bench_linear ${LINEAR_TIMEOUT:-300} \
   python3 -m bench.bench_linear --out "$OUT/linear-$M.json" $LINEAR_ARGS
+has model && step bench_model ${MODEL_TIMEOUT:-600} \
+  python3 -m bench.bench_model --out "$OUT/model-$M.json" $MODEL_ARGS
+has loss_parity && step loss_parity ${LOSS_TIMEOUT:-600} \
+  python3 -m bench.loss_parity --out "$OUT/loss-parity-$M.json" --plot "$OUT/loss-parity-$M.png"
 if has fsdp; then
   for tokens in ${FSDP_TOKENS:-8192}; do
     name=fsdp-$M.json; [ "$tokens" = 8192 ] || name=fsdp-tokens$tokens-$M.json

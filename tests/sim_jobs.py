@@ -18,7 +18,7 @@ import sys
 import threading
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_SCRIPTS = {"kernels": ("tests/kernels/sim_runner.py",),
+_SCRIPTS = {"kernels": ("-m", "tests.kernels.sim_runner"),
             "amax": ("-m", "tests.master.scripts.sim_checks", "amax"),
             "cast": ("-m", "tests.master.scripts.sim_checks", "cast"),
             "fast": ("-m", "tests.master.scripts.sim_checks", "fast")}
@@ -94,9 +94,9 @@ def _text(out):
 
 def _run(name):
     seed = int.from_bytes(os.urandom(4), "little")
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONWARNINGS="ignore")
-    command = [sys.executable, *[os.path.join(_REPO, p) if p.endswith(".py") else p
-                                 for p in _SCRIPTS[name]], str(seed)]
+    path = os.pathsep.join(p for p in (_REPO, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONWARNINGS="ignore", PYTHONPATH=path)
+    command = [sys.executable, *_SCRIPTS[name], str(seed)]
     proc = subprocess.Popen(command, cwd=_REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     JOBS.running = proc

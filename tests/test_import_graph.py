@@ -141,6 +141,30 @@ ALLOWED = {
 }
 
 
+def documented_layering():
+    """{room: set of rooms it may import} as docs/index.md's house map states it."""
+    text = (PKG.parent / "docs" / "index.md").read_text()
+    table = text.split("## The house: rooms and floors", 1)[1].split("\n\n")[2]
+    out = {}
+    for row in table.splitlines()[2:]:
+        floor, rooms, _, may = [c.strip() for c in row.strip("|").split("|")]
+        if floor == "top":
+            continue
+        allowed = set()
+        for item in may.split(", "):
+            if item == "floor 0":
+                allowed |= _LOW
+            elif item != "nothing of fp8blk":
+                allowed.add(item.strip("`"))
+        for room in rooms.split(", "):
+            out[room.strip("`")] = allowed
+    return out
+
+
+def test_docs_house_map_is_the_layering_rule():
+    assert documented_layering() == ALLOWED
+
+
 def room_of(module: str) -> str:
     parts = module.split(".")
     if len(parts) == 1:

@@ -192,7 +192,7 @@ def prebuild(cc, jobs=None, root=None, variants=None, out=None, build=None):
                                           else "spawn")
         tasks = [(build or kp.build, family, spec, tuple(cc), root) for family, spec in todo]
         main = threading.current_thread() is threading.main_thread()  # signals: main only
-        previous = signal.signal(signal.SIGTERM, _on_sigterm) if main else None
+        prior_handler = signal.signal(signal.SIGTERM, _on_sigterm) if main else None
         pool = ctx.Pool(jobs, initializer=_worker_init)
         try:
             for family, spec, result, error in pool.imap_unordered(_job, tasks):
@@ -207,7 +207,7 @@ def prebuild(cc, jobs=None, root=None, variants=None, out=None, build=None):
             pool.terminate()
             pool.join()
             if main:
-                signal.signal(signal.SIGTERM, previous)
+                signal.signal(signal.SIGTERM, prior_handler)
     seconds = time.perf_counter() - t0
     return {"variants": total, "compiled": built, "already_cached": cached,
             "seconds": seconds, "dir": root, "cc": list(cc), "jobs": jobs, "errors": errors}

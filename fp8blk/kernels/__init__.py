@@ -1,7 +1,9 @@
 """Numba CUDA kernels: the GPU backend of fp8blk, for CuPy arrays and torch CUDA tensors.
 
 ``backend`` holds the functions ``fp8blk._dispatch`` calls (those of ``fp8blk.reference``, on
-device arrays); ``prebuild`` is what ``python -m fp8blk prebuild`` asks of the kernels.
+device arrays); ``prebuild`` is what ``python -m fp8blk prebuild`` asks of the kernels (and
+what a process has built and loaded); ``tuning`` the settings the launchers' ``use_settings``
+take (benchmarks and sweeps).
 
 Modules come in pairs named by operation: a launcher (``quantize``, ``dequantize``,
 ``transpose``, ``partial_amax``, ``partial_cast``: launch plans, allocation, launch; the

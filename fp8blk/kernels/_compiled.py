@@ -37,6 +37,12 @@ _loaded = {}                # (family, spec, device id) -> launchable
 _lock = threading.RLock()   # one load / build at a time in this process
 
 
+def loaded():
+    """[(family, spec, device id)] of the variants this process has loaded."""
+    with _lock:
+        return list(_loaded)
+
+
 def builder(family):
     """The family's build function ``build(spec) -> (pyfunc, argtypes, launch_bounds)``
     (imports its builder module, hence numba)."""

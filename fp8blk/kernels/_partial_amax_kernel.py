@@ -330,7 +330,7 @@ def amax_argtypes(block2d):
 
 
 def amax_pyfunc(block2d, model, with_col, fast_path=False):
-    """The Python kernel (for compile_ptx tests and :func:`get_amax_kernel`): the fast_path
+    """The Python kernel (for compile_ptx tests and :func:`build`): the fast_path
     one handles the interior tiles / bands of aligned shards, the other one the rest."""
     if block2d:
         return _block2d_amax_pyfunc(model, fast_path)

@@ -57,7 +57,8 @@ class QuantizeSpec:
 @dataclass(frozen=True)
 class QuantizeSettings:
     """Tuning of the quantize launcher (``quantize.use_settings``); resolved into spec fields.
-    Defaults are the H200 sweep's choices (bench/NOTES.md, bench/sweep_fused.py)."""
+    Defaults are the H200 sweep's choices (``bench/profile/sweep_fused.py``, its result in
+    ``bench/profile/results/sweep-fused-h200.json``)."""
 
     # threads per CTA of the fused Block1D row+col kernel on 2-byte inputs: 512 halves the tile
     # each thread holds and avoids spills at 64 registers, but 256 threads with 3 CTAs per SM
@@ -82,7 +83,8 @@ def quantize_threads(recipe, kind, rowwise, columnwise, settings):
 
 def default_min_blocks(recipe, kind, columnwise, threads):
     """Minimum CTAs per SM for the register allocator, chosen from the H200 sweep
-    (bench/NOTES.md): capping registers pays for the Block1D kernels with columnwise output."""
+    (``bench/profile/sweep_fused.py``; ``bench.bench_kernels`` times the variants): capping
+    registers pays for the Block1D kernels with columnwise output."""
     if recipe == BLOCK1D and columnwise and kind != F32:
         # col only: 3 x 256 threads (80 registers); row+col: 3 CTAs at 256 threads (80
         # registers), 2 at 512 (64 registers)
@@ -254,7 +256,7 @@ class MasterSettings:
     """Tuning of the master-weight launchers (``partial_amax.use_settings``): minimum CTAs
     per SM of the fast-path kernels (None: the compiler's choice). MXFP8 amax: 4 CTAs of 128
     threads (<= 128 registers, no spills) measured 4-10% faster than the compiler's 131
-    registers / 3 CTAs on the H200 (bench/NOTES.md)."""
+    registers / 3 CTAs on the H200 (``python -m bench.bench_master --sweep``)."""
 
     amax_fast_min_blocks_block2d: Optional[int] = None
     amax_fast_min_blocks_mxfp8: Optional[int] = 4

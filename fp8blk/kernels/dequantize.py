@@ -29,7 +29,7 @@ _OUT = {np.dtype(np.float32): F32_OUT, BF16: BF16_OUT, np.dtype(np.float16): F16
 # device) -> _Plan
 _plans = plan_cache()
 _tuning = Tuning(sp.DequantizeSettings(), (_plans,))
-use_settings = _tuning.use  # (a _specs.DequantizeSettings) -> the previous settings
+use_settings = _tuning.use  # (a tuning.DequantizeSettings) -> the previous settings
 
 
 def lpr_shift(spec, cols):

@@ -30,7 +30,7 @@ def model_kind(dtype):
 
 _kernels = {}  # (block2d, model, with_col, fast_path) -> kernel
 _tuning = Tuning(sp.MasterSettings(), (_kernels,))
-use_settings = _tuning.use  # (a _specs.MasterSettings) -> the previous settings
+use_settings = _tuning.use  # (a tuning.MasterSettings) -> the previous settings
 
 
 def kernel_for(block2d, model, with_col, fast_path):

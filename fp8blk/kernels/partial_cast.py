@@ -18,7 +18,7 @@ __all__ = ["launch_scales", "launch_cast"]
 
 _kernels = {}  # ("scale", block2d, vinf) / ("cast", block2d, model, with_col, fast) -> kernel
 _tuning = Tuning(sp.MasterSettings(), (_kernels,))
-use_settings = _tuning.use  # (a _specs.MasterSettings) -> the previous settings
+use_settings = _tuning.use  # (a tuning.MasterSettings) -> the previous settings
 
 
 def scale_kernel(block2d, vinf):

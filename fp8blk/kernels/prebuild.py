@@ -1,6 +1,7 @@
 """What ``python -m fp8blk prebuild`` asks of the kernels: the common variants, which of them a
-cache folder lacks, and a worker that compiles one into it. Numba is imported only by
-:func:`build` (on a compile).
+cache folder lacks, and a worker that compiles one into it; and what a process has built and
+loaded (:func:`cache_counts`, :func:`loaded_cubins`: cold-start benchmarks and tests). Numba
+is imported only by :func:`build` (on a compile).
 
 The variants (:func:`common_variants`): quantize for every recipe (Block1D, Block2D, MXFP8 with
 their default options) x E4M3 / E5M2 x fp32 / bf16 / fp16 input x rowwise / columnwise / both,
@@ -32,6 +33,26 @@ def cache_enabled() -> bool:
 def cache_dir() -> str:
     """The default cache folder: ``FP8BLK_CACHE_DIR``, else ``~/.cache/fp8blk``."""
     return _cache.cache_dir()
+
+
+def cache_counts() -> dict:
+    """{"builds", "loads"}: kernels this process compiled into the default cache folder and
+    entries it read from it."""
+    st = _cache.store()
+    return {"builds": st.builds, "loads": st.loads}
+
+
+def loaded_cubins(cc) -> dict:
+    """{"<family>-<digest>": cubin bytes, or None where the default cache folder lacks it} of
+    every variant this process has loaded, keyed for compute capability `cc` ((major, minor)):
+    what processes sharing a cache compare."""
+    st = _cache.store()
+    out = {}
+    for family, spec, _ in _compiled.loaded():
+        digest, _ = _compiled.key(family, spec, cc)
+        entry = st.read(family, digest)
+        out[f"{family}-{digest}"] = None if entry is None else entry.cubin
+    return out
 
 
 def common_variants():
@@ -84,4 +105,5 @@ def build(family, spec, cc, root):
     return store.builds > 0, time.perf_counter() - t0
 
 
-__all__ = ["MIN_CC", "cache_enabled", "cache_dir", "common_variants", "missing", "build"]
+__all__ = ["MIN_CC", "cache_enabled", "cache_dir", "cache_counts", "loaded_cubins",
+           "common_variants", "missing", "build"]

@@ -34,7 +34,13 @@ _plans = plan_cache()  # call signature -> _Plan
 # allocations and the launch.
 repeat_calls = plan_cache()
 _tuning = Tuning(sp.QuantizeSettings(), (_kernels, _plans, repeat_calls))
-use_settings = _tuning.use  # (a _specs.QuantizeSettings) -> the previous settings
+use_settings = _tuning.use  # (a tuning.QuantizeSettings) -> the previous settings
+
+
+def loaded_kernels():
+    """[(launchable kernel, ``QuantizeSpec``)] of the quantize variants this process has
+    looked up since the last ``use_settings`` (benchmarks read their register counts)."""
+    return list(_kernels.values())
 
 
 def spec_for(recipe, kind, rowwise, columnwise, vec, col_vec, settings=None):

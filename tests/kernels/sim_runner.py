@@ -3,7 +3,7 @@ the reference. Started by test_sim.py in a subprocess with NUMBA_ENABLE_CUDASIM=
 must be set before numba is imported, so these cases cannot share a process with tests that
 import numba normally). Prints one JSON object {case: null | error message}.
 
-Usage: NUMBA_ENABLE_CUDASIM=1 python tests/kernels/sim_runner.py SEED
+Usage, from the repository root: NUMBA_ENABLE_CUDASIM=1 python -m tests.kernels.sim_runner SEED
 """
 import json
 import os
@@ -17,18 +17,17 @@ assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run with NUMBA_ENABLE_CUD
 # minutes (seen: a 256-thread Block2D case taking 3 s or >100 s on the same data, 3 runs in
 # 4 over 100 s); with 10 ms it took 3.7-4.5 s in 7 runs of 7 (50 ms: 9-11 s).
 sys.setswitchinterval(0.01)
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
 
-from _cases import (DTYPES, RECIPES, make_input, plant_fp8_specials,  # noqa: E402
-                    same_bytes)
-from sim_cases import DEQUANT_CASES, QUANTIZE_CASES, TRANSPOSE_CASES  # noqa: E402
 from fp8blk import reference as ref  # noqa: E402
 from fp8blk.kernels.quantize import quantize as kquantize  # noqa: E402
 from fp8blk.kernels.dequantize import dequantize as kdq  # noqa: E402
 from fp8blk.kernels.transpose import block2d_columnwise_from_rowwise as ktr  # noqa: E402
+from tests.kernels._cases import (DTYPES, RECIPES, make_input,  # noqa: E402
+                                  plant_fp8_specials, same_bytes)
+from tests.kernels.sim_cases import (DEQUANT_CASES, QUANTIZE_CASES,  # noqa: E402
+                                     TRANSPOSE_CASES)
 
 def run(seed):
     warnings.simplefilter("ignore")

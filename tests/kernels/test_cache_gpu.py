@@ -28,14 +28,15 @@ VARIANTS = [
 ]
 
 # Runs in a fresh process: quantize / dequantize / transpose on fixed data, prints the sha256
-# of every output and of every cubin the process loaded, and whether numba got imported.
+# of every output and of every cubin the process loaded (``prebuild.loaded_cubins``), its
+# cache counts and whether numba got imported.
 _CHILD = r"""
 import hashlib, json, sys
 import numpy as np
 import cupy
 import fp8blk as fb
 from fp8blk.kernels import backend as kernels
-from fp8blk.kernels import _cache
+from fp8blk.kernels import prebuild
 rng = np.random.default_rng(7)
 x = (rng.standard_normal((1000, 1100)) * np.exp(rng.uniform(-8, 8, (1000, 1)))).astype(np.float32)
 xd = cupy.asarray(x)
@@ -50,9 +51,11 @@ for name, recipe in (("b1d", fb.Block1D()), ("b2d", fb.Block2D(fb.E5M2)),
 d, s, _, _ = kernels.quantize(xd, fb.Block2D(), True, False)
 t = kernels.block2d_columnwise_from_rowwise(d, s)
 h["tr"] = [hashlib.sha256(b.get().tobytes()).hexdigest() for b in t]
-st = _cache.store()
-print(json.dumps({"hashes": h, "numba": "numba" in sys.modules, "builds": st.builds,
-                  "loads": st.loads}))
+counts = prebuild.cache_counts()  # before loaded_cubins, which reads the store
+cc = cupy.cuda.Device().compute_capability
+cubins = {name: cubin and hashlib.sha256(cubin).hexdigest() for name, cubin in
+          prebuild.loaded_cubins((int(cc[:-1]), int(cc[-1]))).items()}
+print(json.dumps({"hashes": h, "numba": "numba" in sys.modules, "cubins": cubins, **counts}))
 """
 
 
@@ -110,6 +113,8 @@ def test_outputs_identical_with_cache_on_off_and_warm(tmp_path):
     assert cold["builds"] > 0 and cold["numba"]
     assert warm["builds"] == 0 and warm["loads"] == cold["builds"]
     assert not warm["numba"], "the warm-cache process imported numba"
+    assert cold["cubins"] and None not in cold["cubins"].values()
+    assert warm["cubins"] == cold["cubins"]
 
 
 def test_kernels_load_per_device():

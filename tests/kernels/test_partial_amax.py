@@ -64,7 +64,7 @@ def test_batch_is_reused_while_shapes_and_addresses_stay(rng):
     import gc
     import weakref
 
-    mb._batch_cache.clear()
+    mb.clear_caches()
     items = _batch_of(6, rng)
     bucket = [it for it in items if isinstance(it.recipe, fb.MXFP8)]
     first = mb.batch_for(bucket, have_fragments=False)
@@ -86,7 +86,7 @@ def test_batch_is_reused_while_shapes_and_addresses_stay(rng):
     del new_master, shifted, other
     gc.collect()
     assert ref() is None, "the batch cache kept a master array alive"
-    mb._batch_cache.clear()
+    mb.clear_caches()
 
 
 @pytest.mark.parametrize("n_weights", [4, 100])

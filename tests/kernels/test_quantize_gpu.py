@@ -134,3 +134,21 @@ def test_packed_amax_special_halves(rng, dname, rname, rw, cw):
     bits[10, 64:96] = neg_max             # negative maxima
     bits[200:328, 17] = neg_max
     _check_quantize(x, RECIPES[rname], rw, cw)
+
+
+def test_settings_through_the_tuning_door(rng):
+    """``quantize.use_settings`` with a ``tuning.QuantizeSettings``: the kernels looked up
+    afterwards carry the settings in their specs, the bytes do not change, and
+    ``loaded_kernels`` lists them."""
+    from fp8blk.kernels import quantize as kq
+    from fp8blk.kernels.tuning import QuantizeSettings
+
+    x = make_input(rng, (1000, 1100), DTYPES["bf16"])
+    saved = kq.use_settings(QuantizeSettings(min_blocks_per_sm=2))
+    try:
+        assert kq.loaded_kernels() == []
+        _check_quantize(x, RECIPES["b1d"], True, True)
+        specs = [spec for _, spec in kq.loaded_kernels()]
+        assert specs and all(spec.min_blocks == 2 for spec in specs), specs
+    finally:
+        kq.use_settings(saved)

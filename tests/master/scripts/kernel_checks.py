@@ -6,13 +6,10 @@ import numpy as np
 
 import fp8blk as fb
 from fp8blk import master, reference, scaling
-from fp8blk.kernels import _specs as dev
 from fp8blk.kernels import master_batch as mb
 from fp8blk.kernels import partial_amax as pa
 from tests.master.scripts import cases
 from tests.master.scripts.fake_comm import run_ranks
-
-MODEL = {np.dtype(np.float32): dev.F32, cases.BF16: dev.BF16, np.dtype(np.float16): dev.F16}
 
 
 def _shard(full, spec, o, n, misalign, xp):
@@ -71,7 +68,7 @@ def _check_amax_batch(rng, specs, ranges, misalign, model_dtype, xp, make_full=N
     items, _ = master.validate(weights, masters, [o for o, _ in ranges], None)
     batch = mb.Batch(items, have_fragments=False)
     buf = batch.new_buffer()
-    pa.launch_partial_amax(batch, buf, MODEL[np.dtype(model_dtype)])
+    pa.launch_partial_amax(batch, buf, pa.model_kind(model_dtype))
     for it in batch.items:
         o, n = it.start, it.count
         row_off = int(batch.table.reshape(-1, mb.NF)[batch.items.index(it), mb.F_ROWBUF])

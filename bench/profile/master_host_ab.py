@@ -2,9 +2,15 @@
 of fp8blk can be compared on the same workload (target: the rank agreement and validation add
 at most 5% to the steady state's host time).
 
-    PYTHONPATH=<tree A> python bench/master_host_ab.py --label A          # world size 1
-    PYTHONPATH=<tree B> python bench/master_host_ab.py --label B
-    mpiexec -n 2 python -m mpi4py bench/master_host_ab.py --comm nccl     # one GPU per rank
+    PYTHONPATH=<tree A> python bench/profile/master_host_ab.py --label A   # world size 1
+    PYTHONPATH=<tree B> python bench/profile/master_host_ab.py --label B
+    mpiexec -n 2 python -m mpi4py bench/profile/master_host_ab.py --comm nccl  # a GPU per rank
+
+It runs as a file, not a module, so that ``PYTHONPATH`` alone decides which fp8blk it imports.
+Last results: ``bench/profile/results/master-host-ab-h200.json`` (one GPU) and
+``master-host-ab-h200x2.json`` (two), against tree bb987c3^ (no rank agreement): host time
+per call 0.98x / 1.00x of it for 4 / 100 weights on one GPU (minimum samples 170.6 / 1044.9
+us); on two ranks 326 / 1696 us against 271 / 1281, on a noisy host.
 
 The workload is bench/bench_master.py's batch: 4 and 100 weights (Block2D with and without
 columnwise, MXFP8 bidirectional and row-only, in turn; shapes drawn with seed 7), fp32 master

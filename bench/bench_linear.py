@@ -45,7 +45,7 @@ import torch
 
 from fp8blk.torch import Float8BlockLinear, blockwise_scaled_mm
 from fp8blk.torch import Float8BlockConfig, convert_to_float8_block
-from fp8blk.torch import _cublaslt
+from fp8blk.torch.scaled_mm import cublaslt_status
 from fp8blk.torch.linear import functional as fl
 from fp8blk.torch.quantize_ops import block2d_columnwise, quantize_buffers
 
@@ -424,7 +424,7 @@ def main():
                           "torch": torch.__version__, "python": platform.python_version()},
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "command": " ".join([sys.executable] + sys.argv),
-              "cublaslt_gemms": _cublaslt.enabled,   # the plan's GEMMs (FP8BLK_CUBLASLT)
+              "cublaslt_gemms": cublaslt_status()["enabled"],   # the plan's GEMMs (FP8BLK_CUBLASLT)
               "accuracy": [] if args.speed_only else [accuracy(w) for w in (4096, 8192)],
               "speed": [speed(*s, args.quick, args.speed_only, args.inner, args.compile)
                         for s in shapes],
@@ -454,8 +454,9 @@ def main():
               f"{c['errors']} "
               f"{c['torchao_error'] or ''}")
     print("compile:", result["compile"])
-    print("plan GEMMs on", "cuBLASLt directly" if _cublaslt.enabled else "torch._scaled_mm",
-          f"(cuBLASLt refusals: {list(_cublaslt.refusals)})")
+    status = cublaslt_status()
+    print("plan GEMMs on", "cuBLASLt directly" if status["enabled"] else "torch._scaled_mm",
+          f"(cuBLASLt refusals: {status['refusals']})")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

@@ -75,6 +75,13 @@ _SCALE_DTYPE = {"1x128": torch.float32, "128x128": torch.float32, "1x32": torch.
 _SCALE_SHAPES = BoundedCache(4096)     # (blocks, rows, k) -> the scale_inv shape
 
 
+def cublaslt_status() -> dict:
+    """Which GEMM backend the Linear's plans use: ``{"enabled": bool}`` (cuBLASLt called
+    directly; ``FP8BLK_CUBLASLT=0`` turns it off) and ``"refusals"``, the last few reasons
+    cuBLASLt gave for declining a signature (those GEMMs run on torch._scaled_mm)."""
+    return {"enabled": _cublaslt.enabled, "refusals": list(_cublaslt.refusals)}
+
+
 def blocks_of(recipe) -> str:
     """The ``blocks`` argument naming a recipe's rowwise buffers: "1x128" (Block1D),
     "128x128" (Block2D), "1x32" (MXFP8)."""

@@ -53,10 +53,9 @@ def test_bench_fsdp_runs_on_the_cpu(tmp_path):
     """The FSDP2 benchmark's own code (four cases built up front, interleaved timed steps, the
     byte checks after every all-gather, the hook and cast breakdown, the JSON) on 2 gloo
     ranks with tiny layers, so that it cannot rot between GPU runs."""
-    script = Path(__file__).resolve().parents[3] / "bench" / "bench_fsdp.py"
     out = tmp_path / "fsdp.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node=2", str(script), "--device", "cpu", "--width", "256",
+               "--nproc-per-node=2", "-m", "bench.bench_fsdp", "--device", "cpu", "--width", "256",
                "--tokens", "128", "--steps", "2", "--warmup", "1", "--out", str(out)]
     code, output, _ = run(command, 300, {"OMP_NUM_THREADS": "1"})
     assert code == 0, output[-8000:]
@@ -75,9 +74,8 @@ def test_bench_fsdp_runs_on_the_cpu(tmp_path):
 def test_fsdp_fp8_weights_one_gpu_nccl():
     # the benchmark's byte checks (every gather vs quantize(bf16(full weight))) on one GPU,
     # small shapes; the full benchmark is bench/bench_fsdp.py
-    script = Path(__file__).resolve().parents[3] / "bench" / "bench_fsdp.py"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node=1", str(script), "--width", "1024", "--layers", "2",
+               "--nproc-per-node=1", "-m", "bench.bench_fsdp", "--width", "1024", "--layers", "2",
                "--tokens", "512", "--steps", "2", "--warmup", "1"]
     code, output, _ = run(command, 600)
     assert code == 0, output[-8000:]

@@ -46,7 +46,7 @@ class DeviceStreams:
     def begin(self):
         """The communication stream waits for the work queued so far (the local quantize)."""
         if not self.same:
-            self.comm.wait_event(self.record(self.compute))
+            self.comm.wait_event(self._record(self.compute))
 
     def _record(self, stream):
         if self.torch_flavour:
@@ -73,13 +73,13 @@ class DeviceStreams:
         an asynchronous handle waits for."""
         if not async_op:
             if not self.same:
-                self.compute.wait_event(self.record(self.comm))
+                self.compute.wait_event(self._record(self.comm))
             return None
         lib = self.lib
         if self.torch_flavour and self.comm is None:
             event = lib.cuda.current_stream().record_event()
         else:
-            event = self.record(self.comm)
+            event = self._record(self.comm)
         if self.torch_flavour:
             return lambda: lib.cuda.current_stream().wait_event(event)
         return lambda: lib.cuda.get_current_stream().wait_event(event)

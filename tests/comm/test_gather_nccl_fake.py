@@ -360,3 +360,70 @@ def test_invalid_input_on_one_rank_with_sizes(fake_nccl, monkeypatch, path, bad,
         return comm.stats.calls
     results, _ = _run_ranks(n, body)
     assert results == [2] * n  # the joined collective and the next call's, everywhere
+
+
+# One rank's malformed sizes= (not one non-negative int per rank)
+
+MALFORMED = {"short": lambda rows: rows[:-1], "negative": lambda rows: rows[:-1] + [-1],
+             "not-ints": lambda rows: ["many"] * len(rows), "not-a-list": lambda rows: 7}
+
+
+@pytest.mark.parametrize("with_out", [False, True], ids=["no-out", "out"])
+@pytest.mark.parametrize("path", ["fast", "fallback", "plain"])
+@pytest.mark.parametrize("malformed", sorted(MALFORMED))
+def test_malformed_sizes_on_one_rank(fake_nccl, malformed, path, with_out, rng):
+    """One rank's sizes= is malformed while its peers pass the true sizes. On a first call
+    every rank raises (the exchange). After checked calls (the peers hit their cached plan,
+    or out='s lane, and skip all metadata) that rank joins the plan of the latest sizes=
+    call that gathers its input, with zeros, and raises its sizes error; the peers complete
+    with zeros for its rows; the next call is exact everywhere. Without the join the rank
+    probes for metadata its peers never exchange (the fake world raises: the ranks issue
+    different collectives; real ones hang)."""
+    n, k = 3, 256
+    rows = [100, 64, 128] if path == "fallback" else [128, 64, 128]
+    recipe = None if path == "plain" else fb.Block1D()
+    columnwise = path == "fallback"
+    every = [[gather_input(rng, r, k) for r in rows] for _ in range(5)]
+    bad_sizes = MALFORMED[malformed](list(rows))
+    kind = TypeError if malformed in ("not-ints", "not-a-list") else ValueError
+
+    def expected(data):
+        full = np.concatenate(data)
+        return full if recipe is None else fb.quantize(full, recipe, True, columnwise)
+
+    def check(got, want):
+        if recipe is None:
+            assert np.array_equal(got, want)
+        else:
+            assert np.array_equal(np.asarray(got.rowwise_data).view(np.uint8),
+                                  want.rowwise_data.view(np.uint8))
+
+    def call(comm, x, sizes, out=None):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", GatherFallbackWarning)
+            return gather_along_first_dim(x, comm, recipe, True, columnwise, sizes=sizes,
+                                          out=out)[0]
+
+    def body(comm):
+        me, out = comm.rank, None
+        # a first call: every rank raises, the bad rank its own error
+        with pytest.raises(kind if me == n - 1 else ValueError):
+            call(comm, every[0][me], bad_sizes if me == n - 1 else rows)
+        for step in range(3):
+            got = call(comm, every[step][me], rows, out)
+            check(got, expected(every[step]))
+            out = got if with_out else None
+        # another configuration with the same sizes since: the latest call is not the one
+        call(comm, np.ones((rows[me], 64), np.float32), rows)
+        comm.reset_stats()
+        if me == n - 1:
+            with pytest.raises(kind, match="joined the collectives .* with zeros"):
+                call(comm, every[3][me], bad_sizes, out)
+        else:
+            zeroed = every[3][:-1] + [np.zeros_like(every[3][-1])]
+            check(call(comm, every[3][me], rows, out), expected(zeroed))
+        check(call(comm, every[4][me], rows, out), expected(every[4]))
+        assert comm.stats.meta_calls == 0  # the peers' steady state, joined: no metadata
+        return comm.stats.calls
+    results, _ = _run_ranks(n, body)
+    assert results == [2] * n

@@ -428,6 +428,14 @@ class Plan:
                     "with these sizes")
         return None
 
+    def serves(self, src):
+        """Whether this plan gathers what the valid input ``src`` is: its configuration (the
+        key without sizes), this rank's rows and held directions."""
+        return (self.kind == src.kind and self.out_shape[1:] == src.shape[1:]
+                and self.dtype == src.dtype and self.recipe == src.recipe
+                and self.rowwise == src.rowwise and self.columnwise == src.columnwise
+                and self.expects(src) is None)
+
 
 def _inner(shape):
     inner = 1
@@ -457,15 +465,16 @@ class PlanCache:
     cached, on every rank alike (a lane hit then issues exactly what a plan-cache hit issues:
     no metadata).
 
-    ``by_sizes``: {sizes: (plan, ops)} of the last checked ``sizes=`` call with those sizes
+    ``recent``: {id(plan): (plan, ops)} of the checked ``sizes=`` calls, the latest last
     (``ops``: the array operations its data moved with), dropped with its plan like a lane:
-    what a rank whose own input is invalid joins so that peers on a cache hit complete."""
+    what a rank whose own input or ``sizes`` is invalid joins so that peers on a cache hit
+    complete (:meth:`last_sizes_call`)."""
 
     def __init__(self):
         self.plans = BoundedCache(CACHE_SIZE, on_evict=self._evict)
         self._index = {}  # key -> plan: lookups that leave the eviction order alone
         self.lanes = {}
-        self.by_sizes = {}
+        self.recent = {}
         self.hits = self.misses = 0
 
     def get(self, key):
@@ -482,18 +491,24 @@ class PlanCache:
         del self._index[key]
         self._forget(plan)
 
-    def note_sizes_call(self, sizes, plan, ops):
-        """Record ``plan`` (cached, keyed with ``sizes``) as the last one used with them."""
-        self.by_sizes[sizes] = (plan, ops)
+    def note_sizes_call(self, plan, ops):
+        """Record ``plan`` (cached, keyed with ``sizes``) as the latest checked sizes= call."""
+        self.recent.pop(id(plan), None)
+        self.recent[id(plan)] = (plan, ops)
+
+    def last_sizes_call(self, match):
+        """(plan, ops) of the latest checked ``sizes=`` call whose plan satisfies
+        ``match(plan)``, or None."""
+        for plan, ops in reversed(list(self.recent.values())):
+            if match(plan):
+                return plan, ops
+        return None
 
     def _forget(self, plan):
-        """``plan`` leaves the cache: so do its lane and its ``by_sizes`` record (a plan made
-        with ``sizes=`` has them as its dim0s), so that neither outlives what peers can hit."""
+        """``plan`` leaves the cache: so do its lane and its ``recent`` record, so that
+        neither outlives what peers can hit."""
         self._forget_lane(plan)
-        sizes = tuple(plan.dim0s)
-        entry = self.by_sizes.get(sizes)
-        if entry is not None and entry[0] is plan:
-            del self.by_sizes[sizes]
+        self.recent.pop(id(plan), None)
 
     def keep_lane(self, plan, lane, out):
         """Make ``lane`` the steady-state lane of ``plan`` for ``out`` (one per plan, and one

@@ -48,8 +48,8 @@ rank is left waiting). The resulting plan is cached per communicator: later call
 ``sizes=`` (see :mod:`fp8blk.comm.gather.plan` for the protocol). World size 1 never
 exchanges anything. With ``sizes=`` and a plan for them, a rank whose input is invalid (or
 whose rows no longer match) cannot tell its peers, who skip the metadata: it joins their data
-collectives with zeros and raises; they complete (see :mod:`fp8blk.comm.gather.errors`). A
-rank whose own ``sizes`` is malformed cannot find their plan and is left to the exchange they skip.
+collectives with zeros and raises; they complete (see :mod:`fp8blk.comm.gather.errors`). So
+does a rank whose own ``sizes`` is malformed, joining the latest ``sizes=`` plan of its input.
 
 Steady state: with ``sizes=`` and ``out=``, a call that repeats the last such call into the
 same ``out`` (equal recipe, usages and sizes; an input of the same type, dtype, shape and

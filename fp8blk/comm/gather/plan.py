@@ -15,9 +15,10 @@ peers skip):
   holding other directions) still joins the planned data collectives with zeros, so that no
   peer waits forever, and raises. So does a rank whose input is invalid (no key at all): it
   joins out='s steady-state lane for these sizes, else the plan last used with them
-  (``PlanCache.by_sizes``); with neither (a first call) it takes the exchange, as its peers
-  miss too. Malformed sizes on one rank only cannot be matched to a plan: that rank is left
-  to the exchange, which peers with a cached plan skip (the ranks must pass the same sizes).
+  (``PlanCache.last_sizes_call``); with neither (a first call) it takes the exchange, as its
+  peers miss too. A rank whose own sizes are malformed joins out='s lane, else the plan of
+  the latest checked sizes= call that gathers its input (:meth:`Plan.serves`), or takes the
+  exchange when there is none.
 * no ``sizes``: each call makes one small host all-reduce (MAX of [h, -h], 16 bytes) of the
   hash of the plan its local key finds (or a per-rank miss value). All ranks equal: the
   cached plan is everyone's plan. Anything else (a miss, or one rank changed its shape): every

@@ -781,6 +781,64 @@ def check_gather_invalid_with_sizes(s: Suite):
         s.check(comm.stats.meta_calls == 0, f"{label}: no metadata moved {comm.stats}")
 
 
+def check_gather_malformed_sizes(s: Suite):
+    """One rank's sizes= malformed (too short, negative, not ints) while its peers pass the
+    true sizes: on a first call every rank raises; after checked calls (the peers hit their
+    cached plan and skip all metadata) that rank joins their collectives with zeros and
+    raises its sizes error, the peers complete with zeros for its rows, and the next call is
+    exact. Nothing hangs (the launcher's timeout fails the test otherwise)."""
+    comm, fam, n, me = s.comm, s.family, s.comm.size, s.comm.rank
+    if n == 1:
+        return
+    f32, k, last = np.dtype(np.float32), 256, n - 1
+    for case, (path, malformed) in enumerate((("fast", "short"), ("fast", "negative"),
+                                              ("fallback", "not-ints"), ("plain", "short"))):
+        label = f"malformed sizes ({malformed}) on rank {last}, {path}"
+        rng = s.rng()
+        recipe = None if path == "plain" else fb.Block1D()
+        columnwise = path == "fallback"
+        # rows no earlier call used, so that the first call is one
+        rows = [100 + case if path == "fallback" and r == 0 else 64 * (1 + r % 2) + case
+                for r in range(n)]
+        bad = {"short": rows[:-1], "negative": rows[:-1] + [-1],
+               "not-ints": ["many"] * n}[malformed]
+        kind = TypeError if malformed == "not-ints" else ValueError
+        every = [[_global_input(rng, r, (k,), f32) for r in rows] for _ in range(4)]
+
+        def call(x, sizes):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", GatherFallbackWarning)
+                return gather_along_first_dim(x, comm, recipe, True, columnwise,
+                                              sizes=sizes)[0]
+
+        def exact(got, data, what):
+            if recipe is None:
+                s.equal(fam.back(got), np.concatenate(data), f"{label}: {what}")
+            else:
+                _compare(s, fam, got, _expected_gather(data, recipe, True, columnwise),
+                         f"{label}: {what}")
+        mine = fam.make(every[0][me])
+        s.raises(kind if me == last else ValueError,
+                 lambda: call(mine, bad if me == last else rows), f"{label}: a first call")
+        for step in range(2):
+            exact(call(fam.make(every[step][me]), rows), every[step], f"call {step}")
+        comm.reset_stats()
+        if me == last:
+            s.raises(kind, lambda: call(fam.make(every[2][me]), bad), f"{label}: raises",
+                     contains="with zeros so that no rank waits")
+        else:
+            got = call(fam.make(every[2][me]), rows)
+            zeroed = every[2][:last] + [np.zeros_like(every[2][last])]
+            if path == "fast":
+                want = _expected_gather(zeroed, recipe, True, False).rowwise_data
+                s.check(np.array_equal(fam.back(got.rowwise_data).view(np.uint8),
+                                       want.view(np.uint8)), f"{label}: the peers' data")
+            else:
+                exact(got, zeroed, "the peers, zeros for the bad rank's rows")
+        exact(call(fam.make(every[3][me]), rows), every[3], "the next call")
+        s.check(comm.stats.meta_calls == 0, f"{label}: no metadata moved {comm.stats}")
+
+
 def check_plain_gather(s: Suite):
     """Plain gathers (no recipe): 1-D inputs of different lengths per rank, with and without
     sizes=, into out=; one rank's invalid input makes every rank raise."""
@@ -819,6 +877,8 @@ def run_suite(comm, family, label, parts=("collectives", "packed", "gather")):
         check_gather(s)
         check_gather_reuse(s)
         check_gather_invalid_with_sizes(s)
+    if "gather" in parts or "sizes" in parts:
+        check_gather_malformed_sizes(s)
     if "gather" in parts or "plain" in parts:
         check_plain_gather(s)
     comm.barrier()

@@ -27,12 +27,14 @@ Paths (:mod:`fp8blk.comm.gather.paths`; ``comm.stats.last_gather_path`` /
                 boundary (Block1D columnwise or any Block2D with a non-empty rank whose first
                 row is not a multiple of 128; MXFP8 columnwise with a local row count that is
                 not a multiple of 32), or a BlockTensor input lacks a direction its recipe
-                cannot derive. The high-precision data is gathered and quantized after the
-                gather (2-4x the traffic, same result). A BlockTensor input is dequantized (to
-                its own dtype) and quantized again, so the result's bytes are those of
-                ``quantize(concat of the dequantized shards)``: its values equal what the
-                ranks held, its bytes may differ (e.g. a scale recomputed over the gathered
-                blocks). A GatherFallbackWarning is issued once per call site.
+                cannot derive. An array's high-precision data is gathered and quantized after
+                the gather (2-4x the traffic, same result). A BlockTensor keeps the bytes its
+                ranks hold: a direction every rank holds, whose blocks lie within one rank's
+                rows, moves as its FP8 bytes and scales; the others asked for are derived
+                after the gather, quantized from the values of the direction every rank
+                holds (the dequantize of the gathered kept bytes, or the ranks' dequantized
+                shards gathered in high precision when none is kept; docs/distributed.md
+                gives the rule). A GatherFallbackWarning is issued once per call site.
 ``"plain"``     no recipe and an array input: a plain all-gather along dim 0 (any dtype, any
                 number of dims, 1-D included; the ranks' dim 0 may differ).
 

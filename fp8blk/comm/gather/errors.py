@@ -6,7 +6,7 @@ from __future__ import annotations
 import warnings
 
 from .arrays import U8
-from .plan import FAST, PLAIN
+from .plan import PLAIN
 from .streams import issuer, nothing, run, streams_for
 
 
@@ -72,11 +72,10 @@ def join_with_zeros(comm, plan, ops):
     issue depends only on the counts (NCCL's precomputed issuer included)."""
     if plan.path == PLAIN:
         count_sets = [plan.counts]
-    elif plan.path == FAST:
+    else:  # the parts gathered as they are; the fallback's high-precision part last
         count_sets = [p.counts for p in plan.parts]
-    else:
-        row_bytes = plan.K * plan.dtype.itemsize
-        count_sets = [[m * row_bytes for m in plan.ms]]
+        if plan.hp_gather:
+            count_sets.append(plan.hp_counts())
     items = []
     for counts in count_sets:
         send = ops.empty(counts[plan.rank], U8)

@@ -285,10 +285,24 @@ class Plan:
         self.offsets = [sum(self.ms[:r]) for r in range(comm_size)]
         self.M = sum(self.ms)
         self.path, self.reason, self.directions = self._decide(src)
-        self.derive_columnwise = isinstance(self.recipe, Block2D) and self.columnwise
+        # the fallback: directions gathered as the ranks hold them (``directions``), the
+        # others derived after the gather (``derived``), from the dequantized kept direction
+        # or, with none kept, from gathered high-precision data (``hp_gather``) dequantized
+        # per rank from ``hp_source`` (None: each rank's own direction, rowwise first)
+        self.derived, self.hp_gather, self.hp_source = [], False, None
+        if self.path == FALLBACK:
+            wanted = self.directions
+            self.directions = self._kept(wanted)
+            self.derived = [d for d in wanted if d not in self.directions]
+            self.hp_gather = not self.directions
+            self.hp_source = (ROW if all(self.row_held) else COL if all(self.col_held)
+                              else None) if self.kind == 1 else None
+        self.derive_columnwise = (isinstance(self.recipe, Block2D) and self.columnwise
+                                  and self.path == FAST)
         self.targets = self._targets()
-        self.parts, self.fills, self.moves = (([], [], []) if self.path != FAST
-                                              else self._layout_parts())
+        self.parts, self.fills, self.moves = (self._layout_parts() if self.directions
+                                              and (self.path == FAST or self.kind == 1)
+                                              else ([], [], []))
         # per-call constants of the fast path
         self.out_layouts = all_layouts(self.recipe, self.M, self.K)
         self.row_q = self.path == FAST and ROW in self.directions
@@ -329,6 +343,17 @@ class Plan:
             return (FALLBACK, f"{name} columnwise 32x1 blocks would cross a rank boundary "
                     f"({rows}; every rank needs a multiple of 32)", wanted)
         return FAST, None, wanted
+
+    def _kept(self, wanted):
+        """The asked directions of a BlockTensor fallback that every rank holds and whose
+        blocks lie within one rank's rows (their bytes are gathered as they are)."""
+        if self.kind == 0 or isinstance(self.recipe, Block2D):
+            return []
+        as_is = {ROW: True,
+                 COL: (self._aligned(128) if isinstance(self.recipe, Block1D)
+                       else all(m % 32 == 0 for m in self.ms))}
+        held = {ROW: all(self.row_held), COL: all(self.col_held)}
+        return [d for d in wanted if held[d] and as_is[d]]
 
     def _targets(self):
         """Indices of the output buffers that are written (rowwise 0, 1; columnwise 2, 3)."""
@@ -415,9 +440,15 @@ class Plan:
     def _sent_bytes(self):
         if self.path == PLAIN:
             return self.counts[self.rank]
-        if self.path == FAST:
-            return sum(p.counts[self.rank] for p in self.parts)
-        return self.dim0s[self.rank] * _row_bytes(self)
+        kept = sum(p.counts[self.rank] for p in self.parts)
+        if self.path == FAST or not self.hp_gather:
+            return kept
+        return kept + self.dim0s[self.rank] * _row_bytes(self)
+
+    def hp_counts(self):
+        """Bytes per rank of the fallback's high-precision part."""
+        row_bytes = self.K * self.dtype.itemsize
+        return [m * row_bytes for m in self.ms]
 
     def expects(self, src):
         """None if this rank's input fits the plan; else what differs (sizes= hit path)."""

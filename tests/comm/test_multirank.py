@@ -52,6 +52,11 @@ def test_torch_suite_gloo(n):
     _expect_suite(torchrun(n, "torch_suite.py", "gloo"), n, runs=2)
 
 
+def test_torch_gather_one_collective_gloo():
+    # TorchComm's quantized gather: its parts packed into one torch collective, same bytes
+    _expect_suite(torchrun(2, "torch_coalesce.py", timeout=180), 2)
+
+
 def test_failing_rank_ends_the_torchrun_job():
     code, output, seconds = torchrun(2, "torch_suite.py", "gloo", timeout=120,
                                      env={"FP8BLK_TEST_FAIL_RANK": "1"})

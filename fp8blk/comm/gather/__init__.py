@@ -12,8 +12,8 @@ Paths (:mod:`fp8blk.comm.gather.paths`; ``comm.stats.last_gather_path`` /
                 (the FP8 rows of rank r are a contiguous slice of the (M, K) data), and the
                 data and scales of all ranks move in ONE grouped collective (NCCL: an in-place
                 ncclAllGather per buffer for equal shards, a group of broadcasts for unequal
-                ones; MPI: in-place Iallgather(v); torch: in-place all_gather_into_tensor on
-                uint8). A fix-up then puts what the layout interleaves in place (the Block1D
+                ones; MPI: in-place Iallgather(v); torch: one all_gather_into_tensor of the
+                parts packed per rank, up to ``TorchComm.coalesce_limit``). A fix-up then puts what the layout interleaves in place (the Block1D
                 rowwise scales (cdiv(K,128), round4(M)) whose columns are the ranks' rows;
                 Block1D columnwise data (K, M): both gathered rank-major into a staging
                 buffer) and writes the scale padding (1.0 fp32, 0 E8M0). On the device that

@@ -24,6 +24,10 @@ and host microseconds of each step (plan lookup, the steady state's match instea
 quantize, collective issue, fix-up). Every
 quantized case is checked byte for byte against ``quantize`` of the gathered bf16 tensor.
 Rank 0 prints one JSON line per case and writes ``OUT/gather-<comm>-h200x<N>-<date>.json``.
+
+TorchComm packs a gather's parts into one torch collective up to ``--coalesce-mib`` MiB per
+rank (default ``TorchComm.coalesce_limit``; 0: one collective per part, in place): run it
+with 0 and with a large value to see where packing stops paying.
 """
 from __future__ import annotations
 
@@ -220,12 +224,17 @@ def main():
     parser.add_argument("--mib", default="1,16,64,256")
     parser.add_argument("--out", default=".")
     parser.add_argument("--no-breakdown", action="store_true")
+    parser.add_argument("--coalesce-mib", type=float, default=None,
+                        help="TorchComm only: pack a gather's parts into one collective up "
+                             "to this many MiB per rank (default: TorchComm.coalesce_limit)")
     parser.add_argument("--profile", type=int, default=0, metavar="CALLS",
                         help="also run CALLS back-to-back calls of each case under cProfile on "
                              "every rank; OUT/gather-profile-<comm>-<case>-<mib>mib-r<rank>.txt")
     args = parser.parse_args()
     world = World(args.comm)
     comm, n, me = world.comm, world.size, world.rank
+    if world.kind == "torch" and args.coalesce_mib is not None:
+        comm.coalesce_limit = int(args.coalesce_mib * 2**20)
     results = []
 
     def emit(row):
@@ -242,6 +251,8 @@ def main():
              * torch.logspace(-3, 3, rows, device="cuda")[:, None]).to(torch.bfloat16)
         full = torch.empty(n * rows, K, device="cuda", dtype=torch.bfloat16)
         base = {"mib_per_rank": mib, "rows_per_rank": rows, "K": K}
+        if world.kind == "torch":
+            base["coalesce_limit"] = comm.coalesce_limit
         if world.kind == "nccl":
             from cupy.cuda import nccl
 
@@ -314,7 +325,8 @@ def main():
                                "nccl": cupy_nccl.get_version()},
                   "results": results}
         os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"gather-{args.comm}-h200x{n}-"
+        tag = "" if args.coalesce_mib is None else f"-coalesce{args.coalesce_mib:g}"
+        path = os.path.join(args.out, f"gather-{args.comm}{tag}-h200x{n}-"
                                       f"{datetime.date.today().isoformat()}.json")
         with open(path, "w") as handle:
             json.dump(record, handle, indent=1)

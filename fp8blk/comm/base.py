@@ -273,9 +273,9 @@ class Communicator:
     part of the user protocol (defaults here; backends override for speed):
     ``record(op, nbytes)`` (count a collective issued outside the public methods),
     ``gather_parts(items, stream_ptr)`` (one grouped, possibly in-place all-gather of several
-    byte buffers; NCCL: one group, MPI: in-place Iallgather(v), torch: in-place
-    all_gather_into_tensor), ``gather_parts_issuer(items)`` (the same as a callable of the
-    stream, for items issued again and again), ``meta_all_gather(row)`` /
+    byte buffers; NCCL: one group, MPI: in-place Iallgather(v), torch: one
+    all_gather_into_tensor of the parts packed), ``gather_parts_issuer(items)`` (the same as
+    a callable of the stream, for items issued again and again), ``meta_all_gather(row)`` /
     ``meta_all_reduce_max(row)`` (small host int64 metadata, never staged through a device),
     ``stream_ordered`` (whether ``gather_parts`` only enqueues on a stream),
     ``orders_torch_stream`` (whether the backend orders against torch's current stream).

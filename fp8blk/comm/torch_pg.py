@@ -211,29 +211,35 @@ class TorchComm(Communicator):
     def _barrier(self):
         _dist().barrier(group=self.group)
 
+    #: Parts of one grouped gather whose largest-rank bytes add up to at most this many
+    #: bytes per rank move in ONE collective (packed, see :meth:`gather_parts`); above it each
+    #: part is its own collective, without the packing copies.
+    coalesce_limit = 32 * 2**20
+
     def gather_parts(self, items, stream_ptr=None):
-        """Each item: an in-place ``all_gather_into_tensor`` on uint8 for equal counts; for
-        unequal counts a list ``all_gather`` on NCCL (which takes uneven sizes), or, on gloo,
-        every rank's bytes padded to the largest count. Torch tensors are used as they are;
-        NumPy/CuPy arrays are wrapped through DLPack. Returns ``finish()`` (for NCCL it only
-        makes the current stream wait: call it with the stream the result is used on)."""
+        """The parts in ONE collective where they can be (more than one non-empty part, none
+        staged to another device, at most ``coalesce_limit`` bytes per rank): this rank's
+        bytes of every part packed into one uint8 buffer (each part padded to its largest
+        rank's count), one ``all_gather_single`` into a (size, packed) staging buffer, then
+        one strided copy per part (equal counts) or one per rank and part into the parts'
+        buffers. Otherwise each part is an in-place ``all_gather_single`` for equal counts;
+        for unequal counts a list ``all_gather`` on NCCL (which takes uneven sizes), or, on
+        gloo, every rank's bytes padded to the largest count. Torch tensors are used as they
+        are; NumPy/CuPy arrays are wrapped through DLPack. Returns None when complete (or
+        enqueued on the current stream: synchronous NCCL) or ``finish()``."""
         dist = _dist()
-        works, posts = [], []
-        me = self.rank
         # On CUDA tensors with NCCL the caller makes its stream wait at once
         # (fp8blk.comm.gather.streams.run): a synchronous collective does exactly that, without
         # a Work object to wait on (Work.wait() cost ~100 us of host time per item on the
         # H200, torch 2.11)
         sync = self._cuda_ok and stream_ptr is not None
-        for send, recv, counts in items:
-            recv_t, copy_back, group = self._work(recv)
-            mine, start = counts[me], sum(counts[:me])
-            if send is None:
-                send_t = recv_t[start: start + mine]
-            else:
-                send_t = self._work(send)[0]
-                if send_t.device != recv_t.device:
-                    send_t = send_t.to(recv_t.device)
+        parts = [self._part(send, recv, counts) for send, recv, counts in items]
+        live = [p for p in parts if any(p[2])]
+        if len(live) > 1 and self._coalescible(live):
+            return self._gather_packed(dist, live, sync)
+        works, posts = [], []
+        for send_t, recv_t, counts, copy_back, group in parts:
+            mine = counts[self.rank]
             quiet = sync and recv_t.is_cuda and copy_back is None
             if all(c == mine for c in counts):
                 if mine:
@@ -262,6 +268,68 @@ class TorchComm(Communicator):
                 work.wait()
             for post in posts:
                 post()
+        return finish
+
+    def _part(self, send, recv, counts):
+        """(send tensor: this rank's bytes, recv tensor, counts, copy_back or None, group)."""
+        recv_t, copy_back, group = self._work(recv)
+        mine, start = counts[self.rank], sum(counts[: self.rank])
+        if send is None:
+            send_t = recv_t[start: start + mine]
+        else:
+            send_t = self._work(send)[0]
+            if send_t.device != recv_t.device:
+                send_t = send_t.to(recv_t.device)
+        return send_t, recv_t, counts, copy_back, group
+
+    def _coalescible(self, parts):
+        first = parts[0]
+        return (all(p[3] is None and p[4] is first[4] and p[1].device == first[1].device
+                    for p in parts)
+                and sum(max(p[2]) for p in parts) <= self.coalesce_limit)
+
+    def _gather_packed(self, dist, parts, sync):
+        """ONE all_gather_single of the parts packed per rank (see :meth:`gather_parts`)."""
+        torch = _arrays.torch_module()
+        widths = [max(p[2]) for p in parts]
+        total = sum(widths)
+        recv0 = parts[0][1]
+        if all(all(c == w for c in p[2]) for p, w in zip(parts, widths)):
+            send = torch.cat([p[0] for p in parts])  # one kernel for every part
+        else:
+            send = recv0.new_empty(total)  # padding bytes are never read
+            offset = 0
+            for p, width in zip(parts, widths):
+                mine = p[2][self.rank]
+                if mine:
+                    send[offset: offset + mine].copy_(p[0])
+                offset += width
+        staging = recv0.new_empty(self.size * total)
+        quiet = sync and recv0.is_cuda
+        work = _all_gather_single(dist)(staging, send, group=parts[0][4],
+                                        async_op=not quiet)
+        table = staging.view(self.size, total)
+
+        def unpack():
+            offset = 0
+            for (_, recv_t, counts, _, _), width in zip(parts, widths):
+                if all(c == width for c in counts):
+                    recv_t.view(self.size, width).copy_(table[:, offset: offset + width])
+                else:
+                    start = 0
+                    for r, count in enumerate(counts):
+                        if count:
+                            recv_t[start: start + count].copy_(
+                                table[r, offset: offset + count])
+                        start += count
+                offset += width
+        if work is None:  # synchronous NCCL: enqueued after the collective on this stream
+            unpack()
+            return None
+
+        def finish(keep=send):  # keep: the send buffer lives until the collective is done
+            work.wait()
+            unpack()
         return finish
 
     def meta_all_gather(self, row):

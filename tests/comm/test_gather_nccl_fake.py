@@ -6,6 +6,7 @@ counts and in-place slots the gather hands to NCCL, on equal, unequal and empty 
 import threading
 import warnings
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -360,3 +361,171 @@ def test_invalid_input_on_one_rank_with_sizes(fake_nccl, monkeypatch, path, bad,
         return comm.stats.calls
     results, _ = _run_ranks(n, body)
     assert results == [2] * n  # the joined collective and the next call's, everywhere
+
+
+# One rank's malformed sizes= (not one non-negative int per rank)
+
+MALFORMED = {"short": lambda rows: rows[:-1], "negative": lambda rows: rows[:-1] + [-1],
+             "not-ints": lambda rows: ["many"] * len(rows), "not-a-list": lambda rows: 7}
+
+
+@pytest.mark.parametrize("with_out", [False, True], ids=["no-out", "out"])
+@pytest.mark.parametrize("path", ["fast", "fallback", "plain"])
+@pytest.mark.parametrize("malformed", sorted(MALFORMED))
+def test_malformed_sizes_on_one_rank(fake_nccl, malformed, path, with_out, rng):
+    """One rank's sizes= is malformed while its peers pass the true sizes. On a first call
+    every rank raises (the exchange). After checked calls (the peers hit their cached plan,
+    or out='s lane, and skip all metadata) that rank joins the plan of the latest sizes=
+    call that gathers its input, with zeros, and raises its sizes error; the peers complete
+    with zeros for its rows; the next call is exact everywhere. Without the join the rank
+    probes for metadata its peers never exchange (the fake world raises: the ranks issue
+    different collectives; real ones hang)."""
+    n, k = 3, 256
+    rows = [100, 64, 128] if path == "fallback" else [128, 64, 128]
+    recipe = None if path == "plain" else fb.Block1D()
+    columnwise = path == "fallback"
+    every = [[gather_input(rng, r, k) for r in rows] for _ in range(5)]
+    bad_sizes = MALFORMED[malformed](list(rows))
+    kind = TypeError if malformed in ("not-ints", "not-a-list") else ValueError
+
+    def expected(data):
+        full = np.concatenate(data)
+        return full if recipe is None else fb.quantize(full, recipe, True, columnwise)
+
+    def check(got, want):
+        if recipe is None:
+            assert np.array_equal(got, want)
+        else:
+            assert np.array_equal(np.asarray(got.rowwise_data).view(np.uint8),
+                                  want.rowwise_data.view(np.uint8))
+
+    def call(comm, x, sizes, out=None):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", GatherFallbackWarning)
+            return gather_along_first_dim(x, comm, recipe, True, columnwise, sizes=sizes,
+                                          out=out)[0]
+
+    def body(comm):
+        me, out = comm.rank, None
+        # a first call: every rank raises, the bad rank its own error
+        with pytest.raises(kind if me == n - 1 else ValueError):
+            call(comm, every[0][me], bad_sizes if me == n - 1 else rows)
+        for step in range(3):
+            got = call(comm, every[step][me], rows, out)
+            check(got, expected(every[step]))
+            out = got if with_out else None
+        # another configuration with the same sizes since: the latest call is not the one
+        call(comm, np.ones((rows[me], 64), np.float32), rows)
+        comm.reset_stats()
+        if me == n - 1:
+            with pytest.raises(kind, match="joined the collectives .* with zeros"):
+                call(comm, every[3][me], bad_sizes, out)
+        else:
+            zeroed = every[3][:-1] + [np.zeros_like(every[3][-1])]
+            check(call(comm, every[3][me], rows, out), expected(zeroed))
+        check(call(comm, every[4][me], rows, out), expected(every[4]))
+        assert comm.stats.meta_calls == 0  # the peers' steady state, joined: no metadata
+        return comm.stats.calls
+    results, _ = _run_ranks(n, body)
+    assert results == [2] * n
+
+
+# BlockTensor inputs on the fallback: the bytes the ranks hold are kept
+
+def _held(rng, rows, k, recipe, directions):
+    """quantize of a (rows, k) bf16 input holding ``directions`` ("r", "c", "rc")."""
+    x = gather_input(rng, rows, k).astype(ml_dtypes.bfloat16)
+    return fb.quantize(x, recipe, rowwise="r" in directions, columnwise="c" in directions)
+
+
+def _bytes(a):
+    return np.asarray(a).view(np.uint8)
+
+
+HELD = [  # recipe, rows per rank, the directions each rank holds, the kept direction(s)
+    (fb.Block1D(), [128, 128], ["rc", "r"], "r"),        # the held-out case
+    (fb.Block1D(), [128, 128, 256], ["r", "rc", "r"], "r"),
+    (fb.Block1D(), [100, 156], ["rc", "rc"], "r"),        # columnwise blocks cross ranks
+    (fb.MXFP8(), [64, 96], ["rc", "r"], "r"),
+    (fb.MXFP8(), [64, 96], ["c", "rc"], "c"),
+    (fb.Block1D(), [128, 128], ["r", "c"], ""),           # no direction held everywhere
+    (fb.Block2D(), [100, 156], ["rc", "rc"], ""),         # tiles cut: nothing kept
+]
+
+
+@pytest.mark.parametrize("device", [False, True], ids=["host", "device"])
+@pytest.mark.parametrize("recipe,rows,held,kept", HELD)
+def test_block_tensor_fallback_keeps_held_bytes(fake_nccl, monkeypatch, recipe, rows, held,
+                                                kept, device, rng):
+    """Both directions asked of BlockTensors that do not all hold both: a direction every
+    rank holds (and can send as it is) is its bytes gathered; a missing one is
+    quantize(concat(dequantized shards)) of that direction alone, the shards dequantized
+    from the direction every rank holds (rowwise first; with none, from their own). The
+    held-out case: rowwise Block1D, one rank without columnwise: re-quantizing the rowwise
+    bytes changes some of them (a block whose scaled amax rounds down to 224)."""
+    if device:
+        ops = DeviceOps()
+        monkeypatch.setattr(gather_paths, "result_ops", lambda src: ops)
+    n, k = len(rows), 256
+    shards = [_held(rng, r, k, recipe, h) for r, h in zip(rows, held)]
+    every_row = all("r" in h for h in held)
+    every_col = all("c" in h for h in held)
+    source = "r" if every_row else "c" if every_col else None
+
+    def values(q, own):
+        use = own if source is None else source
+        buffers = [q.rowwise_data, q.rowwise_scale_inv, None, None] if "r" in use[:1] else \
+            [None, None, q.columnwise_data, q.columnwise_scale_inv]
+        return fb.reference.dequantize(recipe, q.shape2d, *buffers, dtype=q.dtype)
+    full = np.concatenate([values(q, h) for q, h in zip(shards, held)])
+    derived_row = fb.quantize(full, recipe, True, False)
+    derived_col = fb.quantize(full, recipe, False, True)
+
+    def body(comm):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", GatherFallbackWarning)
+            out, _ = gather_along_first_dim(shards[comm.rank], comm, None, True, True)
+        assert comm.stats.last_gather_path == "fallback"
+        return out
+    results, _ = _run_ranks(n, body)
+    m = sum(rows)
+    for out in results:
+        for direction, derived in (("rowwise", derived_row), ("columnwise", derived_col)):
+            data, scale = f"{direction}_data", f"{direction}_scale_inv"
+            if direction[0] in kept:  # the ranks' own bytes, gathered
+                want = [getattr(q, data) for q in shards]
+                axis = 1 if direction == "columnwise" and not isinstance(recipe, fb.MXFP8) \
+                    else 0
+                assert np.array_equal(_bytes(getattr(out, data)),
+                                      _bytes(np.concatenate(want, axis=axis))), direction
+                if direction == "rowwise" and isinstance(recipe, fb.Block1D):
+                    scales = np.concatenate([q.rowwise_scale_inv[:, :r]
+                                             for q, r in zip(shards, rows)], axis=1)
+                    assert np.array_equal(_bytes(out.rowwise_scale_inv[:, :m]), _bytes(scales))
+                else:
+                    # row-major scale blocks of the ranks, one after the other (the padding
+                    # is quantize's)
+                    got = _bytes(getattr(out, scale)).reshape(-1)
+                    mine = np.concatenate([_bytes(getattr(q, scale)).reshape(-1)
+                                           [: _scale_bytes(recipe, direction, r, k)]
+                                           for q, r in zip(shards, rows)])
+                    assert np.array_equal(got[: mine.size], mine), direction
+            else:
+                assert np.array_equal(_bytes(getattr(out, data)), _bytes(getattr(derived, data)))
+                assert np.array_equal(_bytes(getattr(out, scale)),
+                                      _bytes(getattr(derived, scale))), direction
+
+
+def _scale_bytes(recipe, direction, rows, k):
+    if isinstance(recipe, fb.MXFP8):
+        return (rows * ((k // 32 + 3) // 4 * 4) if direction == "rowwise"
+                else rows // 32 * ((k + 127) // 128 * 128))
+    return -(-rows // 128) * ((k + 3) // 4 * 4) * 4  # Block1D columnwise
+
+
+def test_held_out_rowwise_bytes_would_change(rng):
+    """The held-out case's point: re-quantizing its dequantized rowwise bytes changes some."""
+    x = gather_input(np.random.default_rng(5), 256, 256)
+    q = fb.quantize(x, fb.Block1D())
+    again = fb.quantize(q.dequantize(np.float32), fb.Block1D())
+    assert not np.array_equal(_bytes(q.rowwise_data), _bytes(again.rowwise_data))

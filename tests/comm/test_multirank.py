@@ -31,6 +31,12 @@ def test_plain_gather_uneven_and_errors(n, module):
     _expect_suite(mpi(n, "comm_suite.py", "mpi", "plain", timeout=90, mpi4py_module=module), n)
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_malformed_sizes_on_one_rank_mpi(n):
+    # one rank's sizes= malformed after checked calls: it joins and raises, nobody hangs
+    _expect_suite(mpi(n, "comm_suite.py", "mpi", "sizes", timeout=90), n)
+
+
 @pytest.mark.parametrize("mode", ["between", "inside"])
 def test_failing_rank_ends_the_mpi_job(mode):
     code, output, seconds = mpi(3, "fail_in_collective.py", mode, timeout=60)
@@ -44,6 +50,11 @@ def test_failing_rank_ends_the_mpi_job(mode):
 def test_torch_suite_gloo(n):
     # the suite on torch tensors, and its collectives once more on NumPy arrays
     _expect_suite(torchrun(n, "torch_suite.py", "gloo"), n, runs=2)
+
+
+def test_torch_gather_one_collective_gloo():
+    # TorchComm's quantized gather: its parts packed into one torch collective, same bytes
+    _expect_suite(torchrun(2, "torch_coalesce.py", timeout=180), 2)
 
 
 def test_failing_rank_ends_the_torchrun_job():

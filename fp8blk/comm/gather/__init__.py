@@ -12,8 +12,8 @@ Paths (:mod:`fp8blk.comm.gather.paths`; ``comm.stats.last_gather_path`` /
                 (the FP8 rows of rank r are a contiguous slice of the (M, K) data), and the
                 data and scales of all ranks move in ONE grouped collective (NCCL: an in-place
                 ncclAllGather per buffer for equal shards, a group of broadcasts for unequal
-                ones; MPI: in-place Iallgather(v); torch: in-place all_gather_into_tensor on
-                uint8). A fix-up then puts what the layout interleaves in place (the Block1D
+                ones; MPI: in-place Iallgather(v); torch: one all_gather_into_tensor of the
+                parts packed per rank, up to ``TorchComm.coalesce_limit``). A fix-up then puts what the layout interleaves in place (the Block1D
                 rowwise scales (cdiv(K,128), round4(M)) whose columns are the ranks' rows;
                 Block1D columnwise data (K, M): both gathered rank-major into a staging
                 buffer) and writes the scale padding (1.0 fp32, 0 E8M0). On the device that
@@ -27,12 +27,14 @@ Paths (:mod:`fp8blk.comm.gather.paths`; ``comm.stats.last_gather_path`` /
                 boundary (Block1D columnwise or any Block2D with a non-empty rank whose first
                 row is not a multiple of 128; MXFP8 columnwise with a local row count that is
                 not a multiple of 32), or a BlockTensor input lacks a direction its recipe
-                cannot derive. The high-precision data is gathered and quantized after the
-                gather (2-4x the traffic, same result). A BlockTensor input is dequantized (to
-                its own dtype) and quantized again, so the result's bytes are those of
-                ``quantize(concat of the dequantized shards)``: its values equal what the
-                ranks held, its bytes may differ (e.g. a scale recomputed over the gathered
-                blocks). A GatherFallbackWarning is issued once per call site.
+                cannot derive. An array's high-precision data is gathered and quantized after
+                the gather (2-4x the traffic, same result). A BlockTensor keeps the bytes its
+                ranks hold: a direction every rank holds, whose blocks lie within one rank's
+                rows, moves as its FP8 bytes and scales; the others asked for are derived
+                after the gather, quantized from the values of the direction every rank
+                holds (the dequantize of the gathered kept bytes, or the ranks' dequantized
+                shards gathered in high precision when none is kept; docs/distributed.md
+                gives the rule). A GatherFallbackWarning is issued once per call site.
 ``"plain"``     no recipe and an array input: a plain all-gather along dim 0 (any dtype, any
                 number of dims, 1-D included; the ranks' dim 0 may differ).
 
@@ -48,8 +50,8 @@ rank is left waiting). The resulting plan is cached per communicator: later call
 ``sizes=`` (see :mod:`fp8blk.comm.gather.plan` for the protocol). World size 1 never
 exchanges anything. With ``sizes=`` and a plan for them, a rank whose input is invalid (or
 whose rows no longer match) cannot tell its peers, who skip the metadata: it joins their data
-collectives with zeros and raises; they complete (see :mod:`fp8blk.comm.gather.errors`). A
-rank whose own ``sizes`` is malformed cannot find their plan and is left to the exchange they skip.
+collectives with zeros and raises; they complete (see :mod:`fp8blk.comm.gather.errors`). So
+does a rank whose own ``sizes`` is malformed, joining the latest ``sizes=`` plan of its input.
 
 Steady state: with ``sizes=`` and ``out=``, a call that repeats the last such call into the
 same ``out`` (equal recipe, usages and sizes; an input of the same type, dtype, shape and

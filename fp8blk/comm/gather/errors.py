@@ -6,7 +6,7 @@ from __future__ import annotations
 import warnings
 
 from .arrays import U8
-from .plan import FAST, PLAIN
+from .plan import PLAIN
 from .streams import issuer, nothing, run, streams_for
 
 
@@ -25,26 +25,34 @@ def warn_once(site, message):
     warnings.warn_explicit(message, GatherFallbackWarning, site[0], site[1])
 
 
-def join_peers_and_raise(comm, cache, sizes, out, error):
-    """This rank's input is invalid, its ``sizes`` well-formed. Peers that hit their cached
-    plan for ``sizes`` go straight to its data collectives and would wait forever for this
+def join_peers_and_raise(comm, cache, sizes, src, out, error):
+    """This rank's input or its ``sizes`` is invalid. Peers that hit their cached plan for
+    their ``sizes`` go straight to its data collectives and would wait forever for this
     rank, so it joins them with zeros and raises ``error``. Their plan, as far as this rank
     can tell without the metadata exchange they skip: ``out``'s steady-state lane, else the
-    plan of the last checked call with these sizes (the ranks' caches change alike, so theirs
-    hold it too). Neither known (e.g. a first call): return, and the caller probes and
-    exchanges, where every rank raises as the peers miss too."""
+    latest checked ``sizes=`` call with these ``sizes`` (well-formed ``sizes``) or, when
+    this rank's ``sizes`` is malformed, the latest one whose plan gathers what ``src`` is
+    (the ranks' caches change alike, so theirs hold it too). Neither known (e.g. a first
+    call): return, and the caller probes and exchanges, where every rank raises as the
+    peers miss too."""
     lane = cache.lanes.get(id(out)) if out is not None else None
-    if lane is not None and lane.out is out and lane.sizes == sizes:
+    if lane is not None and lane.out is out and (sizes is None or lane.sizes == sizes):
         plan, ops = lane.plan, lane.ops
     else:
-        entry = cache.by_sizes.get(sizes)
+        if sizes is not None:
+            entry = cache.last_sizes_call(lambda plan: tuple(plan.dim0s) == sizes)
+        elif src is not None:
+            entry = cache.last_sizes_call(lambda plan: plan.serves(src))
+        else:
+            entry = None
         if entry is None:
             return
         plan, ops = entry
     join_with_zeros(comm, plan, ops)
-    note = (f"; this rank joined the collectives of its cached plan for sizes={list(sizes)} "
-            f"with zeros so that no rank waits forever (the other ranks received zeros for "
-            f"its rows and did not raise)")
+    which = (f"its cached plan for sizes={list(sizes)}" if sizes is not None else
+             f"the latest gather with sizes= of its input (sizes={plan.dim0s})")
+    note = (f"; this rank joined the collectives of {which} with zeros so that no rank waits "
+            f"forever (the other ranks received zeros for its rows and did not raise)")
     raise _with_note(error, note)
 
 
@@ -64,11 +72,10 @@ def join_with_zeros(comm, plan, ops):
     issue depends only on the counts (NCCL's precomputed issuer included)."""
     if plan.path == PLAIN:
         count_sets = [plan.counts]
-    elif plan.path == FAST:
+    else:  # the parts gathered as they are; the fallback's high-precision part last
         count_sets = [p.counts for p in plan.parts]
-    else:
-        row_bytes = plan.K * plan.dtype.itemsize
-        count_sets = [[m * row_bytes for m in plan.ms]]
+        if plan.hp_gather:
+            count_sets.append(plan.hp_counts())
     items = []
     for counts in count_sets:
         send = ops.empty(counts[plan.rank], U8)

@@ -13,12 +13,14 @@ from .state import plan_cache
 def resolve(comm, x, recipe, rowwise, columnwise, sizes, out=None):
     """(source, plan, local_error, sizes as a checked tuple or None): ``local_error`` is set
     only on the ``sizes=`` steady state when this rank's input does not fit the plan its
-    peers use. An invalid input with well-formed ``sizes`` for which a plan is known raises
-    here, after joining that plan's collectives (:func:`join_peers_and_raise`)."""
+    peers use. An invalid input with well-formed ``sizes`` for which a plan is known, or
+    malformed ``sizes`` with an input a known ``sizes=`` plan gathers, raises here, after
+    joining that plan's collectives (:func:`join_peers_and_raise`)."""
+    given = sizes is not None
     src, sizes, error = _checked_input(comm, x, recipe, rowwise, columnwise, sizes)
     cache = plan_cache(comm)
-    if error is not None and sizes is not None and comm.size > 1:
-        join_peers_and_raise(comm, cache, sizes, out, error)
+    if error is not None and given and comm.size > 1:
+        join_peers_and_raise(comm, cache, sizes, src, out, error)
     key = None if error is not None else local_key(src, sizes)
     plan = None if key is None else cache.get(key)
     if comm.size == 1:
@@ -28,7 +30,7 @@ def resolve(comm, x, recipe, rowwise, columnwise, sizes, out=None):
         problem = plan.expects(src)
         cache.hits += 1
         if problem is None:
-            cache.note_sizes_call(sizes, plan, data_ops(plan, src))
+            cache.note_sizes_call(plan, data_ops(plan, src))
         return src, plan, (None if problem is None else ValueError(
             f"gather_along_first_dim: {problem}; this rank joined the collectives with zeros "
             f"so that no rank waits forever (the other ranks received zeros for its rows): "
@@ -51,14 +53,14 @@ def resolve(comm, x, recipe, rowwise, columnwise, sizes, out=None):
     plan = Plan(src, columns, comm.size, comm.rank, table_hash)
     cache.put(key, plan)
     if sizes is not None and comm.size > 1:
-        cache.note_sizes_call(sizes, plan, data_ops(plan, src))
+        cache.note_sizes_call(plan, data_ops(plan, src))
     return src, plan, None, sizes
 
 
 def _checked_input(comm, x, recipe, rowwise, columnwise, sizes):
     """(source or None, sizes as a checked tuple or None, this rank's error or None). Sizes
     are checked apart from the input, so that an invalid input still knows them; malformed
-    sizes are dropped (that rank then cannot find its peers' plan, see
+    sizes are dropped (that rank then looks for its peers' plan by its input, see
     :func:`join_peers_and_raise`)."""
     src = error = None
     try:

@@ -14,7 +14,7 @@ from ...tensor import BlockTensor, from_internal, internal_buffers
 from .arrays import U8, contiguous, internal_ops, local_x2d, logical_dtype, ops_for
 from .fixup import derive_post, fix_up_post
 from .lane import keep_lane
-from .plan import PLAIN, SLOT
+from .plan import COL, PLAIN, ROW, SLOT
 from .streams import issuer, nothing, run, streams_for
 
 
@@ -193,31 +193,66 @@ def _prepared(comm, plan, src, targets, ops, stream, reusable):
 
 
 def gather_fallback(comm, src, plan, out, async_op, stream):
+    """Directions every rank's BlockTensor holds, and can send as they are, move as their
+    bytes (the kept bytes stay what the ranks hold); the other asked directions are derived
+    after the gather: quantized from the dequantize of a kept direction, or with none kept,
+    from the high-precision data gathered (a BlockTensor dequantized per rank first)."""
     ops = result_ops(src)
     targets = targets_for(plan, out, ops)
     result = _result(plan, src, targets, out)
-    if src.kind == 1:  # dequantize to the BlockTensor's own dtype, on its backend
-        some = next(b for b in src.buffers if b is not None)
-        local = backend_for(some).dequantize(src.recipe, (src.m, src.k), *src.buffers,
-                                             dtype=src.dtype)
-    elif src.family == _arrays.TORCH and not src.device:
-        local = _arrays.to_backend(src.x)[0]  # a CPU tensor: its NumPy view (no copy)
-    else:
-        local = src.x
     streams, ptr = streams_for(comm, ops, stream, async_op)
-    full = ops.empty((plan.M, plan.K), plan.dtype)
-    row_bytes = plan.K * plan.dtype.itemsize
-    counts = [m * row_bytes for m in plan.ms]
-    items = [(ops.flat_bytes(local), ops.flat_bytes(full), counts)]
-    comm.record("all_gather_v", counts[plan.rank])
+    items, stagings = [], {}
+    for part in plan.parts:  # the kept directions: the BlockTensor's own bytes
+        if part.mode == SLOT:
+            recv = ops.flat_bytes(targets[part.index])[: part.total]
+        else:
+            recv = stagings[part.index] = ops.empty(part.total, U8)
+        items.append((ops.flat_bytes(src.buffers[part.index])[: part.counts[plan.rank]], recv,
+                      part.counts))
+    fix_up = fix_up_post(plan, targets, stagings, ops, ptr) if plan.parts else nothing
+    full = None
+    if plan.hp_gather:
+        local = _high_precision(src, plan)
+        full = ops.empty((plan.M, plan.K), plan.dtype)
+        items.append((ops.flat_bytes(local), ops.flat_bytes(full), plan.hp_counts()))
+    comm.record("all_gather_v", plan.sent_bytes())
+    derived = [targets[i] if _derives(plan, i) else None for i in range(4)]
+    kept = [targets[i] if not _derives(plan, i) else None for i in range(4)]
 
     def post():
-        if plan.M:
-            quantize_into(full, plan.recipe, plan.rowwise, plan.columnwise, plan.dtype,
-                          targets)
+        fix_up()
+        if plan.M and plan.derived:
+            values = full
+            if values is None:  # concatenated values of the kept direction, exactly
+                values = backend_for(targets[plan.targets[0]]).dequantize(
+                    plan.recipe, (plan.M, plan.K), *kept, dtype=plan.dtype)
+            quantize_into(values, plan.recipe, ROW in plan.derived, COL in plan.derived,
+                          plan.dtype, derived)
     handle = run(comm, issuer(comm, items), post, streams, ptr, async_op, result,
-                  (items, full))
+                  (items, full, stagings))
     return result, handle
+
+
+def _derives(plan, index):
+    """Whether output buffer ``index`` (rowwise 0, 1; columnwise 2, 3) is derived."""
+    return (ROW if index < 2 else COL) in plan.derived
+
+
+def _high_precision(src, plan):
+    """This rank's values for the fallback's high-precision gather: an array input as it is;
+    a BlockTensor dequantized (to its own dtype, on its backend) from ``plan.hp_source``."""
+    if src.kind == 1:
+        buffers = list(src.buffers)
+        if plan.hp_source == ROW:
+            buffers[2] = buffers[3] = None
+        elif plan.hp_source == COL:
+            buffers[0] = buffers[1] = None
+        some = next(b for b in buffers if b is not None)
+        return backend_for(some).dequantize(src.recipe, (src.m, src.k), *buffers,
+                                            dtype=src.dtype)
+    if src.family == _arrays.TORCH and not src.device:
+        return _arrays.to_backend(src.x)[0]  # a CPU tensor: its NumPy view (no copy)
+    return src.x
 
 
 def gather_plain(comm, src, plan, out, async_op, stream):

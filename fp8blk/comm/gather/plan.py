@@ -15,9 +15,10 @@ peers skip):
   holding other directions) still joins the planned data collectives with zeros, so that no
   peer waits forever, and raises. So does a rank whose input is invalid (no key at all): it
   joins out='s steady-state lane for these sizes, else the plan last used with them
-  (``PlanCache.by_sizes``); with neither (a first call) it takes the exchange, as its peers
-  miss too. Malformed sizes on one rank only cannot be matched to a plan: that rank is left
-  to the exchange, which peers with a cached plan skip (the ranks must pass the same sizes).
+  (``PlanCache.last_sizes_call``); with neither (a first call) it takes the exchange, as its
+  peers miss too. A rank whose own sizes are malformed joins out='s lane, else the plan of
+  the latest checked sizes= call that gathers its input (:meth:`Plan.serves`), or takes the
+  exchange when there is none.
 * no ``sizes``: each call makes one small host all-reduce (MAX of [h, -h], 16 bytes) of the
   hash of the plan its local key finds (or a per-rank miss value). All ranks equal: the
   cached plan is everyone's plan. Anything else (a miss, or one rank changed its shape): every
@@ -284,10 +285,24 @@ class Plan:
         self.offsets = [sum(self.ms[:r]) for r in range(comm_size)]
         self.M = sum(self.ms)
         self.path, self.reason, self.directions = self._decide(src)
-        self.derive_columnwise = isinstance(self.recipe, Block2D) and self.columnwise
+        # the fallback: directions gathered as the ranks hold them (``directions``), the
+        # others derived after the gather (``derived``), from the dequantized kept direction
+        # or, with none kept, from gathered high-precision data (``hp_gather``) dequantized
+        # per rank from ``hp_source`` (None: each rank's own direction, rowwise first)
+        self.derived, self.hp_gather, self.hp_source = [], False, None
+        if self.path == FALLBACK:
+            wanted = self.directions
+            self.directions = self._kept(wanted)
+            self.derived = [d for d in wanted if d not in self.directions]
+            self.hp_gather = not self.directions
+            self.hp_source = (ROW if all(self.row_held) else COL if all(self.col_held)
+                              else None) if self.kind == 1 else None
+        self.derive_columnwise = (isinstance(self.recipe, Block2D) and self.columnwise
+                                  and self.path == FAST)
         self.targets = self._targets()
-        self.parts, self.fills, self.moves = (([], [], []) if self.path != FAST
-                                              else self._layout_parts())
+        self.parts, self.fills, self.moves = (self._layout_parts() if self.directions
+                                              and (self.path == FAST or self.kind == 1)
+                                              else ([], [], []))
         # per-call constants of the fast path
         self.out_layouts = all_layouts(self.recipe, self.M, self.K)
         self.row_q = self.path == FAST and ROW in self.directions
@@ -328,6 +343,17 @@ class Plan:
             return (FALLBACK, f"{name} columnwise 32x1 blocks would cross a rank boundary "
                     f"({rows}; every rank needs a multiple of 32)", wanted)
         return FAST, None, wanted
+
+    def _kept(self, wanted):
+        """The asked directions of a BlockTensor fallback that every rank holds and whose
+        blocks lie within one rank's rows (their bytes are gathered as they are)."""
+        if self.kind == 0 or isinstance(self.recipe, Block2D):
+            return []
+        as_is = {ROW: True,
+                 COL: (self._aligned(128) if isinstance(self.recipe, Block1D)
+                       else all(m % 32 == 0 for m in self.ms))}
+        held = {ROW: all(self.row_held), COL: all(self.col_held)}
+        return [d for d in wanted if held[d] and as_is[d]]
 
     def _targets(self):
         """Indices of the output buffers that are written (rowwise 0, 1; columnwise 2, 3)."""
@@ -414,9 +440,15 @@ class Plan:
     def _sent_bytes(self):
         if self.path == PLAIN:
             return self.counts[self.rank]
-        if self.path == FAST:
-            return sum(p.counts[self.rank] for p in self.parts)
-        return self.dim0s[self.rank] * _row_bytes(self)
+        kept = sum(p.counts[self.rank] for p in self.parts)
+        if self.path == FAST or not self.hp_gather:
+            return kept
+        return kept + self.dim0s[self.rank] * _row_bytes(self)
+
+    def hp_counts(self):
+        """Bytes per rank of the fallback's high-precision part."""
+        row_bytes = self.K * self.dtype.itemsize
+        return [m * row_bytes for m in self.ms]
 
     def expects(self, src):
         """None if this rank's input fits the plan; else what differs (sizes= hit path)."""
@@ -427,6 +459,14 @@ class Plan:
             return ("this rank's BlockTensor holds other directions than on the first call "
                     "with these sizes")
         return None
+
+    def serves(self, src):
+        """Whether this plan gathers what the valid input ``src`` is: its configuration (the
+        key without sizes), this rank's rows and held directions."""
+        return (self.kind == src.kind and self.out_shape[1:] == src.shape[1:]
+                and self.dtype == src.dtype and self.recipe == src.recipe
+                and self.rowwise == src.rowwise and self.columnwise == src.columnwise
+                and self.expects(src) is None)
 
 
 def _inner(shape):
@@ -457,15 +497,16 @@ class PlanCache:
     cached, on every rank alike (a lane hit then issues exactly what a plan-cache hit issues:
     no metadata).
 
-    ``by_sizes``: {sizes: (plan, ops)} of the last checked ``sizes=`` call with those sizes
+    ``recent``: {id(plan): (plan, ops)} of the checked ``sizes=`` calls, the latest last
     (``ops``: the array operations its data moved with), dropped with its plan like a lane:
-    what a rank whose own input is invalid joins so that peers on a cache hit complete."""
+    what a rank whose own input or ``sizes`` is invalid joins so that peers on a cache hit
+    complete (:meth:`last_sizes_call`)."""
 
     def __init__(self):
         self.plans = BoundedCache(CACHE_SIZE, on_evict=self._evict)
         self._index = {}  # key -> plan: lookups that leave the eviction order alone
         self.lanes = {}
-        self.by_sizes = {}
+        self.recent = {}
         self.hits = self.misses = 0
 
     def get(self, key):
@@ -482,18 +523,24 @@ class PlanCache:
         del self._index[key]
         self._forget(plan)
 
-    def note_sizes_call(self, sizes, plan, ops):
-        """Record ``plan`` (cached, keyed with ``sizes``) as the last one used with them."""
-        self.by_sizes[sizes] = (plan, ops)
+    def note_sizes_call(self, plan, ops):
+        """Record ``plan`` (cached, keyed with ``sizes``) as the latest checked sizes= call."""
+        self.recent.pop(id(plan), None)
+        self.recent[id(plan)] = (plan, ops)
+
+    def last_sizes_call(self, match):
+        """(plan, ops) of the latest checked ``sizes=`` call whose plan satisfies
+        ``match(plan)``, or None."""
+        for plan, ops in reversed(list(self.recent.values())):
+            if match(plan):
+                return plan, ops
+        return None
 
     def _forget(self, plan):
-        """``plan`` leaves the cache: so do its lane and its ``by_sizes`` record (a plan made
-        with ``sizes=`` has them as its dim0s), so that neither outlives what peers can hit."""
+        """``plan`` leaves the cache: so do its lane and its ``recent`` record, so that
+        neither outlives what peers can hit."""
         self._forget_lane(plan)
-        sizes = tuple(plan.dim0s)
-        entry = self.by_sizes.get(sizes)
-        if entry is not None and entry[0] is plan:
-            del self.by_sizes[sizes]
+        self.recent.pop(id(plan), None)
 
     def keep_lane(self, plan, lane, out):
         """Make ``lane`` the steady-state lane of ``plan`` for ``out`` (one per plan, and one

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 import warnings
 
 import ml_dtypes
@@ -428,6 +429,16 @@ def _expected_path(recipe, rowwise, columnwise, ms, kind, held):
     return "fallback" if columnwise and any(m % 32 for m in ms) else "fast"
 
 
+def _kept_directions(recipe, ms, held):
+    """"r" / "c" for the directions a BlockTensor fallback gathers as the ranks hold them."""
+    if isinstance(recipe, fb.Block2D):
+        return ""
+    offsets = np.concatenate([[0], np.cumsum(ms)[:-1]])
+    col_as_is = (all(o % 128 == 0 for o, m in zip(offsets, ms) if m)
+                 if isinstance(recipe, fb.Block1D) else all(m % 32 == 0 for m in ms))
+    return ("r" if held[0] else "") + ("c" if held[1] and col_as_is else "")
+
+
 def _buffers(fam, q):
     return [None if b is None else fam.back(b) for b in
             (q.rowwise_data, q.rowwise_scale_inv, q.columnwise_data, q.columnwise_scale_inv)]
@@ -471,12 +482,20 @@ def _one_gather(s, recipe, rowwise, columnwise, rows, rest, dtype, kind, held, a
     else:
         x = fam.strided(local) if strided else fam.make(local)
     path = _expected_path(recipe, rowwise, columnwise, ms, kind, held)
+    expected = fb.quantize(full, recipe, rowwise=rowwise, columnwise=columnwise)
     if kind == "block" and path == "fallback":
-        # a BlockTensor that has to fall back is dequantized (to its own dtype) first
+        # a BlockTensor that has to fall back keeps the directions every rank holds whose
+        # blocks lie within a rank (their bytes are those of quantize of the whole); the
+        # others are quantized from the shards dequantized (to their own dtype)
         source = np.concatenate([b.dequantize(dtype=dtype) for b in blocks])
-    else:
-        source = full
-    expected = fb.quantize(source, recipe, rowwise=rowwise, columnwise=columnwise)
+        derived = fb.quantize(source, recipe, rowwise=rowwise, columnwise=columnwise)
+        kept = _kept_directions(recipe, ms, held)
+        expected = types.SimpleNamespace(shape=expected.shape, recipe=recipe, dtype=expected.dtype,
+                                         **{name: getattr(expected if name[0] in kept
+                                                          else derived, name)
+                                            for name in ("rowwise_data", "rowwise_scale_inv",
+                                                         "columnwise_data",
+                                                         "columnwise_scale_inv")})
     label = (f"gather {recipe} rowwise={rowwise} columnwise={columnwise} rows={rows} "
              f"rest={rest} {dtype} {kind} held={held} async={async_op} strided={strided}")
     comm.reset_stats()
@@ -781,6 +800,64 @@ def check_gather_invalid_with_sizes(s: Suite):
         s.check(comm.stats.meta_calls == 0, f"{label}: no metadata moved {comm.stats}")
 
 
+def check_gather_malformed_sizes(s: Suite):
+    """One rank's sizes= malformed (too short, negative, not ints) while its peers pass the
+    true sizes: on a first call every rank raises; after checked calls (the peers hit their
+    cached plan and skip all metadata) that rank joins their collectives with zeros and
+    raises its sizes error, the peers complete with zeros for its rows, and the next call is
+    exact. Nothing hangs (the launcher's timeout fails the test otherwise)."""
+    comm, fam, n, me = s.comm, s.family, s.comm.size, s.comm.rank
+    if n == 1:
+        return
+    f32, k, last = np.dtype(np.float32), 256, n - 1
+    for case, (path, malformed) in enumerate((("fast", "short"), ("fast", "negative"),
+                                              ("fallback", "not-ints"), ("plain", "short"))):
+        label = f"malformed sizes ({malformed}) on rank {last}, {path}"
+        rng = s.rng()
+        recipe = None if path == "plain" else fb.Block1D()
+        columnwise = path == "fallback"
+        # rows no earlier call used, so that the first call is one
+        rows = [107 + case if path == "fallback" and r == 0 else 64 * (1 + r % 2) + 7 + case
+                for r in range(n)]
+        bad = {"short": rows[:-1], "negative": rows[:-1] + [-1],
+               "not-ints": ["many"] * n}[malformed]
+        kind = TypeError if malformed == "not-ints" else ValueError
+        every = [[_global_input(rng, r, (k,), f32) for r in rows] for _ in range(4)]
+
+        def call(x, sizes):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", GatherFallbackWarning)
+                return gather_along_first_dim(x, comm, recipe, True, columnwise,
+                                              sizes=sizes)[0]
+
+        def exact(got, data, what):
+            if recipe is None:
+                s.equal(fam.back(got), np.concatenate(data), f"{label}: {what}")
+            else:
+                _compare(s, fam, got, _expected_gather(data, recipe, True, columnwise),
+                         f"{label}: {what}")
+        mine = fam.make(every[0][me])
+        s.raises(kind if me == last else ValueError,
+                 lambda: call(mine, bad if me == last else rows), f"{label}: a first call")
+        for step in range(2):
+            exact(call(fam.make(every[step][me]), rows), every[step], f"call {step}")
+        comm.reset_stats()
+        if me == last:
+            s.raises(kind, lambda: call(fam.make(every[2][me]), bad), f"{label}: raises",
+                     contains="with zeros so that no rank waits")
+        else:
+            got = call(fam.make(every[2][me]), rows)
+            zeroed = every[2][:last] + [np.zeros_like(every[2][last])]
+            if path == "fast":
+                want = _expected_gather(zeroed, recipe, True, False).rowwise_data
+                s.check(np.array_equal(fam.back(got.rowwise_data).view(np.uint8),
+                                       want.view(np.uint8)), f"{label}: the peers' data")
+            else:
+                exact(got, zeroed, "the peers, zeros for the bad rank's rows")
+        exact(call(fam.make(every[3][me]), rows), every[3], "the next call")
+        s.check(comm.stats.meta_calls == 0, f"{label}: no metadata moved {comm.stats}")
+
+
 def check_plain_gather(s: Suite):
     """Plain gathers (no recipe): 1-D inputs of different lengths per rank, with and without
     sizes=, into out=; one rank's invalid input makes every rank raise."""
@@ -819,6 +896,8 @@ def run_suite(comm, family, label, parts=("collectives", "packed", "gather")):
         check_gather(s)
         check_gather_reuse(s)
         check_gather_invalid_with_sizes(s)
+    if "gather" in parts or "sizes" in parts:
+        check_gather_malformed_sizes(s)
     if "gather" in parts or "plain" in parts:
         check_plain_gather(s)
     comm.barrier()

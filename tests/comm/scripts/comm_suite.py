@@ -4,7 +4,7 @@
 
 BACKEND: ``mpi`` (MPIComm, NumPy arrays), ``mpi-cupy`` (MPIComm with CuPy arrays staged
 through host memory), ``nccl`` (NCCLComm on CuPy arrays; one rank per GPU). PARTS: a comma list
-of collectives,packed,gather,plain (default: all; gather includes plain). Each rank prints
+of collectives,packed,gather,plain,sizes (default: all; gather includes plain). Each rank prints
 ``SUITE OK ...`` when it passes.
 
 On the GPU machine (system Open MPI, not CUDA-aware)::

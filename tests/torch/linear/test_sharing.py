@@ -1,9 +1,9 @@
 """Quantize once per activation (fp8blk/torch/linear/sharing.py) on the CPU: sibling layers
 share one quantization, with the bytes of the unshared path, safely under in-place updates,
 no-grad passes and activation checkpointing; and a tiny config-built Hugging Face Llama
-(skipped without transformers) converted and trained 3 steps with sharing and the
-Float8BlockRMSNorm, byte-equal to the unshared, unswapped path, with fewer saved bytes than
-bf16."""
+(skipped without transformers) converted and trained 3 steps with sharing, the
+Float8BlockRMSNorm and the Float8BlockGatedMLP, byte-equal to the unshared path with the same
+swaps, with fewer saved bytes than bf16."""
 from __future__ import annotations
 
 import gc
@@ -185,7 +185,8 @@ def _train(model, ids, steps=3):
 @pytest.mark.timeout(120)
 def test_tiny_llama_shares_with_the_same_bytes(quantize_calls):
     ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
-    plain, shared = _llama("fp8blk"), _llama("fp8blk_opt")
+    # the same norm and MLP swaps both ways: sharing alone must not change a byte
+    plain, shared = _llama("fp8blk_norm_mlp"), _llama("fp8blk_opt")
     assert sum(type(m).__name__ == "Float8BlockGatedMLP" for m in shared.modules()) == LAYERS
     quantize_calls.clear()                       # the swaps' probes quantized too
     ref = _train(plain, ids)

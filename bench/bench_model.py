@@ -51,8 +51,12 @@ Per case:
   was built (``start_bytes``, 0 unless an earlier case leaked);
 * ``saved_bytes``: the bytes autograd keeps between the passes, counted in
   ``torch.autograd.graph.saved_tensors_hooks``: every saved tensor's storage once (parameters
-  excluded: they are held anyway), for one forward pass; None where the hooks cannot run
-  (compiled graphs that refuse them); ``held_bytes``: ``torch.cuda.memory_allocated`` after
+  excluded: they are held anyway), for one forward pass; None where the hooks cannot run.
+  Compiled, the hooks see what each compiled graph keeps: AOTAutograd's forward graph
+  returns the tensors its backward graph reads and its autograd function saves them with
+  ``save_for_backward``, which the hooks see (a tensor that lives only inside one graph is
+  not kept between the passes); measured after the warm-up, so on the graphs that were
+  timed; ``held_bytes``: ``torch.cuda.memory_allocated`` after
   the forward pass minus before it (saved tensors, the loss's logits and whatever else is
   alive);
 * ``host_ms``: the host's wall time to issue one step while the GPU runs a sleep kernel

@@ -17,20 +17,23 @@ the activation itself. The layers after the norm (q/k/v, gate/up) quantize its o
 and keep only that, so the norm's own saved tensors are most of what the block keeps in high
 precision.
 
-:class:`Float8BlockRMSNorm` computes the same formula (the same torch ops, so the same output
-bytes, and the consumers' ``quantize(norm(x))`` is unchanged) and keeps only x (in its dtype:
+:class:`Float8BlockRMSNorm` computes the same formula (the same output bytes, so the
+consumers' ``quantize(norm(x))`` is unchanged) and keeps only x (in its dtype:
 2 bytes per element in bf16), the weight (a parameter) and the fp32 reciprocal RMS
-``r = rsqrt(mean(x**2) + eps)`` (one float per row). For HF's formula the backward pass is
-written out, in fp32, with ``xhat = x * r`` (the forward's normalized values) and
-``g = dy * w`` (rounded once, to fp32):
+``r = rsqrt(mean(x**2) + eps)`` (one float per row). For HF's formula the forward pass runs
+HF's ops but for one: ``(x.float() * r).to(x.dtype)`` is one ``torch.mul(x, r, out=)``
+(computed in fp32, the inputs' common dtype, and rounded to x's dtype on store, as the two ops
+round), so 7 kernels against 8; the backward pass is written out, in fp32, with ``g = dy * w`` (rounded
+once, to fp32) and ``xhat = x * r``:
 
-    dx = r * (g - xhat * mean(g * xhat))          (cast to x's dtype)
+    dx = r * (g - xhat * mean(g * xhat)) = r * (g - x * (r * r * mean(g * x)))   (to x's dtype)
     dw = sum over rows of dy * xhat.to(x.dtype)    (autograd's own ops for ``weight * n``)
 
-12 aten ops in the backward pass (11 kernels) against the 24 of running the formula again
-and asking autograd for its gradients (CPU ``torch.profiler``, top-level ops without views;
-the forward pass has HF's 8). dw is byte-equal to autograd's; dx differs from autograd's by
-rounding: autograd rounds ``dy * w`` to the model dtype and sums in another order, so, with
+12 aten ops in the backward pass, 8 of them over the whole tensor (about 48 bytes moved per
+element of a bf16 activation), against the 24 of running the formula again and asking
+autograd for its gradients (CPU ``torch.profiler``, top-level ops without views). dw is
+byte-equal to autograd's; dx differs from autograd's by rounding: autograd rounds ``dy * w``
+to the model dtype and sums in another order, so, with
 ``S = r * (|g| + |xhat| * mean(|g * xhat|))`` (the size of the terms dx is a difference of),
 u the unit roundoff of a dtype (2**-8 bf16, 2**-11 fp16, 2**-24 fp32) and D the width, each
 element of dx is within ``(u_x + D * u_fp32) * S`` of the exact gradient and within
@@ -115,25 +118,30 @@ class _HFNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        # hf_rms_norm's ops, r kept
-        h = x.to(torch.float32)
-        r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        r = torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, r)
-        return weight * (h * r).to(x.dtype)
+        return weight * _normalized(x, r)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, r = ctx.saved_tensors
-        xhat = x * r                          # fp32 (x upcast exactly): the forward's h * r
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            g = dy * weight.to(torch.float32)  # fp32, one rounding
-            s = (g * xhat).mean(-1, keepdim=True)
-            dx = torch.addcmul(g, xhat, s, value=-1).mul_(r).to(x.dtype)
+            g = dy * weight.to(torch.float32)            # fp32, one rounding
+            # mean(g * xhat) = r * mean(g * x): dx = r * (g - x * (r * r * mean(g * x)))
+            c = (g * x).mean(-1, keepdim=True).mul_(r * r)
+            dx = torch.mul(torch.addcmul(g, x, c, value=-1), r, out=torch.empty_like(x))
         if ctx.needs_input_grad[1]:
-            # autograd's MulBackward0 and sum_to on the forward's bf16 normalized tensor
-            dw = (dy * xhat.to(x.dtype)).sum(tuple(range(dy.dim() - 1))).to(weight.dtype)
+            # autograd's MulBackward0 and sum_to on the forward's normalized tensor
+            dw = (dy * _normalized(x, r)).sum(tuple(range(dy.dim() - 1))).to(weight.dtype)
         return dx, dw, None
+
+
+def _normalized(x, r):
+    """``(x.to(float32) * r).to(x.dtype)`` in one kernel: the product is computed in fp32
+    (the inputs' common dtype) and rounded once to fp32, then to x's dtype on store, as the
+    two ops do."""
+    return torch.mul(x, r, out=torch.empty_like(x))
 
 
 class Float8BlockRMSNorm(torch.nn.Module):

@@ -23,8 +23,8 @@ consumers' ``quantize(norm(x))`` is unchanged) and keeps only x (in its dtype:
 ``r = rsqrt(mean(x**2) + eps)`` (one float per row). For HF's formula the forward pass runs
 HF's ops but for one: ``(x.float() * r).to(x.dtype)`` is one ``torch.mul(x, r, out=)``
 (computed in fp32, the inputs' common dtype, and rounded to x's dtype on store, as the two ops
-round), so 7 kernels against 8; the backward pass is written out, in fp32, with ``g = dy * w`` (rounded
-once, to fp32) and ``xhat = x * r``:
+round), so 7 kernels against 8; the backward pass is written out, in fp32, with
+``g = dy * w`` (rounded once, to fp32) and ``xhat = x * r``:
 
     dx = r * (g - xhat * mean(g * xhat)) = r * (g - x * (r * r * mean(g * x)))   (to x's dtype)
     dw = sum over rows of dy * xhat.to(x.dtype)    (autograd's own ops for ``weight * n``)

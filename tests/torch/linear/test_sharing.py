@@ -285,4 +285,6 @@ def test_tiny_llama_compiled_keeps_what_eager_keeps():
     for step_e, step_c in zip(runs["eager"][0], runs["compiled"][0]):
         for a, b in zip(step_e, step_c):
             assert torch.equal(a, b)
-    assert runs["compiled"][1] <= runs["eager"][1], (runs["compiled"][1], runs["eager"][1])
+    # the hooks see the compiled graphs' saved tensors (not nothing)
+    assert 0.5 * runs["eager"][1] < runs["compiled"][1] <= runs["eager"][1], (
+        runs["compiled"][1], runs["eager"][1])

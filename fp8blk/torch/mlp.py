@@ -17,7 +17,8 @@ kernels autograd's nodes would (``du = dp * silu(g)``, ``dg = silu_backward(dp *
 the activation once more, the product not; for any other activation it runs ``act_fn(g) * u``
 again with grad and returns ``torch.autograd.grad`` of it. Either way the same kernels on the
 same values as autograd's, so every output and gradient equals the unconverted module's byte
-for byte. Cost: the activation once more per step (one read of g, one write).
+for byte. Cost: the activation once more per step (one read of g, one write; for other
+activations the product too). A module built with meta weights takes the general path.
 
 Under ``torch.compile`` the SiLU form runs the same autograd function (plain tensor ops both
 ways: the compiled graph holds g and u); other activations run the plain formula (dynamo does

@@ -27,7 +27,9 @@ Variants (every ``nn.Linear`` but ``lm_head`` converted):
 * ``fp8blk``: ``convert_to_float8_block`` with the default config;
 * ``fp8blk_share``: ``share_quantize=True`` (quantize once per activation,
   ``fp8blk.torch.linear.sharing``); ``fp8blk_norm``: ``norms=True``; ``fp8blk_mlp``:
-  ``gated_mlps=True``; ``fp8blk_opt``: all three (the same bytes as ``fp8blk``);
+  ``gated_mlps=True``; ``fp8blk_norm_mlp``: both; ``fp8blk_opt``: all three (the bytes of
+  ``fp8blk_norm_mlp``; of ``fp8blk`` but for the norms' input gradients, which differ by
+  rounding: ``fp8blk.torch.norm``);
 * ``torchao``: ``torchao.prototype.blockwise_fp8_training.linear.Float8BlockwiseLinear``
   (torchao 0.18.0 wheel, ``torchao/prototype/blockwise_fp8_training/linear.py``:
   ``from_float(mod)`` asserts no bias and in/out features multiples of 128, the constructor
@@ -49,8 +51,12 @@ Per case:
   was built (``start_bytes``, 0 unless an earlier case leaked);
 * ``saved_bytes``: the bytes autograd keeps between the passes, counted in
   ``torch.autograd.graph.saved_tensors_hooks``: every saved tensor's storage once (parameters
-  excluded: they are held anyway), for one forward pass; None where the hooks cannot run
-  (compiled graphs that refuse them); ``held_bytes``: ``torch.cuda.memory_allocated`` after
+  excluded: they are held anyway), for one forward pass; None where the hooks cannot run.
+  Compiled, the hooks see what each compiled graph keeps: AOTAutograd's forward graph
+  returns the tensors its backward graph reads and its autograd function saves them with
+  ``save_for_backward``, which the hooks see (a tensor that lives only inside one graph is
+  not kept between the passes); measured after the warm-up, so on the graphs that were
+  timed; ``held_bytes``: ``torch.cuda.memory_allocated`` after
   the forward pass minus before it (saved tensors, the loss's logits and whatever else is
   alive);
 * ``host_ms``: the host's wall time to issue one step while the GPU runs a sleep kernel
@@ -105,7 +111,7 @@ WIDTHS = {
 TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512)
 VARIANTS = ("bf16", "bf16_norm", "bf16_opt", "fp8blk", "fp8blk_share", "fp8blk_norm",
-            "fp8blk_mlp", "fp8blk_opt", "torchao")
+            "fp8blk_mlp", "fp8blk_norm_mlp", "fp8blk_opt", "torchao")
 DEFAULT_VARIANTS = ("bf16", "fp8blk", "fp8blk_opt", "torchao")
 
 
@@ -173,6 +179,7 @@ def convert(model, variant):
         return model
     opts = {"fp8blk": {}, "fp8blk_share": {"share_quantize": True},
             "fp8blk_norm": {"norms": True}, "fp8blk_mlp": {"gated_mlps": True},
+            "fp8blk_norm_mlp": {"norms": True, "gated_mlps": True},
             "fp8blk_opt": {"share_quantize": True, "norms": True, "gated_mlps": True}}[variant]
     return convert_to_float8_block(model, module_filter_fn=not_lm_head, **opts)
 

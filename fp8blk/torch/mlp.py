@@ -11,14 +11,18 @@ and the up output (for the product), and the down projection's input: four (M, F
 in bf16 (F the intermediate size, 3.5x the hidden size in Llama-3), the largest share of
 what a block keeps. With Float8BlockLinear layers the down projection keeps its input as one
 FP8 copy (1 byte per element) and the product itself is not kept; :class:`Float8BlockGatedMLP`
-also does not keep the activation's output: it computes ``act_fn(g) * u`` without grad, keeps
-g and u, and in the backward pass runs those two ops again with grad and returns
-``torch.autograd.grad`` of them, the same kernels on the same values as autograd's, so every
-output and gradient equals the unconverted module's byte for byte. Cost: the activation once
-more per step (one read of g, one write).
+also does not keep the activation's output: it computes ``act_fn(g) * u`` without grad and
+keeps g and u. For SiLU (``nn.SiLU``, HF's ``ACT2FN["silu"]``) the backward pass calls the
+kernels autograd's nodes would (``du = dp * silu(g)``, ``dg = silu_backward(dp * u, g)``):
+the activation once more, the product not; for any other activation it runs ``act_fn(g) * u``
+again with grad and returns ``torch.autograd.grad`` of it. Either way the same kernels on the
+same values as autograd's, so every output and gradient equals the unconverted module's byte
+for byte. Cost: the activation once more per step (one read of g, one write; for other
+activations the product too). A module built with meta weights takes the general path.
 
-Under ``torch.compile`` the module runs the plain formula (inductor's partitioner decides
-what to recompute; dynamo does not trace ``torch.autograd.grad`` inside a backward).
+Under ``torch.compile`` the SiLU form runs the same autograd function (plain tensor ops both
+ways: the compiled graph holds g and u); other activations run the plain formula (dynamo does
+not trace ``torch.autograd.grad`` inside a backward; inductor's partitioner decides).
 
 Which modules are swapped (:func:`convert_gated_mlps`, or ``convert_to_float8_block(...,
 gated_mlps=True)``): modules with children ``gate_proj``, ``up_proj``, ``down_proj`` and
@@ -32,6 +36,7 @@ unchanged (the three projections keep their names).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 _compiling = torch.compiler.is_compiling
 
@@ -56,6 +61,44 @@ class _RecomputedGate(torch.autograd.Function):
         return (next(grads) if need[0] else None), (next(grads) if need[1] else None), None
 
 
+class _SiluGate(torch.autograd.Function):
+    """``silu(g) * u`` with autograd's backward kernels called directly (MulBackward0's two
+    products, SiluBackward0's ``silu_backward``): the same bytes, the product not recomputed,
+    no second graph."""
+
+    @staticmethod
+    def forward(ctx, g, u):
+        ctx.save_for_backward(g, u)
+        return F.silu(g) * u
+
+    @staticmethod
+    def backward(ctx, dp):
+        g, u = ctx.saved_tensors
+        dg = du = None
+        if ctx.needs_input_grad[1]:
+            du = dp * F.silu(g)
+        if ctx.needs_input_grad[0]:
+            dg = torch.ops.aten.silu_backward(dp * u, g)
+        return dg, du
+
+
+def _is_silu(act, probe) -> bool:
+    """Whether `act` is SiLU: ``F.silu``, a ``torch.nn.SiLU`` (not in place), or a module
+    named ``SiLUActivation`` (transformers' ``ACT2FN["silu"]``) giving ``F.silu``'s bytes on
+    `probe`."""
+    if act is F.silu or (type(act) is torch.nn.SiLU and not act.inplace):
+        return True
+    if type(act).__name__ != "SiLUActivation" or list(act.parameters()):
+        return False
+    with torch.no_grad():
+        try:
+            out = act(probe)
+        except Exception:  # noqa: BLE001
+            return False
+    return isinstance(out, torch.Tensor) and out.dtype == probe.dtype and torch.equal(
+        out, F.silu(probe))
+
+
 class Float8BlockGatedMLP(torch.nn.Module):
     """``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` keeping only the gate and up outputs
     between the passes (module docstring). Children: the projections and activation of the
@@ -65,6 +108,11 @@ class Float8BlockGatedMLP(torch.nn.Module):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
         self.act_fn = act_fn
+        w = gate_proj.weight
+        # SiLU's backward pass runs without a second graph (module docstring)
+        self.silu = not w.is_meta and _is_silu(act_fn, torch.randn(
+            4, 64, generator=torch.Generator(device=w.device).manual_seed(1),
+            device=w.device).to(w.dtype))
 
     @classmethod
     def from_mlp(cls, module):
@@ -81,8 +129,11 @@ class Float8BlockGatedMLP(torch.nn.Module):
     def forward(self, x):
         g = self.gate_proj(x)
         u = self.up_proj(x)
-        if _compiling() or not (torch.is_grad_enabled() and (g.requires_grad
-                                                             or u.requires_grad)):
+        if not (torch.is_grad_enabled() and (g.requires_grad or u.requires_grad)):
+            return self.down_proj(self.act_fn(g) * u)
+        if self.silu:
+            return self.down_proj(_SiluGate.apply(g, u))
+        if _compiling():
             return self.down_proj(self.act_fn(g) * u)
         return self.down_proj(_RecomputedGate.apply(g, u, self.act_fn))
 

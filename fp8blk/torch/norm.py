@@ -17,18 +17,39 @@ the activation itself. The layers after the norm (q/k/v, gate/up) quantize its o
 and keep only that, so the norm's own saved tensors are most of what the block keeps in high
 precision.
 
-:class:`Float8BlockRMSNorm` computes the same formula (the same torch ops, so the same output
-bytes, and the consumers' ``quantize(norm(x))`` is unchanged) without grad, keeps only x (in
-its dtype: 2 bytes per element in bf16) and the weight (a parameter), and in the backward pass
-runs the formula again with grad from x and returns ``torch.autograd.grad`` of it: the same
-ops' backward kernels on the same values as autograd's, so dx and dW equal the unconverted
-norm's byte for byte. The reciprocal RMS is recomputed with the rest (one read of x that the
-backward pass makes anyway); the cost is the forward's elementwise work once more per step.
-No fused normalize-and-quantize kernel exists in fp8blk: the output is quantized by the first
-consumer, and shared with its siblings through :mod:`fp8blk.torch.linear.sharing`.
+:class:`Float8BlockRMSNorm` computes the same formula (the same output bytes, so the
+consumers' ``quantize(norm(x))`` is unchanged) and keeps only x (in its dtype:
+2 bytes per element in bf16), the weight (a parameter) and the fp32 reciprocal RMS
+``r = rsqrt(mean(x**2) + eps)`` (one float per row). For HF's formula the forward pass runs
+HF's ops but for one: ``(x.float() * r).to(x.dtype)`` is one ``torch.mul(x, r, out=)``
+(computed in fp32, the inputs' common dtype, and rounded to x's dtype on store, as the two ops
+round), so 7 kernels against 8; the backward pass is written out, in fp32, with
+``g = dy * w`` (rounded once, to fp32) and ``xhat = x * r``:
 
-Under ``torch.compile`` the module runs the plain formula (inductor's partitioner recomputes
-what is cheap by itself, and dynamo does not trace ``torch.autograd.grad`` inside a backward).
+    dx = r * (g - xhat * mean(g * xhat)) = r * (g - x * (r * r * mean(g * x)))   (to x's dtype)
+    dw = sum over rows of dy * xhat.to(x.dtype)    (autograd's own ops for ``weight * n``)
+
+12 aten ops in the backward pass, 8 of them over the whole tensor (about 48 bytes moved per
+element of a bf16 activation), against the 24 of running the formula again and asking
+autograd for its gradients (CPU ``torch.profiler``, top-level ops without views). dw is
+byte-equal to autograd's; dx differs from autograd's by rounding: autograd rounds ``dy * w``
+to the model dtype and sums in another order, so, with
+``S = r * (|g| + |xhat| * mean(|g * xhat|))`` (the size of the terms dx is a difference of),
+u the unit roundoff of a dtype (2**-8 bf16, 2**-11 fp16, 2**-24 fp32) and D the width, each
+element of dx is within ``(u_x + D * u_fp32) * S`` of the exact gradient and within
+``(u_g + 2 * u_x + 2 * (D + 8) * u_fp32) * S`` of autograd's (``u_g``: of ``dy * w``'s dtype),
+about one unit in the last place of bf16 where dx does not cancel. ``exact_grad=True``
+(:func:`convert_norms`) keeps the gradients byte-equal to autograd's instead: the backward
+pass runs the formula again with grad from x and returns ``torch.autograd.grad`` of it (the
+same ops' backward kernels on the same values), at about twice the backward cost; the
+"torch" formula (``torch.nn.RMSNorm``) always takes that path. No fused
+normalize-and-quantize kernel exists in fp8blk: the output is quantized by the first consumer,
+and shared with its siblings through :mod:`fp8blk.torch.linear.sharing`.
+
+Under ``torch.compile`` HF's formula runs the same autograd function (its backward pass is
+plain tensor ops, so the compiled graph holds x and r and fuses both passes); the "torch"
+formula and ``exact_grad=True`` run the plain formula (dynamo does not trace
+``torch.autograd.grad`` inside a backward; inductor's partitioner chooses what to keep).
 
 Which modules are swapped (:func:`convert_norms`, or ``convert_to_float8_block(...,
 norms=True)``): ``torch.nn.RMSNorm`` (formula ``F.rms_norm``), and modules that look like HF's
@@ -68,6 +89,9 @@ FORMULAS = {"hf": hf_rms_norm, "torch": torch_rms_norm}
 
 
 class _RecomputedNorm(torch.autograd.Function):
+    """Any formula: the backward pass runs it again with grad and returns autograd's
+    gradients of it (the same kernels on the same values as the unconverted norm's)."""
+
     @staticmethod
     def forward(ctx, x, weight, formula, eps):
         ctx.formula, ctx.eps = formula, eps
@@ -88,6 +112,38 @@ class _RecomputedNorm(torch.autograd.Function):
             None, None
 
 
+class _HFNorm(torch.autograd.Function):
+    """HF's formula with its backward pass written out (module docstring): saves x, the
+    weight and the fp32 reciprocal RMS r (x's shape with a last dim of 1)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        r = torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, r)
+        return weight * _normalized(x, r)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, r = ctx.saved_tensors
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            g = dy * weight.to(torch.float32)            # fp32, one rounding
+            # mean(g * xhat) = r * mean(g * x): dx = r * (g - x * (r * r * mean(g * x)))
+            c = (g * x).mean(-1, keepdim=True).mul_(r * r)
+            dx = torch.mul(torch.addcmul(g, x, c, value=-1), r, out=torch.empty_like(x))
+        if ctx.needs_input_grad[1]:
+            # autograd's MulBackward0 and sum_to on the forward's normalized tensor
+            dw = (dy * _normalized(x, r)).sum(tuple(range(dy.dim() - 1))).to(weight.dtype)
+        return dx, dw, None
+
+
+def _normalized(x, r):
+    """``(x.to(float32) * r).to(x.dtype)`` in one kernel: the product is computed in fp32
+    (the inputs' common dtype) and rounded once to fp32, then to x's dtype on store, as the
+    two ops do."""
+    return torch.mul(x, r, out=torch.empty_like(x))
+
+
 class Float8BlockRMSNorm(torch.nn.Module):
     """RMSNorm over the last dim keeping only its input between the passes (module
     docstring). ``weight`` (width,) or None; ``eps`` a float (None: the "torch" formula's
@@ -95,7 +151,7 @@ class Float8BlockRMSNorm(torch.nn.Module):
     Output: x's shape, in the dtype the formula gives (HF: the weight's and x's promoted;
     torch: as ``F.rms_norm``)."""
 
-    def __init__(self, weight, eps: float, formula: str = "hf"):
+    def __init__(self, weight, eps: float, formula: str = "hf", exact_grad: bool = False):
         super().__init__()
         if formula not in FORMULAS:
             raise ValueError(f"Float8BlockRMSNorm: formula must be one of {sorted(FORMULAS)}, "
@@ -103,16 +159,17 @@ class Float8BlockRMSNorm(torch.nn.Module):
         self.weight = weight
         self.eps = self.variance_epsilon = None if eps is None else float(eps)
         self.formula = formula
+        self.exact_grad = bool(exact_grad)
 
     @classmethod
-    def from_norm(cls, module):
+    def from_norm(cls, module, exact_grad: bool = False):
         """A Float8BlockRMSNorm sharing `module`'s weight, or None when `module` is not an
         RMSNorm this module reproduces (see :func:`convert_norms`)."""
         if isinstance(module, torch.nn.RMSNorm):
             if len(module.normalized_shape) != 1:
                 return None
             # eps None: F.rms_norm's default, the input dtype's machine epsilon
-            return cls(module.weight, module.eps, "torch")
+            return cls(module.weight, module.eps, "torch", exact_grad)
         if not type(module).__name__.endswith("RMSNorm"):
             return None
         weight = getattr(module, "weight", None)
@@ -120,19 +177,23 @@ class Float8BlockRMSNorm(torch.nn.Module):
         if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1 \
                 or not isinstance(eps, float) or weight.is_meta:
             return None
-        new = cls(weight, eps, "hf")
+        new = cls(weight, eps, "hf", exact_grad)
         return new if _same_output(module, new) else None
 
     def forward(self, x):
         fn = FORMULAS[self.formula]
-        if _compiling() or not (torch.is_grad_enabled() and (
+        if not (torch.is_grad_enabled() and (
                 x.requires_grad or (self.weight is not None and self.weight.requires_grad))):
+            return fn(x, self.weight, self.eps)
+        if self.formula == "hf" and not self.exact_grad:
+            return _HFNorm.apply(x, self.weight, self.eps)
+        if _compiling():
             return fn(x, self.weight, self.eps)
         return _RecomputedNorm.apply(x, self.weight, self.formula, self.eps)
 
     def extra_repr(self):
         return f"{tuple(self.weight.shape) if self.weight is not None else None}, " \
-               f"eps={self.eps}, formula={self.formula!r}"
+               f"eps={self.eps}, formula={self.formula!r}, exact_grad={self.exact_grad}"
 
 
 def _same_output(module, new) -> bool:
@@ -152,9 +213,11 @@ def _same_output(module, new) -> bool:
     return True
 
 
-def convert_norms(model: torch.nn.Module, module_filter_fn=None) -> int:
+def convert_norms(model: torch.nn.Module, module_filter_fn=None, exact_grad: bool = False
+                  ) -> int:
     """Swap every RMSNorm inside `model` (module docstring) for a :class:`Float8BlockRMSNorm`
-    sharing its weight, in place; ``module_filter_fn(module, fqn) -> bool`` chooses which.
+    sharing its weight, in place; ``module_filter_fn(module, fqn) -> bool`` chooses which;
+    ``exact_grad``: gradients byte-equal to autograd's (the recomputing backward pass).
     Returns the number swapped."""
     count = 0
     for fqn, parent in list(model.named_modules()):
@@ -163,7 +226,7 @@ def convert_norms(model: torch.nn.Module, module_filter_fn=None) -> int:
             if isinstance(child, Float8BlockRMSNorm) or (
                     module_filter_fn is not None and not module_filter_fn(child, full)):
                 continue
-            new = Float8BlockRMSNorm.from_norm(child)
+            new = Float8BlockRMSNorm.from_norm(child, exact_grad)
             if new is not None:
                 setattr(parent, name, new)
                 count += 1

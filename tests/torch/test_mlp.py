@@ -13,12 +13,12 @@ from fp8blk.torch.mlp import Float8BlockGatedMLP, convert_gated_mlps  # noqa: E4
 class GatedMLP(torch.nn.Module):
     """transformers' LlamaMLP, as its forward reads (cited in fp8blk/torch/mlp.py)."""
 
-    def __init__(self, d=256, f=384):
+    def __init__(self, d=256, f=384, act=None):
         super().__init__()
         self.gate_proj = torch.nn.Linear(d, f, bias=False)
         self.up_proj = torch.nn.Linear(d, f, bias=False)
         self.down_proj = torch.nn.Linear(f, d, bias=False)
-        self.act_fn = torch.nn.SiLU()
+        self.act_fn = act if act is not None else torch.nn.SiLU()
 
     def forward(self, x):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
@@ -46,16 +46,28 @@ def _step(model, x):
         sum(v for k, v in saved.items() if k not in params)
 
 
+def _acts():
+    out = [torch.nn.SiLU(), torch.nn.GELU(approximate="tanh")]
+    try:
+        from transformers.activations import ACT2FN
+        out.append(ACT2FN["silu"])
+    except ImportError:
+        pass
+    return out
+
+
 @pytest.mark.parametrize("fp8", [False, True])
-def test_same_bytes_fewer_saved(fp8):
+@pytest.mark.parametrize("act", _acts(), ids=lambda a: type(a).__name__)
+def test_same_bytes_fewer_saved(fp8, act):
     torch.manual_seed(0)
-    ref = GatedMLP().to(torch.bfloat16)
+    ref = GatedMLP(act=act).to(torch.bfloat16)
     if fp8:
         holder = torch.nn.Sequential(ref)
         convert_to_float8_block(holder)
     keys = set(ref.state_dict())
     new = Float8BlockGatedMLP.from_mlp(ref)
     assert new is not None and set(new.state_dict()) == keys
+    assert new.silu == ("SiLU" in type(act).__name__)
     x = torch.randn(2, 65, 256).to(torch.bfloat16)
     a, saved_ref = _step(ref, x)
     b, saved_new = _step(new, x)

@@ -27,14 +27,15 @@ saved for backward either way, so dW flows to it.
 
 torch.compile: quantize, transpose and GEMM are custom ops with fake implementations, so
 ``torch.compile(model, fullgraph=True)`` traces the layer without graph breaks (plain weights);
-where the eager hot path's per-signature plan serves the signature, each pass is instead one
-op that runs the plan (``compiled``: the same bytes, a fraction of the host time).
+where the eager hot path's per-signature plan serves the signature, the plan runs instead as
+x's quantize and the GEMM forward, one op backward (``compiled``: the same bytes, a fraction
+of the host time; siblings' quantize ops merge in the graph's CSE).
 A layer whose weight is an FSDP2 FP8 weight, or that runs an fp8blk sequence-parallel style,
 runs eagerly under torch.compile (a graph break around the layer; see ``module``).
 
 The room: ``module`` (the nn.Module and the converter), ``functional`` (the autograd function,
 the general path, and the operand choice of each GEMM), ``plans`` (the eager CUDA hot path:
-one plan per call signature), ``compiled`` (the plan as two torch ops, for torch.compile),
+one plan per call signature), ``compiled`` (the plan as torch ops, for torch.compile),
 ``dtensor`` (torch's tensor-parallel plans: DTensor weights).
 
     import torch, fp8blk as fb

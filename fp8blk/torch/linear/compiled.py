@@ -1,31 +1,40 @@
-"""Float8BlockLinear's per-signature plan as two torch ops, for torch.compile.
+"""Float8BlockLinear's per-signature plan as torch ops, for torch.compile.
 
 Under torch.compile a layer otherwise traces through its pieces -- quantize x, quantize W,
 the GEMM; then quantize dY, W's columnwise form, two GEMMs -- and each piece is a Python custom
 op, whose call inside a compiled graph costs tens of microseconds of host time, while the
 pieces' own Python runs as on the general path. Where a plan serves the signature
 (``plans.traceable``: plain CUDA weights, Block1D/Block2D, any non-empty shape), the layer
-instead calls one op per pass, registered with ``Library.define`` + ``impl`` (which skips the
-high-level custom-op API's autograd and aliasing wrappers):
+instead calls two ops in the forward pass and one in the backward pass, registered with
+``Library.define`` + ``impl`` (which skips the high-level custom-op API's autograd and
+aliasing wrappers), each running the eager hot path's plan (``plans.plan_for_shapes``,
+``plans.x_views``), so the compiled layer computes the same bytes as the eager one:
 
-    fp8blk::linear_fwd(x, weight, cfg, out_dtype, need_dgrad, need_wgrad) -> (y, xt_d, xt_s)
+    fp8blk::linear_quantize_x(x, cfg, need_wgrad) -> (xd, xs, xt_d, xt_s)
+    fp8blk::linear_fwd_mm(xd, xs, weight, cfg, x_dtype, out_dtype, need_dgrad, need_wgrad)
+        -> y
     fp8blk::linear_bwd(dy, xt_d, xt_s, weight, cfg, x_dtype, need_dgrad, need_wgrad)
         -> (dx, dw)
 
-each running the eager hot path's plan (``plans.plan_for_shapes``), so the compiled
-layer computes the same bytes as the eager one. x (M, K) and dy (M, N) C-contiguous,
-weight (N, K); y (M, N) `out_dtype`; xt_d, xt_s: x's columnwise FP8 data as the plan holds it,
-(M, K) float8 with strides (1, M), and its (cdiv(M, 128), round4(K)) float32 scales (empty
-(0,) uint8 tensors when the weight gradient is not needed); dx (M, K) `x_dtype`, dw (N, K)
-in the weight's dtype (empty where not needed). ``cfg`` is :func:`config_key` of the layer's
-Float8BlockConfig. An x or weight that is not C-contiguous and 16-byte aligned (the plans'
-launchers assume both) is copied first (dy as the eager plan treats it).
+(``low_memory_forward``: ``fp8blk::linear_fwd(x, weight, cfg, out_dtype, need_dgrad,
+need_wgrad) -> (y, xt_d, xt_s)`` in place of the first two). x's quantization is an op of
+its own, depending on x and the activation recipe only, so the layers reading one x (q/k/v,
+gate/up) make identical nodes that the graph's CSE merges (``sharing``). x (M, K) and dy
+(M, N) C-contiguous, weight (N, K); y (M, N) `out_dtype`; xd, xs: x's rowwise FP8 data and
+scales as ``plans.x_views`` gives them; xt_d, xt_s: x's columnwise FP8 data as the plan
+holds it, (M, K) float8 with strides (1, M), and its (cdiv(M, 128), round4(K)) float32 scales
+(empty (0,) uint8 tensors when the weight gradient is not needed); dx (M, K) `x_dtype`, dw
+(N, K) in the weight's dtype (empty where not needed). ``cfg`` is :func:`config_key` of the
+layer's Float8BlockConfig. An x or weight that is not C-contiguous and 16-byte aligned (the
+plans' launchers assume both) is copied first (dy as the eager plan treats it).
 """
 from __future__ import annotations
 
 import torch
 
+from ..._bounded import BoundedCache
 from ...layout import cdiv, round_up
+from ...ops import quantize_launcher
 from ..config import Float8BlockConfig
 from ..dtypes import fp8_dtype
 from ..quantize_ops import recipe_from_key, recipe_key
@@ -81,6 +90,43 @@ def _fwd_fake(x, weight, cfg, out_dtype, need_dgrad, need_wgrad):
             x.new_empty((cdiv(m, 128), round_up(k, 4)), dtype=torch.float32))
 
 
+_x_launchers = BoundedCache(1024)   # (m, k, dtype, device, cfg, columnwise) -> launcher
+
+
+def _quantize_x(x, cfg, need_wgrad):
+    x = _ready(x)
+    (m, k), c = x.shape, _config(cfg)
+    key = (m, k, x.dtype, x.device, c, need_wgrad)
+    launch = _x_launchers.get(key)
+    if launch is None:
+        launch = _x_launchers.put(key, quantize_launcher(
+            x, c.activation, True, need_wgrad, plans.x_views(m, k, c, need_wgrad)))
+    xd, xs, xt_d, xt_s = launch(x, x.data_ptr())
+    if xt_d is None:
+        xt_d, xt_s = _none(x.device), _none(x.device)
+    return xd, xs, xt_d, xt_s
+
+
+def _quantize_x_fake(x, cfg, need_wgrad):
+    (m, k), c = x.shape, _config(cfg)
+    out = [None if v is None else torch.empty_strided(v[0], v[1], dtype=v[2], device=x.device)
+           for v in plans.x_views(m, k, c, need_wgrad)]
+    return tuple(t if t is not None else x.new_empty((0,), dtype=torch.uint8) for t in out)
+
+
+def _fwd_mm(xd, xs, weight, cfg, x_dtype, out_dtype, need_dgrad, need_wgrad):
+    weight = _ready(weight)
+    (m, k), n = xd.shape, weight.shape[0]
+    plan = plans.plan_for_shapes(m, k, n, x_dtype, weight.dtype, xd.device, _config(cfg),
+                                 out_dtype, need_dgrad, need_wgrad)
+    wd, ws = plan.qw(weight, weight.data_ptr())[:2]
+    return plan.mm_fwd(xd, wd, xs, ws)
+
+
+def _fwd_mm_fake(xd, xs, weight, cfg, x_dtype, out_dtype, need_dgrad, need_wgrad):
+    return xd.new_empty((xd.shape[0], weight.shape[0]), dtype=out_dtype)
+
+
 def _bwd(dy, xt_d, xt_s, weight, cfg, x_dtype, need_dgrad, need_wgrad):
     weight = _ready(weight)     # dy: made contiguous by the layer, aligned by plan.backward
     (m, n), k = dy.shape, weight.shape[1]
@@ -102,16 +148,32 @@ _lib.define("linear_fwd(Tensor x, Tensor weight, str cfg, ScalarType out_dtype, 
             "bool need_dgrad, bool need_wgrad) -> (Tensor, Tensor, Tensor)")
 _lib.define("linear_bwd(Tensor dy, Tensor xt_d, Tensor xt_s, Tensor weight, str cfg, "
             "ScalarType x_dtype, bool need_dgrad, bool need_wgrad) -> (Tensor, Tensor)")
+_lib.define("linear_quantize_x(Tensor x, str cfg, bool need_wgrad) "
+            "-> (Tensor, Tensor, Tensor, Tensor)")
+_lib.define("linear_fwd_mm(Tensor xd, Tensor xs, Tensor weight, str cfg, ScalarType x_dtype, "
+            "ScalarType out_dtype, bool need_dgrad, bool need_wgrad) -> Tensor")
 _lib.impl("linear_fwd", _fwd, "CUDA")
+_lib.impl("linear_quantize_x", _quantize_x, "CUDA")
+_lib.impl("linear_fwd_mm", _fwd_mm, "CUDA")
 _lib.impl("linear_bwd", _bwd, "CUDA")
 torch.library.register_fake("fp8blk::linear_fwd", _fwd_fake, lib=_lib)
 torch.library.register_fake("fp8blk::linear_bwd", _bwd_fake, lib=_lib)
+torch.library.register_fake("fp8blk::linear_quantize_x", _quantize_x_fake, lib=_lib)
+torch.library.register_fake("fp8blk::linear_fwd_mm", _fwd_mm_fake, lib=_lib)
 
 
 def forward(x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad):
-    """``(y, (xt_d, xt_s))`` through ``fp8blk::linear_fwd``; `xt_*` None when not needed."""
-    y, xt_d, xt_s = torch.ops.fp8blk.linear_fwd(x2d, weight, config_key(cfg), out_dtype,
-                                                need_dgrad, need_wgrad)
+    """``(y, (xt_d, xt_s))`` through ``fp8blk::linear_quantize_x`` and
+    ``fp8blk::linear_fwd_mm`` (``low_memory_forward``: ``fp8blk::linear_fwd``); `xt_*` None
+    when not needed."""
+    key = config_key(cfg)
+    if cfg.low_memory_forward:
+        y, xt_d, xt_s = torch.ops.fp8blk.linear_fwd(x2d, weight, key, out_dtype, need_dgrad,
+                                                    need_wgrad)
+    else:
+        xd, xs, xt_d, xt_s = torch.ops.fp8blk.linear_quantize_x(x2d, key, need_wgrad)
+        y = torch.ops.fp8blk.linear_fwd_mm(xd, xs, weight, key, x2d.dtype, out_dtype,
+                                           need_dgrad, need_wgrad)
     return y, ((xt_d, xt_s) if need_wgrad else (None, None))
 
 

@@ -83,7 +83,8 @@ def convert_to_float8_block(model: torch.nn.Module, config: Float8BlockConfig = 
     forward call of ``model`` (``fp8blk.torch.linear.sharing``). ``norms``: RMSNorms swapped
     for ones keeping only their input between the passes (``fp8blk.torch.norm``).
     ``gated_mlps``: SwiGLU MLPs swapped for ones not keeping the activation's output
-    (``fp8blk.torch.mlp``). Both give the same bytes and keep the state dict."""
+    (``fp8blk.torch.mlp``). Both keep the state dict and give the same bytes, but for the
+    norms' input gradients (within a rounding bound: ``fp8blk.torch.norm``)."""
     config = config or Float8BlockConfig()
 
     def swap(module, fqn):

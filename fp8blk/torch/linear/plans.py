@@ -66,6 +66,18 @@ def traceable(x2d, weight, cfg, out_dtype):
             and out_dtype in HIGH_DTYPES)
 
 
+def x_views(m, k, cfg, columnwise):
+    """The quantize launcher's views of x (M, K)'s FP8 buffers as a plan's GEMMs take them:
+    rowwise data (M, K) float8 row-major and its 1x128 scales (kt, M) as (M, kt); columnwise
+    (when asked for, else None) x.T's (K, M) bytes as column-major (M, K) and its (mt,
+    round4(K)) scales as they are."""
+    fa = fp8_dtype(cfg.activation.fmt)
+    k4 = round_up(k, 4)
+    return [((m, k), (k, 1), fa), _scale_t(m, cdiv(k, 128))] + (
+        [((m, k), (1, m), fa), ((cdiv(m, 128), k4), (k4, 1), torch.float32)] if columnwise
+        else [None, None])
+
+
 def _scale_t(rows, blocks):
     """An fp32 scale buffer (blocks, round4(rows)) -- fp8blk's layouts pad the fast dim to a
     multiple of 4 -- seen as (round4(rows), blocks) with strides (1, round4(rows))."""
@@ -98,7 +110,7 @@ class LinearPlan:
 
     def __init__(self, x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad):
         (m, k), n = x2d.shape, weight.shape[0]
-        mt, kt, nt, k4 = cdiv(m, 128), cdiv(k, 128), cdiv(n, 128), round_up(k, 4)
+        mt, kt, nt = cdiv(m, 128), cdiv(k, 128), cdiv(n, 128)
         fa, fw, fg = (fp8_dtype(cfg.activation.fmt), fp8_dtype(cfg.weight.fmt),
                       fp8_dtype(cfg.grad.fmt))
         w = weight.detach()
@@ -106,15 +118,13 @@ class LinearPlan:
         # (N, K) bytes as the column-major (K, N) torch takes, its tile scales (nt, kt) as
         # (kt, nt). wgrad's b is x's columnwise (K, M) bytes as column-major (M, K) with its
         # (mt, K) scales as they are.
-        xt_views = [((m, k), (1, m), fa), ((mt, k4), (k4, 1), torch.float32)]
         self.halves = None
         if cfg.low_memory_forward:
-            self.qx = quantize_launcher(x2d, cfg.activation, False, True,
-                                [None, None] + xt_views) if need_wgrad else None
+            self.qx = quantize_launcher(x2d, cfg.activation, False, True, [None, None]
+                                        + x_views(m, k, cfg, True)[2:]) if need_wgrad else None
         else:
-            self.qx = quantize_launcher(x2d, cfg.activation, True, need_wgrad, [
-                ((m, k), (k, 1), fa), _scale_t(m, kt)]
-                + (xt_views if need_wgrad else [None, None]))
+            self.qx = quantize_launcher(x2d, cfg.activation, True, need_wgrad,
+                                        x_views(m, k, cfg, need_wgrad))
         self.qw = quantize_launcher(w, cfg.weight, True, False, [
             ((k, n), (1, k), fw), _scale_t(kt, nt), None, None])
         # dx = dY @ W: b is W's columnwise (K, N) bytes as column-major (N, K), its (kt, nt)

@@ -36,9 +36,17 @@ Safety.
   without grad and asks for rowwise copies only, a different key.
 * In-place updates: the version counter and data pointer checks above; an inference tensor
   (no version counter) is never shared.
-* ``torch.compile``: sharing is skipped while tracing (:func:`for_input` returns None; the
-  hooks return at once), so a compiled graph holds each layer's own quantize op, as without
-  sharing; inductor may merge them or not.
+* ``torch.compile``: this cache is skipped while tracing (:func:`for_input` returns None; the
+  hooks return at once). A compiled layer quantizes x in an op of its own, a pure function of
+  x (``fp8blk::linear_quantize_x`` where a plan serves the signature, ``fp8blk::quantize``
+  otherwise: :mod:`fp8blk.torch.linear.compiled`), so siblings reading one x within one
+  compiled graph make identical nodes, which AOTAutograd's CSE pass merges (run on the joint
+  graph by the min-cut partitioner, inductor's default: ``torch/_functorch/partitioners.py``,
+  ``min_cut_rematerialization_partition``): one quantize and one saved columnwise copy per
+  distinct activation in the graph, whether or not ``share_quantize`` is set. An in-place
+  update of x makes a new node (functionalization), so nothing stale is merged; layers in
+  different graphs (a graph break between them) do not share. ``backend="aot_eager"`` uses
+  the default partitioner, which does not run CSE.
 * CUDA graphs: a captured forward that ran inside a scope replays the same launches, one
   quantize per activation reading the static input's memory; the cache dies with the scope,
   so nothing from the capture's pool is reused outside it. ``make_graphed_callables`` of a

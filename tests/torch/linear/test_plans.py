@@ -178,8 +178,9 @@ def test_no_grad_plans_the_forward_only(rng):
                          ids=["aligned", "unpadded", "odd"])
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_compiled_layers_run_the_plan_ops(mode, dims, rng):
-    """torch.compile(fullgraph=True) of plan-served layers runs each pass as one op
-    (fp8blk::linear_fwd / linear_bwd, fp8blk/torch/linear/compiled.py) and gives eager's bytes:
+    """torch.compile(fullgraph=True) of plan-served layers runs each pass as the plan's ops
+    (fp8blk::linear_quantize_x + linear_fwd_mm / linear_bwd, fp8blk/torch/linear/compiled.py)
+    and gives eager's bytes:
     output, input gradient, weight gradients, and the output under no_grad. No bias and
     nothing between the layers, so inductor has no op of its own to fuse. Tokens per batch
     row, width, hidden: multiples of 512; of 16 (GEMMs on cuBLASLt unpadded); and not

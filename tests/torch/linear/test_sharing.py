@@ -1,9 +1,9 @@
 """Quantize once per activation (fp8blk/torch/linear/sharing.py) on the CPU: sibling layers
 share one quantization, with the bytes of the unshared path, safely under in-place updates,
 no-grad passes and activation checkpointing; and a tiny config-built Hugging Face Llama
-(skipped without transformers) converted and trained 3 steps with sharing and the
-Float8BlockRMSNorm, byte-equal to the unshared, unswapped path, with fewer saved bytes than
-bf16."""
+(skipped without transformers) converted and trained 3 steps with sharing, the
+Float8BlockRMSNorm and the Float8BlockGatedMLP, byte-equal to the unshared path with the same
+swaps, with fewer saved bytes than bf16."""
 from __future__ import annotations
 
 import gc
@@ -185,7 +185,8 @@ def _train(model, ids, steps=3):
 @pytest.mark.timeout(120)
 def test_tiny_llama_shares_with_the_same_bytes(quantize_calls):
     ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
-    plain, shared = _llama("fp8blk"), _llama("fp8blk_opt")
+    # the same norm and MLP swaps both ways: sharing alone must not change a byte
+    plain, shared = _llama("fp8blk_norm_mlp"), _llama("fp8blk_opt")
     assert sum(type(m).__name__ == "Float8BlockGatedMLP" for m in shared.modules()) == LAYERS
     quantize_calls.clear()                       # the swaps' probes quantized too
     ref = _train(plain, ids)
@@ -228,3 +229,62 @@ def test_bench_model_runs_tiny_on_the_cpu(tmp_path):
     assert set(cases) == {"bf16", "fp8blk_opt"} and out.exists()
     assert cases["fp8blk_opt"]["saved_bytes_vs_bf16"] < 0.9
     assert all(c["step_ms"] > 0 and c["tokens"] == 256 for c in cases.values())
+
+
+# -- torch.compile: the graph's CSE shares ------------------------------------------------
+
+def test_compiled_siblings_quantize_once_in_the_traced_graph():
+    """On the plan path (CUDA, traced here with fake CUDA tensors) each layer's x quantize is
+    an op of its own with x and the recipe as its only inputs: three siblings' nodes are
+    merged by the CSE pass inductor's partitioner runs, and the GEMMs read the one node."""
+    from torch._functorch.compile_utils import fx_graph_cse
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fp8blk.torch import Float8BlockConfig
+    from fp8blk.torch.linear import compiled
+
+    cfg = Float8BlockConfig()
+    with FakeTensorMode():
+        x = torch.empty(256, 256, device="cuda", dtype=torch.bfloat16)
+        ws = [torch.empty(n, 256, device="cuda", dtype=torch.bfloat16) for n in (256, 128, 128)]
+
+        def three(x, *ws):
+            outs = [compiled.forward(x, w, cfg, torch.bfloat16, True, True) for w in ws]
+            return [y for y, _ in outs] + [t for _, xt in outs for t in xt]
+        gm = make_fx(three)(x, *ws)
+
+    def ops(graph):
+        return [str(n.target).split(".")[1] for n in graph.nodes
+                if n.op == "call_function" and str(n.target).startswith("fp8blk.")]
+    assert ops(gm.graph) == ["linear_quantize_x", "linear_fwd_mm"] * 3
+    assert ops(fx_graph_cse(gm.graph)) == ["linear_quantize_x"] + ["linear_fwd_mm"] * 3
+
+
+@pytest.mark.timeout(300)
+def test_tiny_llama_compiled_keeps_what_eager_keeps():
+    """Each decoder layer compiled (min-cut partitioner, as inductor: the CPU's aot_eager
+    backend with it): the eager bytes over 2 steps, and no more saved bytes than eager with
+    sharing, the norm and the MLP swaps (bench_model's fp8blk_opt)."""
+    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    runs = {}
+    try:
+        for mode in ("eager", "compiled"):
+            model = _llama("fp8blk_opt")
+            if mode == "compiled":
+                for layer in model.model.layers:
+                    layer.compile(backend="aot_eager_decomp_partition")
+            record = _train(model, ids, steps=2)
+            nbytes, loss = bench_model.saved_bytes(
+                lambda: model(input_ids=ids, labels=ids).loss, exclude=list(model.parameters()))
+            loss.backward()
+            runs[mode] = record, nbytes
+    finally:
+        torch._dynamo.reset()
+    for step_e, step_c in zip(runs["eager"][0], runs["compiled"][0]):
+        for a, b in zip(step_e, step_c):
+            assert torch.equal(a, b)
+    # the hooks see the compiled graphs' saved tensors (not nothing)
+    assert 0.5 * runs["eager"][1] < runs["compiled"][1] <= runs["eager"][1], (
+        runs["compiled"][1], runs["eager"][1])

@@ -1,6 +1,7 @@
 """GPU checks of quantize-once sharing (fp8blk/torch/linear/sharing.py) on the eager plan path,
-compiled and under CUDA graph capture, and of a tiny Hugging Face Llama with sharing and
-Float8BlockRMSNorm (skipped without transformers): the unshared path's bytes exactly."""
+compiled (inductor's CSE) and under CUDA graph capture, and of a tiny Hugging Face Llama with
+sharing, Float8BlockRMSNorm and Float8BlockGatedMLP (skipped without transformers): the bytes
+of the unshared path with the same swaps exactly."""
 import pytest
 import torch
 
@@ -53,16 +54,32 @@ def test_plan_path_shares_with_the_same_bytes():
         assert torch.equal(a, b)
 
 
-def test_compiled_does_not_share_and_matches_eager():
+def _saved(model, x):
+    nbytes, y = bench_model.saved_bytes(lambda: model(x.detach().clone().requires_grad_()),
+                                        exclude=list(model.parameters()))
+    del y
+    return nbytes
+
+
+def test_compiled_merges_siblings_and_matches_eager():
+    """Compiled, the sharing cache is not used (the root's hooks return at once while
+    traced); the siblings' fp8blk::linear_quantize_x nodes merge in inductor's CSE instead,
+    so the graph keeps one columnwise copy of x, as eager sharing does."""
     x, g = _data()
     ref = _run(_model(False), x, g)
-    model = _model(True)
-    model.compile()          # the root's sharing hooks return at once while traced
-    with sharing.counting() as stats:
-        got = _run(model, x, g)
-    assert stats.misses == stats.hits == 0
-    for a, b in zip(ref, got):
-        assert torch.equal(a, b)
+    eager_shared = _saved(_model(True), x)
+    assert 2.5 * eager_shared < _saved(_model(False), x)  # one copy against three
+    for share in (True, False):
+        torch._dynamo.reset()
+        model = _model(share)
+        model.compile()
+        with sharing.counting() as stats:
+            got = _run(model, x, g)
+        assert stats.misses == stats.hits == 0
+        for a, b in zip(ref, got):
+            assert torch.equal(a, b)
+        assert _saved(model, x) <= eager_shared, share
+    torch._dynamo.reset()
 
 
 def test_cuda_graph_replay_of_a_shared_step():
@@ -96,7 +113,7 @@ def test_tiny_llama_same_bytes_on_cuda():
     pytest.importorskip("transformers")
     ids = torch.randint(0, 512, (2, 128), device="cuda")
     runs = []
-    for variant in ("fp8blk", "fp8blk_opt"):
+    for variant in ("fp8blk_norm_mlp", "fp8blk_opt"):    # sharing alone changes no byte
         model = bench_model.build_model("llama", variant, 2, 128, "cuda", tiny=True)
         step, _ = bench_model.make_step(model, ids)
         losses = [step().detach() for _ in range(3)]

@@ -99,6 +99,7 @@ class _ColwiseSPFn(torch.autograd.Function):
         return y.reshape(x.shape[0] * comm.size, *x.shape[1:-1], y.shape[-1])
 
     @staticmethod
+    @torch.autograd.function.once_differentiable      # first-order only, as the layer's
     def backward(ctx, dy):
         xt_d, xt_s, weight = ctx.saved_tensors
         qw = weight_block_tensor(weight, ctx.cfg, False, True)
@@ -132,6 +133,7 @@ class _RowwiseSPFn(torch.autograd.Function):
         return y.reshape(x.shape[0] // comm.size, *x.shape[1:-1], y.shape[-1])
 
     @staticmethod
+    @torch.autograd.function.once_differentiable      # first-order only, as the layer's
     def backward(ctx, dy):
         xt_d, xt_s, weight = ctx.saved_tensors
         qw = weight_block_tensor(weight, ctx.cfg, False, True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ...formats import MXFP8
-from ..config import Float8BlockConfig
+from ..config import Float8BlockConfig, config_or_default
 from ..dtypes import HIGH_DTYPES, fp8_dtype
 from ..quantize_ops import (block2d_columnwise, block_tensor_buffers, mxfp8_columnwise_as_rows,
                             quantize_buffers)
@@ -166,7 +166,11 @@ class _Float8BlockLinearFn(torch.autograd.Function):
             return y
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
+    # first-order only: the FP8 backward has no graph of its own, so a second-order graph
+    # (create_graph=True, e.g. a gradient penalty) raises when it is differentiated
+    # ("once_differentiable") instead of losing this layer's part silently
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         xt_d, xt_s, weight = ctx.saved_tensors
         x_shape, x_dtype, w_dtype, has_bias = ctx.shapes
@@ -202,7 +206,17 @@ def float8_block_linear(x, weight, bias=None, config: Float8BlockConfig = None):
     """Functional form: ``F.linear(x, weight, bias)`` with the FP8 GEMMs described above.
     x (..., K) float32/bfloat16/float16; weight (N, K); bias (N,) or None. The output has x's
     dtype (the autocast dtype under ``torch.autocast``), dx x's dtype, dW the weight's."""
-    config = config or Float8BlockConfig()
+    config = config_or_default(config, "float8_block_linear")
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"float8_block_linear: {name} must be a torch.Tensor, got "
+                            f"{type(t).__name__}")
+    if x.dim() == 0:
+        raise ValueError("Float8BlockLinear: input must have at least 1 dimension (..., "
+                         "in_features), got a 0-d tensor")
+    if weight.dim() != 2:
+        raise ValueError(f"Float8BlockLinear: weight must be 2-D (out_features, in_features), "
+                         f"got shape {tuple(weight.shape)}")
     if x.dtype not in HIGH_DTYPES:
         raise TypeError(f"Float8BlockLinear: input dtype must be float32, bfloat16 or float16, "
                         f"got {x.dtype}")

@@ -56,8 +56,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from ..comm import TorchComm, gather_along_first_dim
 from .linear import Float8BlockLinear
 from .linear.dtensor import dtensor_forward  # noqa: F401 (re-exported)
-from .linear.functional import (forward_operands, fp8_gemms_backward, quantize_input,
-                                transposed, weight_block_tensor)
+from .linear.functional import (add_bias, forward_operands, fp8_gemms_backward,
+                                quantize_input, transposed, weight_block_tensor)
 from .quantize_ops import block_tensor_buffers
 from .scaled_mm import blockwise_scaled_mm
 
@@ -91,7 +91,7 @@ class _ColwiseSPFn(torch.autograd.Function):
         qw = weight_block_tensor(weight, cfg, True, False)
         y = blockwise_scaled_mm(*forward_operands(qx, qw, cfg), out_dtype=x.dtype)
         if bias is not None:
-            y = y + bias.to(y.dtype)
+            y = add_bias(y, bias)
         _save_for_backward(ctx, x, weight, bias, qx, qw, cfg, comm, need_wgrad)
         if y.shape[0] != x2d.shape[0] * comm.size:   # the reduce-scatter splits evenly
             raise ValueError(f"sequence parallelism needs the same token count on every rank; "
@@ -128,7 +128,7 @@ class _RowwiseSPFn(torch.autograd.Function):
         partial = blockwise_scaled_mm(*forward_operands(qx, qw, cfg), out_dtype=x.dtype)
         y = comm.reduce_scatter(partial)
         if bias is not None:
-            y = y + bias.to(y.dtype)
+            y = add_bias(y, bias)
         _save_for_backward(ctx, x, weight, bias, qx, qw, cfg, comm, need_wgrad)
         return y.reshape(x.shape[0] // comm.size, *x.shape[1:-1], y.shape[-1])
 

@@ -133,3 +133,31 @@ def test_double_backward_through_the_gated_mlp_equals_plain_autograd():
     want = _second_order(lambda: down(torch.nn.functional.silu(gate(x)) * up(x)), params)
     for a, b in zip(got, want):    # the same terms, summed in another order by autograd
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile under autocast with biased layers
+
+def test_compile_under_autocast_with_bias_gives_eager_bytes():
+    # inductor fuses a cast into the add after it and skips the rounding unless told
+    # otherwise; the layer's bias add must round the fp32 bias to bf16 as eager does.
+    # (A tiny model: inductor's C++ build of the two graphs takes ~20 s on a 2-core machine.)
+    torch.manual_seed(3)
+    model = convert_to_float8_block(torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.Linear(128, 32)))
+    x = torch.randn(16, 64)
+
+    def step(m):
+        xi = x.clone().requires_grad_(True)
+        for p in model.parameters():
+            p.grad = None
+        with torch.autocast("cpu", torch.bfloat16):
+            y = m(xi)
+        (y.float() * torch.linspace(-1, 1, y.numel()).view(y.shape)).sum().backward()
+        return [y, xi.grad] + [p.grad.clone() for p in model.parameters()]
+
+    eager = step(model)
+    compiled = step(torch.compile(model))
+    assert eager[0].dtype == compiled[0].dtype == torch.bfloat16
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ...layout import c_strides
-from .functional import float8_block_linear
+from .functional import add_bias, float8_block_linear
 
 
 def is_dtensor(t) -> bool:
@@ -66,7 +66,9 @@ def dtensor_forward(layer, x):
         y = float8_block_linear(x_local, w.to_local(), None, cfg)
         y = DTensor.from_local(y, mesh, [Partial()], run_check=False)
         if b is not None:
-            y = y.redistribute(mesh, [Replicate()]) + b
+            # the bias rounded to y's dtype first (the autocast dtype under autocast), as
+            # the unsharded layer adds it
+            y = add_bias(y.redistribute(mesh, [Replicate()]), b)
         return y
     if p.is_replicate():
         x_local = x.to_local() if isinstance(x, DTensor) else x

@@ -50,6 +50,27 @@ def weight_block_tensor(weight, config: Float8BlockConfig, rowwise: bool, column
     return quantize_buffers(w.contiguous(), config.weight, rowwise, columnwise)
 
 
+@torch.library.custom_op("fp8blk::cast_to", mutates_args=())
+def _cast_to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype)
+
+
+@_cast_to.register_fake
+def _cast_to_fake(t, dtype):
+    return torch.empty_like(t, dtype=dtype)
+
+
+def add_bias(y, bias):
+    """``y + bias.to(y.dtype)``: the bias rounded to y's dtype (the autocast dtype under
+    autocast), then added. Compiled, the rounding is an op of its own (``fp8blk::cast_to``):
+    inductor fuses a ``.to`` into the add that follows and skips the rounding (its
+    ``emulate_precision_casts`` is off by default), which would give other bytes than eager."""
+    if bias.dtype != y.dtype:
+        bias = (torch.ops.fp8blk.cast_to(bias, y.dtype) if _compiling()
+                else bias.to(y.dtype))
+    return y + bias
+
+
 # operand selection of each GEMM: one function each, so tests can check (and plant bugs in)
 # exactly one choice at a time
 def forward_operands(qx, qw, cfg):
@@ -154,7 +175,7 @@ class _Float8BlockLinearFn(torch.autograd.Function):
                     qx = quantize_buffers(x2d, cfg.activation, False, True)
             qx_t = transposed(qx, cfg.activation) if need_wgrad else (None, None)
         if bias is not None:
-            y = y + bias.to(y.dtype)
+            y = add_bias(y, bias)
         # saved: x's columnwise FP8 buffers and W (a parameter: held anyway), no activation in
         # high precision
         ctx.save_for_backward(qx_t[0], qx_t[1], weight)
@@ -234,6 +255,6 @@ def float8_block_linear(x, weight, bias=None, config: Float8BlockConfig = None):
                                       torch.is_grad_enabled())
 
 
-__all__ = ["float8_block_linear", "fp8_gemms_backward", "quantize_input", "check_features",
+__all__ = ["float8_block_linear", "add_bias", "fp8_gemms_backward", "quantize_input", "check_features",
            "weight_block_tensor", "forward_operands", "dgrad_operands", "wgrad_operands",
            "transposed", "weight_transposed"]

@@ -161,3 +161,27 @@ def test_compile_under_autocast_with_bias_gives_eager_bytes():
     assert eager[0].dtype == compiled[0].dtype == torch.bfloat16
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# autocast: the operands' own dtype is quantized (TransformerEngine's rule, docs/torch.md)
+
+def test_autocast_quantizes_the_operands_own_dtype_and_outputs_the_autocast_dtype():
+    torch.manual_seed(4)
+    lin = Float8BlockLinear(256, 384)
+    x = torch.randn(128, 256)
+    with torch.autocast("cpu", torch.bfloat16):
+        y = lin(x)
+    assert y.dtype == torch.bfloat16
+
+    def mm(xq, wq):
+        qx = quantize_buffers(xq, fb.Block1D(), True, False)
+        qw = quantize_buffers(wq, fb.Block2D(), True, False)
+        out = blockwise_scaled_mm(qx[0].view(torch.float8_e4m3fn), qx[1],
+                                  qw[0].view(torch.float8_e4m3fn), qw[1],
+                                  out_dtype=torch.bfloat16)
+        return out + lin.bias.detach().to(torch.bfloat16)
+
+    w = lin.weight.detach()
+    assert torch.equal(y, mm(x, w))                       # fp32 x and W quantized as they are
+    assert not torch.equal(y, mm(x.bfloat16(), w.bfloat16()))   # not cast to bf16 first

@@ -100,6 +100,18 @@ def test_double_backward_through_the_linear_raises_not_loses():
     assert x.grad is not None and lin.weight.grad is not None
 
 
+def test_double_backward_through_the_compiled_linear_raises():
+    # compiled through aot_autograd (inductor's front end; aot_eager skips inductor's C++
+    # build), the layer's backward is traced once: a second-order graph raises
+    torch._dynamo.reset()
+    lin = Float8BlockLinear(128, 64)
+    x = torch.randn(32, 128, requires_grad=True)
+    y = torch.compile(lin, backend="aot_eager")(x)
+    gx, = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        (y.sum() + gx.square().sum()).backward()
+
+
 def _second_order(fn, inputs):
     """d/d(inputs) of |d(sum(fn^2))/d(inputs[0])|^2."""
     for t in inputs:

@@ -8,7 +8,8 @@ under torchrun, 2 ranks). Usage: tp_parity.py SEED CASE [CASE ...], CASE one of
   sp_fallback   the same with local tokens not a multiple of 128 (high-precision fallback)
   plant:NAME    the tp case with a planted bug (see _parity.set_plant): must FAIL
   sp_shapes     ranks holding equal token counts in other (sequence, batch) splits, (64, 2)
-                and (128, 1): both SP styles raise a ValueError on every rank
+                and (128, 1): both SP styles raise a ValueError on every rank; then double
+                backward through each style raises (once_differentiable)
   autocast      under bf16 autocast (fp32 parameters): the SP column-wise layer's output is
                 bf16 and equals the unsharded layer's columns bit for bit; torch's
                 RowwiseParallel with a bias returns bf16 too
@@ -276,8 +277,19 @@ def run_sp_shapes(seed, rank, world, mesh):
         else:
             raise AssertionError(f"{style.__name__}: mismatched shapes were accepted")
         # the same layer still runs once every rank holds the same shape
-        y = model(torch.randn((64, 2, k), device=DEVICE))
+        x = torch.randn((64, 2, k), device=DEVICE, requires_grad=True)
+        y = model(x)
         assert y.shape[1] == 2, y.shape
+        # first-order only: a second-order graph through the layer raises, never a
+        # gradient without its graph
+        gx, = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+        assert gx.requires_grad, f"{style.__name__}: the input gradient lost its graph"
+        try:
+            gx.square().sum().backward()
+        except RuntimeError as err:
+            assert "once_differentiable" in str(err), err
+        else:
+            raise AssertionError(f"{style.__name__}: double backward did not raise")
 
 
 def run_autocast(seed, rank, world, mesh):

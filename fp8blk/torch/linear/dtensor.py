@@ -67,8 +67,11 @@ def dtensor_forward(layer, x):
         y = DTensor.from_local(y, mesh, [Partial()], run_check=False)
         if b is not None:
             # the bias rounded to y's dtype first (the autocast dtype under autocast), as
-            # the unsharded layer adds it
-            y = add_bias(y.redistribute(mesh, [Replicate()]), b)
+            # the unsharded layer adds it: on the local tensors, since the compiled rounding
+            # op has no DTensor sharding rule
+            y = y.redistribute(mesh, [Replicate()])
+            y = DTensor.from_local(add_bias(y.to_local(), b.to_local()), mesh, [Replicate()],
+                                   run_check=False)
         return y
     if p.is_replicate():
         x_local = x.to_local() if isinstance(x, DTensor) else x

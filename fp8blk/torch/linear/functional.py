@@ -244,8 +244,9 @@ def float8_block_linear(x, weight, bias=None, config: Float8BlockConfig = None):
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"Float8BlockLinear: input has {x.shape[-1]} features, the weight "
                          f"expects {weight.shape[-1]}")
-    # under torch.autocast the output takes the autocast dtype, as F.linear's would; the
-    # quantized operands do not care which high-precision dtype they came from
+    # under torch.autocast the output takes the autocast dtype, as F.linear's would, while x
+    # and W are quantized in their own dtype, not cast to it first (TransformerEngine's
+    # rule, docs/torch.md)
     device = x.device.type
     if device not in ("cuda", "cpu"):
         raise ValueError(f"Float8BlockLinear runs on CUDA or CPU tensors, got a {device} tensor")
@@ -255,6 +256,6 @@ def float8_block_linear(x, weight, bias=None, config: Float8BlockConfig = None):
                                       torch.is_grad_enabled())
 
 
-__all__ = ["float8_block_linear", "add_bias", "fp8_gemms_backward", "quantize_input", "check_features",
-           "weight_block_tensor", "forward_operands", "dgrad_operands", "wgrad_operands",
+__all__ = ["float8_block_linear", "add_bias", "fp8_gemms_backward", "quantize_input",
+           "check_features", "weight_block_tensor", "forward_operands", "dgrad_operands", "wgrad_operands",
            "transposed", "weight_transposed"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from ... import _arrays
-from ...comm.agree import all_agree, fingerprint
 from ...formats import Block2D
 from ...layout import cdiv
 from ...ops import quantize, quantize_into
@@ -44,7 +43,7 @@ def recast(registry):
                            for _ in state.planes]
     split = registry.tile_split
     if split is None:
-        _check_ranks_agree(registry, entries)
+        registry.ensure_agreed("cast")   # before the first collective sized by them
         split = registry.tile_split = _split_tile_local(entries)
     local, other = split
     if local:
@@ -53,26 +52,6 @@ def recast(registry):
         cast_all(registry, other, _cast_mode_item)
     for state, fp, *_ in entries:
         state.cast_version = cast_version(state, fp)
-
-
-def _check_ranks_agree(registry, entries):
-    """Raise the same ValueError on every rank unless all ranks hold the same "cast" weights
-    (count, shapes, recipes, dtypes, FSDP2's chunk of rows): the casts that follow are
-    collectives sized by them (the tile-local scales' SUM all-reduce, the batched master
-    cast), which ranks that disagree would enter with other sizes or not at all. One small
-    all-reduce, once per registry (its weights are fixed once found)."""
-    layout = [(tuple(state.shape), repr(state.recipe), str(state.model_dtype),
-               str(local_of(fp)._planes[0].dtype), chunk)
-              for state, fp, start, count, chunk in entries]
-    comm = registry.comm(entries[0][1])
-    agreement = all_agree(comm, [len(layout), fingerprint(*layout)],
-                          reduce_max=comm.meta_all_reduce_max)
-    if not agreement.same():
-        raise ValueError(
-            f"FSDP2 FP8 weights (mode 'cast'): the ranks hold different converted weights "
-            f"({agreement.low[0]} to {agreement.high[0]} weights; this rank, rank "
-            f"{comm.rank}: {[shape for shape, *_ in layout]}); every rank must build the same "
-            f"model")
 
 
 def cast_version(state, fsdp_param):

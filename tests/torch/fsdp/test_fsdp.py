@@ -50,13 +50,15 @@ def test_fsdp_fp8_weights_four_ranks_uneven(rng):
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_fsdp_cast_ranks_with_other_layer_shapes_raise_on_every_rank(rng, n):
+def test_fsdp_ranks_with_other_layer_shapes_raise_on_every_rank(rng, n):
     # rank 0 builds 384 rows where the others build 512: every rank raises fp8blk's
-    # ValueError before the tile-scale all-reduce (which ranks would otherwise enter with
-    # other sizes or not at all: a hang on 4 ranks, an abort on 2); the launch's timeout
-    # turns a hang into a failure
-    out = _torchrun(n, rng, "mismatch:cast", timeout=120)
-    assert out.count("mismatch cast raised ValueError") == n, out[-8000:]
+    # ValueError at the first all-gather, before the tile-scale all-reduce (mode "cast") or
+    # FSDP2's all-gather (mode "primary"), which ranks would otherwise enter with other
+    # sizes or not at all (a hang or a gloo abort); the launch's timeout turns a hang into
+    # a failure
+    out = _torchrun(n, rng, "mismatch:cast", "mismatch:primary", timeout=150)
+    for mode in ("cast", "primary"):
+        assert out.count(f"mismatch {mode} raised ValueError") == n, out[-8000:]
 
 
 def test_bench_fsdp_runs_on_the_cpu(tmp_path):

@@ -51,9 +51,10 @@ def test_second_convert_with_another_config_raises_and_same_config_keeps():
     with pytest.raises(ValueError, match=r"layer '0' is a Float8BlockLinear with config"):
         convert_to_float8_block(model, e5m2)
     assert model[0].config == Float8BlockConfig()
-    # a filter leaving the converted layers out lets another config convert the rest
+    # a filter leaving the converted layers out lets another config convert the rest; the
+    # filter is asked about linear layers only (it may read their attributes)
     model.add_module("3", torch.nn.Linear(32, 32))
-    convert_to_float8_block(model, e5m2, lambda m, fqn: fqn == "3")
+    convert_to_float8_block(model, e5m2, lambda m, fqn: m.in_features == 32 and fqn == "3")
     assert model[3].config == e5m2 and model[0].config == Float8BlockConfig()
 
 

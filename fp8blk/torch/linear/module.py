@@ -98,13 +98,16 @@ def convert_to_float8_block(model: torch.nn.Module, config: Float8BlockConfig = 
     config = config_or_default(config, "convert_to_float8_block")
 
     def swap(module, fqn):
-        chosen = module_filter_fn is None or module_filter_fn(module, fqn)
-        if type(module) is torch.nn.Linear and chosen:
-            try:
-                return Float8BlockLinear.from_linear(module, config)
-            except ValueError as err:
-                raise ValueError(f"convert_to_float8_block: layer {fqn!r}: {err}") from None
-        if isinstance(module, Float8BlockLinear) and chosen and module.config != config:
+        linear = type(module) is torch.nn.Linear
+        if (linear or isinstance(module, Float8BlockLinear)) and (
+                module_filter_fn is None or module_filter_fn(module, fqn)):
+            if linear:
+                try:
+                    return Float8BlockLinear.from_linear(module, config)
+                except ValueError as err:
+                    raise ValueError(f"convert_to_float8_block: layer {fqn!r}: {err}") from None
+            if module.config == config:
+                return module
             raise ValueError(f"convert_to_float8_block: layer {fqn!r} is a Float8BlockLinear "
                              f"with config {module.config!r} already, this call's config is "
                              f"{config!r}; convert once, or leave the layer out with "

@@ -79,4 +79,17 @@ class Float8BlockConfig:
         return 32 if self.is_mxfp8 else 1
 
 
-__all__ = ["Float8BlockConfig"]
+def config_or_default(config, where: str) -> Float8BlockConfig:
+    """`config` itself, or the default Float8BlockConfig when it is None; a TypeError naming
+    `where` (the caller and argument) for anything else, e.g. a bare recipe or a dict."""
+    if config is None:
+        return Float8BlockConfig()
+    if not isinstance(config, Float8BlockConfig):
+        hint = (" (a recipe is one operand's: wrap it, e.g. Float8BlockConfig(activation=..., "
+                "weight=..., grad=...))" if isinstance(config, (Block1D, Block2D, MXFP8)) else "")
+        raise TypeError(f"{where}: config must be a fp8blk.torch.Float8BlockConfig or None, "
+                        f"got {config!r}{hint}")
+    return config
+
+
+__all__ = ["Float8BlockConfig", "config_or_default"]

@@ -52,12 +52,19 @@ class _RecomputedGate(torch.autograd.Function):
     def backward(ctx, dp):
         g, u = ctx.saved_tensors
         need = ctx.needs_input_grad[:2]
+        # grad mode on here means create_graph=True (double backward): recomputed on the
+        # saved inputs themselves, the gradients carry their graph back to g and u
+        create_graph = torch.is_grad_enabled()
         with torch.enable_grad():
-            gr = g.detach().requires_grad_(need[0])
-            ur = u.detach().requires_grad_(need[1])
+            if create_graph:
+                gr, ur = g, u
+            else:
+                gr = g.detach().requires_grad_(need[0])
+                ur = u.detach().requires_grad_(need[1])
             p = ctx.act(gr) * ur
             inputs = [t for t, n in ((gr, need[0]), (ur, need[1])) if n]
-            grads = iter(torch.autograd.grad(p, inputs, dp) if inputs else ())
+            grads = iter(torch.autograd.grad(p, inputs, dp, create_graph=create_graph)
+                         if inputs else ())
         return (next(grads) if need[0] else None), (next(grads) if need[1] else None), None
 
 

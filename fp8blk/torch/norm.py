@@ -102,12 +102,20 @@ class _RecomputedNorm(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         need = ctx.needs_input_grad[:2]
+        # grad mode on here means create_graph=True (double backward): the formula is
+        # recomputed on the saved inputs themselves, so the gradients it returns carry their
+        # graph back to x and the weight
+        create_graph = torch.is_grad_enabled()
         with torch.enable_grad():
-            xr = x.detach().requires_grad_(need[0])
-            wr = weight.detach().requires_grad_(need[1]) if weight is not None else None
+            if create_graph:
+                xr, wr = x, weight
+            else:
+                xr = x.detach().requires_grad_(need[0])
+                wr = weight.detach().requires_grad_(need[1]) if weight is not None else None
             y = FORMULAS[ctx.formula](xr, wr, ctx.eps)
             inputs = [t for t, n in ((xr, need[0]), (wr, need[1])) if n]
-            grads = iter(torch.autograd.grad(y, inputs, dy) if inputs else ())
+            grads = iter(torch.autograd.grad(y, inputs, dy, create_graph=create_graph)
+                         if inputs else ())
         return (next(grads) if need[0] else None), (next(grads) if need[1] else None), \
             None, None
 

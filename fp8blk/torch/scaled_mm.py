@@ -130,8 +130,13 @@ def check_operands(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype
     if out_dtype not in HIGH_DTYPES:
         raise TypeError(f"blockwise_scaled_mm: out_dtype must be torch.float32, bfloat16 or "
                         f"float16, got {out_dtype}")
+    for name, t in (("a", a), ("b", b), ("a_scale_inv", a_scale_inv),
+                    ("b_scale_inv", b_scale_inv)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"blockwise_scaled_mm: {name} must be a torch.Tensor, got "
+                            f"{type(t).__module__}.{type(t).__name__}")
     for name, t in (("a", a), ("b", b)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+        if t.dim() != 2:
             raise ValueError(f"blockwise_scaled_mm: {name} must be a 2-D tensor (rows, K), got "
                              f"{getattr(t, 'shape', type(t).__name__)}")
         if t.dtype not in FP8_DTYPES:

@@ -54,10 +54,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..comm import TorchComm, gather_along_first_dim
+from ..comm.agree import all_agree, fingerprint
 from .linear import Float8BlockLinear
 from .linear.dtensor import dtensor_forward  # noqa: F401 (re-exported)
-from .linear.functional import (forward_operands, fp8_gemms_backward, quantize_input,
-                                transposed, weight_block_tensor)
+from .linear.functional import (add_bias, forward_operands, fp8_gemms_backward,
+                                quantize_input, transposed, weight_block_tensor)
 from .quantize_ops import block_tensor_buffers
 from .scaled_mm import blockwise_scaled_mm
 
@@ -78,7 +79,7 @@ def _save_for_backward(ctx, x, weight, bias, qx, qw, cfg, comm, need_wgrad):
 
 class _ColwiseSPFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, cfg, comm):
+    def forward(ctx, x, weight, bias, cfg, comm, out_dtype):
         k = x.shape[-1]
         x2d = x.reshape(-1, k).contiguous()
         need_wgrad = weight.requires_grad
@@ -89,9 +90,9 @@ class _ColwiseSPFn(torch.autograd.Function):
                                        sizes=[x2d.shape[0]] * comm.size)
         qx = block_tensor_buffers(qx)
         qw = weight_block_tensor(weight, cfg, True, False)
-        y = blockwise_scaled_mm(*forward_operands(qx, qw, cfg), out_dtype=x.dtype)
+        y = blockwise_scaled_mm(*forward_operands(qx, qw, cfg), out_dtype=out_dtype)
         if bias is not None:
-            y = y + bias.to(y.dtype)
+            y = add_bias(y, bias)
         _save_for_backward(ctx, x, weight, bias, qx, qw, cfg, comm, need_wgrad)
         if y.shape[0] != x2d.shape[0] * comm.size:   # the reduce-scatter splits evenly
             raise ValueError(f"sequence parallelism needs the same token count on every rank; "
@@ -99,6 +100,7 @@ class _ColwiseSPFn(torch.autograd.Function):
         return y.reshape(x.shape[0] * comm.size, *x.shape[1:-1], y.shape[-1])
 
     @staticmethod
+    @torch.autograd.function.once_differentiable      # first-order only, as the layer's
     def backward(ctx, dy):
         xt_d, xt_s, weight = ctx.saved_tensors
         qw = weight_block_tensor(weight, ctx.cfg, False, True)
@@ -110,12 +112,12 @@ class _ColwiseSPFn(torch.autograd.Function):
         if dx is not None:
             dx = ctx.comm.reduce_scatter(dx).reshape(x_shape)
         dbias = dy2d.sum(0) if has_bias and ctx.needs_input_grad[2] else None
-        return dx, dw, dbias, None, None
+        return dx, dw, dbias, None, None, None
 
 
 class _RowwiseSPFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, cfg, comm):
+    def forward(ctx, x, weight, bias, cfg, comm, out_dtype):
         k = x.shape[-1]
         x2d = x.reshape(-1, k).contiguous()
         if x2d.shape[0] % comm.size:
@@ -124,14 +126,15 @@ class _RowwiseSPFn(torch.autograd.Function):
         need_wgrad = weight.requires_grad
         qx = quantize_input(x2d, cfg.activation, need_wgrad)
         qw = weight_block_tensor(weight, cfg, True, False)
-        partial = blockwise_scaled_mm(*forward_operands(qx, qw, cfg), out_dtype=x.dtype)
+        partial = blockwise_scaled_mm(*forward_operands(qx, qw, cfg), out_dtype=out_dtype)
         y = comm.reduce_scatter(partial)
         if bias is not None:
-            y = y + bias.to(y.dtype)
+            y = add_bias(y, bias)
         _save_for_backward(ctx, x, weight, bias, qx, qw, cfg, comm, need_wgrad)
         return y.reshape(x.shape[0] // comm.size, *x.shape[1:-1], y.shape[-1])
 
     @staticmethod
+    @torch.autograd.function.once_differentiable      # first-order only, as the layer's
     def backward(ctx, dy):
         xt_d, xt_s, weight = ctx.saved_tensors
         qw = weight_block_tensor(weight, ctx.cfg, False, True)
@@ -154,7 +157,7 @@ class _RowwiseSPFn(torch.autograd.Function):
         if has_bias and ctx.needs_input_grad[2]:
             dbias = dy2d.sum(0)
             comm.all_reduce(dbias)
-        return dx, dw, dbias, None, None
+        return dx, dw, dbias, None, None, None
 
 
 # id(group) -> TorchComm, held weakly: a module-level strong reference would keep every group
@@ -180,14 +183,39 @@ class _SequenceParallel:
     def __init__(self, fn, mesh):
         self.fn, self.mesh = fn, mesh
         self.comm = comm_for(mesh)
+        self.shapes = set()          # local input shapes every rank was found to hold
 
     def forward(self, layer, x):
         if isinstance(x, DTensor):
             raise TypeError("fp8blk's sequence-parallel styles take plain local tensors "
                             "(the rank's sequence shard), not DTensors")
+        if x.dim() < 2:
+            raise ValueError(f"fp8blk's sequence-parallel styles take (S/tp, ..., K) or "
+                             f"(S, ..., K/tp) inputs, got shape {tuple(x.shape)}")
+        self.check_shape(tuple(x.shape))
         w, b = layer.weight, layer.bias
+        # under torch.autocast the output takes the autocast dtype, as the unsharded layer's
+        device = x.device.type
+        out_dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+                     else x.dtype)
         return self.fn.apply(x, w.to_local(), None if b is None else b.to_local(),
-                             layer.config, self.comm)
+                             layer.config, self.comm, out_dtype)
+
+    def check_shape(self, shape):
+        """Every rank must hold an input of the same shape: each rank reshapes the gathered
+        (or reduce-scattered) tokens with its own (sequence, batch) split, so equal token
+        counts in other splits would give wrong outputs silently. Checked with one small
+        all-reduce the first time a layer sees a shape (every rank raises when they differ);
+        a rank changing its split while the others keep a checked one is not caught."""
+        if shape in self.shapes:
+            return
+        agreement = all_agree(self.comm, [fingerprint(shape)],
+                              reduce_max=self.comm.meta_all_reduce_max)
+        if not agreement.same():
+            raise ValueError(f"fp8blk's sequence-parallel styles need the same local input "
+                             f"shape on every rank; the ranks hold different ones (this rank "
+                             f"{shape}, rank {self.comm.rank} of {self.comm.size})")
+        self.shapes.add(shape)
 
 
 class _Float8BlockSequenceParallel(ParallelStyle):

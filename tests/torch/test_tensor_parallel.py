@@ -45,6 +45,15 @@ def test_sequence_parallel_fp8_gather_and_fallback(rng):
     assert "gather path fast" in out and "gather path fallback" in out
 
 
+def test_sequence_parallel_shape_check_and_autocast(rng):
+    # mismatched (sequence, batch) splits raise on every rank (no wrong output, no hang:
+    # the launch has a hard timeout); autocast gives the unsharded layer's dtype and bytes
+    code, out = _torchrun(_seed(rng), "sp_shapes", "autocast", timeout=120)
+    assert code == 0, out[-6000:]
+    assert out.count("CASE sp_shapes OK") == 2 and out.count("CASE autocast OK") == 2, \
+        out[-6000:]
+
+
 @pytest.mark.gpu
 def test_tp_and_sp_parity_on_two_gpus(rng):
     # NCCL, one GPU per rank, GPU tolerances (see scripts/tp_parity.py); needs 2 GPUs

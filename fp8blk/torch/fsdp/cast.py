@@ -43,6 +43,7 @@ def recast(registry):
                            for _ in state.planes]
     split = registry.tile_split
     if split is None:
+        registry.ensure_agreed("cast")   # before the first collective sized by them
         split = registry.tile_split = _split_tile_local(entries)
     local, other = split
     if local:

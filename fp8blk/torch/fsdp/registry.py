@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ... import reference, scaling
+from ...comm.agree import all_agree, fingerprint
 from ...formats import Block2D
 from .cast import cast_version, recast
 from .state import local_of, shard_place
@@ -32,6 +33,7 @@ class Registry:
         self._entries = {}  # mode -> its entries, once FSDP2 manages every weight of it
         self.tile_split = None  # mode "cast": (tile-local entries, the others), once found
         self.tile_pack = None   # mode "cast": the tile-local weights' packed scales
+        self.agreed = set()     # the modes whose weights every rank was found to hold alike
 
     def __deepcopy__(self, memo):
         """A registry of the copied states (see WeightState.__deepcopy__), its FSDP2 lookups
@@ -44,6 +46,7 @@ class Registry:
         new.states = copy.deepcopy(self.states, memo)
         new._fsdp, new._comms, new._entries = {}, {}, {}
         new.tile_split = new.tile_pack = None
+        new.agreed = set()
         return new
 
     def fsdp_of(self, state):
@@ -97,6 +100,31 @@ class Registry:
             state.shard_place = out[-1][2:4]
         self._entries[mode] = out
         return out
+
+    def ensure_agreed(self, mode):
+        """Raise the same ValueError on every rank unless all ranks hold the same weights of
+        `mode` (count, shapes, recipes, dtypes, FSDP2's chunk of rows): the collectives that
+        follow (mode "cast": the tile-local scales' SUM all-reduce or the batched master
+        cast; both modes: FSDP2's all-gather of the bytes) are sized by them, and ranks that
+        disagree would enter them with other sizes or not at all. One small all-reduce, at
+        the first all-gather of the mode (its weights are fixed once found)."""
+        if mode in self.agreed:
+            return
+        entries = self.entries(mode)
+        if entries:
+            layout = [(tuple(state.shape), repr(state.recipe), str(state.model_dtype),
+                       str(local_of(fp)._planes[0].dtype), chunk)
+                      for state, fp, start, count, chunk in entries]
+            comm = self.comm(entries[0][1])
+            agreement = all_agree(comm, [len(layout), fingerprint(*layout)],
+                                  reduce_max=comm.meta_all_reduce_max)
+            if not agreement.same():
+                raise ValueError(
+                    f"FSDP2 FP8 weights (mode {mode!r}): the ranks hold different converted "
+                    f"weights ({agreement.low[0]} to {agreement.high[0]} weights; this rank, "
+                    f"rank {comm.rank}: {[shape for shape, *_ in layout]}); every rank must "
+                    f"build the same model")
+        self.agreed.add(mode)
 
     def ensure_cast(self, state):
         """Mode "cast", in the pre-all-gather hook (which reaches it through the registry:

@@ -375,6 +375,9 @@ class Float8BlockPrimaryWeight(PlaneWeight):
 
     def _local_bytes(self, chunk, index):
         planes = self._planes
+        registry = self._state.registry
+        if registry is not None:                 # (a weight made by prepare_fsdp_fp8)
+            registry.ensure_agreed("primary")    # before FSDP2's all-gather
         return tuple([_padded_rows(planes[i], chunk) for i in index])
 
     def high_precision(self) -> torch.Tensor:

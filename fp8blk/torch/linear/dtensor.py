@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ...layout import c_strides
-from .functional import float8_block_linear
+from .functional import add_bias, float8_block_linear
 
 
 def is_dtensor(t) -> bool:
@@ -66,7 +66,12 @@ def dtensor_forward(layer, x):
         y = float8_block_linear(x_local, w.to_local(), None, cfg)
         y = DTensor.from_local(y, mesh, [Partial()], run_check=False)
         if b is not None:
-            y = y.redistribute(mesh, [Replicate()]) + b
+            # the bias rounded to y's dtype first (the autocast dtype under autocast), as
+            # the unsharded layer adds it: on the local tensors, since the compiled rounding
+            # op has no DTensor sharding rule
+            y = y.redistribute(mesh, [Replicate()])
+            y = DTensor.from_local(add_bias(y.to_local(), b.to_local()), mesh, [Replicate()],
+                                   run_check=False)
         return y
     if p.is_replicate():
         x_local = x.to_local() if isinstance(x, DTensor) else x

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ...formats import MXFP8
-from ..config import Float8BlockConfig
+from ..config import Float8BlockConfig, config_or_default
 from ..dtypes import HIGH_DTYPES, fp8_dtype
 from ..quantize_ops import (block2d_columnwise, block_tensor_buffers, mxfp8_columnwise_as_rows,
                             quantize_buffers)
@@ -48,6 +48,27 @@ def weight_block_tensor(weight, config: Float8BlockConfig, rowwise: bool, column
         raise TypeError(f"Float8BlockLinear: weight dtype must be float32, bfloat16 or float16, "
                         f"got {w.dtype}")
     return quantize_buffers(w.contiguous(), config.weight, rowwise, columnwise)
+
+
+@torch.library.custom_op("fp8blk::cast_to", mutates_args=())
+def _cast_to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype)
+
+
+@_cast_to.register_fake
+def _cast_to_fake(t, dtype):
+    return torch.empty_like(t, dtype=dtype)
+
+
+def add_bias(y, bias):
+    """``y + bias.to(y.dtype)``: the bias rounded to y's dtype (the autocast dtype under
+    autocast), then added. Compiled, the rounding is an op of its own (``fp8blk::cast_to``):
+    inductor fuses a ``.to`` into the add that follows and skips the rounding (its
+    ``emulate_precision_casts`` is off by default), which would give other bytes than eager."""
+    if bias.dtype != y.dtype:
+        bias = (torch.ops.fp8blk.cast_to(bias, y.dtype) if _compiling()
+                else bias.to(y.dtype))
+    return y + bias
 
 
 # operand selection of each GEMM: one function each, so tests can check (and plant bugs in)
@@ -154,7 +175,7 @@ class _Float8BlockLinearFn(torch.autograd.Function):
                     qx = quantize_buffers(x2d, cfg.activation, False, True)
             qx_t = transposed(qx, cfg.activation) if need_wgrad else (None, None)
         if bias is not None:
-            y = y + bias.to(y.dtype)
+            y = add_bias(y, bias)
         # saved: x's columnwise FP8 buffers and W (a parameter: held anyway), no activation in
         # high precision
         ctx.save_for_backward(qx_t[0], qx_t[1], weight)
@@ -166,7 +187,11 @@ class _Float8BlockLinearFn(torch.autograd.Function):
             return y
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
+    # first-order only: the FP8 backward has no graph of its own, so a second-order graph
+    # (create_graph=True, e.g. a gradient penalty) raises when it is differentiated
+    # ("once_differentiable") instead of losing this layer's part silently
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         xt_d, xt_s, weight = ctx.saved_tensors
         x_shape, x_dtype, w_dtype, has_bias = ctx.shapes
@@ -202,15 +227,26 @@ def float8_block_linear(x, weight, bias=None, config: Float8BlockConfig = None):
     """Functional form: ``F.linear(x, weight, bias)`` with the FP8 GEMMs described above.
     x (..., K) float32/bfloat16/float16; weight (N, K); bias (N,) or None. The output has x's
     dtype (the autocast dtype under ``torch.autocast``), dx x's dtype, dW the weight's."""
-    config = config or Float8BlockConfig()
+    config = config_or_default(config, "float8_block_linear")
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"float8_block_linear: {name} must be a torch.Tensor, got "
+                            f"{type(t).__name__}")
+    if x.dim() == 0:
+        raise ValueError("Float8BlockLinear: input must have at least 1 dimension (..., "
+                         "in_features), got a 0-d tensor")
+    if weight.dim() != 2:
+        raise ValueError(f"Float8BlockLinear: weight must be 2-D (out_features, in_features), "
+                         f"got shape {tuple(weight.shape)}")
     if x.dtype not in HIGH_DTYPES:
         raise TypeError(f"Float8BlockLinear: input dtype must be float32, bfloat16 or float16, "
                         f"got {x.dtype}")
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"Float8BlockLinear: input has {x.shape[-1]} features, the weight "
                          f"expects {weight.shape[-1]}")
-    # under torch.autocast the output takes the autocast dtype, as F.linear's would; the
-    # quantized operands do not care which high-precision dtype they came from
+    # under torch.autocast the output takes the autocast dtype, as F.linear's would, while x
+    # and W are quantized in their own dtype, not cast to it first (TransformerEngine's
+    # rule, docs/torch.md)
     device = x.device.type
     if device not in ("cuda", "cpu"):
         raise ValueError(f"Float8BlockLinear runs on CUDA or CPU tensors, got a {device} tensor")
@@ -220,6 +256,6 @@ def float8_block_linear(x, weight, bias=None, config: Float8BlockConfig = None):
                                       torch.is_grad_enabled())
 
 
-__all__ = ["float8_block_linear", "fp8_gemms_backward", "quantize_input", "check_features",
-           "weight_block_tensor", "forward_operands", "dgrad_operands", "wgrad_operands",
+__all__ = ["float8_block_linear", "add_bias", "fp8_gemms_backward", "quantize_input",
+           "check_features", "weight_block_tensor", "forward_operands", "dgrad_operands", "wgrad_operands",
            "transposed", "weight_transposed"]

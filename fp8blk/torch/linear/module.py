@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import Float8BlockConfig
+from ..config import Float8BlockConfig, config_or_default
 from .dtensor import dtensor_forward, is_dtensor
 from .functional import check_features, float8_block_linear
 
@@ -22,7 +22,7 @@ class Float8BlockLinear(torch.nn.Linear):
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None,
                  config: Float8BlockConfig = None):
-        config = config or Float8BlockConfig()
+        config = config_or_default(config, "Float8BlockLinear")
         check_features(in_features, out_features, config)
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.config = config
@@ -31,7 +31,10 @@ class Float8BlockLinear(torch.nn.Linear):
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, config: Float8BlockConfig = None):
         """A Float8BlockLinear sharing ``linear``'s parameters (no copy)."""
-        config = config or Float8BlockConfig()
+        config = config_or_default(config, "Float8BlockLinear.from_linear")
+        if not isinstance(linear, torch.nn.Linear):
+            raise TypeError(f"Float8BlockLinear.from_linear: linear must be a torch.nn.Linear, "
+                            f"got {type(linear).__name__}")
         check_features(linear.in_features, linear.out_features, config)
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, linear.bias is not None,
@@ -84,16 +87,32 @@ def convert_to_float8_block(model: torch.nn.Module, config: Float8BlockConfig = 
     for ones keeping only their input between the passes (``fp8blk.torch.norm``).
     ``gated_mlps``: SwiGLU MLPs swapped for ones not keeping the activation's output
     (``fp8blk.torch.mlp``). Both keep the state dict and give the same bytes, but for the
-    norms' input gradients (within a rounding bound: ``fp8blk.torch.norm``)."""
-    config = config or Float8BlockConfig()
+    norms' input gradients (within a rounding bound: ``fp8blk.torch.norm``).
+
+    A model converted before may be converted again with the same config (its
+    Float8BlockLinears are kept); a Float8BlockLinear with another config raises a ValueError
+    naming it (a layer's config is fixed once it is built: its plans, FSDP2 weight and
+    sequence-parallel style follow it), unless ``module_filter_fn`` leaves it out."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"convert_to_float8_block: model must be a torch.nn.Module, got "
+                        f"{type(model).__name__}")
+    config = config_or_default(config, "convert_to_float8_block")
 
     def swap(module, fqn):
-        if type(module) is torch.nn.Linear and (module_filter_fn is None
-                                                or module_filter_fn(module, fqn)):
-            try:
-                return Float8BlockLinear.from_linear(module, config)
-            except ValueError as err:
-                raise ValueError(f"convert_to_float8_block: layer {fqn!r}: {err}") from None
+        linear = type(module) is torch.nn.Linear
+        if (linear or isinstance(module, Float8BlockLinear)) and (
+                module_filter_fn is None or module_filter_fn(module, fqn)):
+            if linear:
+                try:
+                    return Float8BlockLinear.from_linear(module, config)
+                except ValueError as err:
+                    raise ValueError(f"convert_to_float8_block: layer {fqn!r}: {err}") from None
+            if module.config == config:
+                return module
+            raise ValueError(f"convert_to_float8_block: layer {fqn!r} is a Float8BlockLinear "
+                             f"with config {module.config!r} already, this call's config is "
+                             f"{config!r}; convert once, or leave the layer out with "
+                             f"module_filter_fn")
         for name, child in list(module.named_children()):
             new = swap(child, f"{fqn}.{name}" if fqn else name)
             if new is not child:

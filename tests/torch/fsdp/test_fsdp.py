@@ -49,6 +49,18 @@ def test_fsdp_fp8_weights_four_ranks_uneven(rng):
               "cast:mxfp8:1", "ffn_tp")
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_fsdp_ranks_with_other_layer_shapes_raise_on_every_rank(rng, n):
+    # rank 0 builds 384 rows where the others build 512: every rank raises fp8blk's
+    # ValueError at the first all-gather, before the tile-scale all-reduce (mode "cast") or
+    # FSDP2's all-gather (mode "primary"), which ranks would otherwise enter with other
+    # sizes or not at all (a hang or a gloo abort); the launch's timeout turns a hang into
+    # a failure
+    out = _torchrun(n, rng, "mismatch:cast", "mismatch:primary", timeout=150)
+    for mode in ("cast", "primary"):
+        assert out.count(f"mismatch {mode} raised ValueError") == n, out[-8000:]
+
+
 def test_bench_fsdp_runs_on_the_cpu(tmp_path):
     """The FSDP2 benchmark's own code (four cases built up front, interleaved timed steps, the
     byte checks after every all-gather, the hook and cast breakdown, the JSON) on 2 gloo

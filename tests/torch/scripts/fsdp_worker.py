@@ -502,6 +502,30 @@ def check_errors(ws, rank, mesh):
     print(f"rank {rank}: errors OK", flush=True)
 
 
+def check_mismatch(mode, ws, rank, mesh):
+    """Rank 0 builds a layer with 384 rows, the others 512: the first forward raises a clear
+    error on every rank (fp8blk's layout agreement at the first all-gather: in mode "cast"
+    before the scale all-reduce, in mode "primary" before FSDP2's all-gather), never a hang."""
+    rows = 384 if rank == 0 else 512
+    model = torch.nn.Sequential(torch.nn.Linear(256, rows, bias=False),
+                                torch.nn.Linear(rows, 128, bias=False))
+    convert_to_float8_block(model)
+    F.prepare_fsdp_fp8(model, mode=mode)
+    for lin in model:
+        fully_shard(lin, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    try:
+        model(torch.randn(16, 256))
+    except (ValueError, RuntimeError) as err:
+        text = str(err)
+        if "ranks hold different converted weights" not in text:
+            raise
+        print(f"rank {rank}: mismatch {mode} raised {type(err).__name__}: "
+              f"{text.splitlines()[0][:200]}", flush=True)
+    else:
+        raise AssertionError(f"mode {mode}: ranks with other layer shapes were accepted")
+
+
 def check_ffn(world, rank, seed, tp):
     """The FSDP2 parity of the FeedForward of tests/torch/_parity.py (w1, w2, out_proj
     with biases), fully_shard on each projection and on the parent, FP8 weights (mode cast,
@@ -611,6 +635,8 @@ def case(spec, ws, rank, mesh, seed):
         check_compile(ws, rank, mesh, seed)
     elif spec == "meta":
         check_meta_init(ws, rank, mesh, seed)
+    elif spec.startswith("mismatch:"):
+        check_mismatch(spec.split(":")[1], ws, rank, mesh)
     elif spec in ("ffn", "ffn_tp"):
         check_ffn(ws, rank, seed, spec == "ffn_tp")
     else:

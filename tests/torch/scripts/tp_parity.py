@@ -7,6 +7,12 @@ under torchrun, 2 ranks). Usage: tp_parity.py SEED CASE [CASE ...], CASE one of
   sp_fast       fp8blk's sequence-parallel styles, local tokens a multiple of 128 (FP8 gather)
   sp_fallback   the same with local tokens not a multiple of 128 (high-precision fallback)
   plant:NAME    the tp case with a planted bug (see _parity.set_plant): must FAIL
+  sp_shapes     ranks holding equal token counts in other (sequence, batch) splits, (64, 2)
+                and (128, 1): both SP styles raise a ValueError on every rank; then double
+                backward through each style raises (once_differentiable)
+  autocast      under bf16 autocast (fp32 parameters): the SP column-wise layer's output is
+                bf16 and equals the unsharded layer's columns bit for bit; torch's
+                RowwiseParallel with a bias returns bf16 too
 
 Each case runs an unsharded reference FeedForward (the same FP8 math, the same inputs) and
 the sharded copy, and compares forward outputs, the loss, input and parameter gradients, and
@@ -257,6 +263,57 @@ def run_compile(seed, rank, world, mesh):
             same(got, want, f"compile {'sp' if sp else 'tp'} tensor {i}")
 
 
+def run_sp_shapes(seed, rank, world, mesh):
+    for style in (Float8BlockColwiseSequenceParallel, Float8BlockRowwiseSequenceParallel):
+        model = convert_to_float8_block(torch.nn.Sequential(torch.nn.Linear(256, 256)))
+        parallelize_module(model, mesh, {"0": style()})
+        k = 256 if style is Float8BlockColwiseSequenceParallel else 256 // world
+        shape = (64, 2, k) if rank == 0 else (128, 1, k)
+        x = torch.randn(shape, device=DEVICE)
+        try:
+            model(x)
+        except ValueError as err:
+            assert "same local input shape on every rank" in str(err), err
+        else:
+            raise AssertionError(f"{style.__name__}: mismatched shapes were accepted")
+        # the same layer still runs once every rank holds the same shape
+        x = torch.randn((64, 2, k), device=DEVICE, requires_grad=True)
+        y = model(x)
+        assert y.shape[1] == 2, y.shape
+        # first-order only: a second-order graph through the layer raises, never a
+        # gradient without its graph
+        gx, = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+        assert gx.requires_grad, f"{style.__name__}: the input gradient lost its graph"
+        try:
+            gx.square().sum().backward()
+        except RuntimeError as err:
+            assert "once_differentiable" in str(err), err
+        else:
+            raise AssertionError(f"{style.__name__}: double backward did not raise")
+
+
+def run_autocast(seed, rank, world, mesh):
+    gen = torch.Generator().manual_seed(seed)
+    ref = convert_to_float8_block(torch.nn.Sequential(torch.nn.Linear(256, 512)))
+    init_spread_(ref, gen)
+    ref.to(DEVICE)
+    model = copy.deepcopy(ref)
+    parallelize_module(model, mesh, {"0": Float8BlockColwiseSequenceParallel()})
+    x = spread((64 * world, 2, 256), gen).to(DEVICE)
+    with torch.autocast(DEVICE, torch.bfloat16):
+        want = ref(x)
+        got = model(x[rank * 64:(rank + 1) * 64])
+    assert want.dtype == got.dtype == torch.bfloat16, (want.dtype, got.dtype)
+    cols = slice(rank * 512 // world, (rank + 1) * 512 // world)
+    same(got, want[..., cols], "autocast SP column-wise output")
+    row = convert_to_float8_block(torch.nn.Sequential(torch.nn.Linear(256, 256)))
+    row.to(DEVICE)
+    parallelize_module(row, mesh, {"0": RowwiseParallel()})
+    with torch.autocast(DEVICE, torch.bfloat16):
+        y = row(torch.randn(8, 256 // world, device=DEVICE))    # the local Shard(-1)
+    assert y.dtype == torch.bfloat16, y.dtype
+
+
 def main():
     seed, cases = int(sys.argv[1]), sys.argv[2:]
     dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
@@ -281,6 +338,10 @@ def main():
         try:
             if case == "compile":
                 run_compile(seed, rank, world, mesh)
+            elif case == "sp_shapes":
+                run_sp_shapes(seed, rank, world, mesh)
+            elif case == "autocast":
+                run_autocast(seed, rank, world, mesh)
             else:
                 run_case(case, seed, rank, world, mesh)
             print(f"CASE {case} OK", flush=True)

@@ -38,6 +38,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .recompute import recomputed_grads
+
 _compiling = torch.compiler.is_compiling
 
 
@@ -51,21 +53,9 @@ class _RecomputedGate(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dp):
         g, u = ctx.saved_tensors
-        need = ctx.needs_input_grad[:2]
-        # grad mode on here means create_graph=True (double backward): recomputed on the
-        # saved inputs themselves, the gradients carry their graph back to g and u
-        create_graph = torch.is_grad_enabled()
-        with torch.enable_grad():
-            if create_graph:
-                gr, ur = g, u
-            else:
-                gr = g.detach().requires_grad_(need[0])
-                ur = u.detach().requires_grad_(need[1])
-            p = ctx.act(gr) * ur
-            inputs = [t for t, n in ((gr, need[0]), (ur, need[1])) if n]
-            grads = iter(torch.autograd.grad(p, inputs, dp, create_graph=create_graph)
-                         if inputs else ())
-        return (next(grads) if need[0] else None), (next(grads) if need[1] else None), None
+        dg, du = recomputed_grads(lambda g, u: ctx.act(g) * u, (g, u),
+                                  ctx.needs_input_grad[:2], dp)
+        return dg, du, None
 
 
 class _SiluGate(torch.autograd.Function):
@@ -81,6 +71,9 @@ class _SiluGate(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dp):
         g, u = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: aten.silu_backward has no derivative
+            return recomputed_grads(lambda g, u: F.silu(g) * u, (g, u),
+                                    ctx.needs_input_grad[:2], dp)
         dg = du = None
         if ctx.needs_input_grad[1]:
             du = dp * F.silu(g)

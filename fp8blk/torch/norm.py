@@ -68,6 +68,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .recompute import recomputed_grads
+
 _compiling = torch.compiler.is_compiling
 
 
@@ -101,23 +103,9 @@ class _RecomputedNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        need = ctx.needs_input_grad[:2]
-        # grad mode on here means create_graph=True (double backward): the formula is
-        # recomputed on the saved inputs themselves, so the gradients it returns carry their
-        # graph back to x and the weight
-        create_graph = torch.is_grad_enabled()
-        with torch.enable_grad():
-            if create_graph:
-                xr, wr = x, weight
-            else:
-                xr = x.detach().requires_grad_(need[0])
-                wr = weight.detach().requires_grad_(need[1]) if weight is not None else None
-            y = FORMULAS[ctx.formula](xr, wr, ctx.eps)
-            inputs = [t for t, n in ((xr, need[0]), (wr, need[1])) if n]
-            grads = iter(torch.autograd.grad(y, inputs, dy, create_graph=create_graph)
-                         if inputs else ())
-        return (next(grads) if need[0] else None), (next(grads) if need[1] else None), \
-            None, None
+        dx, dw = recomputed_grads(lambda x, w: FORMULAS[ctx.formula](x, w, ctx.eps),
+                                  (x, weight), ctx.needs_input_grad[:2], dy)
+        return dx, dw, None, None
 
 
 class _HFNorm(torch.autograd.Function):
@@ -127,12 +115,19 @@ class _HFNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
         r = torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)
+        ctx.eps = eps
         ctx.save_for_backward(x, weight, r)
         return weight * _normalized(x, r)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, r = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            # create_graph=True (double backward): autograd's gradients of the formula, which
+            # carry their graph (the analytic form below writes into out= buffers)
+            dx, dw = recomputed_grads(lambda x, w: FORMULAS["hf"](x, w, ctx.eps), (x, weight),
+                                      ctx.needs_input_grad[:2], dy)
+            return dx, dw, None
         dx = dw = None
         if ctx.needs_input_grad[0]:
             g = dy * weight.to(torch.float32)            # fp32, one rounding

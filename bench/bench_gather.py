@@ -40,17 +40,15 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import cupy
+import numpy as np
+import torch
 
-import cupy  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-import fp8blk as fb  # noqa: E402
-from fp8blk.comm.gather import arrays, fixup, lane, lookup, paths  # noqa: E402
-from fp8blk.comm.gather.plan import STAGED  # noqa: E402
-from fp8blk.layout import all_layouts  # noqa: E402
-from fp8blk.ops import quantize_into  # noqa: E402
+import fp8blk as fb
+from fp8blk.comm.gather import arrays, fixup, lane, lookup, paths
+from fp8blk.comm.gather.plan import STAGED
+from fp8blk.layout import all_layouts
+from fp8blk.ops import quantize_into
 
 K = 4096
 

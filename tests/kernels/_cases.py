@@ -4,6 +4,7 @@ import ml_dtypes
 import numpy as np
 
 import fp8blk as fb
+from tests._same import same_bytes  # noqa: F401  (the kernel tests' byte check)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = {"f32": np.dtype(np.float32), "bf16": BF16, "f16": np.dtype(np.float16)}
@@ -44,23 +45,6 @@ def make_input(rng, shape, dtype, specials=True):
                                             )[: min(k, 6)]
     with np.errstate(over="ignore"):
         return x.astype(dtype)
-
-
-def same_bytes(got, want):
-    """None if equal byte for byte (shape and dtype too), else a message."""
-    if got is None or want is None:
-        return None if got is None and want is None else f"one is None: {got!r} vs {want!r}"
-    got = np.asarray(got)
-    if got.shape != want.shape:
-        return f"shape {got.shape} != {want.shape}"
-    if got.dtype.itemsize != want.dtype.itemsize:
-        return f"dtype {got.dtype} != {want.dtype}"
-    g = np.ascontiguousarray(got).view(np.uint8).reshape(-1)
-    w = np.ascontiguousarray(want).view(np.uint8).reshape(-1)
-    bad = np.flatnonzero(g != w)
-    if bad.size == 0:
-        return None
-    return f"{bad.size} bytes differ, first at byte {bad[:5]}: got {g[bad[:5]]} want {w[bad[:5]]}"
 
 
 RECIPES = {

@@ -96,6 +96,7 @@ import time
 
 import torch
 
+from bench.bench_linear import sleep_ms
 from fp8blk.torch import convert_to_float8_block
 from fp8blk.torch.mlp import convert_gated_mlps
 from fp8blk.torch.norm import convert_norms
@@ -267,22 +268,9 @@ def time_steps(step, steps, device):
     return ms, cpu
 
 
-_cycles_per_ms = []
 
 
-def _gpu_sleep(ms):
-    if not _cycles_per_ms:
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        torch.cuda._sleep(20_000_000)
-        b.record()
-        b.synchronize()
-        _cycles_per_ms.append(20_000_000 / a.elapsed_time(b))
-    torch.cuda._sleep(int(ms * _cycles_per_ms[0]))
-
-
-def host_ms(step, device, sleep_ms, repeats=3):
+def host_ms(step, device, sleep, repeats=3):
     """Median host wall ms to issue one step with the GPU kept busy by a sleep queued first
     (CUDA); on the CPU, None (the host is the device)."""
     if device.type != "cuda":
@@ -290,7 +278,7 @@ def host_ms(step, device, sleep_ms, repeats=3):
     out = []
     for _ in range(repeats):
         torch.cuda.synchronize()
-        _gpu_sleep(sleep_ms)
+        sleep_ms(sleep)
         t0 = time.perf_counter()
         step()
         out.append((time.perf_counter() - t0) * 1e3)
@@ -524,7 +512,7 @@ def run_case(arch, variant, mode, args, device):
     if device.type == "cuda":
         case["peak_bytes"] = torch.cuda.max_memory_allocated() - base
         sleep = 1.5 * case["step_ms"] + 50
-        case["host_ms"] = host_ms(step, device, sleep_ms=sleep)
+        case["host_ms"] = host_ms(step, device, sleep)
         # a host that waited for the GPU within the step would have waited out the sleep
         case["host_ms_waited_for_gpu"] = case["host_ms"] >= 0.9 * sleep
     if args.breakdown and device.type == "cuda":

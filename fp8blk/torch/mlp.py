@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .recompute import recomputed_grads
+from .recompute import recomputed_grads, swap_children
 
 _compiling = torch.compiler.is_compiling
 
@@ -156,18 +156,8 @@ def convert_gated_mlps(model: torch.nn.Module, module_filter_fn=None) -> int:
     """Swap every gated MLP inside `model` (module docstring) for a
     :class:`Float8BlockGatedMLP`, in place; ``module_filter_fn(module, fqn) -> bool`` chooses
     which. Returns the number swapped."""
-    count = 0
-    for fqn, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            full = f"{fqn}.{name}" if fqn else name
-            if isinstance(child, Float8BlockGatedMLP) or (
-                    module_filter_fn is not None and not module_filter_fn(child, full)):
-                continue
-            new = Float8BlockGatedMLP.from_mlp(child)
-            if new is not None:
-                setattr(parent, name, new)
-                count += 1
-    return count
+    return swap_children(model, Float8BlockGatedMLP.from_mlp, Float8BlockGatedMLP,
+                         module_filter_fn)
 
 
 __all__ = ["Float8BlockGatedMLP", "convert_gated_mlps"]

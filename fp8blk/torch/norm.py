@@ -68,7 +68,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .recompute import recomputed_grads
+from .recompute import recomputed_grads, swap_children
 
 _compiling = torch.compiler.is_compiling
 
@@ -222,18 +222,8 @@ def convert_norms(model: torch.nn.Module, module_filter_fn=None, exact_grad: boo
     sharing its weight, in place; ``module_filter_fn(module, fqn) -> bool`` chooses which;
     ``exact_grad``: gradients byte-equal to autograd's (the recomputing backward pass).
     Returns the number swapped."""
-    count = 0
-    for fqn, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            full = f"{fqn}.{name}" if fqn else name
-            if isinstance(child, Float8BlockRMSNorm) or (
-                    module_filter_fn is not None and not module_filter_fn(child, full)):
-                continue
-            new = Float8BlockRMSNorm.from_norm(child, exact_grad)
-            if new is not None:
-                setattr(parent, name, new)
-                count += 1
-    return count
+    return swap_children(model, lambda child: Float8BlockRMSNorm.from_norm(child, exact_grad),
+                         Float8BlockRMSNorm, module_filter_fn)
 
 
 __all__ = ["Float8BlockRMSNorm", "convert_norms", "hf_rms_norm", "torch_rms_norm"]

@@ -1,6 +1,6 @@
-"""Gradients of a formula recomputed in backward: the one helper the memory-saving modules
-(``norm``, ``mlp``) share, so that what they keep between the passes is only the formula's
-inputs."""
+"""What the memory-saving modules (``norm``, ``mlp``) share: gradients of a formula
+recomputed in backward, so that what they keep between the passes is only the formula's
+inputs, and the in-place swap of a model's submodules for them."""
 from __future__ import annotations
 
 import torch
@@ -24,3 +24,21 @@ def recomputed_grads(formula, inputs, needs, grad_output):
         grads = iter(torch.autograd.grad(out, wanted, grad_output, create_graph=create_graph)
                      if wanted else ())
     return tuple(next(grads) if n and t is not None else None for t, n in zip(leaves, needs))
+
+
+def swap_children(model, build, kind, module_filter_fn=None) -> int:
+    """Replace, in place, every submodule ``child`` of `model` (at any depth) for which
+    ``build(child)`` returns a module; modules already of type ``kind`` and those
+    ``module_filter_fn(child, fqn)`` rejects are left. Returns the number replaced."""
+    count = 0
+    for fqn, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            full = f"{fqn}.{name}" if fqn else name
+            if isinstance(child, kind) or (
+                    module_filter_fn is not None and not module_filter_fn(child, full)):
+                continue
+            new = build(child)
+            if new is not None:
+                setattr(parent, name, new)
+                count += 1
+    return count

@@ -788,16 +788,23 @@ def check_gather_invalid_with_sizes(s: Suite):
                      lambda: call(_invalid_input(fam, every[3][me], bad), out),
                      f"{label}: raises", contains="with zeros so that no rank waits")
         else:
-            got = call(fam.make(every[3][me]), out)
-            zeroed = every[3][:last] + [np.zeros_like(every[3][last])]
-            if path == "fast":  # zero FP8 bytes and zero scales, as the bad rank sent them
-                want = _expected_gather(zeroed, recipe, True, False).rowwise_data
-                s.check(np.array_equal(fam.back(got.rowwise_data).view(np.uint8),
-                                       want.view(np.uint8)), f"{label}: the peers' data")
-            else:
-                exact(got, zeroed, "the peers, zeros for the bad rank's rows")
+            _check_peers_got_zeros(s, fam, call(fam.make(every[3][me]), out), every[3], recipe,
+                                   path, label, exact)
         exact(call(fam.make(every[4][me]), out), every[4], "the next call")
         s.check(comm.stats.meta_calls == 0, f"{label}: no metadata moved {comm.stats}")
+
+
+def _check_peers_got_zeros(s, fam, got, data, recipe, path, label, exact):
+    """A peer's result of a gather the last rank joined with zeros: the fast path's FP8 bytes
+    (zero bytes and zero scales, as that rank sent them), else the exact gather of the
+    inputs with that rank's rows zeroed."""
+    zeroed = data[:-1] + [np.zeros_like(data[-1])]
+    if path == "fast":
+        want = _expected_gather(zeroed, recipe, True, False).rowwise_data
+        s.check(np.array_equal(fam.back(got.rowwise_data).view(np.uint8), want.view(np.uint8)),
+                f"{label}: the peers' data")
+    else:
+        exact(got, zeroed, "the peers, zeros for the bad rank's rows")
 
 
 def check_gather_malformed_sizes(s: Suite):
@@ -846,14 +853,8 @@ def check_gather_malformed_sizes(s: Suite):
             s.raises(kind, lambda: call(fam.make(every[2][me]), bad), f"{label}: raises",
                      contains="with zeros so that no rank waits")
         else:
-            got = call(fam.make(every[2][me]), rows)
-            zeroed = every[2][:last] + [np.zeros_like(every[2][last])]
-            if path == "fast":
-                want = _expected_gather(zeroed, recipe, True, False).rowwise_data
-                s.check(np.array_equal(fam.back(got.rowwise_data).view(np.uint8),
-                                       want.view(np.uint8)), f"{label}: the peers' data")
-            else:
-                exact(got, zeroed, "the peers, zeros for the bad rank's rows")
+            _check_peers_got_zeros(s, fam, call(fam.make(every[2][me]), rows), every[2], recipe,
+                                   path, label, exact)
         exact(call(fam.make(every[3][me]), rows), every[3], "the next call")
         s.check(comm.stats.meta_calls == 0, f"{label}: no metadata moved {comm.stats}")
 

@@ -61,12 +61,34 @@ def _saved(model, x):
     return nbytes
 
 
+def _dx_parts(model, x, g):
+    """Each sibling's own input gradient, eager (the bytes of its dgrad GEMM)."""
+    x = x.detach().clone().requires_grad_()
+    return [torch.autograd.grad(layer(x), x, part)[0]
+            for layer, part in zip((model.a, model.b, model.c), g.split([512, 128, 128], -1))]
+
+
+def _assert_summed_like_inductor(dx, parts):
+    """x's gradient is the sum of the siblings' dgrads. Eager autograd adds them in bf16 (two
+    roundings); inductor fuses the adds, summing in fp32 and rounding once, as it does for
+    nn.Linear siblings. Each part has eager's bytes, so both sums lie within half a bf16 ulp
+    of the fp32 sum of the parts (exact here but for fp32's own rounding): within one ulp of
+    each other. A wrong dgrad part moves dx by far more."""
+    exact = sum(p.float() for p in parts)
+    ulp = torch.ldexp(torch.ones_like(exact), torch.frexp(exact).exponent - 8)
+    assert ((dx.float() - exact).abs() <= ulp.clamp_min(2.0 ** -126)).all()
+    assert not torch.equal(dx, torch.zeros_like(dx))
+
+
 def test_compiled_merges_siblings_and_matches_eager():
     """Compiled, the sharing cache is not used (the root's hooks return at once while
     traced); the siblings' fp8blk::linear_quantize_x nodes merge in inductor's CSE instead,
-    so the graph keeps one columnwise copy of x, as eager sharing does."""
+    so the graph keeps one columnwise copy of x, as eager sharing does. y and the weight
+    gradients have eager's bytes; x's gradient differs from eager's only in how inductor
+    adds the siblings' parts (see _assert_summed_like_inductor)."""
     x, g = _data()
     ref = _run(_model(False), x, g)
+    dx_parts = _dx_parts(_model(False), x, g)
     eager_shared = _saved(_model(True), x)
     assert 2.5 * eager_shared < _saved(_model(False), x)  # one copy against three
     for share in (True, False):
@@ -76,8 +98,10 @@ def test_compiled_merges_siblings_and_matches_eager():
         with sharing.counting() as stats:
             got = _run(model, x, g)
         assert stats.misses == stats.hits == 0
-        for a, b in zip(ref, got):
+        assert torch.equal(ref[0], got[0])                       # y
+        for a, b in zip(ref[2:], got[2:]):                         # the weight gradients
             assert torch.equal(a, b)
+        _assert_summed_like_inductor(got[1], dx_parts)
         assert _saved(model, x) <= eager_shared, share
     torch._dynamo.reset()
 

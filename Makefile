@@ -3,11 +3,12 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# notebook: the tests execute examples/kernels.ipynb. On a machine with an NVIDIA driver, also
+# notebook: the tests execute examples/kernels.ipynb; transformers: they build tiny Hugging Face
+# models from configs. On a machine with an NVIDIA driver, also
 # install the gpu extra (Numba-CUDA's CUDA 13 wheels, CuPy) so the demo runs on the GPU.
 HAVE_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo yes)
 comma := ,
-EXTRAS := test,torch,notebook$(if $(HAVE_GPU),$(comma)gpu)
+EXTRAS := test,torch,notebook,transformers$(if $(HAVE_GPU),$(comma)gpu)
 TORCH := torch==2.13.0
 # Without an NVIDIA driver, torch's CPU build from PyTorch's CPU index: the default Linux build
 # of the same version brings about 20 CUDA library packages (several GB). Where that index cannot be reached,

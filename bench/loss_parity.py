@@ -177,6 +177,44 @@ def plot(runs, summary, path, window, title):
     return True
 
 
+def _write(args, argv, device, data, nfiles, t0, runs, errors, quiet):
+    """The results so far (JSON to ``--out``, the plot to ``--plot``); the summary printed
+    unless ``quiet``."""
+    summary = summarize(runs, args.window, args.last) \
+        if {"bf16_seed0", "bf16_seed1"} <= set(runs) else None
+    if summary and not quiet:
+        print(f"bound (max |S(bf16 seed 0) - S(bf16 seed 1)| over the last {args.last} steps, "
+              f"S = {args.window}-step moving average): {summary['bound']:.4f}")
+        for name, r in summary["runs"].items():
+            print(f"  {name:12} final {r['final']:.4f}  vs bf16 seed 0 "
+                  f"{r['diff_vs_bf16_seed0']:+.4f}  held-out {r['held_out']:.4f}  "
+                  f"{'within' if r['within_bound'] else 'OUTSIDE'} the bound")
+    result = {"machine": {"host": platform.node(), "torch": torch.__version__,
+                          "device": str(device),
+                          "gpu": torch.cuda.get_device_name() if device.type == "cuda"
+                          else None},
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "command": " ".join([sys.executable] + (sys.argv if argv is None
+                                                      else ["bench/loss_parity.py", *argv])),
+              "corpus": {"files": nfiles, "bytes": len(data),
+                         "stdlib": sysconfig.get_paths()["stdlib"]},
+              "settings": {k: getattr(args, k) for k in ("steps", "batch", "seq", "window",
+                                                         "last", "tiny")},
+              "wall_s": time.perf_counter() - t0, "summary": summary, "errors": errors,
+              "runs": runs}
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        if not quiet:
+            print("wrote", args.out)
+    if args.plot and summary and plot(runs, summary, args.plot, args.window,
+                                      f"Llama {'2x128' if args.tiny else '4x512'}, stdlib "
+                                      f"bytes, from scratch") and not quiet:
+        print("wrote", args.plot)
+    return result
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -211,6 +249,7 @@ def main(argv=None):
     print(f"corpus: {nfiles} files, {len(data)} bytes from {sysconfig.get_paths()['stdlib']}")
     runs, errors = {}, {}
     t0 = time.perf_counter()
+    result = None
     for item in args.runs.split(","):
         variant, seed = item.split(":")
         name = f"{variant}_seed{seed}"
@@ -225,36 +264,9 @@ def main(argv=None):
                       "held_out": held, "wall_s": time.perf_counter() - t1}
         print(f"{name}: final-{args.last} mean {sum(losses[-args.last:]) / args.last:.4f}, "
               f"held-out {held:.4f} ({runs[name]['wall_s']:.1f} s)", flush=True)
-    summary = summarize(runs, args.window, args.last) \
-        if {"bf16_seed0", "bf16_seed1"} <= set(runs) else None
-    if summary:
-        print(f"bound (max |S(bf16 seed 0) - S(bf16 seed 1)| over the last {args.last} steps, "
-              f"S = {args.window}-step moving average): {summary['bound']:.4f}")
-        for name, r in summary["runs"].items():
-            print(f"  {name:12} final {r['final']:.4f}  vs bf16 seed 0 "
-                  f"{r['diff_vs_bf16_seed0']:+.4f}  held-out {r['held_out']:.4f}  "
-                  f"{'within' if r['within_bound'] else 'OUTSIDE'} the bound")
-    result = {"machine": {"host": platform.node(), "torch": torch.__version__,
-                          "device": str(device),
-                          "gpu": torch.cuda.get_device_name() if device.type == "cuda"
-                          else None},
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-              "command": " ".join([sys.executable] + (sys.argv if argv is None
-                                                      else ["bench/loss_parity.py", *argv])),
-              "corpus": {"files": nfiles, "bytes": len(data),
-                         "stdlib": sysconfig.get_paths()["stdlib"]},
-              "settings": {k: getattr(args, k) for k in ("steps", "batch", "seq", "window",
-                                                         "last", "tiny")},
-              "wall_s": time.perf_counter() - t0, "summary": summary, "errors": errors,
-              "runs": runs}
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        print("wrote", args.out)
-    if args.plot and summary and plot(runs, summary, args.plot, args.window,
-        f"Llama {'2x128' if t else '4x512'}, stdlib bytes, from scratch"):
-        print("wrote", args.plot)
+        # written after every run, so that a run stopped by a time limit keeps the ones done
+        result = _write(args, argv, device, data, nfiles, t0, runs, errors, quiet=True)
+    result = _write(args, argv, device, data, nfiles, t0, runs, errors, quiet=False)
     return result
 
 

@@ -84,7 +84,8 @@ from .lane import gather_steady, steady_lane
 from .lookup import resolve
 from .paths import data_ops, gather_fallback, gather_fast, gather_plain
 from .plan import FALLBACK, FAST, PLAIN
-from .state import plan_cache, record_path
+from .state import cached_plans, plan_cache, record_path
+from .status import check_pending, settle
 from .streams import NULL
 
 
@@ -131,7 +132,9 @@ def gather_along_first_dim(x, comm, recipe=None, rowwise=True, columnwise=False,
                                             out)
     record_path(comm, plan.path)
     with _on_device_of(src):
-        return _gather(comm, src, plan, local_error, async_op, out, stream, sizes, frame)
+        result, handle = _gather(comm, src, plan, local_error, async_op, out, stream, sizes,
+                                 frame)
+    return settle(cached_plans(comm), result, handle)
 
 
 def _on_device_of(src):
@@ -168,6 +171,6 @@ def _gather(comm, src, plan, local_error, async_op, out, stream, sizes, frame):
     return result, None
 
 
-__all__ = ["gather_along_first_dim", "GatherFallbackWarning", "plan_cache", "FAST",
-           "FALLBACK", "PLAIN"]
+__all__ = ["gather_along_first_dim", "check_pending", "GatherFallbackWarning", "plan_cache",
+           "FAST", "FALLBACK", "PLAIN"]
 

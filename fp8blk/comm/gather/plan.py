@@ -36,6 +36,8 @@ from ...tensor import BlockTensor, internal_buffers
 from ..agree import fingerprint
 from .arrays import contiguous, logical_dtype
 
+STATUS_BYTES = 8  # the in-band status of a sizes= plan: one int64 per rank
+
 FAST, FALLBACK, PLAIN = "fast", "fallback", "plain"
 ROW, COL = "rowwise", "columnwise"
 SLOT, STAGED = "slot", "staged"
@@ -261,8 +263,11 @@ class Part:
 class Plan:
     """Everything about one gather configuration that does not depend on the data."""
 
-    def __init__(self, src, columns, comm_size, rank, table_hash):
+    def __init__(self, src, columns, comm_size, rank, table_hash, sized=False):
         self.table_hash = table_hash
+        # the data collectives carry the in-band status (fp8blk.comm.gather.status): a plan
+        # made with sizes= on more than one rank, whose peers exchange no metadata
+        self.carries_status = sized and comm_size > 1
         self.lane = None  # the lane: steady-state record of the last sizes=/out= call
         self.rank = rank
         self.size = comm_size
@@ -438,9 +443,12 @@ class Plan:
         return sent
 
     def _sent_bytes(self):
+        """Bytes this rank sends: its parts, the fallback's high-precision rows, and the 8
+        bytes of the in-band status."""
+        status = STATUS_BYTES if self.carries_status else 0
         if self.path == PLAIN:
-            return self.counts[self.rank]
-        kept = sum(p.counts[self.rank] for p in self.parts)
+            return self.counts[self.rank] + status
+        kept = sum(p.counts[self.rank] for p in self.parts) + status
         if self.path == FAST or not self.hp_gather:
             return kept
         return kept + self.dim0s[self.rank] * _row_bytes(self)
@@ -500,9 +508,13 @@ class PlanCache:
     ``recent``: {id(plan): (plan, ops)} of the checked ``sizes=`` calls, the latest last
     (``ops``: the array operations its data moved with), dropped with its plan like a lane:
     what a rank whose own input or ``sizes`` is invalid joins so that peers on a cache hit
-    complete (:meth:`last_sizes_call`)."""
+    complete (:meth:`last_sizes_call`).
+
+    ``watch``: the pending device statuses of ``sizes=`` gathers
+    (:class:`fp8blk.comm.gather.status.Watch`), None until a device gather makes it."""
 
     def __init__(self):
+        self.watch = None
         self.plans = BoundedCache(CACHE_SIZE, on_evict=self._evict)
         self._index = {}  # key -> plan: lookups that leave the eviction order alone
         self.lanes = {}

@@ -96,6 +96,7 @@ class Watch:
         self.free = list(range(SLOTS - 1, -1, -1))
         self.pending = collections.deque()
         self.failed = []
+        self.fresh = False  # the newest record is the current call's (not looked at yet)
 
     def enqueue(self, address, stream, plan):
         """After the collective on ``stream``: copy its codes (device ``address``) to a slot,
@@ -109,12 +110,15 @@ class Watch:
         self.copies.to_host(self.base + slot * self.row, address, self.row, stream)
         self.copies.record(event, stream)
         self.pending.append((slot, plan))
+        self.fresh = True
 
-    def poll(self, block=False, block_one=False):
+    def poll(self, block=False, block_one=False, keep_newest=False):
         """Move completed records out of ``pending`` (into ``failed`` when a code is
-        nonzero); ``block``: wait for all of them; ``block_one``: for the oldest."""
+        nonzero); ``block``: wait for all of them; ``block_one``: for the oldest;
+        ``keep_newest``: leave the newest record pending."""
         pending, copies = self.pending, self.copies
-        while pending:
+        keep = 1 if keep_newest else 0
+        while len(pending) > keep:
             slot, plan = pending[0]
             event = self.events[slot]
             if block or block_one:
@@ -129,10 +133,12 @@ class Watch:
             self.free.append(slot)
 
     def check(self):
-        """Raise the first failed record's error (without blocking); returns None (a Handle's
-        post)."""
+        """Raise the first failed record's error (without blocking), of the records before
+        the current call's: a synchronous call learns of its own gather's status at the next
+        call, whenever the device completes it. Returns None (a Handle's post)."""
         if self.pending:
-            self.poll()
+            self.poll(keep_newest=self.fresh)
+        self.fresh = False
         if self.failed:
             plan, codes = self.failed[0]
             more = len(self.failed) - 1
@@ -155,13 +161,13 @@ def peer_error(plan, codes, earlier, more=0):
     bad = [(r, int(c)) for r, c in enumerate(codes) if c]
     what = "; ".join(f"rank {r} {_WHAT.get(c, f'raised (status {c})')}" for r, c in bad)
     ranks = [r for r, _ in bad]
-    where = ("an earlier gather_along_first_dim on this communicator" if earlier
+    where = ("a gather_along_first_dim issued earlier on this communicator" if earlier
              else "gather_along_first_dim")
     message = (f"{where} (sizes={plan.dim0s}): {what}; it joined the collectives with zeros "
                f"and raised there, so the rows gathered from rank(s) {ranks} are zeros: pass "
                f"the same sizes on every rank, and inputs that match them")
     if earlier:
-        message += ("; the gather of this call was issued as usual" +
+        message += ("; the gather of this call (if any) was issued as usual" +
                     (f" ({more} more such gather(s) since)" if more else ""))
     return ValueError(message)
 
@@ -174,6 +180,7 @@ def settle(cache, out, handle):
     if watch is None:
         return out, handle
     if handle is not None:
+        watch.fresh = False  # wait() looks at every completed record, its own included
         return out, handle.then(watch.check)
     watch.check()
     return out, None

@@ -19,6 +19,9 @@ peers skip):
   peers miss too. A rank whose own sizes are malformed joins out='s lane, else the plan of
   the latest checked sizes= call that gathers its input (:meth:`Plan.serves`), or takes the
   exchange when there is none.
+  Every data collective of a sizes= plan carries the in-band status of each rank
+  (:mod:`fp8blk.comm.gather.status`): a rank that joined with zeros sends a nonzero code, so
+  its peers raise too, without a metadata collective.
 * no ``sizes``: each call makes one small host all-reduce (MAX of [h, -h], 16 bytes) of the
   hash of the plan its local key finds (or a per-rank miss value). All ranks equal: the
   cached plan is everyone's plan. Anything else (a miss, or one rank changed its shape): every

@@ -130,12 +130,46 @@ def host_nccl(setattr_):
 
 class HostRuntime:
     """``cupy.cuda.runtime``'s memcpy2DAsync and memsetAsync on host addresses, with the
-    argument checks CUDA makes (a width wider than a pitch is cudaErrorInvalidPitchValue)."""
+    argument checks CUDA makes (a width wider than a pitch is cudaErrorInvalidPitchValue), and
+    the device-to-host copy and events of the gather's in-band status. Every call completes at
+    once; ``ready`` False holds events back (eventQuery answers cudaErrorNotReady until
+    eventSynchronize or ``ready`` True), as a device still running the collective would."""
 
     memcpyDeviceToDevice = 3
+    memcpyDeviceToHost = 2
+    eventDisableTiming = 2
+    NOT_READY = 600  # cudaErrorNotReady
 
     def __init__(self):
-        self.calls = []
+        self.calls = []  # the fix-up's calls (memcpy2D, memset)
+        self.status_calls = []  # the status copies and event records
+        self.ready = True
+        self.events = 0
+        self.held = set()
+
+    def memcpyAsync(self, dst, src, size, kind, stream):
+        assert kind == 2 and stream == STREAM and size > 0
+        self.status_calls.append(("memcpy", size))
+        ctypes.memmove(dst, src, size)
+
+    def eventCreateWithFlags(self, flags):
+        assert flags == 2
+        self.events += 1
+        return self.events
+
+    def eventRecord(self, event, stream):
+        assert stream == STREAM
+        self.status_calls.append(("record", event))
+        if not self.ready:
+            self.held.add(event)
+
+    def eventQuery(self, event):
+        if self.ready:
+            self.held.clear()
+        return self.NOT_READY if event in self.held else 0
+
+    def eventSynchronize(self, event):
+        self.held.discard(event)
 
     def memcpy2DAsync(self, dst, dpitch, src, spitch, width, height, kind, stream):
         assert kind == 3 and stream == STREAM

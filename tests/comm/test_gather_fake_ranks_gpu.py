@@ -167,3 +167,39 @@ def test_fake_ranks_gather_is_quantize(device_nccl, family, recipe, rowwise, col
             return comm.stats.last_gather_path
         paths, _ = run_ranks(n, body, DeviceNccl)
         assert set(paths) == {"fast"}, (label, paths)
+
+
+@pytest.mark.parametrize("family", ["cupy", "torch"])
+def test_peers_of_a_joined_rank_raise_on_the_device(device_nccl, family, rng):
+    """One rank's sizes= malformed after checked calls: it joins with zeros and status 1 and
+    raises at once; its peers' call returns (their status copy is behind an event), and they
+    raise in check_pending (which waits for it) naming that rank; then nothing is pending and
+    the next call is exact everywhere."""
+    from fp8blk.comm.gather import check_pending
+
+    fam, n, k, rows = _Family(family), 2, 256, [128, 64]
+    hosts = [[gather_input(rng, r, k) for r in rows] for _ in range(3)]
+    inputs = [[fam.make(h) for h in step] for step in hosts]
+    expected = fb.quantize(fam.concat(inputs[2]), fb.Block1D())
+    fam.sync()
+
+    def body(comm):
+        me = comm.rank
+        out, _ = gather_along_first_dim(inputs[0][me], comm, fb.Block1D(), sizes=rows)
+        gather_along_first_dim(inputs[1][me], comm, fb.Block1D(), sizes=rows, out=out)
+        if me == n - 1:
+            with pytest.raises(ValueError, match="joined the collectives .* with zeros"):
+                gather_along_first_dim(inputs[1][me], comm, fb.Block1D(), sizes=rows[:-1],
+                                       out=out)
+        else:
+            gather_along_first_dim(inputs[1][me], comm, fb.Block1D(), sizes=rows, out=out)
+            with pytest.raises(ValueError, match=f"rank {n - 1} passed sizes= that are "
+                                                 f"malformed"):
+                check_pending(comm)
+        check_pending(comm)
+        again, _ = gather_along_first_dim(inputs[2][me], comm, fb.Block1D(), sizes=rows,
+                                          out=out)
+        check_pending(comm)
+        _same(fam, again, expected, f"{family}: the call after")
+        return True
+    run_ranks(n, body, DeviceNccl)

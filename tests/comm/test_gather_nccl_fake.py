@@ -212,7 +212,8 @@ def test_device_fix_up_calls(fake_nccl, monkeypatch, recipe, rowwise, columnwise
 def test_steady_state_lane(fake_nccl, monkeypatch, rng):
     """sizes= and out= again: the call takes the lane (no Source, no plan lookup, no output
     checks: no metadata, a cache hit); anything that differs takes the checked path: a
-    rank whose rows went stale raises while its peers complete, out's buffers replaced are
+    rank whose rows went stale raises and so do its peers (from its status, on the lane),
+    out's buffers replaced are
     checked again, an evicted plan takes its lane with it (then every rank exchanges)."""
     from fp8blk.comm import gather as gather_module
     from fp8blk.tensor import internal_buffers
@@ -247,12 +248,15 @@ def test_steady_state_lane(fake_nccl, monkeypatch, rng):
         call(comm, every[0][me], sizes=(r for r in rows), out=out)
         assert taken[me] == 2
         assert_same_bytes(out, expected[0])
-        # one rank's rows went stale: it raises, its peers complete, nobody waits forever
+        # one rank's rows went stale: it raises, its peers raise from its status, nobody
+        # waits forever
         if me == n - 1:
             with pytest.raises(ValueError, match="joined the collectives with zeros"):
                 call(comm, gather_input(rng, rows[me] + 1, k), out=out)
         else:
-            call(comm, every[2][me], out=out)
+            with pytest.raises(ValueError, match=f"rank {n - 1} passed an input that is "
+                                                 f"invalid or does not match these sizes"):
+                call(comm, every[2][me], out=out)
         call(comm, every[2][me], out=out)
         assert_same_bytes(out, expected[2])
         # out's buffer replaced (on every rank): checked again, and rejected
@@ -300,12 +304,13 @@ def test_invalid_input_on_one_rank_with_sizes(fake_nccl, monkeypatch, path, bad,
                                               device, rng):
     """After a few sizes= calls (peers then hit their cached plan or out's lane and skip all
     metadata), one rank passes an invalid input: it joins the peers' collectives with zeros
-    and raises its own error; the peers complete (zeros for its rows); the next call on every
-    rank is exact. Without the join the ranks issue different collectives (the fake world
-    raises; real ones hang)."""
-    if device:  # the device path: NCCL's issuer, the fix-up as runtime calls
-        ops = DeviceOps()
-        monkeypatch.setattr(gather_paths, "result_ops", lambda src: ops)
+    (and a nonzero status) and raises its own error; the peers receive zeros for its rows and
+    raise a ValueError naming it: host arrays in that call, device arrays at the end of their
+    next call (after it issued its collectives); the call after is exact on every rank.
+    Without the join the ranks issue different collectives (the fake world raises; real ones
+    hang); without the status the peers complete silently."""
+    if device:
+        _device_ops(monkeypatch, path)
     n, k = 3, 256
     rows = [100, 64, 128] if path == "fallback" else [128, 64, 128]
     recipe = None if path == "plain" else fb.Block1D()
@@ -353,14 +358,48 @@ def test_invalid_input_on_one_rank_with_sizes(fake_nccl, monkeypatch, path, bad,
             kind = TypeError if bad == "int32" else ValueError
             with pytest.raises(kind, match="joined the collectives .* with zeros"):
                 call(comm, _invalid(every[3][me], bad), out)
+            got = call(comm, every[4][me], out)
         else:
-            check(call(comm, every[3][me], out), expected(zeroed[3]), joined=True)
-        got = call(comm, every[4][me], out)
-        check(got, expected(every[4]))
+            got = _peer_of_joined(device, lambda: call(comm, every[3][me], out),
+                                  lambda: call(comm, every[4][me], out),
+                                  f"rank {n - 1} passed an input that is invalid",
+                                  lambda got: check(got, expected(zeroed[3]), joined=True))
+        if got is not None:
+            check(got, expected(every[4]))
+        check(call(comm, every[4][me], out), expected(every[4]))
         assert comm.stats.meta_calls == 0  # the peers' steady state, joined: no metadata
         return comm.stats.calls
     results, _ = _run_ranks(n, body)
-    assert results == [2] * n  # the joined collective and the next call's, everywhere
+    assert results == [3] * n  # the joined collective and the next two calls', everywhere
+
+
+def _device_ops(monkeypatch, path):
+    """NumPy arrays taken for device arrays on ``path`` (NCCL's issuer, the fix-up as runtime
+    calls, the in-band status copied to host memory behind an event): the results' operations,
+    or on the plain path, which moves the caller's arrays, the caller's. Returns the
+    :class:`DeviceOps`."""
+    ops = DeviceOps()
+    if path == "plain":
+        monkeypatch.setattr(gather_paths, "ops_for", lambda arr: ops)
+    else:
+        monkeypatch.setattr(gather_paths, "result_ops", lambda src: ops)
+    return ops
+
+
+def _peer_of_joined(device, joined, following, match, check_zeros):
+    """A peer's side of a call that another rank joined with zeros (``joined()``), then of
+    the call after it (``following()``): host arrays raise in the joined call; device arrays
+    complete it (``check_zeros`` of its result: zeros for that rank's rows) and raise at the
+    end of the following call, whose collectives are issued. Returns the following call's
+    result (None when it raised)."""
+    if not device:
+        with pytest.raises(ValueError, match=match):
+            joined()
+        return following()
+    check_zeros(joined())
+    with pytest.raises(ValueError, match="a gather_along_first_dim issued earlier .*" + match):
+        following()
+    return None
 
 
 # One rank's malformed sizes= (not one non-negative int per rank)
@@ -369,17 +408,23 @@ MALFORMED = {"short": lambda rows: rows[:-1], "negative": lambda rows: rows[:-1]
              "not-ints": lambda rows: ["many"] * len(rows), "not-a-list": lambda rows: 7}
 
 
+@pytest.mark.parametrize("device", [False, True], ids=["host", "device"])
 @pytest.mark.parametrize("with_out", [False, True], ids=["no-out", "out"])
 @pytest.mark.parametrize("path", ["fast", "fallback", "plain"])
 @pytest.mark.parametrize("malformed", sorted(MALFORMED))
-def test_malformed_sizes_on_one_rank(fake_nccl, malformed, path, with_out, rng):
+def test_malformed_sizes_on_one_rank(fake_nccl, monkeypatch, malformed, path, with_out, device,
+                                     rng):
     """One rank's sizes= is malformed while its peers pass the true sizes. On a first call
     every rank raises (the exchange). After checked calls (the peers hit their cached plan,
     or out='s lane, and skip all metadata) that rank joins the plan of the latest sizes=
-    call that gathers its input, with zeros, and raises its sizes error; the peers complete
-    with zeros for its rows; the next call is exact everywhere. Without the join the rank
-    probes for metadata its peers never exchange (the fake world raises: the ranks issue
-    different collectives; real ones hang)."""
+    call that gathers its input, with zeros and status 1, and raises its sizes error; the
+    peers receive zeros for its rows and raise a ValueError naming it (host: in that call;
+    device: at the end of the next one); the call after is exact everywhere. Without the
+    join the rank probes for metadata its peers never exchange (the fake world raises: the
+    ranks issue different collectives; real ones hang); without the status the peers
+    complete silently."""
+    if device:
+        _device_ops(monkeypatch, path)
     n, k = 3, 256
     rows = [100, 64, 128] if path == "fallback" else [128, 64, 128]
     recipe = None if path == "plain" else fb.Block1D()
@@ -420,14 +465,20 @@ def test_malformed_sizes_on_one_rank(fake_nccl, malformed, path, with_out, rng):
         if me == n - 1:
             with pytest.raises(kind, match="joined the collectives .* with zeros"):
                 call(comm, every[3][me], bad_sizes, out)
+            got = call(comm, every[4][me], rows, out)
         else:
             zeroed = every[3][:-1] + [np.zeros_like(every[3][-1])]
-            check(call(comm, every[3][me], rows, out), expected(zeroed))
+            got = _peer_of_joined(device, lambda: call(comm, every[3][me], rows, out),
+                                  lambda: call(comm, every[4][me], rows, out),
+                                  f"rank {n - 1} passed sizes= that are malformed",
+                                  lambda got: check(got, expected(zeroed)))
+        if got is not None:
+            check(got, expected(every[4]))
         check(call(comm, every[4][me], rows, out), expected(every[4]))
         assert comm.stats.meta_calls == 0  # the peers' steady state, joined: no metadata
         return comm.stats.calls
     results, _ = _run_ranks(n, body)
-    assert results == [2] * n
+    assert results == [3] * n
 
 
 # BlockTensor inputs on the fallback: the bytes the ranks hold are kept
@@ -529,3 +580,53 @@ def test_held_out_rowwise_bytes_would_change(rng):
     q = fb.quantize(x, fb.Block1D())
     again = fb.quantize(q.dequantize(np.float32), fb.Block1D())
     assert not np.array_equal(_bytes(q.rowwise_data), _bytes(again.rowwise_data))
+
+
+# The in-band status: asynchronous calls, a device that has not completed yet, the bytes
+
+@pytest.mark.parametrize("device", [False, True], ids=["host", "device"])
+def test_status_async_pending_and_bytes(fake_nccl, monkeypatch, device, rng):
+    """The peers of a rank that joined with zeros: an asynchronous host call raises in
+    ``wait()`` (the same call); on the device (synchronous calls: the fake has no streams),
+    while the status copy has not completed (events held back) no call raises, and
+    ``check_pending`` waits for it and raises; then nothing is pending. Every sizes= call counts the status's 8 bytes in ``stats.bytes``,
+    the bad rank's too."""
+    ops = _device_ops(monkeypatch, "fast") if device else None
+    n, k, rows = 2, 256, [128, 64]
+    every = [[gather_input(rng, r, k) for r in rows] for _ in range(4)]
+    recipe = fb.Block1D()
+    payload = [m * k + 2 * round(-(-m // 4) * 4) * 4 for m in rows]  # data + (2, round4) scales
+
+    def call(comm, x, sizes=rows, async_op=False):
+        return gather_along_first_dim(x, comm, recipe, sizes=sizes, async_op=async_op)
+
+    def body(comm):
+        from fp8blk.comm.gather import check_pending
+
+        me = comm.rank
+        call(comm, every[0][me])
+        comm.reset_stats()
+        call(comm, every[1][me])
+        assert comm.stats.bytes == payload[me] + 8 and comm.stats.calls == 1
+        comm.reset_stats()
+        if me == 1:
+            with pytest.raises(ValueError, match="joined the collectives .* with zeros"):
+                call(comm, every[2][me], sizes=rows[:-1], async_op=not device)
+        else:
+            got, handle = call(comm, every[2][me], async_op=not device)
+            if not device:
+                with pytest.raises(ValueError, match="rank 1 passed sizes= that are malformed"):
+                    handle.wait()
+        assert comm.stats.bytes == payload[me] + 8  # the bad rank sends as many bytes
+        got, _ = call(comm, every[3][me])
+        assert_same_bytes(got, fb.quantize(np.concatenate(every[3]), recipe))
+        if device and me == 0:
+            assert plan_cache(comm).watch.pending
+            with pytest.raises(ValueError, match="issued earlier .* rank 1 passed sizes="):
+                check_pending(comm)
+            assert not plan_cache(comm).watch.pending
+        check_pending(comm)  # nothing (more) to raise
+        return True
+    if ops is not None:  # the device never completes on its own (one runtime for all ranks)
+        ops.runtime.ready = False
+    _run_ranks(n, body)

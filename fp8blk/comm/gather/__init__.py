@@ -49,9 +49,21 @@ rank is left waiting). The resulting plan is cached per communicator: later call
 16-byte host all-reduce (a check that every rank found the same plan), or nothing at all with
 ``sizes=`` (see :mod:`fp8blk.comm.gather.plan` for the protocol). World size 1 never
 exchanges anything. With ``sizes=`` and a plan for them, a rank whose input is invalid (or
-whose rows no longer match) cannot tell its peers, who skip the metadata: it joins their data
-collectives with zeros and raises; they complete (see :mod:`fp8blk.comm.gather.errors`). So
-does a rank whose own ``sizes`` is malformed, joining the latest ``sizes=`` plan of its input.
+whose rows no longer match) cannot reach its peers through metadata they skip: it joins their
+data collectives with zeros and a nonzero in-band status and raises at once (see
+:mod:`fp8blk.comm.gather.errors`). So does a rank whose own ``sizes`` is malformed, joining the
+latest ``sizes=`` plan of its input. Every data collective of a ``sizes=`` plan carries that
+status (8 bytes per rank in the same grouped collective, :mod:`fp8blk.comm.gather.status`), so
+every peer raises a ValueError naming the rank(s): host arrays (MPI, gloo) in the same call
+(an asynchronous one in ``wait()``); device arrays, whose status reaches the host only through
+a copy and an event (no host synchronization on the steady state), at the end of the next
+gather call on that communicator (after it issued its collectives), in an asynchronous call's
+``wait()``, or in :func:`check_pending`, which blocks until every pending status is back. The
+rows gathered from the bad rank are zeros. Limit: a rank passing well-formed ``sizes`` that
+differ from its peers' (a stale list) while they hit their plan cannot be told from a rank whose
+peers changed their sizes too, so it takes the metadata probe while they issue data collectives:
+that mismatch can hang (real MPI/NCCL) or raise in the backend; pass the same ``sizes``
+everywhere.
 
 Steady state: with ``sizes=`` and ``out=``, a call that repeats the last such call into the
 same ``out`` (equal recipe, usages and sizes; an input of the same type, dtype, shape and
@@ -84,7 +96,9 @@ from .lane import gather_steady, steady_lane
 from .lookup import resolve
 from .paths import data_ops, gather_fallback, gather_fast, gather_plain
 from .plan import FALLBACK, FAST, PLAIN
-from .state import plan_cache, record_path
+from .state import cached_plans, plan_cache, record_path
+from .status import check_pending as check_status
+from .status import settle
 from .streams import NULL
 
 
@@ -131,7 +145,17 @@ def gather_along_first_dim(x, comm, recipe=None, rowwise=True, columnwise=False,
                                             out)
     record_path(comm, plan.path)
     with _on_device_of(src):
-        return _gather(comm, src, plan, local_error, async_op, out, stream, sizes, frame)
+        result, handle = _gather(comm, src, plan, local_error, async_op, out, stream, sizes,
+                                 frame)
+    return settle(cached_plans(comm), result, handle)
+
+
+def check_pending(comm):
+    """Wait for the device gathers with ``sizes=`` issued on ``comm`` so far (blocking on the
+    events of their status copies) and raise the ValueError of the first one a rank joined
+    with zeros (see the module docstring); returns None when there is none. Host arrays raise
+    in the call itself: then it returns at once."""
+    check_status(comm)
 
 
 def _on_device_of(src):
@@ -168,6 +192,6 @@ def _gather(comm, src, plan, local_error, async_op, out, stream, sizes, frame):
     return result, None
 
 
-__all__ = ["gather_along_first_dim", "GatherFallbackWarning", "plan_cache", "FAST",
-           "FALLBACK", "PLAIN"]
+__all__ = ["gather_along_first_dim", "check_pending", "GatherFallbackWarning", "plan_cache",
+           "FAST", "FALLBACK", "PLAIN"]
 

@@ -12,6 +12,7 @@ DLPack per call except where a backend needs it.
                                    be a multiple of the itemsize)
 ``copy(dst, src)``, ``fill(dst, value)``   in place, on the current stream
 ``ptr(arr)``                       the data address (device or host)
+``host_view(arr)``                 host arrays: the NumPy array sharing ``arr``'s memory
 ``device``                         True for CUDA arrays
 ``current_stream_ptr()``           device: the raw handle of the family's current stream
 ``copies()``                       device: the raw stream-ordered copies and fills
@@ -62,6 +63,9 @@ class NumpyOps:
 
     def ptr(self, arr):
         return arr.ctypes.data
+
+    def host_view(self, arr):
+        return arr
 
     def nbytes(self, arr):
         return arr.nbytes
@@ -145,6 +149,9 @@ class TorchOps:
 
     def ptr(self, arr):
         return arr.data_ptr()
+
+    def host_view(self, arr):
+        return arr.numpy()  # a CPU tensor's memory
 
     def nbytes(self, arr):
         return arr.numel() * arr.element_size()

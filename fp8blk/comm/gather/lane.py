@@ -13,6 +13,7 @@ from ..base import Handle
 from .arrays import local_x2d
 from .plan import FAST
 from .state import cached_plans, plan_cache, record_path
+from .status import settle
 from .streams import run, streams_for
 
 
@@ -92,7 +93,7 @@ def gather_steady(comm, lane, x, async_op, streams, ptr):
                       plan.col_q, lane.dtype, prepared.local_out)
     comm.record("all_gather_v", lane.sent)
     handle = run(comm, prepared.issue, prepared.post, streams, ptr, async_op, lane.out, x)
-    if async_op:
-        return lane.out, handle if handle is not None else Handle.completed(lane.out)
-    return lane.out, None
+    if async_op and handle is None:
+        handle = Handle.completed(lane.out)
+    return settle(lane.cache, lane.out, handle)
 

@@ -4,7 +4,7 @@ found the same plan (:mod:`fp8blk.comm.agree`) or the metadata exchange that mak
 from __future__ import annotations
 
 from ..agree import all_agree
-from .errors import join_peers_and_raise
+from .errors import PEERS_RAISE, join_peers_and_raise
 from .paths import data_ops
 from .plan import Plan, Source, check_sizes, exchange, local_key
 from .state import plan_cache
@@ -33,8 +33,8 @@ def resolve(comm, x, recipe, rowwise, columnwise, sizes, out=None):
             cache.note_sizes_call(plan, data_ops(plan, src))
         return src, plan, (None if problem is None else ValueError(
             f"gather_along_first_dim: {problem}; this rank joined the collectives with zeros "
-            f"so that no rank waits forever (the other ranks received zeros for its rows): "
-            f"pass the true sizes")), sizes
+            f"so that no rank waits forever (the other ranks received zeros for its rows "
+            f"and raise too, {PEERS_RAISE}): pass the true sizes")), sizes
     else:
         # The check (a probe of fp8blk.comm.agree): every rank found the same plan. A
         # miss with sizes= makes it too (then exchanges), so that a miss issues the same two
@@ -50,7 +50,7 @@ def resolve(comm, x, recipe, rowwise, columnwise, sizes, out=None):
         return src, plan, None, sizes
     cache.misses += 1
     columns, table_hash = exchange(comm, src, sizes, error)
-    plan = Plan(src, columns, comm.size, comm.rank, table_hash)
+    plan = Plan(src, columns, comm.size, comm.rank, table_hash, sized=sizes is not None)
     cache.put(key, plan)
     if sizes is not None and comm.size > 1:
         cache.note_sizes_call(plan, data_ops(plan, src))

@@ -15,6 +15,7 @@ from .arrays import U8, contiguous, internal_ops, local_x2d, logical_dtype, ops_
 from .fixup import derive_post, fix_up_post
 from .lane import keep_lane
 from .plan import COL, PLAIN, ROW, SLOT
+from .status import status_item, with_status
 from .streams import issuer, nothing, run, streams_for
 
 
@@ -177,12 +178,17 @@ def _prepared(comm, plan, src, targets, ops, stream, reusable):
             local = ops.empty(layout.shape, layout.dtype)
         local_out[part.index] = local
         items.append((None if in_place else ops.flat_bytes(local)[:mine], recv, counts))
+    post = fix_up_post(plan, targets, stagings, ops, stream)
+    if plan.carries_status:  # kept with the prepared items: the steady state makes none
+        item, status = status_item(plan, ops)
+        items.append(item)
+        post = with_status(comm, plan, status, ops, stream, post)
     prepared = _Prepared()
     prepared.targets, prepared.stream = list(targets), stream
     prepared.local_out = [b if q else None for b, q in zip(local_out, plan.quantized)]
     prepared.items = items
     prepared.issue = issuer(comm, items)
-    prepared.post = fix_up_post(plan, targets, stagings, ops, stream)
+    prepared.post = post
     # Kept for out= only: without it every call's targets are new, and keeping them would
     # hold the last result's memory. While kept, the plan holds out's buffers and the staging
     # (reusing the staging is as safe as reusing out: device calls are ordered on the stream;
@@ -228,6 +234,10 @@ def gather_fallback(comm, src, plan, out, async_op, stream):
                     plan.recipe, (plan.M, plan.K), *kept, dtype=plan.dtype)
             quantize_into(values, plan.recipe, ROW in plan.derived, COL in plan.derived,
                           plan.dtype, derived)
+    if plan.carries_status:
+        item, status = status_item(plan, ops)
+        items.append(item)
+        post = with_status(comm, plan, status, ops, ptr, post)
     handle = run(comm, issuer(comm, items), post, streams, ptr, async_op, result,
                   (items, full, stagings))
     return result, handle
@@ -268,8 +278,13 @@ def gather_plain(comm, src, plan, out, async_op, stream):
             raise ValueError(f"out must be C-contiguous with dtype {src.dtype}")
     streams, ptr = streams_for(comm, ops, stream, async_op)
     items = [(ops.flat_bytes(src.x), ops.flat_bytes(full), plan.counts)]
-    comm.record("all_gather_v", plan.counts[plan.rank])
-    return full, run(comm, issuer(comm, items), nothing, streams, ptr, async_op, full,
+    post = nothing
+    if plan.carries_status:
+        item, status = status_item(plan, ops)
+        items.append(item)
+        post = with_status(comm, plan, status, ops, ptr, post)
+    comm.record("all_gather_v", plan.sent_bytes())
+    return full, run(comm, issuer(comm, items), post, streams, ptr, async_op, full,
                       items)
 
 

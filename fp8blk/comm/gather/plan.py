@@ -19,6 +19,9 @@ peers skip):
   peers miss too. A rank whose own sizes are malformed joins out='s lane, else the plan of
   the latest checked sizes= call that gathers its input (:meth:`Plan.serves`), or takes the
   exchange when there is none.
+  Every data collective of a sizes= plan carries the in-band status of each rank
+  (:mod:`fp8blk.comm.gather.status`): a rank that joined with zeros sends a nonzero code, so
+  its peers raise too, without a metadata collective.
 * no ``sizes``: each call makes one small host all-reduce (MAX of [h, -h], 16 bytes) of the
   hash of the plan its local key finds (or a per-rank miss value). All ranks equal: the
   cached plan is everyone's plan. Anything else (a miss, or one rank changed its shape): every
@@ -35,6 +38,8 @@ from ...layout import all_layouts, c_strides, cdiv, round_up
 from ...tensor import BlockTensor, internal_buffers
 from ..agree import fingerprint
 from .arrays import contiguous, logical_dtype
+
+STATUS_BYTES = 8  # the in-band status of a sizes= plan: one int64 per rank
 
 FAST, FALLBACK, PLAIN = "fast", "fallback", "plain"
 ROW, COL = "rowwise", "columnwise"
@@ -261,8 +266,11 @@ class Part:
 class Plan:
     """Everything about one gather configuration that does not depend on the data."""
 
-    def __init__(self, src, columns, comm_size, rank, table_hash):
+    def __init__(self, src, columns, comm_size, rank, table_hash, sized=False):
         self.table_hash = table_hash
+        # the data collectives carry the in-band status (fp8blk.comm.gather.status): a plan
+        # made with sizes= on more than one rank, whose peers exchange no metadata
+        self.carries_status = sized and comm_size > 1
         self.lane = None  # the lane: steady-state record of the last sizes=/out= call
         self.rank = rank
         self.size = comm_size
@@ -438,9 +446,12 @@ class Plan:
         return sent
 
     def _sent_bytes(self):
+        """Bytes this rank sends: its parts, the fallback's high-precision rows, and the 8
+        bytes of the in-band status."""
+        status = STATUS_BYTES if self.carries_status else 0
         if self.path == PLAIN:
-            return self.counts[self.rank]
-        kept = sum(p.counts[self.rank] for p in self.parts)
+            return self.counts[self.rank] + status
+        kept = sum(p.counts[self.rank] for p in self.parts) + status
         if self.path == FAST or not self.hp_gather:
             return kept
         return kept + self.dim0s[self.rank] * _row_bytes(self)
@@ -500,9 +511,13 @@ class PlanCache:
     ``recent``: {id(plan): (plan, ops)} of the checked ``sizes=`` calls, the latest last
     (``ops``: the array operations its data moved with), dropped with its plan like a lane:
     what a rank whose own input or ``sizes`` is invalid joins so that peers on a cache hit
-    complete (:meth:`last_sizes_call`)."""
+    complete (:meth:`last_sizes_call`).
+
+    ``watch``: the pending device statuses of ``sizes=`` gathers
+    (:class:`fp8blk.comm.gather.status.Watch`), None until a device gather makes it."""
 
     def __init__(self):
+        self.watch = None
         self.plans = BoundedCache(CACHE_SIZE, on_evict=self._evict)
         self._index = {}  # key -> plan: lookups that leave the eviction order alone
         self.lanes = {}

@@ -720,7 +720,7 @@ def check_gather_reuse(s: Suite):
         s.raises(ValueError, lambda: gather_along_first_dim(x, comm, fb.Block1D(), sizes=mine),
                  "ranks passing different sizes", contains="disagree on sizes=")
         # after a checked first call, a rank whose rows no longer match raises; the others
-        # complete (they cannot know without a metadata exchange) and nobody hangs
+        # raise from its in-band status (no metadata moves) and nobody hangs
         gather_along_first_dim(x, comm, fb.Block1D(), sizes=true_sizes)
         bad = fam.make(np.ones((3 + me + (1 if me == n - 1 else 0), 64), np.float32))
         if me == n - 1:
@@ -728,8 +728,12 @@ def check_gather_reuse(s: Suite):
                                                                 sizes=true_sizes),
                      "stale sizes on one rank", contains="joined the collectives with zeros")
         else:
-            got, _ = gather_along_first_dim(bad, comm, fb.Block1D(), sizes=true_sizes)
-            s.check(got.shape == (sum(true_sizes), 64), "peers of a stale rank complete")
+            _peer_raises(s, fam, lambda: gather_along_first_dim(bad, comm, fb.Block1D(),
+                                                                sizes=true_sizes)[0],
+                         "peers of a stale rank", f"rank {n - 1} passed an input that is "
+                         f"invalid or does not match these sizes",
+                         lambda got: s.check(got.shape == (sum(true_sizes), 64),
+                                             "peers of a stale rank: the gathered shape"))
         # and the next checked call works again
         got, _ = gather_along_first_dim(x, comm, fb.Block1D(), sizes=true_sizes)
         s.check(got.shape == (sum(true_sizes), 64), "a good call after the stale one")
@@ -747,9 +751,10 @@ def _invalid_input(fam, x, bad):
 def check_gather_invalid_with_sizes(s: Suite):
     """The sizes= steady state (peers hit their cached plan, or out='s lane, and skip every
     metadata collective) when one rank's input is invalid: that rank joins the peers'
-    collectives with zeros and raises its own error, the peers complete with zeros for its
-    rows, and the next call is exact everywhere. (It used to probe for metadata its peers
-    never exchanged: a hang.)"""
+    collectives with zeros and raises its own error, the peers receive zeros for its rows and
+    raise a ValueError naming it (from its in-band status: host arrays in that call, device
+    arrays in check_pending), and the next call is exact everywhere. Nothing hangs (a probe
+    for metadata the peers never exchange would)."""
     comm, fam, n, me = s.comm, s.family, s.comm.size, s.comm.rank
     if n == 1:
         return
@@ -788,10 +793,26 @@ def check_gather_invalid_with_sizes(s: Suite):
                      lambda: call(_invalid_input(fam, every[3][me], bad), out),
                      f"{label}: raises", contains="with zeros so that no rank waits")
         else:
-            _check_peers_got_zeros(s, fam, call(fam.make(every[3][me]), out), every[3], recipe,
-                                   path, label, exact)
+            _peer_raises(s, fam, lambda: call(fam.make(every[3][me]), out), label,
+                         f"rank {last} passed an input that is invalid",
+                         lambda got: _check_peers_got_zeros(s, fam, got, every[3], recipe, path,
+                                                            label, exact))
         exact(call(fam.make(every[4][me]), out), every[4], "the next call")
         s.check(comm.stats.meta_calls == 0, f"{label}: no metadata moved {comm.stats}")
+
+
+def _peer_raises(s, fam, joined, label, contains, check_zeros):
+    """A peer's side of a gather the last rank joined with zeros (``joined()``): host arrays
+    raise its ValueError in the call; device arrays complete it (``check_zeros(result)``) and
+    raise in ``check_pending``, which waits for the status copy (a later gather would raise
+    at its end too). Nothing is pending after."""
+    if not fam.device:
+        s.raises(ValueError, joined, f"{label}: the peers raise", contains=contains)
+        return
+    check_zeros(joined())
+    s.raises(ValueError, lambda: gather_module.check_pending(s.comm),
+             f"{label}: the peers raise in check_pending", contains=contains)
+    gather_module.check_pending(s.comm)  # nothing more
 
 
 def _check_peers_got_zeros(s, fam, got, data, recipe, path, label, exact):
@@ -811,8 +832,10 @@ def check_gather_malformed_sizes(s: Suite):
     """One rank's sizes= malformed (too short, negative, not ints) while its peers pass the
     true sizes: on a first call every rank raises; after checked calls (the peers hit their
     cached plan and skip all metadata) that rank joins their collectives with zeros and
-    raises its sizes error, the peers complete with zeros for its rows, and the next call is
-    exact. Nothing hangs (the launcher's timeout fails the test otherwise)."""
+    raises its sizes error, the peers receive zeros for its rows and raise a ValueError
+    naming it (host arrays in that call, asynchronous ones in wait(); device arrays in
+    check_pending), and the next call is exact. Nothing hangs (the launcher's timeout fails
+    the test otherwise)."""
     comm, fam, n, me = s.comm, s.family, s.comm.size, s.comm.rank
     if n == 1:
         return
@@ -831,11 +854,12 @@ def check_gather_malformed_sizes(s: Suite):
         kind = TypeError if malformed == "not-ints" else ValueError
         every = [[_global_input(rng, r, (k,), f32) for r in rows] for _ in range(4)]
 
-        def call(x, sizes):
+        def call(x, sizes, async_op=False):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", GatherFallbackWarning)
-                return gather_along_first_dim(x, comm, recipe, True, columnwise,
-                                              sizes=sizes)[0]
+                got, handle = gather_along_first_dim(x, comm, recipe, True, columnwise,
+                                                     sizes=sizes, async_op=async_op)
+                return got if handle is None else handle.wait()
 
         def exact(got, data, what):
             if recipe is None:
@@ -849,12 +873,15 @@ def check_gather_malformed_sizes(s: Suite):
         for step in range(2):
             exact(call(fam.make(every[step][me]), rows), every[step], f"call {step}")
         comm.reset_stats()
+        async_op = case % 2 == 1  # the peers' wait() raises (host arrays)
         if me == last:
-            s.raises(kind, lambda: call(fam.make(every[2][me]), bad), f"{label}: raises",
-                     contains="with zeros so that no rank waits")
+            s.raises(kind, lambda: call(fam.make(every[2][me]), bad, async_op),
+                     f"{label}: raises", contains="with zeros so that no rank waits")
         else:
-            _check_peers_got_zeros(s, fam, call(fam.make(every[2][me]), rows), every[2], recipe,
-                                   path, label, exact)
+            _peer_raises(s, fam, lambda: call(fam.make(every[2][me]), rows, async_op), label,
+                         f"rank {last} passed sizes= that are malformed",
+                         lambda got: _check_peers_got_zeros(s, fam, got, every[2], recipe, path,
+                                                            label, exact))
         exact(call(fam.make(every[3][me]), rows), every[3], "the next call")
         s.check(comm.stats.meta_calls == 0, f"{label}: no metadata moved {comm.stats}")
 

@@ -15,6 +15,10 @@ from .. import _arrays
 from .base import (Communicator, Handle, float_to_max_keys, is_float, max_keys_to_float,
                    torch_gather_out)
 
+# a part of at most this many bytes per rank rides along in a pack (TorchComm.gather_parts):
+# the quantized gather's in-band status is 8 bytes per rank
+RIDE_ALONG = 8
+
 
 def _dist():
     import torch.distributed as dist
@@ -217,8 +221,9 @@ class TorchComm(Communicator):
     coalesce_limit = 32 * 2**20
 
     def gather_parts(self, items, stream_ptr=None):
-        """The parts in ONE collective where they can be (more than one non-empty part, none
-        staged to another device, at most ``coalesce_limit`` bytes per rank): this rank's
+        """The parts in ONE collective where they can be (more than one non-empty part of over
+        ``RIDE_ALONG`` bytes per rank, none staged to another device, at most
+        ``coalesce_limit`` bytes per rank; smaller parts join such a pack): this rank's
         bytes of every part packed into one uint8 buffer (each part padded to its largest
         rank's count), one ``all_gather_single`` into a (size, packed) staging buffer, then
         one strided copy per part (equal counts) or one per rank and part into the parts'
@@ -235,7 +240,10 @@ class TorchComm(Communicator):
         sync = self._cuda_ok and stream_ptr is not None
         parts = [self._part(send, recv, counts) for send, recv, counts in items]
         live = [p for p in parts if any(p[2])]
-        if len(live) > 1 and self._coalescible(live):
+        # packing costs a copy of every part in and out, and saves a collective per part: the
+        # parts of at most RIDE_ALONG bytes per rank (the gather's 8-byte status) join a pack
+        # but never cause one, so one large part keeps its in-place gather
+        if sum(max(p[2]) > RIDE_ALONG for p in live) > 1 and self._coalescible(live):
             return self._gather_packed(dist, live, sync)
         works, posts = [], []
         for send_t, recv_t, counts, copy_back, group in parts:

@@ -129,6 +129,11 @@ class _HFNorm(torch.autograd.Function):
                                       ctx.needs_input_grad[:2], dy)
             return dx, dw, None
         dx = dw = None
+        if _compiling():
+            # traced, the out= buffers below do not fix dx's layout: dx would take dY's
+            # strides (Qwen3's per-head norms get a transposed dY), which the traced view
+            # backward of a layer before the norm cannot take
+            dy = dy.contiguous()
         if ctx.needs_input_grad[0]:
             g = dy * weight.to(torch.float32)            # fp32, one rounding
             # mean(g * xhat) = r * mean(g * x): dx = r * (g - x * (r * r * mean(g * x)))

@@ -218,3 +218,23 @@ def test_no_grad_and_frozen(exact_grad):
         assert torch.equal(xr.grad, xr2.grad)
     else:                                        # fp32 throughout: a few fp32 ulps
         torch.testing.assert_close(xr.grad, xr2.grad, rtol=0, atol=64 * 2.0 ** -24)
+
+
+
+@pytest.mark.timeout(300)
+def test_compiled_qwen3_per_head_norms():
+    """Qwen3 normalizes q and k per head ((batch, seq, heads, head_dim) views of the
+    projections' outputs, transposed after the norm), so the norm's dY arrives transposed.
+    Compiled, the written-out backward must still give dx in x's contiguous layout: the traced
+    view backward before the norm cannot take dY's strides (the graph fails to build)."""
+    pytest.importorskip("transformers")
+    from bench import bench_model
+    torch.manual_seed(0)
+    model = bench_model.build_model("qwen3", "fp8blk_opt", 1, 64, "cpu", tiny=True)
+    assert sum(isinstance(m, Float8BlockRMSNorm) for m in model.modules()) >= 3  # q, k, ...
+    bench_model.compile_model(model)
+    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                parallelize_module)
 
+from fp8blk.comm.gather.plan import STATUS_BYTES
 from fp8blk.comm.packed import ALIGN
 from fp8blk.layout import cdiv, round_up
 from fp8blk.torch import Float8BlockConfig, convert_to_float8_block
@@ -195,7 +196,9 @@ def check_no_grad_forward(case, model, x_in, comm, m_local, D):
     # rowwise 1x128 blocks run along the features, so any local token count gathers in FP8:
     # sp_fallback's local length falls back only for the columnwise copy
     assert dict(comm.stats.gather_paths) == {"fast": 2}, (case, dict(comm.stats.gather_paths))
-    expected = 2 * (round_up(m_local * D, ALIGN) + round_up(cdiv(D, 128) * m_local * 4, ALIGN))
+    # + each sizes= gather's in-band status (fp8blk/comm/gather/status.py)
+    expected = 2 * (round_up(m_local * D, ALIGN) + round_up(cdiv(D, 128) * m_local * 4, ALIGN)
+                    + STATUS_BYTES)
     moved = comm.stats.ops["all_gather_v"][1]
     assert moved == expected, (case, "no_grad gather bytes", moved, expected)
 
@@ -216,6 +219,7 @@ def report_traffic(case, comm, seq, world, D):
         expected = 2 * fast_bytes(m_local, D) + fast_bytes(m_local, D)
     else:
         expected = 3 * m_local * D * 4             # fp32 rows gathered, quantized after
+    expected += 3 * STATUS_BYTES                   # each sizes= gather's in-band status
     moved = stats.ops["all_gather_v"][1]
     assert moved == expected, (case, moved, expected)
     hp = 3 * m_local * D * 4

@@ -36,6 +36,14 @@ sys.exit(p.run(args))
 """
 
 
+def _sigint_default():
+    """In the child before exec: SIGINT to its default, so that Python installs its
+    KeyboardInterrupt handler. A test runner started in the background by a shell without job
+    control ignores SIGINT, and an ignored SIGINT is inherited across exec (the child would
+    then never see the Ctrl-C this test sends)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _alive(pid):
     """True while `pid` runs (a zombie, exited but not yet reaped, counts as gone)."""
     try:
@@ -50,7 +58,8 @@ def _alive(pid):
 def test_killed_prebuild_leaves_no_worker(tmp_path, sig):
     env = dict(os.environ, PYTHONPATH=_REPO, FP8BLK_KERNEL_CACHE="1")
     proc = subprocess.Popen([sys.executable, "-c", _SCRIPT, str(tmp_path)], cwd=_REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_sigint_default)
     try:
         line = proc.stdout.readline()
         while line and not line.startswith("PIDS "):  # the progress bar's lines come first

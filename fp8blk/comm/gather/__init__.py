@@ -97,8 +97,7 @@ from .lookup import resolve
 from .paths import data_ops, gather_fallback, gather_fast, gather_plain
 from .plan import FALLBACK, FAST, PLAIN
 from .state import cached_plans, plan_cache, record_path
-from .status import check_pending as check_status
-from .status import settle
+from .status import check_pending, settle
 from .streams import NULL
 
 
@@ -148,14 +147,6 @@ def gather_along_first_dim(x, comm, recipe=None, rowwise=True, columnwise=False,
         result, handle = _gather(comm, src, plan, local_error, async_op, out, stream, sizes,
                                  frame)
     return settle(cached_plans(comm), result, handle)
-
-
-def check_pending(comm):
-    """Wait for the device gathers with ``sizes=`` issued on ``comm`` so far (blocking on the
-    events of their status copies) and raise the ValueError of the first one a rank joined
-    with zeros (see the module docstring); returns None when there is none. Host arrays raise
-    in the call itself: then it returns at once."""
-    check_status(comm)
 
 
 def _on_device_of(src):

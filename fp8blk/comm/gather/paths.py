@@ -15,7 +15,7 @@ from .arrays import U8, contiguous, internal_ops, local_x2d, logical_dtype, ops_
 from .fixup import derive_post, fix_up_post
 from .lane import keep_lane
 from .plan import COL, PLAIN, ROW, SLOT
-from .status import status_item, with_status
+from .status import with_status_item
 from .streams import issuer, nothing, run, streams_for
 
 
@@ -179,10 +179,8 @@ def _prepared(comm, plan, src, targets, ops, stream, reusable):
         local_out[part.index] = local
         items.append((None if in_place else ops.flat_bytes(local)[:mine], recv, counts))
     post = fix_up_post(plan, targets, stagings, ops, stream)
-    if plan.carries_status:  # kept with the prepared items: the steady state makes none
-        item, status = status_item(plan, ops)
-        items.append(item)
-        post = with_status(comm, plan, status, ops, stream, post)
+    # the status item is kept with the prepared items: the steady state makes none
+    post = with_status_item(comm, plan, ops, stream, items, post)
     prepared = _Prepared()
     prepared.targets, prepared.stream = list(targets), stream
     prepared.local_out = [b if q else None for b, q in zip(local_out, plan.quantized)]
@@ -234,10 +232,7 @@ def gather_fallback(comm, src, plan, out, async_op, stream):
                     plan.recipe, (plan.M, plan.K), *kept, dtype=plan.dtype)
             quantize_into(values, plan.recipe, ROW in plan.derived, COL in plan.derived,
                           plan.dtype, derived)
-    if plan.carries_status:
-        item, status = status_item(plan, ops)
-        items.append(item)
-        post = with_status(comm, plan, status, ops, ptr, post)
+    post = with_status_item(comm, plan, ops, ptr, items, post)
     handle = run(comm, issuer(comm, items), post, streams, ptr, async_op, result,
                   (items, full, stagings))
     return result, handle
@@ -278,11 +273,7 @@ def gather_plain(comm, src, plan, out, async_op, stream):
             raise ValueError(f"out must be C-contiguous with dtype {src.dtype}")
     streams, ptr = streams_for(comm, ops, stream, async_op)
     items = [(ops.flat_bytes(src.x), ops.flat_bytes(full), plan.counts)]
-    post = nothing
-    if plan.carries_status:
-        item, status = status_item(plan, ops)
-        items.append(item)
-        post = with_status(comm, plan, status, ops, ptr, post)
+    post = with_status_item(comm, plan, ops, ptr, items, nothing)
     comm.record("all_gather_v", plan.sent_bytes())
     return full, run(comm, issuer(comm, items), post, streams, ptr, async_op, full,
                       items)

@@ -59,6 +59,17 @@ def status_item(plan, ops, code=FINE):
     return (None, recv, [STATUS_BYTES] * size), recv
 
 
+def with_status_item(comm, plan, ops, stream, items, post):
+    """``post``, or where ``plan`` carries the status: the status item appended to ``items``
+    (last, as every rank appends it) and ``post`` followed by the reading of the codes
+    (:func:`with_status`)."""
+    if not plan.carries_status:
+        return post
+    item, recv = status_item(plan, ops)
+    items.append(item)
+    return with_status(comm, plan, recv, ops, stream, post)
+
+
 def with_status(comm, plan, recv, ops, stream, post):
     """``post`` (the fix-up) followed by the reading of the gathered codes in ``recv``: on the
     host, a check that raises in this call; on the device, the copy and event of a pending
@@ -198,5 +209,5 @@ def check_pending(comm):
     watch.check()
 
 
-__all__ = ["status_item", "with_status", "Watch", "watch_of", "peer_error", "settle",
+__all__ = ["status_item", "with_status_item", "with_status", "Watch", "watch_of", "peer_error", "settle",
            "check_pending", "FINE", "MALFORMED_SIZES", "INPUT_MISMATCH", "STATUS_BYTES"]

@@ -31,6 +31,7 @@ FAMILIES = {
                       ("_partial_cast_kernel", "_partial_amax_kernel") + _COMMON),
     "partial_cast": ("_partial_cast_kernel", "build_cast",
                      ("_partial_cast_kernel", "_partial_amax_kernel") + _COMMON),
+    "rms_norm": ("_rms_norm_kernel", "build", ("_rms_norm_kernel",) + _COMMON),
 }
 
 _loaded = {}                # (family, spec, device id) -> launchable

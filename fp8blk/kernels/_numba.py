@@ -46,7 +46,7 @@ __all__ = ["cuda", "types", "SIM", "device", "f32_bits", "bits_f32", "ld_v4",
            "fmax32", "pack4_e4m3", "pack4_e5m2", "pack4_fp8", "bf16x2_f32", "f16x2_f32",
            "f32_bf16_bits", "f32_f16_bits", "group_fmax", "ptr", "compile_kernel",
            "compile_ptx_sm90", "compile_cubin", "cubin_entries", "sim_kernel", "FULL_MASK",
-           "prmt"]
+           "prmt", "rsqrt_f32"]
 
 FULL_MASK = 0xFFFFFFFF
 
@@ -514,6 +514,23 @@ def sim_kernel(pyfunc):
     if not SIM:
         raise RuntimeError("sim_kernel needs NUMBA_ENABLE_CUDASIM=1")
     return _SimKernel(pyfunc)
+
+
+# ------------------------------------------------------------------------------------------
+# rsqrt_f32(v): 1/sqrt(v) as CUDA's rsqrtf computes it (``rsqrt.approx.f32``, what torch's
+# ``torch.rsqrt`` runs for float32 on the GPU; within 2 ulp of the exact value). The simulator
+# twin rounds the exact value once.
+
+if SIM:
+    def rsqrt_f32(v):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.float32(1.0 / np.sqrt(np.float64(np.float32(v))))
+else:
+    @intrinsic
+    def rsqrt_f32(typingctx, v):
+        def codegen(context, builder, sig, args):
+            return _asm(builder, _F32, [args[0]], "rsqrt.approx.f32 $0, $1;", "=f,f")
+        return types.float32(types.float32), codegen
 
 
 # ------------------------------------------------------------------------------------------

@@ -183,6 +183,39 @@ class TransposeSpec:
     vec_out: bool   # R % 16 == 0 and aligned destination (16-byte stores)
 
 
+# ---- RMSNorm ----------------------------------------------------------------------------------
+RMS_THREADS = 256       # threads per CTA
+RMS_MAX_CHUNKS = 8      # 16-byte chunks of a row per thread, at most (registers)
+RMS_ROW_ITERS = 16      # rows per row group per CTA (the backward's dw partials: one per group)
+
+
+@dataclass(frozen=True)
+class RMSNormSpec:
+    """One variant of the RMSNorm kernels (``_rms_norm_kernel``): a row of D elements is
+    read as D / ELEMS_PER_CHUNK[kind] 16-byte chunks by a group of `row_threads` threads (a
+    power of two), `chunks` per thread (lane l: chunks l, l + row_threads, ...)."""
+
+    kind: int               # F32 | BF16 | F16: x, the weight, y (dy, dx) alike
+    backward: bool
+    chunks: int             # chunks per thread
+    row_threads: int        # threads per row (power of two, <= threads)
+    threads: int = RMS_THREADS
+
+
+def rms_norm_spec(kind, width, backward):
+    """The RMSNormSpec for rows of `width` elements (a multiple of ELEMS_PER_CHUNK[kind]),
+    or None when a row is too wide for RMS_MAX_CHUNKS chunks per thread."""
+    nch = width // ELEMS_PER_CHUNK[kind]
+    row_threads = 1
+    while row_threads < nch and row_threads < RMS_THREADS:
+        row_threads *= 2
+    chunks = -(-nch // row_threads)
+    if chunks > RMS_MAX_CHUNKS:
+        return None
+    return RMSNormSpec(kind=int(kind), backward=bool(backward), chunks=chunks,
+                       row_threads=row_threads)
+
+
 # ---- master-weight kernels: batch table fields and specs ---------------------------------------
 F_H, F_W, F_O, F_N = 0, 1, 2, 3
 F_MOFF = 4      # master offset from the base, in elements of the master's dtype

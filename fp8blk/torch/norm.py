@@ -65,9 +65,12 @@ left as it is. The state dict is unchanged (``weight``).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
+from ..kernels import rms_norm
 from .recompute import recomputed_grads, swap_children
 
 _compiling = torch.compiler.is_compiling
@@ -108,14 +111,35 @@ class _RecomputedNorm(torch.autograd.Function):
         return dx, dw, None, None
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+# the one-pass CUDA kernels for HF's formula (module docstring); FP8BLK_NORM_KERNELS=0, or
+# this set False, keeps torch's ops (HF's exact bytes in the forward pass)
+KERNELS = os.environ.get("FP8BLK_NORM_KERNELS", "1") != "0"
+
+
+def _kernels_serve(x, weight):
+    """Whether the one-pass CUDA kernels (``fp8blk.kernels.rms_norm``) run this norm: eager,
+    plain CUDA tensors of one dtype, x C-contiguous, a width the kernels take."""
+    return (KERNELS and x.is_cuda and type(x) is torch.Tensor and type(weight) in _PLAIN
+            and x.dtype == weight.dtype and weight.device == x.device and x.is_contiguous()
+            and not _compiling()
+            and rms_norm.serves(x.view(-1, x.shape[-1]), weight))
+
+
 class _HFNorm(torch.autograd.Function):
     """HF's formula with its backward pass written out (module docstring): saves x, the
     weight and the fp32 reciprocal RMS r (x's shape with a last dim of 1)."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        r = torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)
         ctx.eps = eps
+        ctx.kernels = _kernels_serve(x, weight)
+        if ctx.kernels:
+            y, r = rms_norm.forward(x.view(-1, x.shape[-1]), weight, eps)
+            r = r.view(*x.shape[:-1], 1)
+            ctx.save_for_backward(x, weight, r)
+            return y.view(x.shape)
+        r = torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, r)
         return weight * _normalized(x, r)
 
@@ -129,6 +153,15 @@ class _HFNorm(torch.autograd.Function):
                                       ctx.needs_input_grad[:2], dy)
             return dx, dw, None
         dx = dw = None
+        if ctx.kernels:
+            d = x.shape[-1]
+            dy2d = dy.reshape(-1, d)
+            if not dy2d.is_contiguous() or dy2d.data_ptr() % 16:
+                dy2d = dy2d.clone(memory_format=torch.contiguous_format)
+            dx, dw_part = rms_norm.backward(x.view(-1, d), weight, dy2d, r.view(-1))
+            if ctx.needs_input_grad[1]:
+                dw = dw_part.sum(0).to(weight.dtype)
+            return (dx.view(x.shape) if ctx.needs_input_grad[0] else None), dw, None
         if _compiling():
             # traced, the out= buffers below do not fix dx's layout: dx would take dY's
             # strides (Qwen3's per-head norms get a transposed dY), which the traced view

@@ -61,6 +61,11 @@ DEQUANT_CASES = [
 # (R, C); (K, M) = (C, R) outputs: 16-byte loads with R odd (128 + 73-byte tile rows), and
 # R % 16 == 2 (128 + 18 bytes)
 TRANSPOSE_CASES = [(130, 136), (129, 141), (256, 128), (201, 128), (146, 48)]
+# RMSNorm (M, D, dtype), forward then backward (the runner plants a row with an inf and a
+# row of zeros): a CTA-wide row group whose lane 0 holds 2 chunks (2056 = 257 chunks), 2
+# forward CTAs; 16 threads per row, 2 forward CTAs; float32 and float16 (each CTA of the
+# simulator costs seconds: the GPU tests cover many CTAs)
+RMS_NORM_CASES = [(5, 2056, "bf16"), (70, 128, "bf16"), (9, 24, "f32"), (6, 40, "f16")]
 
 
 def names():
@@ -68,4 +73,5 @@ def names():
     return ([f"quantize-{r}-{d}-r{int(rw)}c{int(cw)}-{s[0]}x{s[1]}"
              for r, d, rw, cw, s in QUANTIZE_CASES]
             + [f"dequantize-{r}-c{int(cw)}-{o}-{s[0]}x{s[1]}" for r, cw, o, s in DEQUANT_CASES]
-            + [f"transpose-{s[0]}x{s[1]}" for s in TRANSPOSE_CASES])
+            + [f"transpose-{s[0]}x{s[1]}" for s in TRANSPOSE_CASES]
+            + [f"rms_norm-{d}-{m}x{k}" for m, k, d in RMS_NORM_CASES])

@@ -26,8 +26,10 @@ from fp8blk.kernels.dequantize import dequantize as kdq  # noqa: E402
 from fp8blk.kernels.transpose import block2d_columnwise_from_rowwise as ktr  # noqa: E402
 from tests.kernels._cases import (DTYPES, RECIPES, make_input,  # noqa: E402
                                   plant_fp8_specials, same_bytes)
+from fp8blk.kernels import rms_norm  # noqa: E402
+from tests.kernels._rms_norm_checks import check_backward, check_forward, make_rows  # noqa: E402
 from tests.kernels.sim_cases import (DEQUANT_CASES, QUANTIZE_CASES,  # noqa: E402
-                                     TRANSPOSE_CASES)
+                                     RMS_NORM_CASES, TRANSPOSE_CASES)
 
 def run(seed):
     warnings.simplefilter("ignore")
@@ -73,6 +75,23 @@ def run(seed):
             errs = [same_bytes(g, w) for g, w in zip(got, want)]
             return "; ".join(e for e in errs if e) or None
         case(f"transpose-{shape[0]}x{shape[1]}", tr)
+
+    for m, d, dname in RMS_NORM_CASES:
+        def norm(m=m, d=d, dname=dname):
+            dt = DTYPES[dname]
+            st = (lambda a: a.view(np.uint16)) if dname == "bf16" else (lambda a: a)
+            x, dy = make_rows(rng, m, d, dt), make_rows(rng, m, d, dt, spread=2.0)
+            x[1, d // 3] = np.inf
+            x[2] = 0
+            w = (1 + 0.3 * rng.standard_normal(d)).astype(np.float32).astype(dt)
+            y, r = rms_norm.forward(st(x), st(w), 1e-5, dtype=dt)
+            err = check_forward(x, w, 1e-5, y.view(dt), r)
+            if err:
+                return "forward: " + err
+            dx, dw_part = rms_norm.backward(st(x), st(w), st(dy), r, dtype=dt)
+            err = check_backward(x, w, dy, r, dx.view(dt), dw_part)
+            return err and "backward: " + err
+        case(f"rms_norm-{dname}-{m}x{d}", norm)
     return results
 
 

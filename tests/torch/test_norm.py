@@ -238,3 +238,47 @@ def test_compiled_qwen3_per_head_norms():
     loss.backward()
     assert torch.isfinite(loss)
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+# -- on the GPU: the one-pass kernels (fp8blk/kernels/rms_norm.py) --------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,per_head", [((2, 1024, 4096), False), ((2, 512, 16, 128), True)])
+def test_cuda_norm_runs_the_kernels_within_bounds(shape, per_head):
+    """Eager CUDA: the output within two bf16 ulp of HF's (one of n = x * r, times w) and
+    equal in all but a few elements, dx within (u_x + (D + 8) u32) S of the exact gradient, dw within M u32 sum|p|
+    of the exact sum; a transposed dY (Qwen3's per-head norms) as a contiguous one;
+    ``KERNELS = False`` gives HF's bytes (torch's ops)."""
+    from fp8blk.torch import norm
+
+    width = shape[-1]
+    gen = torch.Generator(device="cuda").manual_seed(width)
+    ref = HFStyleRMSNorm(width, eps=1e-6).cuda()
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(width, device="cuda", generator=gen) * 0.3 + 1)
+    ref.to(torch.bfloat16)
+    fast = Float8BlockRMSNorm.from_norm(ref)
+    x = (torch.randn(*shape, device="cuda", generator=gen)
+         * torch.exp(torch.randn(*shape[:-1], 1, device="cuda", generator=gen) * 2)
+         ).to(torch.bfloat16)
+    dy = torch.randn(*shape, device="cuda", generator=gen).to(torch.bfloat16)
+    if per_head:                         # dY arrives as the transpose of a contiguous tensor
+        dy = dy.transpose(1, 2).contiguous().transpose(1, 2)
+    y_ref, _, _ = _run(ref, x, dy)
+    y, dx, dw = _run(fast, x, dy)
+    ulps = (y.view(torch.int16).int() - y_ref.view(torch.int16).int()).abs()
+    assert ulps.max() <= 2 and (ulps > 0).double().mean() < 1e-3
+    exact, s = _dx_terms(x.float(), ref.weight.float(), dy.float(), 1e-6)
+    assert ((dx.double() - exact).abs() <= (2.0 ** -8 + (width + 8) * 2.0 ** -24) * s).all()
+    r = torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6)
+    p = (dy.double() * (x.double() * r)).reshape(-1, width)
+    m = p.shape[0]
+    # n and p are rounded to bf16 in the kernels: two more units of bf16 per term
+    bound = (m * 2.0 ** -24 + 3 * 2.0 ** -8) * p.abs().sum(0)
+    assert ((dw.double() - p.sum(0)).abs() <= bound).all()
+    norm.KERNELS = False
+    try:
+        y_ops, _, _ = _run(fast, x, dy)
+    finally:
+        norm.KERNELS = True
+    assert torch.equal(y_ops, y_ref)

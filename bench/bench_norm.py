@@ -117,9 +117,9 @@ def main():
     args = ap.parse_args()
     copy = copy_gbps(256 << 20)
     gpu = torch.cuda.get_device_name()
-    results = {"machine": {"gpu": gpu, "host": platform.node(), "torch": torch.__version__}, "date": datetime.datetime.now(
-        datetime.timezone.utc).isoformat(), "command": " ".join(sys.argv),
-        "copy_gbps": copy, "cases": []}
+    results = {"machine": {"gpu": gpu, "host": platform.node(), "torch": torch.__version__},
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+               "command": " ".join(sys.argv), "copy_gbps": copy, "cases": []}
     for m, d in SHAPES:
         c = cases(m, d)
         k = c["kernel_alone_ms"]

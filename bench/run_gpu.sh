@@ -8,7 +8,8 @@
 # MACHINE overrides it): copy them over bench/results/ to publish a run.
 #
 # Steps (default: "tests kernels comm master comm_bench"):
-#   tests         the whole -m gpu test suite -> gpu-tests-<machine>.log (GPU_TESTS, GPU_TESTS_TIMEOUT)
+#   tests         the whole -m gpu test suite -> gpu-tests-<machine>.log (GPU_TESTS, GPU_TESTS_TIMEOUT,
+#                 default 240 s: 176 s with a warm kernel cache, past 240 on a fresh machine)
 #   kernel_tests  -m gpu tests/kernels/test_gpu.py only            (TEST_TIMEOUT)
 #   kernels       bench.bench_kernels $BENCH_ARGS -> kernels-<machine>.json (BENCH_TIMEOUT);
 #                 torchao 0.18 peers need its wheel carried in .whl/
@@ -26,6 +27,7 @@
 #   gather_torch  bench.bench_gather --comm torch under torchrun -> gather-torch-<machine>.json
 #   linear        bench.bench_linear -> linear-<machine>.json (LINEAR_ARGS: more flags)
 #   model         bench.bench_model -> model-<machine>.json (MODEL_ARGS, MODEL_TIMEOUT)
+#   norm          bench.bench_norm (RMSNorm: torch ops, compiled, fp8blk's kernels) -> norm-<machine>.json
 #   loss_parity   bench.loss_parity -> loss-parity-<machine>.{json,png}         (LOSS_TIMEOUT)
 #   fsdp          bench.bench_fsdp under torchrun per token count in FSDP_TOKENS (default 8192)
 #                 -> fsdp-<machine>.json, fsdp-tokens<T>-<machine>.json for other counts
@@ -138,6 +140,7 @@ has linear && step bench_linear ${LINEAR_TIMEOUT:-300} \
   python3 -m bench.bench_linear --out "$OUT/linear-$M.json" $LINEAR_ARGS
 has model && step bench_model ${MODEL_TIMEOUT:-600} \
   python3 -m bench.bench_model --out "$OUT/model-$M.json" $MODEL_ARGS
+has norm && step bench_norm ${NORM_TIMEOUT:-180} python3 -m bench.bench_norm --out "$OUT"
 has loss_parity && step loss_parity ${LOSS_TIMEOUT:-600} \
   python3 -m bench.loss_parity --out "$OUT/loss-parity-$M.json" --plot "$OUT/loss-parity-$M.png"
 if has fsdp; then

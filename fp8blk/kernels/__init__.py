@@ -6,9 +6,10 @@ what a process has built and loaded); ``tuning`` the settings the launchers' ``u
 take (benchmarks and sweeps).
 
 Modules come in pairs named by operation: a launcher (``quantize``, ``dequantize``,
-``transpose``, ``partial_amax``, ``partial_cast``: launch plans, allocation, launch; the
-function of the operation is inside, e.g. ``quantize.quantize``) and its builder
+``transpose``, ``partial_amax``, ``partial_cast``, ``rms_norm``: launch plans, allocation,
+launch; the function of the operation is inside, e.g. ``quantize.quantize``) and its builder
 (``_quantize_kernel``, ...: the Numba kernel code, compiled on first use per variant).
+``rms_norm`` is also the torch room's door to the RMSNorm kernels (``fp8blk.torch.norm``).
 ``master_batch`` is the master-weight kernels' batch table; ``_specs`` the numba-free kinds,
 specs (every setting that changes generated code is a spec field) and launch geometry both
 sides share; ``_launch`` the launchers' helpers (input kinds, plan caches, tuning);

@@ -7,8 +7,8 @@ The variants (:func:`common_variants`): quantize for every recipe (Block1D, Bloc
 their default options) x E4M3 / E5M2 x fp32 / bf16 / fp16 input x rowwise / columnwise / both,
 on aligned inputs (K a multiple of 8, M of 16, 16-byte aligned data); dequantize of each of
 those buffers (aligned) to fp32 / bf16 / fp16; the Block2D transpose. Other variants (unaligned
-shapes, other recipe options, the master-weight kernels) compile on first use, once per cache
-folder. A variant is the pair (family, spec): family one of ``"quantize"``, ``"dequantize"``,
+shapes, other recipe options, the master-weight kernels, the RMSNorm kernels: a pair per row
+width) compile on first use, once per cache folder. A variant is the pair (family, spec): family one of ``"quantize"``, ``"dequantize"``,
 ``"transpose"``, spec the frozen dataclass of ``_specs`` that fixes its generated code.
 
 The cubins are made by the one compile route of a launch's cache miss (``_compiled``), so they

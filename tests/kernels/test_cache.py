@@ -28,6 +28,7 @@ SPECS = {
     "partial_amax": sp.partial_amax_spec(False, sp.BF16, True, True),
     "partial_scale": sp.PartialScaleSpec(True, 65504.0),
     "partial_cast": sp.partial_cast_spec(True, sp.F16, False, True),
+    "rms_norm": sp.rms_norm_spec(sp.BF16, 4096, True),
 }
 
 

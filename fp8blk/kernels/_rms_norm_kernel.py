@@ -72,6 +72,28 @@ def _group_sum(spec):
     return group_sum
 
 
+def _chunk_loader(spec):
+    """``load(p, base, lane, nch, ok, out)``: this lane's chunks of one row into the uint32
+    local array `out` (4 words per chunk; zeros where not `ok` or past the row's `nch`
+    chunks); chunk c of the row is the 16 bytes at byte offset ``base + 16 c`` of `p`."""
+    NC, TR = spec.chunks, spec.row_threads
+    uint32 = types.uint32
+
+    @device
+    def load(p, base, lane, nch, ok, out):
+        for j in range(NC):
+            c = lane + TR * j
+            if ok and c < nch:
+                a0, a1, a2, a3 = ld_v4_at(p, base + c * 16)
+            else:
+                a0 = a1 = a2 = a3 = uint32(0)
+            out[4 * j] = a0
+            out[4 * j + 1] = a1
+            out[4 * j + 2] = a2
+            out[4 * j + 3] = a3
+    return load
+
+
 def make_forward(spec):
     NC, TR, T = spec.chunks, spec.row_threads, spec.threads
     G = T // TR
@@ -79,6 +101,7 @@ def make_forward(spec):
     unpack, pack, P = _codec(spec.kind)
     two = P == 2
     group_sum = _group_sum(spec)
+    load = _chunk_loader(spec)
     float32, uint32 = types.float32, types.uint32
     NW = max(T // 32, 1)
     L4, L8 = NC * 4, NC * 8      # local array lengths (compile-time constants)
@@ -91,33 +114,17 @@ def make_forward(spec):
         wsum = cuda.shared.array(NW, float32)
         ww = cuda.local.array(L4, uint32)
         xw = cuda.local.array(L4, uint32)
+        o = cuda.local.array(4, uint32)
         inv_d = bits_f32(inv_d_bits)
         eps = bits_f32(eps_bits)
         nch = D // E
-        for j in range(NC):
-            c = lane + TR * j
-            if c < nch:
-                a0, a1, a2, a3 = ld_v4_at(w, c * 16)
-            else:
-                a0 = a1 = a2 = a3 = uint32(0)
-            ww[4 * j] = a0
-            ww[4 * j + 1] = a1
-            ww[4 * j + 2] = a2
-            ww[4 * j + 3] = a3
+        load(w, 0, lane, nch, True, ww)
         for it in range(iters):
             row = (cuda.blockIdx.x * iters + it) * G + g
             ok = row < M
+            load(x, row * D * IS, lane, nch, ok, xw)
             ss = float32(0.0)
             for j in range(NC):
-                c = lane + TR * j
-                if ok and c < nch:
-                    a0, a1, a2, a3 = ld_v4_at(x, (row * D + c * E) * IS)
-                else:
-                    a0 = a1 = a2 = a3 = uint32(0)
-                xw[4 * j] = a0
-                xw[4 * j + 1] = a1
-                xw[4 * j + 2] = a2
-                xw[4 * j + 3] = a3
                 for q in range(4):
                     h0, h1 = unpack(xw[4 * j + q])
                     ss = ss + h0 * h0
@@ -131,21 +138,12 @@ def make_forward(spec):
                 for j in range(NC):
                     c = lane + TR * j
                     if c < nch:
-                        o0 = o1 = o2 = o3 = uint32(0)
                         for q in range(4):
                             h0, h1 = unpack(xw[4 * j + q])
                             n0, n1 = unpack(pack(h0 * rr, h1 * rr))
                             w0, w1 = unpack(ww[4 * j + q])
-                            o = pack(w0 * n0, w1 * n1)
-                            if q == 0:
-                                o0 = o
-                            elif q == 1:
-                                o1 = o
-                            elif q == 2:
-                                o2 = o
-                            else:
-                                o3 = o
-                        st_v4_at(y, (row * D + c * E) * IS, o0, o1, o2, o3)
+                            o[q] = pack(w0 * n0, w1 * n1)
+                        st_v4_at(y, (row * D + c * E) * IS, o[0], o[1], o[2], o[3])
 
     return kernel
 
@@ -157,6 +155,7 @@ def make_backward(spec):
     unpack, pack, P = _codec(spec.kind)
     two = P == 2
     group_sum = _group_sum(spec)
+    load = _chunk_loader(spec)
     float32, uint32 = types.float32, types.uint32
     NW = max(T // 32, 1)
     L4, L8 = NC * 4, NC * 8      # local array lengths (compile-time constants)
@@ -171,41 +170,20 @@ def make_backward(spec):
         xw = cuda.local.array(L4, uint32)
         gw = cuda.local.array(L4, uint32)
         acc = cuda.local.array(L8, float32)      # dw partials, 2 per word
+        o = cuda.local.array(4, uint32)
         inv_d = bits_f32(inv_d_bits)
         nch = D // E
-        for j in range(NC):
-            c = lane + TR * j
-            if c < nch:
-                a0, a1, a2, a3 = ld_v4_at(w, c * 16)
-            else:
-                a0 = a1 = a2 = a3 = uint32(0)
-            ww[4 * j] = a0
-            ww[4 * j + 1] = a1
-            ww[4 * j + 2] = a2
-            ww[4 * j + 3] = a3
+        load(w, 0, lane, nch, True, ww)
         for i in range(NC * 8):
             acc[i] = float32(0.0)
         for it in range(iters):
             row = (cuda.blockIdx.x * iters + it) * G + g
             ok = row < M
             rr = r[row] if ok else float32(0.0)
+            load(x, row * D * IS, lane, nch, ok, xw)
+            load(dy, row * D * IS, lane, nch, ok, gw)
             s = float32(0.0)
             for j in range(NC):
-                c = lane + TR * j
-                if ok and c < nch:
-                    off = (row * D + c * E) * IS
-                    a0, a1, a2, a3 = ld_v4_at(x, off)
-                    b0, b1, b2, b3 = ld_v4_at(dy, off)
-                else:
-                    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = uint32(0)
-                xw[4 * j] = a0
-                xw[4 * j + 1] = a1
-                xw[4 * j + 2] = a2
-                xw[4 * j + 3] = a3
-                gw[4 * j] = b0
-                gw[4 * j + 1] = b1
-                gw[4 * j + 2] = b2
-                gw[4 * j + 3] = b3
                 for q in range(4):
                     h0, h1 = unpack(xw[4 * j + q])
                     d0, d1 = unpack(gw[4 * j + q])
@@ -219,27 +197,18 @@ def make_backward(spec):
                 for j in range(NC):
                     c = lane + TR * j
                     if c < nch:
-                        o0 = o1 = o2 = o3 = uint32(0)
                         for q in range(4):
                             h0, h1 = unpack(xw[4 * j + q])
                             d0, d1 = unpack(gw[4 * j + q])
                             w0, w1 = unpack(ww[4 * j + q])
-                            o = pack(((d0 * w0) - h0 * cc) * rr, ((d1 * w1) - h1 * cc) * rr)
+                            o[q] = pack(((d0 * w0) - h0 * cc) * rr, ((d1 * w1) - h1 * cc) * rr)
                             n0, n1 = unpack(pack(h0 * rr, h1 * rr))
                             p0, p1 = unpack(pack(d0 * n0, d1 * n1))
                             k = 8 * j + 2 * q
                             acc[k] = acc[k] + p0
                             if two:
                                 acc[k + 1] = acc[k + 1] + p1
-                            if q == 0:
-                                o0 = o
-                            elif q == 1:
-                                o1 = o
-                            elif q == 2:
-                                o2 = o
-                            else:
-                                o3 = o
-                        st_v4_at(dx, (row * D + c * E) * IS, o0, o1, o2, o3)
+                        st_v4_at(dx, (row * D + c * E) * IS, o[0], o[1], o[2], o[3])
         prow = (cuda.blockIdx.x * G + g) * D
         for j in range(NC):
             c = lane + TR * j

@@ -137,7 +137,7 @@ def _kernels_serve(x, weight):
     """Whether the one-pass CUDA kernels (``fp8blk.kernels.rms_norm``) run this norm: eager,
     plain CUDA tensors of one dtype, x C-contiguous, a width the kernels take."""
     return (KERNELS and x.is_cuda and type(x) is torch.Tensor and type(weight) in _PLAIN
-            and x.dtype == weight.dtype and weight.device == x.device and x.is_contiguous()
+            and weight.device == x.device and x.is_contiguous()
             and not _compiling()
             and rms_norm.serves(x.view(-1, x.shape[-1]), weight))
 

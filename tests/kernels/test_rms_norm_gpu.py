@@ -12,13 +12,11 @@ torch = pytest.importorskip("torch")
 from fp8blk.kernels import rms_norm  # noqa: E402
 from fp8blk.torch.norm import hf_rms_norm  # noqa: E402
 
-_NP = {torch.bfloat16: "bfloat16", torch.float16: np.float16, torch.float32: np.float32}
-
-
 def _np_dtype(dtype):
     import ml_dtypes
 
-    return np.dtype(ml_dtypes.bfloat16) if dtype == torch.bfloat16 else np.dtype(_NP[dtype])
+    return np.dtype({torch.bfloat16: ml_dtypes.bfloat16, torch.float16: np.float16,
+                     torch.float32: np.float32}[dtype])
 
 
 def _to_np(t):

@@ -20,32 +20,23 @@ import numpy as np
 from . import _compiled
 from . import _specs as sp
 from ._adapters import adapter_of
-from ._launch import cdiv, kind_of, scalars
+from ._launch import cached_plan, cdiv, kind_of, plan_cache, scalars
 
 _F32 = np.dtype(np.float32)
 _U32 = np.dtype(np.uint32)
-_geometry = {}   # (kind, D, backward) -> spec or None
-_kernels = {}    # (spec, device) -> kernel
+_specs = plan_cache()   # (kind, D, backward) -> its RMSNormSpec, or False where not served
 FORWARD_ITERS = 4                  # rows per row group per forward CTA
 BACKWARD_ITERS = sp.RMS_ROW_ITERS  # per backward CTA: one partial row per group
 
 
+def _build_spec(kind, width, backward):
+    if width <= 0 or width % sp.ELEMS_PER_CHUNK[kind]:
+        return False
+    return sp.rms_norm_spec(kind, width, backward) or False
+
+
 def _spec(kind, width, backward):
-    key = (kind, width, backward)
-    spec = _geometry.get(key, False)
-    if spec is False:
-        spec = None
-        if width > 0 and width % sp.ELEMS_PER_CHUNK[kind] == 0:
-            spec = sp.rms_norm_spec(kind, width, backward)
-        _geometry[key] = spec
-    return spec
-
-
-def _kernel(spec, device):
-    k = _kernels.get((spec, device))
-    if k is None:
-        k = _kernels[(spec, device)] = _compiled.kernel("rms_norm", spec, device)
-    return k
+    return cached_plan(_specs, (kind, width, backward), _build_spec) or None
 
 
 def serves(x2d, weight, dtype=None) -> bool:
@@ -92,8 +83,8 @@ def forward(x2d, weight, eps: float, dtype=None):
     if m:
         args = ad.args((x2d, weight, y, r), (_U32, _U32, _U32, _F32), scalars(
             m, d, FORWARD_ITERS, _fp32_bits(np.float32(1) / np.float32(d)), _fp32_bits(eps)))
-        ad.launch(_kernel(spec, ad.device(x2d)), (grid, 1, 1), (spec.threads, 1, 1), args,
-                  x2d)
+        kernel = _compiled.kernel("rms_norm", spec, ad.device(x2d))
+        ad.launch(kernel, (grid, 1, 1), (spec.threads, 1, 1), args, x2d)
     return y, r
 
 
@@ -121,8 +112,8 @@ def backward(x2d, weight, dy2d, r, dtype=None):
         args = ad.args((x2d, weight, dy2d, r, dx, dw_part), (_U32,) * 3 + (_F32,) + (_U32,) * 2,
                        scalars(m, d, BACKWARD_ITERS,
                                _fp32_bits(np.float32(1) / np.float32(d))))
-        ad.launch(_kernel(spec, ad.device(x2d)), (grid, 1, 1), (spec.threads, 1, 1), args,
-                  x2d)
+        kernel = _compiled.kernel("rms_norm", spec, ad.device(x2d))
+        ad.launch(kernel, (grid, 1, 1), (spec.threads, 1, 1), args, x2d)
     return dx, dw_part
 
 

@@ -27,9 +27,10 @@ Variants (every ``nn.Linear`` but ``lm_head`` converted):
 * ``fp8blk``: ``convert_to_float8_block`` with the default config;
 * ``fp8blk_share``: ``share_quantize=True`` (quantize once per activation,
   ``fp8blk.torch.linear.sharing``); ``fp8blk_norm``: ``norms=True``; ``fp8blk_mlp``:
-  ``gated_mlps=True``; ``fp8blk_norm_mlp``: both; ``fp8blk_opt``: all three (the bytes of
-  ``fp8blk_norm_mlp``; of ``fp8blk`` but for the norms' input gradients, which differ by
-  rounding: ``fp8blk.torch.norm``);
+  ``gated_mlps=True``; ``fp8blk_norm_mlp``: both; ``fp8blk_nokeep``: all three;
+  ``fp8blk_opt``: these and ``keep_inputs=True`` (layers keep their input where it is kept
+  anyway: ``Float8BlockLinear.keep_input``) -- the bytes of ``fp8blk_norm_mlp``; of
+  ``fp8blk`` but for the norms' gradients, which differ by rounding: ``fp8blk.torch.norm``;
 * ``torchao``: ``torchao.prototype.blockwise_fp8_training.linear.Float8BlockwiseLinear``
   (torchao 0.18.0 wheel, ``torchao/prototype/blockwise_fp8_training/linear.py``:
   ``from_float(mod)`` asserts no bias and in/out features multiples of 128, the constructor
@@ -112,7 +113,7 @@ WIDTHS = {
 TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512)
 VARIANTS = ("bf16", "bf16_norm", "bf16_opt", "fp8blk", "fp8blk_share", "fp8blk_norm",
-            "fp8blk_mlp", "fp8blk_norm_mlp", "fp8blk_opt", "torchao")
+            "fp8blk_mlp", "fp8blk_norm_mlp", "fp8blk_nokeep", "fp8blk_opt", "torchao")
 DEFAULT_VARIANTS = ("bf16", "fp8blk", "fp8blk_opt", "torchao")
 
 
@@ -181,7 +182,9 @@ def convert(model, variant):
     opts = {"fp8blk": {}, "fp8blk_share": {"share_quantize": True},
             "fp8blk_norm": {"norms": True}, "fp8blk_mlp": {"gated_mlps": True},
             "fp8blk_norm_mlp": {"norms": True, "gated_mlps": True},
-            "fp8blk_opt": {"share_quantize": True, "norms": True, "gated_mlps": True}}[variant]
+            "fp8blk_nokeep": {"share_quantize": True, "norms": True, "gated_mlps": True},
+            "fp8blk_opt": {"share_quantize": True, "norms": True, "gated_mlps": True,
+                           "keep_inputs": True}}[variant]
     return convert_to_float8_block(model, module_filter_fn=not_lm_head, **opts)
 
 

@@ -7,10 +7,11 @@ Needs transformers (``pip install 'fp8blk[transformers]'``). The model is built 
 (no download): ``LlamaForCausalLM`` in bf16 with SDPA attention. Then
 
 1. ``convert_to_float8_block(model, module_filter_fn=..., share_quantize=True, norms=True,
-   gated_mlps=True)``: every ``nn.Linear`` but ``lm_head`` becomes a Float8BlockLinear (its
-   three GEMMs in block-scaled FP8), layers reading one tensor share its FP8 copies, the
-   RMSNorms keep only their input between the passes and the MLPs do not keep their
-   activation's output. The parameters and the state dict are unchanged.
+   gated_mlps=True, keep_inputs=True)``: every ``nn.Linear`` but ``lm_head`` becomes a
+   Float8BlockLinear (its three GEMMs in block-scaled FP8), layers reading one tensor share
+   its FP8 copies, the RMSNorms keep only their input between the passes, the MLPs do not keep
+   their activation's output, and the attention output and down projections keep no FP8 copy
+   of an input that is kept anyway. The parameters and the state dict are unchanged.
 2. ``--steps`` AdamW steps on random tokens.
 3. ``torch.save`` of the model's and the optimizer's state dicts; a second model built and
    converted the same way loads them.
@@ -53,7 +54,8 @@ def build(args, device, convert=True):
         torch.set_default_dtype(prev)
     if convert:
         convert_to_float8_block(model, module_filter_fn=lambda m, fqn: fqn != "lm_head",
-                                share_quantize=True, norms=True, gated_mlps=True)
+                                share_quantize=True, norms=True, gated_mlps=True,
+                                keep_inputs=True)
     return model
 
 

@@ -24,6 +24,19 @@ Under ``torch.compile`` the SiLU form runs the same autograd function (plain ten
 ways: the compiled graph holds g and u); other activations run the plain formula (dynamo does
 not trace ``torch.autograd.grad`` inside a backward; inductor's partitioner decides).
 
+The down projection. A Float8BlockLinear keeps its input's FP8 copy between the passes (1
+byte per element, 112 MiB per layer at Llama-3-8B widths and 8192 tokens). When the down
+projection keeps its input instead (``keep_input``, which ``convert_to_float8_block(...,
+keep_inputs=True)`` sets), the product is kept as its formula of g and u, which this module
+keeps anyway (``fp8blk.torch.recompute.saved_as_formula``): the backward pass makes it again,
+with the forward pass's kernels on the same values (the same bytes), and the down projection
+quantizes it columnwise; nothing (M, F) is kept for it. Cost: the product once more per step
+(two reads, one write) and the columnwise quantize on its own pass. Under ``torch.compile``
+the product is computed inside ``torch.utils.checkpoint`` (non-reentrant), which marks its
+nodes for inductor's partitioner to recompute in the backward pass: left unmarked, the
+partitioner keeps it in bf16 (a tensor an opaque op reads in the backward pass is not
+recomputed: ``torch/_functorch/partitioners.py``, "materialized in backward").
+
 Which modules are swapped (:func:`convert_gated_mlps`, or ``convert_to_float8_block(...,
 gated_mlps=True)``): modules with children ``gate_proj``, ``up_proj``, ``down_proj`` and
 ``act_fn``, no parameters of their own, whose output equals byte for byte, on a probe input (4
@@ -37,8 +50,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
-from .recompute import recomputed_grads, swap_children
+from .recompute import recomputed_grads, saved_as_formula, swap_children
 
 _compiling = torch.compiler.is_compiling
 
@@ -80,6 +94,10 @@ class _SiluGate(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dg = torch.ops.aten.silu_backward(dp * u, g)
         return dg, du
+
+
+def _silu_product(g, u):
+    return F.silu(g) * u
 
 
 def _is_silu(act, probe) -> bool:
@@ -131,11 +149,24 @@ class Float8BlockGatedMLP(torch.nn.Module):
         u = self.up_proj(x)
         if not (torch.is_grad_enabled() and (g.requires_grad or u.requires_grad)):
             return self.down_proj(self.act_fn(g) * u)
-        if self.silu:
-            return self.down_proj(_SiluGate.apply(g, u))
+        formula = _silu_product if self.silu else self._product
+        keep = getattr(self.down_proj, "keep_input", False) is True
         if _compiling():
-            return self.down_proj(self.act_fn(g) * u)
-        return self.down_proj(_RecomputedGate.apply(g, u, self.act_fn))
+            if keep:
+                # the product marked for recomputation: inductor's partitioner otherwise
+                # keeps a tensor the backward pass reads in an opaque op (the down
+                # projection's) rather than recompute it
+                return self.down_proj(checkpoint(formula, g, u, use_reentrant=False))
+            return self.down_proj(_SiluGate.apply(g, u) if self.silu else formula(g, u))
+        p = _SiluGate.apply(g, u) if self.silu else _RecomputedGate.apply(g, u, self.act_fn)
+        if not keep:
+            return self.down_proj(p)
+        # a down projection keeping its input keeps the product as its formula of g and u
+        with saved_as_formula(p, formula, (g, u)):
+            return self.down_proj(p)
+
+    def _product(self, g, u):
+        return self.act_fn(g) * u
 
 
 def _same_output(module, new) -> bool:

@@ -1,9 +1,14 @@
 """What the memory-saving modules (``norm``, ``mlp``) share: gradients of a formula
 recomputed in backward, so that what they keep between the passes is only the formula's
-inputs, and the in-place swap of a model's submodules for them."""
+inputs; a tensor saved by a layer kept as the formula that makes it (:func:`saved_as_formula`);
+and the in-place swap of a model's submodules for them."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 
 def recomputed_grads(formula, inputs, needs, grad_output):
@@ -24,6 +29,74 @@ def recomputed_grads(formula, inputs, needs, grad_output):
         grads = iter(torch.autograd.grad(out, wanted, grad_output, create_graph=create_graph)
                      if wanted else ())
     return tuple(next(grads) if n and t is not None else None for t, n in zip(leaves, needs))
+
+
+class _Recipe:
+    """A saved tensor kept as ``formula(*inputs)``: the inputs (packed by the hooks outside,
+    if any), their version counters, and the saved view's geometry within the result."""
+
+    __slots__ = ("formula", "inputs", "versions", "view", "outer")
+
+    def __init__(self, formula, inputs, view, outer):
+        self.formula, self.view, self.outer = formula, view, outer
+        # outer hooks answer for what they pack (a checkpoint's recomputed inputs are new
+        # tensors, with counters of their own)
+        self.versions = None if outer else [t._version for t in inputs]
+        self.inputs = [outer[0](t) for t in inputs] if outer else list(inputs)
+
+
+@contextlib.contextmanager
+def saved_as_formula(target, formula, inputs):
+    """Inside the block, autograd keeps `target` -- wherever an op saves it or a view of it
+    for backward -- as the recipe ``formula(*inputs)``, run again (without grad) when the
+    backward pass unpacks it: what is kept between the passes is `inputs`, which the caller
+    keeps anyway. `formula` must give `target`'s bytes again from the same inputs (the same
+    ops on the same values); an in-place change of an input before then raises, as autograd's
+    own version check would. `target` a plain tensor that owns its storage (else the block
+    changes nothing). Hooks already installed (``torch.utils.checkpoint``, offloading,
+    a counter) still see every other saved tensor, and the recipe's inputs in place of
+    `target`.
+
+        import torch
+        from fp8blk.torch.recompute import saved_as_formula
+        g = torch.randn(8, 16, requires_grad=True)
+        p = torch.nn.functional.silu(g)
+        with saved_as_formula(p, torch.nn.functional.silu, (g,)):
+            y = p.exp()                      # exp keeps its output, not p: nothing changes
+            z = (p * p).sum()                # mul keeps p: kept as silu(g)
+        z.backward()
+    """
+    if type(target) is not torch.Tensor or target._base is not None \
+            or not target.is_contiguous():
+        yield
+        return
+    outer = _top_hooks(True)
+    # the hooks hold no reference to target: autograd keeps them with every tensor saved in
+    # the block, so one would keep target alive until the backward pass
+    storage, dtype = target.untyped_storage().data_ptr(), target.dtype
+    base = target.storage_offset()
+    del target
+
+    def pack(t):
+        if t.dtype == dtype and t.untyped_storage().data_ptr() == storage:
+            return _Recipe(formula, inputs, (t.size(), t.stride(), t.storage_offset() - base),
+                           outer)
+        return outer[0](t) if outer else t
+
+    def unpack(obj):
+        if type(obj) is not _Recipe:
+            return outer[1](obj) if outer else obj
+        ins = [obj.outer[1](t) for t in obj.inputs] if obj.outer else obj.inputs
+        if obj.versions is not None and [t._version for t in ins] != obj.versions:
+            raise RuntimeError("an input of a recomputed saved tensor (fp8blk.torch.recompute."
+                               "saved_as_formula) was modified by an inplace operation before "
+                               "the backward pass")
+        with torch.no_grad():
+            out = obj.formula(*ins)
+        return out.as_strided(*obj.view)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
 
 
 def swap_children(model, build, kind, module_filter_fn=None) -> int:

@@ -83,3 +83,36 @@ def test_which_modules_are_swapped():
     assert [type(m).__name__ for m in model] == ["Float8BlockGatedMLP", "GeluTimesTwo",
                                                  "Linear"]
     assert convert_gated_mlps(model) == 0
+
+
+@pytest.mark.parametrize("act", _acts(), ids=lambda a: type(a).__name__)
+@pytest.mark.parametrize("wrap", ["plain", "checkpoint"])
+def test_down_projection_keeping_its_input(act, wrap):
+    """keep_inputs: the down projection keeps the product as its formula of g and u, so the
+    MLP keeps the down projection's FP8 copy (M*F bytes + scales) fewer, with every output and
+    gradient byte-equal -- also inside a non-reentrant activation checkpoint (whose hooks
+    then see the formula's inputs)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    ref = GatedMLP(act=act).to(torch.bfloat16)
+    holder = torch.nn.Sequential(ref)
+    convert_to_float8_block(holder, gated_mlps=True)
+    run = holder if wrap == "plain" else (lambda x: checkpoint(holder, x, use_reentrant=False))
+
+    class Runner(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.holder = holder
+
+        def forward(self, x):
+            return run(x)
+    x = torch.randn(2, 65, 256).to(torch.bfloat16)
+    a, saved_a = _step(Runner(), x)
+    convert_to_float8_block(holder, gated_mlps=True, keep_inputs=True)
+    assert holder[0].down_proj.keep_input
+    b, saved_b = _step(Runner(), x)
+    for u, v in zip(a, b):
+        assert u.dtype == v.dtype and torch.equal(u, v)
+    fp8_copy = 2 * 65 * 384 + 2 * 384 * 4                  # (F, M) bytes, (cdiv(M,128), F) fp32
+    assert saved_a - saved_b == (fp8_copy if wrap == "plain" else 0), (saved_a, saved_b)

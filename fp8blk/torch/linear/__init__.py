@@ -14,7 +14,9 @@ high-precision x (2*M*K bytes in bf16): about half the activation memory of nn.L
 itself is saved (a parameter, held anyway), not its FP8 buffers: the backward pass quantizes
 it again, columnwise only (the same bytes as the FP8 transpose of its rowwise tiles), which
 costs one read of W and keeps N*K bytes per layer out of the memory held between the passes.
-Output dtype = x's dtype; dW is produced in W's dtype, dbias = dY summed over tokens.
+Output dtype = x's dtype; dW is produced in W's dtype, dbias = dY summed over tokens. A layer
+whose input is kept between the passes anyway (attention's output, a recomputed product)
+keeps x itself instead of the FP8 copy (``keep_input``) and makes the copy in backward.
 
 Interface with the FSDP2 weight subclass (``fp8blk/torch/fsdp/weights.py``): the layer gets
 its quantized weight only through :func:`fp8blk.torch.linear.functional.weight_block_tensor`. A weight with a method

@@ -17,7 +17,19 @@ aliasing wrappers), each running the eager hot path's plan (``plans.plan_for_sha
         -> (dx, dw)
 
 (``low_memory_forward``: ``fp8blk::linear_fwd(x, weight, cfg, out_dtype, need_dgrad,
-need_wgrad) -> (y, xt_d, xt_s)`` in place of the first two). x's quantization is an op of
+need_wgrad) -> (y, xt_d, xt_s)`` in place of the first two). A layer that keeps its input
+(``keep_input``) quantizes x rowwise only in the forward pass (``need_wgrad=False`` in
+``linear_quantize_x`` / ``linear_fwd``), and its backward pass takes x in place of its
+columnwise copy, making that copy itself:
+
+    fp8blk::linear_bwd_x(dy, x, weight, cfg, x_dtype, need_dgrad, need_wgrad) -> (dx, dw)
+
+x's quantization is inside the op that reads dY on purpose: as an op of its own, needing only
+x, the partitioner would run it in the forward pass and keep its output (an op it may not
+recompute, reachable from the forward inputs alone, lands on the forward side of the cut).
+This way the backward pass needs x itself, and inductor's partitioner either keeps x (free
+where x is kept anyway, e.g. attention's output) or recomputes it from what the graph keeps
+(a norm's output from its input, a gated MLP's product from the gate and up outputs). x's quantization is an op of
 its own, depending on x and the activation recipe only, so the layers reading one x (q/k/v,
 gate/up) make identical nodes that the graph's CSE merges (``sharing``). x (M, K) and dy
 (M, N) C-contiguous, weight (N, K); y (M, N) `out_dtype`; xd, xs: x's rowwise FP8 data and
@@ -107,6 +119,19 @@ def _quantize_x(x, cfg, need_wgrad):
     return xd, xs, xt_d, xt_s
 
 
+_xt_launchers = BoundedCache(1024)  # (m, k, dtype, device, cfg) -> columnwise launcher
+
+
+def _columnwise(x, c):
+    (m, k) = x.shape
+    key = (m, k, x.dtype, x.device, c)
+    launch = _xt_launchers.get(key)
+    if launch is None:
+        launch = _xt_launchers.put(key, quantize_launcher(
+            x, c.activation, False, True, [None, None] + plans.x_views(m, k, c, True)[2:]))
+    return launch(x, x.data_ptr())[2:]
+
+
 def _quantize_x_fake(x, cfg, need_wgrad):
     (m, k), c = x.shape, _config(cfg)
     out = [None if v is None else torch.empty_strided(v[0], v[1], dtype=v[2], device=x.device)
@@ -136,6 +161,16 @@ def _bwd(dy, xt_d, xt_s, weight, cfg, x_dtype, need_dgrad, need_wgrad):
     return (_none(dy.device) if dx is None else dx), (_none(dy.device) if dw is None else dw)
 
 
+def _bwd_x(dy, x, weight, cfg, x_dtype, need_dgrad, need_wgrad):
+    x = _ready(x)
+    xt_d, xt_s = _columnwise(x, _config(cfg)) if need_wgrad else (None, None)
+    return _bwd(dy, xt_d, xt_s, weight, cfg, x_dtype, need_dgrad, need_wgrad)
+
+
+def _bwd_x_fake(dy, x, weight, cfg, x_dtype, need_dgrad, need_wgrad):
+    return _bwd_fake(dy, None, None, weight, cfg, x_dtype, need_dgrad, need_wgrad)
+
+
 def _bwd_fake(dy, xt_d, xt_s, weight, cfg, x_dtype, need_dgrad, need_wgrad):
     (m, n), k = dy.shape, weight.shape[1]
     none = dy.new_empty((0,), dtype=torch.uint8)
@@ -150,38 +185,50 @@ _lib.define("linear_bwd(Tensor dy, Tensor xt_d, Tensor xt_s, Tensor weight, str 
             "ScalarType x_dtype, bool need_dgrad, bool need_wgrad) -> (Tensor, Tensor)")
 _lib.define("linear_quantize_x(Tensor x, str cfg, bool need_wgrad) "
             "-> (Tensor, Tensor, Tensor, Tensor)")
+_lib.define("linear_bwd_x(Tensor dy, Tensor x, Tensor weight, str cfg, ScalarType x_dtype, "
+            "bool need_dgrad, bool need_wgrad) -> (Tensor, Tensor)")
 _lib.define("linear_fwd_mm(Tensor xd, Tensor xs, Tensor weight, str cfg, ScalarType x_dtype, "
             "ScalarType out_dtype, bool need_dgrad, bool need_wgrad) -> Tensor")
 _lib.impl("linear_fwd", _fwd, "CUDA")
 _lib.impl("linear_quantize_x", _quantize_x, "CUDA")
+_lib.impl("linear_bwd_x", _bwd_x, "CUDA")
 _lib.impl("linear_fwd_mm", _fwd_mm, "CUDA")
 _lib.impl("linear_bwd", _bwd, "CUDA")
 torch.library.register_fake("fp8blk::linear_fwd", _fwd_fake, lib=_lib)
 torch.library.register_fake("fp8blk::linear_bwd", _bwd_fake, lib=_lib)
 torch.library.register_fake("fp8blk::linear_quantize_x", _quantize_x_fake, lib=_lib)
+torch.library.register_fake("fp8blk::linear_bwd_x", _bwd_x_fake, lib=_lib)
 torch.library.register_fake("fp8blk::linear_fwd_mm", _fwd_mm_fake, lib=_lib)
 
 
-def forward(x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad):
+def forward(x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad, keep_input=False):
     """``(y, (xt_d, xt_s))`` through ``fp8blk::linear_quantize_x`` and
     ``fp8blk::linear_fwd_mm`` (``low_memory_forward``: ``fp8blk::linear_fwd``); `xt_*` None
-    when not needed."""
+    when not needed or `keep_input` (then :func:`backward` takes x in their place)."""
     key = config_key(cfg)
+    save = need_wgrad and not keep_input
     if cfg.low_memory_forward:
         y, xt_d, xt_s = torch.ops.fp8blk.linear_fwd(x2d, weight, key, out_dtype, need_dgrad,
-                                                    need_wgrad)
+                                                    save)
     else:
-        xd, xs, xt_d, xt_s = torch.ops.fp8blk.linear_quantize_x(x2d, key, need_wgrad)
+        xd, xs, xt_d, xt_s = torch.ops.fp8blk.linear_quantize_x(x2d, key, save)
         y = torch.ops.fp8blk.linear_fwd_mm(xd, xs, weight, key, x2d.dtype, out_dtype,
                                            need_dgrad, need_wgrad)
-    return y, ((xt_d, xt_s) if need_wgrad else (None, None))
+    return y, ((xt_d, xt_s) if save else (None, None))
 
 
-def backward(dy2d, xt_d, xt_s, weight, cfg, x_dtype, planned, need_dgrad, need_wgrad):
-    """``(dx, dw)`` through ``fp8blk::linear_bwd`` (None where not needed). ``planned``: the
-    forward call's (need_dgrad, need_wgrad), which name its plan."""
-    if xt_d is None:
-        xt_d = xt_s = dy2d.new_empty((0,), dtype=torch.uint8)
-    dx, dw = torch.ops.fp8blk.linear_bwd(dy2d, xt_d, xt_s, weight, config_key(cfg), x_dtype,
-                                         *planned)
+
+def backward(dy2d, xt_d, xt_s, weight, cfg, x_dtype, planned, need_dgrad, need_wgrad,
+             x2d=None):
+    """``(dx, dw)`` through ``fp8blk::linear_bwd`` (None where not needed); with `x2d` (a
+    layer keeping its input), through ``fp8blk::linear_bwd_x`` from x itself. ``planned``:
+    the forward call's (need_dgrad, need_wgrad), which name its plan."""
+    if x2d is not None:
+        dx, dw = torch.ops.fp8blk.linear_bwd_x(dy2d, x2d, weight, config_key(cfg), x_dtype,
+                                               *planned)
+    else:
+        if xt_d is None:
+            xt_d = xt_s = dy2d.new_empty((0,), dtype=torch.uint8)
+        dx, dw = torch.ops.fp8blk.linear_bwd(dy2d, xt_d, xt_s, weight, config_key(cfg),
+                                             x_dtype, *planned)
     return (dx if need_dgrad else None), (dw if need_wgrad else None)

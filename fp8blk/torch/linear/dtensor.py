@@ -49,13 +49,14 @@ def dtensor_forward(layer, x):
         raise NotImplementedError("Float8BlockLinear supports DTensor weights on 1-D meshes "
                                   f"(tensor parallelism), got placements {w.placements}")
     p, b, cfg = w.placements[0], layer.bias, layer.config
+    keep = layer.keep_input
     dim = _shard_dim(p, 2)
     if dim == 0:                                   # column-wise
         x, is_dt = _local(x, "replicate", mesh, "column-wise")
         # the input gradient computed from this rank's output columns is a partial sum
         x_local = x.to_local(grad_placements=[Partial()]) if is_dt else x
         y = float8_block_linear(x_local, w.to_local(),
-                                None if b is None else b.to_local(), cfg)
+                                None if b is None else b.to_local(), cfg, keep_input=keep)
         # the global shape given explicitly: out_features need not split evenly
         shape = (*y.shape[:-1], layer.out_features)
         return DTensor.from_local(y, mesh, [Shard(y.dim() - 1)], run_check=False,
@@ -63,7 +64,7 @@ def dtensor_forward(layer, x):
     if dim == 1:                                   # row-wise
         x, is_dt = _local(x, "shard", mesh, "row-wise")
         x_local = x.to_local() if is_dt else x
-        y = float8_block_linear(x_local, w.to_local(), None, cfg)
+        y = float8_block_linear(x_local, w.to_local(), None, cfg, keep_input=keep)
         y = DTensor.from_local(y, mesh, [Partial()], run_check=False)
         if b is not None:
             # the bias rounded to y's dtype first (the autocast dtype under autocast), as
@@ -76,7 +77,7 @@ def dtensor_forward(layer, x):
     if p.is_replicate():
         x_local = x.to_local() if isinstance(x, DTensor) else x
         y = float8_block_linear(x_local, w.to_local(), None if b is None else b.to_local(),
-                                cfg)
+                                cfg, keep_input=keep)
         return DTensor.from_local(y, mesh, [Replicate()], run_check=False)
     raise NotImplementedError(f"Float8BlockLinear: weight placement {p} is not supported")
 

@@ -131,7 +131,7 @@ def fp8_gemms_backward(dy2d, qx_t, qw, cfg, need_dgrad, need_wgrad, dx_dtype, dw
 
 class _Float8BlockLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, cfg, out_dtype, grad_enabled):
+    def forward(ctx, x, weight, bias, cfg, out_dtype, grad_enabled, keep_input):
         # a 2-D x is used as it is: a reshape view costs ~5 us of host per call
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         if not x2d.is_contiguous():
@@ -145,21 +145,28 @@ class _Float8BlockLinearFn(torch.autograd.Function):
         compiling = _compiling()
         ctx.op = (need_dgrad, need_wgrad) if compiling and plans.traceable(
             x2d, weight, cfg, out_dtype) else None
+        # keep_input: x itself is kept between the passes, its columnwise copy made in the
+        # backward pass (float8_block_linear); needless when no weight gradient follows.
+        # Compiled, only the plan's ops keep it: on the general path x's quantize in the
+        # backward pass reads x alone, so inductor's partitioner would run it in the forward
+        # pass and keep its output anyway (``compiled``)
+        keep = ctx.keep = keep_input and need_wgrad and (ctx.op is not None or not compiling)
         plan = None if compiling else plans.plan_for(
-            x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad)
+            x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad, keep)
         ctx.plan = plan
         # layers reading the same x reuse its FP8 copies inside a sharing scope (``sharing``)
-        share = None if compiling else sharing.for_input(x, cfg, need_wgrad)
+        share = None if compiling else sharing.for_input(x, cfg, need_wgrad and not keep)
         if ctx.op is not None:
-            y, qx_t = compiled.forward(x2d, weight, cfg, out_dtype, *ctx.op)
+            y, qx_t = compiled.forward(x2d, weight, cfg, out_dtype, *ctx.op, keep)
         elif plan is not None:
             y, qx_t = plan.forward(x2d, weight, share)
         else:
             # low_memory_forward: x's rowwise copy made, used and freed before its columnwise
             # copy is made (fp8blk/torch/config.py); by default both in one fused pass
             lean = cfg.low_memory_forward
-            qx = (quantize_input(x2d, cfg.activation, need_wgrad and not lean) if share is None
-                  else share("general", quantize_input, x2d, cfg.activation, need_wgrad))
+            cols = need_wgrad and not keep
+            qx = (quantize_input(x2d, cfg.activation, cols and not lean) if share is None
+                  else share("general", quantize_input, x2d, cfg.activation, cols))
             # The weight is asked for what each pass needs -- rowwise now, columnwise in the
             # backward pass -- and the weight itself is saved, not its FP8 buffers: an FSDP2
             # FP8 weight hands out what FSDP2 gathered for that pass (resharding after the
@@ -171,14 +178,17 @@ class _Float8BlockLinearFn(torch.autograd.Function):
             y = blockwise_scaled_mm(*forward_operands(qx, qw, cfg), out_dtype=out_dtype)
             if lean:
                 qx = qw = None
-                if need_wgrad:
+                if cols:
                     qx = quantize_buffers(x2d, cfg.activation, False, True)
-            qx_t = transposed(qx, cfg.activation) if need_wgrad else (None, None)
+            qx_t = transposed(qx, cfg.activation) if cols else (None, None)
         if bias is not None:
             y = add_bias(y, bias)
-        # saved: x's columnwise FP8 buffers and W (a parameter: held anyway), no activation in
-        # high precision
-        ctx.save_for_backward(qx_t[0], qx_t[1], weight)
+        # saved: x's columnwise FP8 buffers (keep_input: x itself) and W (a parameter: held
+        # anyway)
+        if keep:
+            ctx.save_for_backward(x2d, None, weight)
+        else:
+            ctx.save_for_backward(qx_t[0], qx_t[1], weight)
         ctx.cfg = cfg
         ctx.shapes = (x.shape, x.dtype, weight.dtype, bias is not None)
         if x.dim() == 2:
@@ -200,9 +210,16 @@ class _Float8BlockLinearFn(torch.autograd.Function):
         # both paths sum dbias over the same contiguous dY: a strided sum adds in another order
         if not dy2d.is_contiguous():
             dy2d = dy2d.contiguous()
+        x2d = None
+        if ctx.keep:                    # xt_d holds x (M, K) itself
+            x2d, xt_d = xt_d, None
+            if need_wgrad and ctx.op is None:
+                xt_d, xt_s = (ctx.plan.columnwise(x2d) if ctx.plan is not None
+                              else transposed(quantize_buffers(x2d, ctx.cfg.activation, False,
+                                                               True), ctx.cfg.activation))
         if ctx.op is not None:
             dx, dw = compiled.backward(dy2d, xt_d, xt_s, weight, ctx.cfg, x_dtype, ctx.op,
-                                          need_dgrad, need_wgrad)
+                                       need_dgrad, need_wgrad, x2d)
         elif ctx.plan is not None:
             dx, dw = ctx.plan.backward(dy2d, xt_d, xt_s, weight, need_dgrad, need_wgrad)
         else:
@@ -212,7 +229,7 @@ class _Float8BlockLinearFn(torch.autograd.Function):
         dbias = dy2d.sum(0) if has_bias and ctx.needs_input_grad[2] else None
         if dx is not None and len(x_shape) != 2:
             dx = dx.reshape(x_shape)
-        return dx, dw, dbias, None, None, None
+        return dx, dw, dbias, None, None, None, None
 
 
 def check_features(in_features, out_features, config):
@@ -223,10 +240,28 @@ def check_features(in_features, out_features, config):
                          f"the layer or use the default Block1D/Block2D config")
 
 
-def float8_block_linear(x, weight, bias=None, config: Float8BlockConfig = None):
+def float8_block_linear(x, weight, bias=None, config: Float8BlockConfig = None, *,
+                        keep_input: bool = False):
     """Functional form: ``F.linear(x, weight, bias)`` with the FP8 GEMMs described above.
     x (..., K) float32/bfloat16/float16; weight (N, K); bias (N,) or None. The output has x's
-    dtype (the autocast dtype under ``torch.autocast``), dx x's dtype, dW the weight's."""
+    dtype (the autocast dtype under ``torch.autocast``), dx x's dtype, dW the weight's.
+
+    ``keep_input``: keep x itself between the passes (its storage: a non-contiguous x's
+    contiguous copy) instead of its columnwise FP8 copy, which the backward pass then makes
+    from x (the same bytes: every output and gradient is the default's). It saves M*K bytes
+    where x is kept anyway -- by the op that made it, or by a caller that recomputes it in
+    backward (``fp8blk.torch.recompute``) -- and costs M*K where nothing else keeps x. Under
+    torch.compile, where the layer runs the plan's ops (CUDA, Block1D/Block2D, plain weights:
+    ``fp8blk.torch.linear.compiled``), inductor's partitioner keeps x or recomputes it from
+    what the graph keeps; elsewhere the compiled layer keeps the FP8 copy. An in-place change
+    of x before the backward pass raises there (autograd's version check).
+
+        import torch
+        from fp8blk.torch import float8_block_linear
+        x = torch.randn(256, 384, requires_grad=True)
+        w = torch.randn(128, 384, requires_grad=True)
+        float8_block_linear(x, w, keep_input=True).sum().backward()
+    """
     config = config_or_default(config, "float8_block_linear")
     for name, t in (("x", x), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
@@ -253,7 +288,7 @@ def float8_block_linear(x, weight, bias=None, config: Float8BlockConfig = None):
     out_dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
                  else x.dtype)
     return _Float8BlockLinearFn.apply(x, weight, bias, config, out_dtype,
-                                      torch.is_grad_enabled())
+                                      torch.is_grad_enabled(), bool(keep_input))
 
 
 __all__ = ["float8_block_linear", "add_bias", "fp8_gemms_backward", "quantize_input",

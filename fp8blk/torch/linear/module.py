@@ -18,6 +18,13 @@ class Float8BlockLinear(torch.nn.Linear):
     the layer computes on the local shards and returns a DTensor with the placements the
     sharding implies (colwise: Shard(-1); rowwise: Partial, reduced before a bias is added).
     fp8blk's sequence-parallel styles (``fp8blk.torch.tensor_parallel``) set ``_fp8blk_tp``.
+
+    ``keep_input``: what the layer keeps of its input between the passes: by default
+    (False) x's columnwise FP8 copy; with True x itself, the FP8 copy made in the backward
+    pass (``float8_block_linear(..., keep_input=True)``: the same bytes; M*K bytes fewer
+    where x is kept anyway, M*K more where it is not). fp8blk's sequence-parallel styles keep
+    the FP8 copy either way. ``convert_to_float8_block(..., keep_inputs=True)`` sets it
+    where x is kept anyway.
     """
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None,
@@ -27,6 +34,17 @@ class Float8BlockLinear(torch.nn.Linear):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.config = config
         self._fp8blk_tp = None
+        self.keep_input = False
+
+    @property
+    def keep_input(self) -> bool:
+        return self._keep_input
+
+    @keep_input.setter
+    def keep_input(self, value):
+        if not isinstance(value, bool):
+            raise TypeError(f"Float8BlockLinear.keep_input must be a bool, got {value!r}")
+        self._keep_input = value
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, config: Float8BlockConfig = None):
@@ -54,10 +72,12 @@ class Float8BlockLinear(torch.nn.Linear):
             return self._fp8blk_tp.forward(self, x)
         if is_dtensor(self.weight):
             return dtensor_forward(self, x)
-        return float8_block_linear(x, self.weight, self.bias, self.config)
+        return float8_block_linear(x, self.weight, self.bias, self.config,
+                                   keep_input=self._keep_input)
 
     def extra_repr(self):
-        return f"{super().extra_repr()}, config={self.config!r}"
+        keep = ", keep_input=True" if self._keep_input else ""
+        return f"{super().extra_repr()}, config={self.config!r}{keep}"
 
 
 def _fsdp_fp8_weight(weight) -> bool:
@@ -77,7 +97,8 @@ _forward_eagerly = torch.compiler.disable(Float8BlockLinear._forward)
 
 def convert_to_float8_block(model: torch.nn.Module, config: Float8BlockConfig = None,
                             module_filter_fn=None, *, share_quantize: bool = False,
-                            norms: bool = False, gated_mlps: bool = False) -> torch.nn.Module:
+                            norms: bool = False, gated_mlps: bool = False,
+                            keep_inputs: bool = False) -> torch.nn.Module:
     """Swap every ``nn.Linear`` inside ``model`` for a Float8BlockLinear sharing its
     parameters, in place, and return ``model``. ``module_filter_fn(module, fqn) -> bool``
     chooses which (default: all). A layer the recipe cannot take (MXFP8: features not
@@ -88,6 +109,12 @@ def convert_to_float8_block(model: torch.nn.Module, config: Float8BlockConfig = 
     ``gated_mlps``: SwiGLU MLPs swapped for ones not keeping the activation's output
     (``fp8blk.torch.mlp``). Both keep the state dict and give the same bytes, but for the
     norms' input gradients (within a rounding bound: ``fp8blk.torch.norm``).
+    ``keep_inputs``: layers keep their input instead of its FP8 copy where it is kept anyway
+    (``Float8BlockLinear.keep_input``; the same bytes): attention output projections (an
+    ``o_proj`` beside a ``q_proj`` or ``qkv_proj``, as in Hugging Face's Llama, Mistral, Qwen
+    and Phi-3: its input is what scaled_dot_product_attention keeps for its own backward
+    pass) and the down projections of the swapped gated MLPs (their input kept as its formula
+    of the gate and up outputs, ``fp8blk.torch.mlp``).
 
     A model converted before may be converted again with the same config (its
     Float8BlockLinears are kept); a Float8BlockLinear with another config raises a ValueError
@@ -130,10 +157,27 @@ def convert_to_float8_block(model: torch.nn.Module, config: Float8BlockConfig = 
     if gated_mlps:
         from ..mlp import convert_gated_mlps
         convert_gated_mlps(model)
+    if keep_inputs:
+        _set_keep_inputs(model, module_filter_fn)
     if share_quantize:
         from .sharing import install
         install(model)
     return model
+
+
+def _set_keep_inputs(model, module_filter_fn):
+    from ..mlp import Float8BlockGatedMLP
+    for fqn, parent in model.named_modules():
+        names = dict(parent.named_children())
+        attention = "o_proj" in names and ("q_proj" in names or "qkv_proj" in names)
+        for name, child in names.items():
+            full = f"{fqn}.{name}" if fqn else name
+            if not isinstance(child, Float8BlockLinear) or (
+                    module_filter_fn is not None and not module_filter_fn(child, full)):
+                continue
+            if (attention and name == "o_proj") or (
+                    isinstance(parent, Float8BlockGatedMLP) and name == "down_proj"):
+                child.keep_input = True
 
 
 __all__ = ["Float8BlockLinear", "convert_to_float8_block"]

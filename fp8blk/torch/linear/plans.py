@@ -101,14 +101,20 @@ class LinearPlan:
     ``(dx, dw)`` (None where not needed; `dy2d` C-contiguous). `saved` is x's columnwise FP8
     data and scales.
 
+    With ``keep_input`` the layer keeps x itself between the passes: the forward pass
+    quantizes x rowwise only and returns ``(y, (None, None))``; the backward pass makes
+    `saved` from x with ``columnwise(x2d)`` (the same bytes: one 128x1 block's quantization
+    depends on that block's values alone).
+
     With ``cfg.low_memory_forward`` the forward pass runs in ``halves``: per half of the
     tokens (a multiple of 128 rows first), a rowwise-only quantize of those rows of x and
     the forward GEMM into those rows of y, each half's FP8 copy freed before the next is
     made; then, W's FP8 tiles freed, ``qx`` makes x's columnwise copy alone (fp8blk/torch/config.py)."""
 
-    __slots__ = ("qx", "qw", "qwt", "qdy", "mm_fwd", "mm_dgrad", "mm_wgrad", "halves", "y_spec")
+    __slots__ = ("qx", "qxt", "qw", "qwt", "qdy", "mm_fwd", "mm_dgrad", "mm_wgrad", "halves",
+                 "y_spec", "keep_input")
 
-    def __init__(self, x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad):
+    def __init__(self, x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad, keep_input=False):
         (m, k), n = x2d.shape, weight.shape[0]
         mt, kt, nt = cdiv(m, 128), cdiv(k, 128), cdiv(n, 128)
         fa, fw, fg = (fp8_dtype(cfg.activation.fmt), fp8_dtype(cfg.weight.fmt),
@@ -119,12 +125,16 @@ class LinearPlan:
         # (kt, nt). wgrad's b is x's columnwise (K, M) bytes as column-major (M, K) with its
         # (mt, K) scales as they are.
         self.halves = None
-        if cfg.low_memory_forward:
-            self.qx = quantize_launcher(x2d, cfg.activation, False, True, [None, None]
-                                        + x_views(m, k, cfg, True)[2:]) if need_wgrad else None
-        else:
-            self.qx = quantize_launcher(x2d, cfg.activation, True, need_wgrad,
-                                        x_views(m, k, cfg, need_wgrad))
+        self.keep_input = keep_input
+        # qxt: x's columnwise copy alone, made after the forward GEMMs (low_memory_forward) or
+        # in the backward pass (keep_input); qx: x's rowwise copy, with the columnwise copy in
+        # the same pass where neither applies
+        self.qxt = quantize_launcher(x2d, cfg.activation, False, True, [None, None]
+                                     + x_views(m, k, cfg, True)[2:]) if need_wgrad and (
+            cfg.low_memory_forward or keep_input) else None
+        self.qx = None if cfg.low_memory_forward else quantize_launcher(
+            x2d, cfg.activation, True, need_wgrad and not keep_input,
+            x_views(m, k, cfg, need_wgrad and not keep_input))
         self.qw = quantize_launcher(w, cfg.weight, True, False, [
             ((k, n), (1, k), fw), _scale_t(kt, nt), None, None])
         # dx = dY @ W: b is W's columnwise (K, N) bytes as column-major (N, K), its (kt, nt)
@@ -181,9 +191,14 @@ class LinearPlan:
             mm(xd, wd, xs, ws, y[r0:r0 + rows])
             xd = xs = None          # freed (stream-ordered) before the next half is made
         wd = ws = None
-        if self.qx is None:
+        if self.qxt is None or self.keep_input:
             return y, (None, None)
-        return y, tuple(self.qx(x2d, ptr)[2:])
+        return y, tuple(self.qxt(x2d, ptr)[2:])
+
+    def columnwise(self, x2d):
+        """x's columnwise FP8 data and scales, as the forward pass saves them
+        (``keep_input`` plans: the backward pass's)."""
+        return tuple(self.qxt(x2d, x2d.data_ptr())[2:])
 
     def backward(self, dy2d, xt_d, xt_s, weight, need_dgrad, need_wgrad):
         if dy2d.data_ptr() & 15:             # contiguous already (the caller's)
@@ -200,19 +215,22 @@ class LinearPlan:
         return dx, dw
 
 
-def plan_for(x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad):
+def plan_for(x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad, keep_input=False):
     """The plan of this forward call's signature (made on first use), or None when a plan
     cannot serve it. `x2d` must be C-contiguous (the caller makes it so); `need_dgrad`,
-    `need_wgrad`: whether x and the weight need gradients."""
+    `need_wgrad`: whether x and the weight need gradients; `keep_input`: see
+    :class:`LinearPlan`."""
     if weight.data_ptr() & 15 or x2d.data_ptr() & 15 or not weight.is_contiguous():
         return None
     k = (x2d.shape, x2d.dtype, weight.shape, weight.dtype, type(weight), type(x2d),
-         x2d.get_device(), weight.get_device(), cfg, out_dtype, need_dgrad, need_wgrad)
+         x2d.get_device(), weight.get_device(), cfg, out_dtype, need_dgrad, need_wgrad,
+         keep_input)
     plan = plans.get(k)
     if plan is None:
         if not eligible(x2d, weight, cfg, out_dtype):
             return None
-        plan = plans.put(k, LinearPlan(x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad))
+        plan = plans.put(k, LinearPlan(x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad,
+                                       keep_input))
     return plan
 
 

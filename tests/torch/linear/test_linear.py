@@ -375,3 +375,104 @@ def test_autocast_output_dtype_and_grads(gen):
         b = lin.bias.double()
     bound = 2.0 ** -8 * ((ref - b).abs() + b.abs() + ref.abs())
     assert bool(((y.double() - ref).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("name", ["default", "mxfp8"])
+@pytest.mark.parametrize("lean", [False, True], ids=["fused", "low_memory"])
+@pytest.mark.parametrize("grads", ["both", "x_only", "w_only"])
+def test_keep_input_gives_the_default_bytes(name, lean, grads, gen, monkeypatch):
+    """keep_input=True keeps x itself, not its columnwise FP8 copy, and makes that copy in the
+    backward pass: the default's bytes (y, dx, dW, dbias); the forward pass quantizes x
+    rowwise only and the backward pass columnwise only (only where a weight gradient
+    follows); what is saved is x's storage and W."""
+    from fp8blk.torch.linear import functional
+    base = CONFIGS[name]
+    cfg = Float8BlockConfig(base.activation, base.weight, base.grad, low_memory_forward=lean)
+    asked = []
+    real = functional.quantize_buffers
+
+    def recording(x2d, recipe, rowwise, columnwise):
+        asked.append((tuple(x2d.shape), rowwise, columnwise))
+        return real(x2d, recipe, rowwise, columnwise)
+    monkeypatch.setattr(functional, "quantize_buffers", recording)
+    m, k, n = 320, 384, 256
+    x = spread((2, m // 2, k), gen, torch.bfloat16)
+    w = spread((n, k), gen, torch.bfloat16)
+    b = spread((n,), gen, torch.bfloat16)
+    g = spread((2, m // 2, n), gen, torch.bfloat16)
+    out = []
+    for keep in (False, True):
+        xr = x.clone().requires_grad_(grads != "w_only")
+        wr = w.clone().requires_grad_(grads != "x_only")
+        br = b.clone().requires_grad_()
+        asked.clear()
+        saved = _saved(lambda: out.append(linear_mod.float8_block_linear(
+            xr, wr, br, cfg, keep_input=keep)), [wr, br])
+        fwd = [a for a in asked if a[0] == (m, k)]
+        asked.clear()
+        out[-1].backward(g)
+        bwd = [a for a in asked if a[0] == (m, k)]
+        out[-1] = (out[-1], xr.grad, wr.grad, br.grad, fwd, bwd, saved, xr)
+    (y0, dx0, dw0, db0, *_), (y1, dx1, dw1, db1, fwd, bwd, saved, xr) = out
+    assert torch.equal(y0, y1) and torch.equal(db0, db1)
+    for u, v in ((dx0, dx1), (dw0, dw1)):
+        assert (u is None) == (v is None) and (u is None or torch.equal(u, v))
+    w_grad = grads != "x_only"
+    assert fwd == [((m, k), True, False)]
+    assert bwd == ([((m, k), False, True)] if w_grad else [])
+    kept = [t for t in saved if t.numel()]
+    if w_grad:   # x (a view of it) and nothing else
+        assert [t.untyped_storage().data_ptr() for t in kept] == [
+            xr.untyped_storage().data_ptr()], [(t.shape, t.dtype) for t in kept]
+    else:
+        assert kept == []
+
+
+def test_keep_input_checks():
+    lin = Float8BlockLinear(256, 128)
+    assert lin.keep_input is False and "keep_input" not in repr(lin)
+    lin.keep_input = True
+    assert "keep_input=True" in repr(lin)
+    with pytest.raises(TypeError, match="keep_input must be a bool"):
+        lin.keep_input = 1
+    # x changed in place after the forward pass: autograd's version check, not stale bytes
+    x = torch.randn(64, 256, requires_grad=True)
+    h = x * 1
+    y = lin(h)
+    h.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_convert_keep_inputs_sets_output_and_down_projections():
+    """keep_inputs: an o_proj beside a q_proj (attention) and a swapped gated MLP's
+    down_proj keep their input; every other layer, and an o_proj without a q_proj sibling,
+    keeps the FP8 copy; module_filter_fn leaves a layer as it is."""
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.k_proj = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+            self.o_proj = torch.nn.Linear(64, 64)
+
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.up_proj = torch.nn.Linear(64, 128), torch.nn.Linear(64, 128)
+            self.down_proj, self.act_fn = torch.nn.Linear(128, 64), torch.nn.SiLU()
+
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    def model():
+        return torch.nn.ModuleDict({"attn": Attention(), "mlp": MLP(), "other": torch.nn.ModuleDict(
+            {"o_proj": torch.nn.Linear(64, 64)})})
+
+    kept = {}
+    for kw in ({}, {"keep_inputs": True}, {"keep_inputs": True, "gated_mlps": True},
+               {"keep_inputs": True, "gated_mlps": True,
+                "module_filter_fn": lambda m, fqn: fqn != "attn.o_proj"}):
+        m = convert_to_float8_block(model(), **kw)
+        kept[len(kept)] = sorted(f for f, mod in m.named_modules()
+                                 if isinstance(mod, Float8BlockLinear) and mod.keep_input)
+    assert kept == {0: [], 1: ["attn.o_proj"], 2: ["attn.o_proj", "mlp.down_proj"],
+                    3: ["mlp.down_proj"]}

@@ -295,3 +295,39 @@ def test_low_memory_forward_compiled(rng):
     assert_same(got, want, "compiled")
     (plan,) = linear_plans.shape_plans.values()
     assert [h[1] for h in plan.halves] == [512, 488]
+
+
+@pytest.mark.parametrize("lean", [False, True], ids=["fused", "low_memory"])
+@pytest.mark.parametrize("dims", [(1024, 1024, 1536), (1000, 640, 272)], ids=["aligned", "odd"])
+def test_keep_input_plans_and_ops(dims, lean, rng):
+    """keep_input on the plan path, eager and compiled (the plan ops, linear_bwd_x): the
+    default layer's bytes (y, dx, dW, dbias) on fresh data each step, eager against eager and
+    compiled against compiled (inductor sums dbias in an order of its own); eager keeps x's
+    storage (no FP8 copy)."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+    m, k, n = dims
+    cfg = Float8BlockConfig(low_memory_forward=lean)
+    default = Float8BlockLinear(k, n, device="cuda", dtype=torch.bfloat16, config=cfg)
+    keep = Float8BlockLinear(k, n, device="cuda", dtype=torch.bfloat16, config=cfg)
+    keep.weight, keep.bias = default.weight, default.bias
+    keep.keep_input = True
+    compiled = [torch.compile(layer, fullgraph=True) for layer in (default, keep)]
+    for i in range(2):
+        init_spread_(default, gen)
+        x = spread((m, k), gen, torch.bfloat16).cuda().requires_grad_()
+        g = spread((m, n), gen, torch.bfloat16).cuda()
+        want = _step(default, x, g)
+        kept = []
+
+        def pack(t):
+            kept.append(t)
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            got = _step(keep, x, g)
+        assert_same(got, want, (dims, lean, i, "eager"))
+        assert not [t for t in kept if t.dtype in (torch.float8_e4m3fn, torch.uint8)], \
+            [(t.shape, t.dtype) for t in kept]
+        want = [t.clone() for t in _step(compiled[0], x, g)]
+        assert_same(_step(compiled[1], x, g), want, (dims, lean, i, "compiled"))
+    torch._dynamo.reset()

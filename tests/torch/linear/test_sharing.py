@@ -265,13 +265,15 @@ def test_compiled_siblings_quantize_once_in_the_traced_graph():
 def test_tiny_llama_compiled_keeps_what_eager_keeps():
     """Each decoder layer compiled (min-cut partitioner, as inductor: the CPU's aot_eager
     backend with it): the eager bytes over 2 steps, and no more saved bytes than eager with
-    sharing, the norm and the MLP swaps (bench_model's fp8blk_opt)."""
+    sharing, the norm and the MLP swaps (bench_model's fp8blk_nokeep: on the CPU a compiled
+    layer keeps its FP8 copy even where it would keep its input, fp8blk/torch/linear/
+    functional.py; test_compiled.py has the plan ops' graphs)."""
     ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
     torch._dynamo.reset()
     runs = {}
     try:
         for mode in ("eager", "compiled"):
-            model = _llama("fp8blk_opt")
+            model = _llama("fp8blk_nokeep")
             if mode == "compiled":
                 for layer in model.model.layers:
                     layer.compile(backend="aot_eager_decomp_partition")

@@ -119,19 +119,6 @@ def _quantize_x(x, cfg, need_wgrad):
     return xd, xs, xt_d, xt_s
 
 
-_xt_launchers = BoundedCache(1024)  # (m, k, dtype, device, cfg) -> columnwise launcher
-
-
-def _columnwise(x, c):
-    (m, k) = x.shape
-    key = (m, k, x.dtype, x.device, c)
-    launch = _xt_launchers.get(key)
-    if launch is None:
-        launch = _xt_launchers.put(key, quantize_launcher(
-            x, c.activation, False, True, [None, None] + plans.x_views(m, k, c, True)[2:]))
-    return launch(x, x.data_ptr())[2:]
-
-
 def _quantize_x_fake(x, cfg, need_wgrad):
     (m, k), c = x.shape, _config(cfg)
     out = [None if v is None else torch.empty_strided(v[0], v[1], dtype=v[2], device=x.device)
@@ -163,7 +150,12 @@ def _bwd(dy, xt_d, xt_s, weight, cfg, x_dtype, need_dgrad, need_wgrad):
 
 def _bwd_x(dy, x, weight, cfg, x_dtype, need_dgrad, need_wgrad):
     x = _ready(x)
-    xt_d, xt_s = _columnwise(x, _config(cfg)) if need_wgrad else (None, None)
+    xt_d = xt_s = None
+    if need_wgrad:          # the keep_input plan's columnwise-only launcher
+        (m, k), n = x.shape, weight.shape[0]
+        xt_d, xt_s = plans.plan_for_shapes(m, k, n, x_dtype, weight.dtype, x.device,
+                                           _config(cfg), dy.dtype, need_dgrad, need_wgrad,
+                                           keep_input=True).columnwise(x)
     return _bwd(dy, xt_d, xt_s, weight, cfg, x_dtype, need_dgrad, need_wgrad)
 
 

@@ -109,7 +109,7 @@ class LinearPlan:
     With ``cfg.low_memory_forward`` the forward pass runs in ``halves``: per half of the
     tokens (a multiple of 128 rows first), a rowwise-only quantize of those rows of x and
     the forward GEMM into those rows of y, each half's FP8 copy freed before the next is
-    made; then, W's FP8 tiles freed, ``qx`` makes x's columnwise copy alone (fp8blk/torch/config.py)."""
+    made; then, W's FP8 tiles freed, ``qxt`` makes x's columnwise copy alone (fp8blk/torch/config.py)."""
 
     __slots__ = ("qx", "qxt", "qw", "qwt", "qdy", "mm_fwd", "mm_dgrad", "mm_wgrad", "halves",
                  "y_spec", "keep_input")
@@ -234,15 +234,16 @@ def plan_for(x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad, keep_input=Fal
     return plan
 
 
-def plan_for_shapes(m, k, n, x_dtype, w_dtype, device, cfg, out_dtype, need_dgrad, need_wgrad):
+def plan_for_shapes(m, k, n, x_dtype, w_dtype, device, cfg, out_dtype, need_dgrad, need_wgrad,
+                    keep_input=False):
     """The plan of x (m, k) `x_dtype` @ W (n, k) `w_dtype` on CUDA `device`, for callers that
     hold no x (the compiled ops' backward), made on first use from stand-in tensors. Its
     launchers were chosen for 16-byte aligned, C-contiguous operands: the caller passes such."""
-    key = (m, k, n, x_dtype, w_dtype, device, cfg, out_dtype, need_dgrad, need_wgrad)
+    key = (m, k, n, x_dtype, w_dtype, device, cfg, out_dtype, need_dgrad, need_wgrad, keep_input)
     plan = shape_plans.get(key)
     if plan is None:
         x2d = torch.empty((m, k), dtype=x_dtype, device=device)
         weight = torch.empty((n, k), dtype=w_dtype, device=device)
         plan = shape_plans.put(key, LinearPlan(x2d, weight, cfg, out_dtype, need_dgrad,
-                                               need_wgrad))
+                                               need_wgrad, keep_input))
     return plan

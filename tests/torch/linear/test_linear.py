@@ -291,16 +291,9 @@ def test_scaled_mm_matches_oracle_and_rejects_bad_layouts(gen):
         blockwise_scaled_mm(a, sa, b, sb, "1x64", "128x128")
 
 
-@pytest.mark.parametrize("name", ["default", "mxfp8"])
-@pytest.mark.parametrize("grads", ["both", "x_only", "w_only"])
-def test_low_memory_forward_gives_the_default_bytes(name, grads, gen, monkeypatch):
-    """low_memory_forward quantizes x rowwise, runs the GEMM, and only then quantizes x
-    columnwise (config.py): the same bytes -- output, input and weight gradients -- as the
-    default's fused pass, and each quantize asks for one direction only (so the order is the
-    one claimed, not the fused pass again)."""
+def quantize_requests(monkeypatch):
+    """A list that records (shape, rowwise, columnwise) of each quantize the layers ask for."""
     from fp8blk.torch.linear import functional
-    base = CONFIGS[name]
-    lean = Float8BlockConfig(base.activation, base.weight, base.grad, low_memory_forward=True)
     asked = []
     real = functional.quantize_buffers
 
@@ -308,6 +301,19 @@ def test_low_memory_forward_gives_the_default_bytes(name, grads, gen, monkeypatc
         asked.append((tuple(x2d.shape), rowwise, columnwise))
         return real(x2d, recipe, rowwise, columnwise)
     monkeypatch.setattr(functional, "quantize_buffers", recording)
+    return asked
+
+
+@pytest.mark.parametrize("name", ["default", "mxfp8"])
+@pytest.mark.parametrize("grads", ["both", "x_only", "w_only"])
+def test_low_memory_forward_gives_the_default_bytes(name, grads, gen, monkeypatch):
+    """low_memory_forward quantizes x rowwise, runs the GEMM, and only then quantizes x
+    columnwise (config.py): the same bytes -- output, input and weight gradients -- as the
+    default's fused pass, and each quantize asks for one direction only (so the order is the
+    one claimed, not the fused pass again)."""
+    base = CONFIGS[name]
+    lean = Float8BlockConfig(base.activation, base.weight, base.grad, low_memory_forward=True)
+    asked = quantize_requests(monkeypatch)
     m, k, n = 320, 384, 256
     x = spread((m, k), gen, torch.bfloat16)
     w = spread((n, k), gen, torch.bfloat16)
@@ -385,16 +391,9 @@ def test_keep_input_gives_the_default_bytes(name, lean, grads, gen, monkeypatch)
     backward pass: the default's bytes (y, dx, dW, dbias); the forward pass quantizes x
     rowwise only and the backward pass columnwise only (only where a weight gradient
     follows); what is saved is x's storage and W."""
-    from fp8blk.torch.linear import functional
     base = CONFIGS[name]
     cfg = Float8BlockConfig(base.activation, base.weight, base.grad, low_memory_forward=lean)
-    asked = []
-    real = functional.quantize_buffers
-
-    def recording(x2d, recipe, rowwise, columnwise):
-        asked.append((tuple(x2d.shape), rowwise, columnwise))
-        return real(x2d, recipe, rowwise, columnwise)
-    monkeypatch.setattr(functional, "quantize_buffers", recording)
+    asked = quantize_requests(monkeypatch)
     m, k, n = 320, 384, 256
     x = spread((2, m // 2, k), gen, torch.bfloat16)
     w = spread((n, k), gen, torch.bfloat16)

@@ -134,11 +134,106 @@ def torch_strided():
     return _STRIDED[0]
 
 
+def torch_stream_ptr(index=None) -> int:
+    """The raw handle of torch's current CUDA stream on device ``index`` (None: the current
+    device), without building a Stream object."""
+    if index is None:
+        index = torch_module().cuda.current_device()
+    return torch_raw_stream()(index)
+
+
+# -- what one array answers, per family: the base that kernels' adapters and the gather's array
+# operations extend (they add allocation, views and launches; these four are not restated) --
+
+class HostFamily:
+    """NumPy arrays (and what CuPy answers alike, through NumPy's array interface)."""
+
+    name = NUMPY
+    device = False  # whether the family's arrays are in device memory
+
+    @staticmethod
+    def dtype(arr) -> np.dtype:
+        """The array's NumPy dtype (CuPy bf16 data is held as uint16: the logical dtype
+        travels beside it)."""
+        return arr.dtype
+
+    @staticmethod
+    def contiguous(arr) -> bool:
+        return arr.flags.c_contiguous
+
+    @staticmethod
+    def ptr(arr) -> int:
+        """The address of the first element (host or device)."""
+        return arr.ctypes.data
+
+    @staticmethod
+    def device_index(arr):
+        """The CUDA device index, or None for host memory."""
+        return None
+
+
+class CupyFamily(HostFamily):
+    name = CUPY
+    device = True
+
+    @staticmethod
+    def ptr(arr) -> int:
+        return arr.data.ptr
+
+    @staticmethod
+    def device_index(arr):
+        return arr.data.device_id
+
+
+class TorchFamily:
+    """torch tensors, CPU or CUDA."""
+
+    name = TORCH
+
+    @staticmethod
+    def dtype(arr) -> np.dtype:
+        return torch_to_numpy_dtype(arr.dtype)
+
+    @staticmethod
+    def contiguous(arr) -> bool:
+        return arr.is_contiguous()
+
+    @staticmethod
+    def ptr(arr) -> int:
+        return arr.data_ptr()
+
+    @staticmethod
+    def device_index(arr):
+        index = arr.get_device()
+        return None if index < 0 else index
+
+
+_FAMILY_CLASS = {NUMPY: HostFamily, CUPY: CupyFamily, TORCH: TorchFamily}
+
+
+def family_ops(x):
+    """The family class of array ``x`` (:class:`HostFamily`, :class:`CupyFamily` or
+    :class:`TorchFamily`).
+
+    >>> family_ops(np.zeros(3)).contiguous(np.zeros((4, 4))[:, 1])
+    False
+    """
+    return _FAMILY_CLASS[family_of(x)]
+
+
 def is_contiguous(x) -> bool:
-    family = family_of(x)
-    if family == TORCH:
-        return x.is_contiguous()
-    return bool(x.flags.c_contiguous)
+    """C-contiguity of a NumPy or CuPy array or a torch tensor."""
+    return family_ops(x).contiguous(x)
+
+
+def data_ptr(x) -> int:
+    """The address of ``x``'s first element (host or device), any family."""
+    return family_ops(x).ptr(x)
+
+
+def logical_dtype(x) -> np.dtype:
+    """The NumPy dtype of an array of any family (torch dtypes mapped: bfloat16 -> BF16)."""
+    return family_ops(x).dtype(x)
 
 
 def _torch_bf16_dtype_map():

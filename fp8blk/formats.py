@@ -7,6 +7,8 @@ validated when built, so a kernel cache can key on them.
 from __future__ import annotations
 
 import enum
+import functools
+import struct
 from dataclasses import dataclass
 
 
@@ -156,3 +158,95 @@ def check_recipe(recipe) -> None:
             f"recipe must be fp8blk.Block1D(...), fp8blk.Block2D(...) or fp8blk.MXFP8(...), "
             f"got {recipe!r}"
         )
+
+
+# -- the recipe vocabulary: one kind name, one key, one integer code per recipe ---------------
+
+KINDS = ("Block1D", "Block2D", "MXFP8")   # a recipe's kind; its index is the kind's code
+_CLASS_OF_KIND = {"Block1D": Block1D, "Block2D": Block2D, "MXFP8": MXFP8}
+_KIND_OF_CLASS = {c: k for k, c in _CLASS_OF_KIND.items()}
+_FORMATS = (E4M3, E5M2)                    # a format's index is its code
+
+
+def recipe_kind(recipe) -> str:
+    """"Block1D", "Block2D" or "MXFP8" (TypeError for anything that is not a recipe). Tables
+    keyed by recipe kind use these names.
+
+    >>> recipe_kind(MXFP8())
+    'MXFP8'
+    """
+    kind = _KIND_OF_CLASS.get(type(recipe))
+    if kind is None:
+        check_recipe(recipe)  # raises for non-recipes; a subclass is its base's kind
+        kind = next(k for c, k in _KIND_OF_CLASS.items() if isinstance(recipe, c))
+    return kind
+
+
+def recipe_key(recipe) -> str:
+    """A string naming ``recipe`` exactly and stably across processes (:func:`recipe_from_key`
+    inverts it): what torch custom ops and fingerprints take. Not cached: it runs while
+    torch.compile traces, and dynamo warns about lru_cache-wrapped calls.
+
+    >>> recipe_key(Block1D())
+    'Block1D:e4m3:1:0.0'
+    >>> recipe_from_key(recipe_key(Block2D(E5M2, False, 1e-12))) == Block2D(E5M2, False, 1e-12)
+    True
+    """
+    kind = recipe_kind(recipe)
+    if kind == "MXFP8":
+        return f"MXFP8:{recipe.fmt.value}"
+    return f"{kind}:{recipe.fmt.value}:{int(recipe.pow2_scales)}:{recipe.amax_epsilon!r}"
+
+
+@functools.lru_cache(maxsize=256)
+def recipe_from_key(key: str):
+    """The recipe :func:`recipe_key` named (ValueError for a string that names none)."""
+    parts = key.split(":")
+    try:
+        fmt = Format(parts[1])
+        if parts[0] == "MXFP8" and len(parts) == 2:
+            return MXFP8(fmt)
+        if parts[0] in ("Block1D", "Block2D") and len(parts) == 4 and parts[2] in "01":
+            return _CLASS_OF_KIND[parts[0]](fmt, parts[2] == "1", float(parts[3]))
+    except (IndexError, ValueError):
+        pass
+    raise ValueError(f"{key!r} is not a recipe key (fp8blk.formats.recipe_key)")
+
+
+def recipe_code(recipe) -> list:
+    """``recipe`` as four non-negative ints (kind, format, pow2_scales, amax_epsilon's float64
+    bits), for integer collectives that compare recipes across ranks;
+    :func:`recipe_from_code` inverts it.
+
+    >>> recipe_from_code(recipe_code(Block1D())) == Block1D()
+    True
+    """
+    kind = recipe_kind(recipe)
+    pow2 = int(getattr(recipe, "pow2_scales", True))
+    eps = struct.unpack("<q", struct.pack("<d", float(getattr(recipe, "amax_epsilon", 0.0))))[0]
+    return [KINDS.index(kind), _FORMATS.index(recipe.fmt), pow2, eps]
+
+
+def recipe_from_code(code):
+    kind, fmt, pow2, eps = (int(v) for v in code)
+    fmt = _FORMATS[fmt]
+    if KINDS[kind] == "MXFP8":
+        return MXFP8(fmt)
+    eps = struct.unpack("<d", struct.pack("<q", eps))[0]
+    return _CLASS_OF_KIND[KINDS[kind]](fmt, bool(pow2), eps)
+
+
+def check_mxfp8_shape(recipe, rows: int, cols: int, what: str = "the tensor",
+                      shape=None) -> None:
+    """The one check of MXFP8's shape rule: its 1x32 and 32x1 blocks need the (M, K) view's
+    M and K to be multiples of 32 (ValueError naming ``what``, and ``shape`` when given: the
+    message is built only on failure). Other recipes take any shape.
+
+    >>> check_mxfp8_shape(MXFP8(), 64, 96)
+    >>> check_mxfp8_shape(Block1D(), 1, 3)
+    """
+    if type(recipe) is MXFP8 and (rows % 32 or cols % 32):
+        if shape is not None:
+            what = f"{what} of shape {tuple(shape)}"
+        raise ValueError(f"MXFP8 needs M and K to be multiples of 32 (its blocks are 1x32 and "
+                         f"32x1): {what} is (M, K) = ({rows}, {cols}); pad it or use Block1D")

@@ -14,13 +14,15 @@ Block2D    (M, K) / f32 (cdiv(M,128),               (K, M) / f32 (cdiv(K,128),
 MXFP8      (M, K) / u8 (round128(M), round4(K/32))  (M, K) / u8 (round4(M/32), round128(K))
 =========  =======================================  =======================================
 
-This module imports nothing from the rest of the package, so every other module can use it.
+It imports only :mod:`fp8blk.formats` (the recipe vocabulary), so every other module can use it.
 """
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
 import numpy as np
+
+from .formats import recipe_kind
 
 U8 = np.dtype(np.uint8)
 F32 = np.dtype(np.float32)
@@ -73,20 +75,6 @@ class Layout(NamedTuple):
         return n
 
 
-RECIPE_KINDS = ("Block1D", "Block2D", "MXFP8")
-
-
-def recipe_kind(recipe) -> str:
-    """The recipe vocabulary: "Block1D", "Block2D" or "MXFP8" for a recipe object (TypeError
-    for anything else). Tables keyed by recipe kind use these names."""
-    # by name, not isinstance: this module must not import formats (no cycles, no cost)
-    name = type(recipe).__name__
-    if name not in RECIPE_KINDS:
-        raise TypeError(f"recipe must be fp8blk.Block1D(...), fp8blk.Block2D(...) or "
-                        f"fp8blk.MXFP8(...), got {recipe!r}")
-    return name
-
-
 def all_layouts(recipe, rows: int, cols: int) -> list:
     """[Layout] x 4: rowwise data, rowwise scale_inv, columnwise data, columnwise scale_inv of
     an (M, K) = (rows, cols) tensor. MXFP8 assumes M and K are multiples of 32."""
@@ -115,4 +103,4 @@ def buffer_layouts(recipe, rows: int, cols: int, rowwise: bool = True,
 
 
 __all__ = ["cdiv", "round_up", "c_strides", "shape2d", "Layout", "all_layouts",
-           "buffer_layouts", "BUFFER_NAMES", "RECIPE_KINDS", "recipe_kind"]
+           "buffer_layouts", "BUFFER_NAMES"]

@@ -8,7 +8,7 @@ import numpy as np
 
 from . import _arrays, reference
 from ._dispatch import backend_for
-from .formats import MXFP8, as_flag, check_recipe
+from .formats import MXFP8, as_flag, check_mxfp8_shape, check_recipe
 from .layout import shape2d
 from .tensor import BlockTensor, from_internal
 
@@ -76,10 +76,7 @@ def quantize(x, recipe, rowwise: bool = True, columnwise: bool = False) -> Block
     _validate(arr, dtype, family, recipe, rowwise, columnwise, contiguous)
     shape = arr.shape
     rows, cols = shape if len(shape) == 2 else shape2d(shape)
-    if isinstance(recipe, MXFP8) and (rows % 32 or cols % 32):
-        raise ValueError(f"MXFP8 needs M and K to be multiples of 32 (its blocks are 1x32 and "
-                         f"32x1); got (M, K) = ({rows}, {cols}) from shape {tuple(arr.shape)}: "
-                         f"pad the tensor or use Block1D")
+    check_mxfp8_shape(recipe, rows, cols, "x", arr.shape)
     x2d = arr if len(shape) == 2 else arr.reshape(rows, cols)  # skip a ~2 us no-op reshape
     backend = backend_for(arr)
     buffers = backend.quantize(x2d, recipe, rowwise, columnwise, dtype=dtype)

@@ -5,7 +5,7 @@ import numpy as np
 
 from . import _arrays
 from ._dispatch import backend_for
-from .formats import MXFP8, Block2D, as_flag, check_recipe
+from .formats import MXFP8, Block2D, as_flag, check_mxfp8_shape, check_recipe
 from .layout import BUFFER_NAMES, all_layouts
 from .layout import shape2d as _shape2d
 
@@ -248,9 +248,7 @@ def _check_buffers(shape, recipe, given):
     """Internal arrays of the buffers given, checked against the layouts; and the families
     they came in."""
     rows, cols = _shape2d(shape)
-    if isinstance(recipe, MXFP8) and (rows % 32 or cols % 32):
-        raise ValueError(f"an MXFP8 BlockTensor needs M and K to be multiples of 32 (its blocks "
-                         f"are 1x32 and 32x1); shape {shape} gives (M, K) = ({rows}, {cols})")
+    check_mxfp8_shape(recipe, rows, cols, "the BlockTensor", shape)
     layouts = all_layouts(recipe, rows, cols)
     buffers, families, device = [], [], None
     for buf, layout, name in zip(given, layouts, BUFFER_NAMES):

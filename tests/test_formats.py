@@ -112,3 +112,31 @@ def test_check_recipe_rejects_non_recipes(bad):
 @pytest.mark.parametrize("recipe", [fb.Block1D(), fb.Block2D(fb.E5M2), fb.MXFP8()])
 def test_check_recipe_accepts_recipes(recipe):
     check_recipe(recipe)
+
+
+def test_recipe_vocabulary_round_trips_and_rejects():
+    """One vocabulary: kind, key and code name each recipe exactly and invert; the kernels'
+    spec tags are the kinds."""
+    from fp8blk import formats
+    from fp8blk.kernels import _specs
+    recipes = [fb.Block1D(), fb.Block2D(fb.E5M2, False, 1e-12), fb.Block1D(amax_epsilon=3e-7),
+               fb.MXFP8(), fb.MXFP8(fb.E5M2)]
+    for r in recipes:
+        assert formats.recipe_from_key(formats.recipe_key(r)) == r
+        assert formats.recipe_from_code(formats.recipe_code(r)) == r
+        assert min(formats.recipe_code(r)) >= 0  # MAX all-reduces carry it
+    assert len({formats.recipe_key(r) for r in recipes}) == len(recipes)
+    assert (_specs.BLOCK1D, _specs.BLOCK2D, _specs.MXFP8) == formats.KINDS
+    for bad in ["Block1D", "MXFP8:e4m3:1", "Block3D:e4m3:1:0.0", "Block1D:e9m9:1:0.0"]:
+        with pytest.raises(ValueError, match="not a recipe key"):
+            formats.recipe_from_key(bad)
+    with pytest.raises(TypeError, match="recipe must be"):
+        formats.recipe_kind("Block1D")
+
+
+def test_mxfp8_shape_rule_is_one_check():
+    from fp8blk.formats import check_mxfp8_shape
+    check_mxfp8_shape(fb.MXFP8(), 64, 32)
+    check_mxfp8_shape(fb.Block1D(), 63, 31)
+    with pytest.raises(ValueError, match=r"x of shape \(2, 32, 48\) is \(M, K\) = \(64, 48\)"):
+        check_mxfp8_shape(fb.MXFP8(), 64, 48, "x", (2, 32, 48))

@@ -1,9 +1,9 @@
 """The device arrays kernel launchers take, one small adapter per family: CuPy arrays, torch
 CUDA tensors, and NumPy arrays under the simulator (CPU tests).
 
-An adapter gives a launcher what one launch needs: the logical dtype and contiguity of an
-array, a new array on the same device, the kernel argument for an array, and the launch itself
-on the family's current stream. A launcher is written once for all families, and a torch
+An adapter extends its family's class of :mod:`fp8blk._arrays` (dtype, contiguity, pointer,
+device index) with what one launch needs: a new array on the same device, the kernel argument
+for an array, and the launch itself on the family's current stream. A launcher is written once for all families, and a torch
 tensor never crosses into CuPy (DLPack costs ~24 us per import on the GPU):
 
 * CuPy: CuPy's memory pool and current stream; arrays are passed as themselves (CuPy passes
@@ -28,8 +28,8 @@ import threading
 
 import numpy as np
 
-from .._arrays import (BF16, numpy_to_torch_dtype, torch_module, torch_raw_stream,
-                       torch_to_numpy_dtype)
+from .._arrays import (BF16, CupyFamily, HostFamily, TorchFamily, numpy_to_torch_dtype,
+                       torch_module, torch_raw_stream)
 
 _U16 = np.dtype(np.uint16)
 
@@ -70,21 +70,8 @@ def raw_launch(kernel, grid, block, args, stream_ptr):
                         0, stream_ptr, params.address, 0)
 
 
-class _NumpyLike:
-    """What CuPy and NumPy arrays answer alike (NumPy's array interface)."""
-
-    @staticmethod
-    def dtype(arr):
-        return arr.dtype
-
-    @staticmethod
-    def contiguous(arr):
-        return arr.flags.c_contiguous
-
-    @staticmethod
-    def device(arr):
-        """The CUDA device index (None: host memory, under the simulator)."""
-        return None
+class _Launches:
+    """The launch of CuPy and simulated NumPy kernels alike."""
 
     @staticmethod
     def launch(kernel, grid, block, args, like):
@@ -94,17 +81,7 @@ class _NumpyLike:
         kernel(grid, block, args)
 
 
-class _Cupy(_NumpyLike):
-    name = "cupy"
-
-    @staticmethod
-    def ptr(arr):
-        return arr.data.ptr
-
-    @staticmethod
-    def device(arr):
-        return arr.data.device_id
-
+class _Cupy(_Launches, CupyFamily):
     @staticmethod
     def empty(shape, dtype, like):
         """A new C-contiguous array; bf16 is held as uint16 bit patterns."""
@@ -136,25 +113,7 @@ class _Cupy(_NumpyLike):
 
 
 
-class _Torch:
-    name = "torch"
-
-    @staticmethod
-    def dtype(arr):
-        return torch_to_numpy_dtype(arr.dtype)
-
-    @staticmethod
-    def contiguous(arr):
-        return arr.is_contiguous()
-
-    @staticmethod
-    def ptr(arr):
-        return arr.data_ptr()
-
-    @staticmethod
-    def device(arr):
-        return arr.get_device()
-
+class _Torch(TorchFamily):
     @staticmethod
     def empty(shape, dtype, like):
         return torch_module().empty(shape, dtype=numpy_to_torch_dtype(dtype), device=like.device)
@@ -221,13 +180,7 @@ def contiguous_strides(shape):
 _INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
 
 
-class _Sim(_NumpyLike):
-    name = "numpy"
-
-    @staticmethod
-    def ptr(arr):
-        return arr.ctypes.data
-
+class _Sim(_Launches, HostFamily):
     @staticmethod
     def empty(shape, dtype, like):
         return np.empty(shape, dtype=dtype)

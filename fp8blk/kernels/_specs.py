@@ -23,9 +23,9 @@ NAN_WORD = {F32: 0x7FC00000, BF16: 0x7FC07FC0, F16: 0x7E007E00}
 NAN_HALF = {BF16: 0x7FC0, F16: 0x7E00}
 
 # ---- recipe kinds -----------------------------------------------------------------------------
-BLOCK1D, BLOCK2D, MXFP8 = "block1d", "block2d", "mxfp8"
-# the kernels' kind of each recipe, keyed by ``fp8blk.layout.recipe_kind``
-RECIPE_OF_KIND = {"Block1D": BLOCK1D, "Block2D": BLOCK2D, "MXFP8": MXFP8}
+# a spec's recipe is the recipe's kind, ``fp8blk.formats.recipe_kind(recipe)`` (spelled here,
+# not imported: a spec's module is hashed into every kernel's cache key and imports nothing)
+BLOCK1D, BLOCK2D, MXFP8 = "Block1D", "Block2D", "MXFP8"
 
 
 # ---- quantize ---------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ import numpy as np
 
 from .._arrays import BF16
 from ..formats import E4M3
-from ..layout import cdiv, recipe_kind
+from ..formats import recipe_kind
+from ..layout import cdiv
 from . import _specs as sp
 from . import _compiled
 from ._adapters import adapter_of
@@ -106,8 +107,8 @@ class _Plan:
 def plan_for(recipe, columnwise, out_kind, rows, cols, data, sinv):
     """The cached :class:`_Plan` of a call (public for tests and benchmarks)."""
     ad = adapter_of(data)
-    key = (sp.RECIPE_OF_KIND[recipe_kind(recipe)], columnwise, recipe.fmt is E4M3, out_kind,
-           rows, cols, sinv.shape[1], ad.ptr(data) % 16, ad.ptr(sinv) % 16, ad.device(data))
+    key = (recipe_kind(recipe), columnwise, recipe.fmt is E4M3, out_kind,
+           rows, cols, sinv.shape[1], ad.ptr(data) % 16, ad.ptr(sinv) % 16, ad.device_index(data))
     return cached_plan(_plans, key, _Plan)
 
 

@@ -58,7 +58,7 @@ def loaded_cubins(cc) -> dict:
 def common_variants():
     """[(family, spec)] of the variants ``prebuild`` compiles (default settings)."""
     from ..formats import E4M3, E5M2, MXFP8, Block1D, Block2D
-    from ..layout import recipe_kind
+    from ..formats import recipe_kind
     from .dequantize import choose_path
     from .quantize import spec_for
 
@@ -72,7 +72,7 @@ def common_variants():
     for recipe in recipes:
         for columnwise in (False, True):
             for out_kind in (sp.F32_OUT, sp.BF16_OUT, sp.F16_OUT):
-                spec = sp.DequantizeSpec(sp.RECIPE_OF_KIND[recipe_kind(recipe)], columnwise,
+                spec = sp.DequantizeSpec(recipe_kind(recipe), columnwise,
                                          recipe.fmt is E4M3, out_kind, None)
                 # aligned 1024 x 1024 buffers: scale rows of 128 entries, addresses % 16 == 0
                 out.append(("dequantize", choose_path(spec, 1024, 1024, 128, 0, 0)))

@@ -13,8 +13,8 @@ import numpy as np
 
 from .. import scaling
 from .._arrays import BF16, numpy_to_torch_dtype
-from ..formats import E4M3, MXFP8
-from ..layout import buffer_layouts, recipe_kind
+from ..formats import E4M3, MXFP8, check_mxfp8_shape, recipe_kind
+from ..layout import buffer_layouts
 from . import _compiled
 from . import _specs as sp
 from ._adapters import adapter_of, contiguous_strides, torch_launch
@@ -49,7 +49,7 @@ def spec_for(recipe, kind, rowwise, columnwise, vec, col_vec, settings=None):
     aligned input, `col_vec` M % 16 == 0; `settings` default: the current ones."""
     is_mx = isinstance(recipe, MXFP8)
     return sp.quantize_spec(
-        sp.RECIPE_OF_KIND[recipe_kind(recipe)], kind, recipe.fmt is E4M3, rowwise, columnwise,
+        recipe_kind(recipe), kind, recipe.fmt is E4M3, rowwise, columnwise,
         pow2=False if is_mx else recipe.pow2_scales,
         eps=0.0 if is_mx else recipe.amax_epsilon, vmax=_VMAX[kind], vec=vec, col_vec=col_vec,
         settings=_tuning.settings if settings is None else settings)
@@ -121,7 +121,7 @@ def _call_plan(ad, x2d, recipe, rowwise, columnwise, kind):
     ptr = ad.ptr(x2d)
     rows, cols = x2d.shape
     vec = cols % sp.ELEMS_PER_CHUNK[kind] == 0 and ptr % 16 == 0
-    return _plan_for(recipe, kind, rows, cols, rowwise, columnwise, vec, ad.device(x2d)), ptr
+    return _plan_for(recipe, kind, rows, cols, rowwise, columnwise, vec, ad.device_index(x2d)), ptr
 
 
 def quantize(x2d, recipe, rowwise=True, columnwise=False, dtype=None, out=None):
@@ -137,8 +137,7 @@ def quantize(x2d, recipe, rowwise=True, columnwise=False, dtype=None, out=None):
     ad = adapter_of(x2d)
     kind = kind_of(ad.dtype(x2d), dtype)
     rows, cols = x2d.shape
-    if isinstance(recipe, MXFP8) and (rows % 32 or cols % 32):
-        raise ValueError(f"MXFP8 needs M and K to be multiples of 32, got ({rows}, {cols})")
+    check_mxfp8_shape(recipe, rows, cols, "x2d")
     if rows == 0 or cols == 0:  # every scale tensor is empty too (docs/layouts.md shapes)
         return tuple(None if s is None else ad.empty(s.shape, s.dtype, x2d)
                      for s in buffer_layouts(recipe, rows, cols, rowwise, columnwise))

@@ -83,7 +83,7 @@ def forward(x2d, weight, eps: float, dtype=None):
     if m:
         args = ad.args((x2d, weight, y, r), (_U32, _U32, _U32, _F32), scalars(
             m, d, FORWARD_ITERS, _fp32_bits(np.float32(1) / np.float32(d)), _fp32_bits(eps)))
-        kernel = _compiled.kernel("rms_norm", spec, ad.device(x2d))
+        kernel = _compiled.kernel("rms_norm", spec, ad.device_index(x2d))
         ad.launch(kernel, (grid, 1, 1), (spec.threads, 1, 1), args, x2d)
     return y, r
 
@@ -112,7 +112,7 @@ def backward(x2d, weight, dy2d, r, dtype=None):
         args = ad.args((x2d, weight, dy2d, r, dx, dw_part), (_U32,) * 3 + (_F32,) + (_U32,) * 2,
                        scalars(m, d, BACKWARD_ITERS,
                                _fp32_bits(np.float32(1) / np.float32(d))))
-        kernel = _compiled.kernel("rms_norm", spec, ad.device(x2d))
+        kernel = _compiled.kernel("rms_norm", spec, ad.device_index(x2d))
         ad.launch(kernel, (grid, 1, 1), (spec.threads, 1, 1), args, x2d)
     return dx, dw_part
 

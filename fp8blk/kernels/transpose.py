@@ -59,7 +59,7 @@ def block2d_columnwise_from_rowwise(rowwise_data, rowwise_scale_inv, out=(None, 
         return out_data, out_sinv
     vec_in = cols % 16 == 0 and ad.ptr(rowwise_data) % 16 == 0
     vec_out = rows % 16 == 0 and ad.ptr(out_data) % 16 == 0
-    kernel = _kernel_for(vec_in, vec_out, ad.device(rowwise_data))
+    kernel = _kernel_for(vec_in, vec_out, ad.device_index(rowwise_data))
     args = ad.args((rowwise_data, out_data, sinv_in, out_sinv),
                    (np.uint32 if vec_in else np.uint8, np.uint32 if vec_out else np.uint8,
                     np.float32, np.float32), scalars(rows, cols, sinv_in.shape[1]))

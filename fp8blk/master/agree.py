@@ -43,7 +43,7 @@ import numpy as np
 
 from .._bounded import BoundedCache
 from ..comm.agree import Agreement, fingerprint, metadata_scope, probe_row
-from ..formats import Block2D, MXFP8
+from ..formats import Block2D, MXFP8, recipe_code, recipe_from_code
 from .items import MODEL_DTYPES
 
 # verified configs kept per communicator; least recently used first out: every rank looks up
@@ -310,8 +310,6 @@ def _raise_errors(comm, error):
 # Verification exchange (metadata; only when the batch or the shards change)
 
 _MODEL_NAMES = ("float32", "bfloat16", "float16")
-_RECIPE_NAMES = ("Block1D", "Block2D", "MXFP8")
-_FMT_NAMES = ("E4M3", "E5M2")
 
 
 def _gather(comm, row):
@@ -322,24 +320,10 @@ def _gather(comm, row):
     return _reduce_small(comm, table)
 
 
-def _recipe_fields(recipe):
-    name = type(recipe).__name__
-    pow2 = int(getattr(recipe, "pow2_scales", True))
-    eps = float(getattr(recipe, "amax_epsilon", 0.0))
-    return [_RECIPE_NAMES.index(name), 0 if recipe.fmt.name == "E4M3" else 1, pow2,
-            int(np.float64(eps).view(np.int64))]
-
-
 def _describe(fields):
-    h, w, kind, fmt, pow2, eps, row, col = (int(v) for v in fields)
-    name = _RECIPE_NAMES[kind]
-    if name == "MXFP8":
-        recipe = f"MXFP8({_FMT_NAMES[fmt]})"
-    else:
-        eps = float(np.int64(eps).view(np.float64))
-        recipe = f"{name}({_FMT_NAMES[fmt]}, pow2_scales={bool(pow2)}, amax_epsilon={eps!r})"
+    h, w, *code, row, col = (int(v) for v in fields)
     held = "+".join(d for d, on in (("rowwise", row), ("columnwise", col)) if on) or "none"
-    return f"{h}x{w} {recipe} holding {held}"
+    return f"{h}x{w} {recipe_from_code(code)!r} holding {held}"
 
 
 def _verify(comm, batch):
@@ -363,13 +347,13 @@ def _verify(comm, batch):
                          f"({per_rank(devices, lambda d: 'device' if d else 'host')})")
     rows = []
     for h, w, recipe, row, col, start, count in batch.weights:
-        rows.append([fingerprint(h, w, _recipe_fields(recipe), row, col), start, count])
+        rows.append([fingerprint(h, w, recipe_code(recipe), row, col), start, count])
     t2 = _gather(comm, np.array(rows, np.int64).reshape(len(rows), 3))
     for i in range(len(rows)):
         sigs = t2[:, i, 0]
         if (sigs != sigs[0]).any():
             h, w, recipe, row, col, _, _ = batch.weights[i]
-            details = _gather(comm, [h, w] + _recipe_fields(recipe) + [int(row), int(col)])
+            details = _gather(comm, [h, w] + recipe_code(recipe) + [int(row), int(col)])
             raise ValueError(f"cast_master_weights: ranks disagree on weights[{i}] "
                              f"({per_rank(details, _describe)}); every rank passes the same "
                              f"weights, in the same order, with the same recipe and directions")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _arrays
-from ..formats import Block1D, Block2D, MXFP8
+from ..formats import Block1D, Block2D, MXFP8, check_mxfp8_shape
 from ..kernels.master_batch import BatchWeight
 from ..layout import buffer_layouts
 from ..tensor import BlockTensor, cupy_buffers
@@ -82,9 +82,7 @@ def _check_weight(weight, index, on_device):
                          f"in one direction")
     if row_data is None and col_data is None:
         raise ValueError(f"weights[{index}] holds no storage (see BlockTensor.update_usage)")
-    if isinstance(recipe, MXFP8) and (h % 32 or w % 32):
-        raise ValueError(f"weights[{index}] is MXFP8 of shape {weight.shape}; MXFP8 needs "
-                         f"both dims to be multiples of 32")
+    check_mxfp8_shape(recipe, h, w, f"weights[{index}]", weight.shape)
     layouts = buffer_layouts(recipe, h, w, True, True)
     for buf, layout, what in zip(cupy_buffers(weight), layouts, _BUFFER_NAMES):
         _check_buffer(buf, layout.shape, layout.dtype, what, index, on_device)

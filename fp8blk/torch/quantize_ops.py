@@ -4,7 +4,7 @@
 Quantized tensors travel between ops as 4 plain tensors ``(rowwise_data, rowwise_scale_inv,
 columnwise_data, columnwise_scale_inv)`` in fp8blk's layouts (``fp8blk/layout.py``,
 docs/layouts.md); a direction not held is an empty tensor of shape (0,). Recipes travel as strings
-(:func:`recipe_key`), since custom ops take no Python objects.
+(``fp8blk.formats.recipe_key``), since custom ops take no Python objects.
 
     import torch, fp8blk as fb
     from fp8blk.torch.quantize_ops import quantize_buffers
@@ -13,36 +13,13 @@ docs/layouts.md); a direction not held is an empty tensor of shape (0,). Recipes
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .. import _arrays
-from ..formats import MXFP8, Block1D, Block2D, Format
-from ..layout import all_layouts, recipe_kind
+from ..formats import recipe_from_key, recipe_key
+from ..layout import all_layouts
 from ..ops import quantize
 from ..tensor import BlockTensor
-
-_RECIPES = {"Block1D": Block1D, "Block2D": Block2D, "MXFP8": MXFP8}   # recipe kind -> class
-
-
-def recipe_key(recipe) -> str:
-    """A string naming ``recipe`` exactly (``recipe_from_key`` inverts it). Not cached: it runs
-    only while torch.compile traces, and dynamo warns about lru_cache-wrapped calls."""
-    name = recipe_kind(recipe)
-    if name == "MXFP8":
-        return f"MXFP8:{recipe.fmt.value}"
-    return f"{name}:{recipe.fmt.value}:{int(recipe.pow2_scales)}:{recipe.amax_epsilon!r}"
-
-
-@functools.lru_cache(maxsize=None)
-def recipe_from_key(key: str):
-    parts = key.split(":")
-    fmt = Format(parts[1])
-    if parts[0] == "MXFP8":
-        return MXFP8(fmt)
-    return _RECIPES[parts[0]](fmt, bool(int(parts[2])), float(parts[3]))
-
 
 _EMPTIES = {}
 
@@ -148,5 +125,5 @@ def mxfp8_columnwise_as_rows(data: torch.Tensor, scale_inv: torch.Tensor):
     return data.t().contiguous(), scale_inv.t().contiguous()
 
 
-__all__ = ["recipe_key", "recipe_from_key", "quantize_buffers", "block2d_columnwise",
+__all__ = ["quantize_buffers", "block2d_columnwise",
            "mxfp8_columnwise_as_rows", "block_tensor_buffers", "block_tensor_from_buffers"]

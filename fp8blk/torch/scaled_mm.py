@@ -64,8 +64,8 @@ from __future__ import annotations
 import torch
 
 from .._bounded import BoundedCache
-from ..formats import MXFP8, Block1D, Block2D
-from ..layout import all_layouts, cdiv, recipe_kind, round_up
+from ..formats import MXFP8, Block1D, Block2D, check_mxfp8_shape, recipe_kind
+from ..layout import all_layouts, cdiv, round_up
 from . import _cublaslt
 from .dtypes import FP8_DTYPES, HIGH_DTYPES
 
@@ -158,9 +158,7 @@ def check_operands(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype
     for name, data, sinv, blocks in (("a", a, a_scale_inv, a_blocks),
                                      ("b", b, b_scale_inv, b_blocks)):
         rows, k = data.shape
-        if blocks == "1x32" and (rows % 32 or k % 32):
-            raise ValueError(f"blockwise_scaled_mm: 1x32 (MXFP8) operand {name} needs rows and "
-                             f"K multiples of 32, got {tuple(data.shape)}")
+        check_mxfp8_shape(BLOCKS[blocks], rows, k, f"blockwise_scaled_mm's operand {name}")
         want = all_layouts(BLOCKS[blocks], rows, k)[1].shape
         dtype = _SCALE_DTYPE[blocks]
         if (not isinstance(sinv, torch.Tensor) or tuple(sinv.shape) != tuple(want)

@@ -39,10 +39,7 @@ def _span(shape, strides):
     return 1 + sum((n - 1) * s for n, s in zip(shape, strides))
 
 
-class NumpyOps:
-    family = _arrays.NUMPY
-    device = False
-
+class NumpyOps(_arrays.HostFamily):
     def empty(self, shape, dtype):
         return np.empty(shape, dtype)
 
@@ -61,9 +58,6 @@ class NumpyOps:
     def fill(self, dst, value):
         dst[...] = value
 
-    def ptr(self, arr):
-        return arr.ctypes.data
-
     def host_view(self, arr):
         return arr
 
@@ -74,8 +68,7 @@ class NumpyOps:
         return None  # host arrays: no stream
 
 
-class CupyOps(NumpyOps):
-    family = _arrays.CUPY
+class CupyOps(NumpyOps, _arrays.CupyFamily):
     device = True
 
     def __init__(self):
@@ -98,9 +91,6 @@ class CupyOps(NumpyOps):
         typed = flat[offset: offset + _span(shape, strides) * item].view(dtype)
         return self._as_strided(typed, tuple(shape), tuple(s * item for s in strides))
 
-    def ptr(self, arr):
-        return arr.data.ptr
-
     def current_stream_ptr(self):
         return self.cupy.cuda.get_current_stream().ptr
 
@@ -108,8 +98,7 @@ class CupyOps(NumpyOps):
         return cuda_copies()
 
 
-class TorchOps:
-    family = _arrays.TORCH
+class TorchOps(_arrays.TorchFamily):
 
     def __init__(self, device):
         import torch
@@ -147,9 +136,6 @@ class TorchOps:
     def fill(self, dst, value):
         dst.fill_(value)
 
-    def ptr(self, arr):
-        return arr.data_ptr()
-
     def host_view(self, arr):
         return arr.numpy()  # a CPU tensor's memory
 
@@ -159,37 +145,15 @@ class TorchOps:
     def current_stream_ptr(self):
         if not self.device:
             return None
-        return torch_stream_ptr(self.where.index)
+        return _arrays.torch_stream_ptr(self.where.index)
 
     def copies(self):
         return cuda_copies()
 
 
-def torch_stream_ptr(index=None):
-    """The raw handle of torch's current CUDA stream on device ``index`` (None: the current
-    device), without building a Stream object."""
-    if index is None:
-        index = _arrays.torch_module().cuda.current_device()
-    return _arrays.torch_raw_stream()(index)
-
-
 _NUMPY = NumpyOps()
 _cupy_ops = None
 _torch_ops = {}
-
-
-def logical_dtype(arr):
-    """The NumPy dtype of an internal array (torch dtypes mapped: torch.bfloat16 -> BF16)."""
-    dtype = arr.dtype
-    if isinstance(dtype, np.dtype):
-        return dtype
-    return _arrays.torch_to_numpy_dtype(dtype)
-
-
-def contiguous(arr):
-    """C-contiguity of a NumPy/CuPy array or a torch tensor."""
-    flags = getattr(arr, "flags", None)
-    return flags.c_contiguous if flags is not None else arr.is_contiguous()
 
 
 def internal_ops(device):
@@ -227,7 +191,7 @@ def local_x2d(x, m, k, rows):
         x = _arrays.to_backend(x)[0]  # a CPU tensor: its NumPy view (no copy)
     x2d = x if x.ndim == 2 else x.reshape(m, k)
     if rows != m:
-        if ops_for(x2d).family == _arrays.TORCH:
+        if ops_for(x2d).name == _arrays.TORCH:
             padded = x2d.new_zeros((rows, k))
         else:
             padded = (np if isinstance(x2d, np.ndarray) else _arrays.cupy_module()).zeros(
@@ -238,5 +202,5 @@ def local_x2d(x, m, k, rows):
 
 
 
-__all__ = ["local_x2d", "ops_for", "internal_ops", "logical_dtype", "contiguous",
+__all__ = ["local_x2d", "ops_for", "internal_ops",
            "NumpyOps", "CupyOps", "TorchOps"]

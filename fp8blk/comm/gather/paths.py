@@ -11,7 +11,7 @@ from ..._dispatch import backend_for
 from ...formats import Block2D
 from ...ops import quantize_into
 from ...tensor import BlockTensor, from_internal, internal_buffers
-from .arrays import U8, contiguous, internal_ops, local_x2d, logical_dtype, ops_for
+from .arrays import U8, internal_ops, local_x2d, ops_for
 from .fixup import derive_post, fix_up_post
 from .lane import keep_lane
 from .plan import COL, PLAIN, ROW, SLOT
@@ -73,10 +73,10 @@ def _check_out(plan, out, ops):
         if buf is None:  # Block2D columnwise-only: rowwise is scratch
             targets.append(ops.empty(layouts[i].shape, layouts[i].dtype))
             continue
-        if ops_for(buf).family != ops.family:
+        if ops_for(buf).name != ops.name:
             raise ValueError("out is on another device (or array family) than the input")
-        if (tuple(buf.shape) != layouts[i].shape or logical_dtype(buf) != layouts[i].dtype
-                or not contiguous(buf) or (ops.device and ops.ptr(buf) % 16)):
+        if (tuple(buf.shape) != layouts[i].shape or ops.dtype(buf) != layouts[i].dtype
+                or not ops.contiguous(buf) or (ops.device and ops.ptr(buf) % 16)):
             raise ValueError(f"out's buffer {i} must be a C-contiguous, 16-byte aligned "
                              f"{layouts[i].dtype}{layouts[i].shape}")
         targets.append(buf)

@@ -33,11 +33,10 @@ import numpy as np
 
 from ... import _arrays
 from ..._bounded import BoundedCache
-from ...formats import MXFP8, Block1D, Block2D, check_recipe
+from ...formats import MXFP8, Block1D, Block2D, check_mxfp8_shape, check_recipe, recipe_key
 from ...layout import all_layouts, c_strides, cdiv, round_up
 from ...tensor import BlockTensor, internal_buffers
 from ..agree import fingerprint
-from .arrays import contiguous, logical_dtype
 
 STATUS_BYTES = 8  # the in-band status of a sizes= plan: one int64 per rank
 
@@ -146,8 +145,8 @@ class Source:
         for i, (buf, layout) in enumerate(zip(self.buffers,
                                               all_layouts(self.recipe, self.m, self.k))):
             if buf is not None and (tuple(buf.shape) != layout.shape
-                                    or logical_dtype(buf) != layout.dtype
-                                    or not contiguous(buf)):
+                                    or _arrays.logical_dtype(buf) != layout.dtype
+                                    or not _arrays.is_contiguous(buf)):
                 name = ("rowwise_data", "rowwise_scale_inv", "columnwise_data",
                         "columnwise_scale_inv")[i]
                 raise ValueError(f"the BlockTensor's {name} is {buf.dtype}{tuple(buf.shape)}, "
@@ -213,7 +212,8 @@ def meta_row(src, sizes, error):
     if error is not None:
         return np.array([1] + [0] * (len(_FIELDS) - 1), dtype=np.int64)
     return np.array([0, src.dim0, fingerprint(src.shape[1:]), fingerprint(str(src.dtype)),
-                     fingerprint(repr(src.recipe)), src.kind, int(src.has_row),
+                     fingerprint(
+                         "" if src.recipe is None else recipe_key(src.recipe)), src.kind, int(src.has_row),
                      int(src.has_col), int(src.rowwise), int(src.columnwise),
                      fingerprint(sizes)], dtype=np.int64)
 
@@ -327,9 +327,7 @@ class Plan:
     def _decide(self, src):
         recipe, name = self.recipe, type(self.recipe).__name__
         wanted = [d for d, on in ((ROW, self.rowwise), (COL, self.columnwise)) if on]
-        if isinstance(recipe, MXFP8) and (self.K % 32 or self.M % 32):
-            raise ValueError(f"MXFP8 needs M and K to be multiples of 32; the gathered tensor "
-                             f"is (M, K) = ({self.M}, {self.K}) (local rows {self.ms})")
+        check_mxfp8_shape(recipe, self.M, self.K, f"the gathered tensor (local rows {self.ms})")
         if self.kind == 1 and not isinstance(recipe, Block2D):
             for direction, held in ((ROW, self.row_held), (COL, self.col_held)):
                 lacking = [r for r, h in enumerate(held) if not h]

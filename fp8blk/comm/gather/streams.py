@@ -8,7 +8,6 @@ import sys
 
 from ... import _arrays
 from ..base import Handle
-from .arrays import torch_stream_ptr
 
 
 _torch_external = {}
@@ -27,7 +26,7 @@ class DeviceStreams:
             self.lib = torch
             if stream is None:  # the common case: no Stream objects (~5 us each in torch)
                 self.compute = self.comm = None
-                self.ptr = torch_stream_ptr()
+                self.ptr = _arrays.torch_stream_ptr()
                 self.same = True
                 return
             self.compute = torch.cuda.current_stream()
@@ -192,9 +191,9 @@ def streams_for(comm, ops, stream, async_op):
     if not ops.device:
         return None, None
     if stream is None and not async_op and not (
-            comm.orders_torch_stream and ops.family != _arrays.TORCH):
+            comm.orders_torch_stream and ops.name != _arrays.TORCH):
         return None, ops.current_stream_ptr()
-    streams = DeviceStreams(ops.family == _arrays.TORCH, stream)
+    streams = DeviceStreams(ops.name == _arrays.TORCH, stream)
     return streams, streams.ptr
 
 

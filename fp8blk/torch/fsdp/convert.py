@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ...formats import Block2D, MXFP8
+from ...formats import Block2D, MXFP8, check_mxfp8_shape
 from ...ops import quantize
 from ..dtypes import HIGH_DTYPES
 from ..linear import Float8BlockLinear
@@ -69,9 +69,7 @@ def _convert(weight, recipe, mode, model_dtype, fqn):
     local = weight._local_tensor if is_dt else weight
     local = local.detach()
     rows, cols = local.shape
-    if isinstance(recipe, MXFP8) and (rows % 32 or cols % 32):
-        raise ValueError(f"{fqn}: an MXFP8 weight needs both dims to be multiples of 32, got "
-                         f"{(rows, cols)}")
+    check_mxfp8_shape(recipe, rows, cols, f"the weight {fqn}")
     if local.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"{fqn}: the weight must be float32 or bfloat16 (it is the master "
                         f"for the FP8 cast), got {local.dtype}")

@@ -49,7 +49,7 @@ from ...layout import cdiv, round_up
 from ...ops import quantize_launcher
 from ..config import Float8BlockConfig
 from ..dtypes import fp8_dtype
-from ..quantize_ops import recipe_from_key, recipe_key
+from ...formats import recipe_from_key, recipe_key
 from . import plans
 
 _CONFIGS = {}

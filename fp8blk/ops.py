@@ -50,6 +50,13 @@ def quantize(x, recipe, rowwise: bool = True, columnwise: bool = False) -> Block
                         rowwise=True, columnwise=True)
         q.rowwise_data.shape, q.columnwise_data.shape   # (256, 512), (512, 256)
     """
+    shape, buffers, dtype, family = _quantized(x, recipe, rowwise, columnwise)
+    return from_internal(shape, recipe, buffers, dtype, family)
+
+
+def _quantized(x, recipe, rowwise, columnwise):
+    """(shape, the four internal buffers (None where not asked for), logical dtype, family)
+    of ``quantize``."""
     # a device call validated before: its launcher, without re-checking. The flags' identity
     # tests: 1 and 1.0 hash like True and must still be refused.
     if _repeat and (rowwise is True or rowwise is False) \
@@ -61,15 +68,13 @@ def quantize(x, recipe, rowwise: bool = True, columnwise: bool = False) -> Block
                 call = _repeat.get((t, recipe, x.dtype, x.shape, rowwise, columnwise,
                                     not ptr & 15, x.get_device()))
                 if call is not None and x.is_contiguous():
-                    return from_internal(call.shape, recipe, call(x, ptr), call.dtype,
-                                         _arrays.TORCH)
+                    return call.shape, call(x, ptr), call.dtype, _arrays.TORCH
         elif t is _CUPY_ARRAY:
             ptr = x.data.ptr
             call = _repeat.get((t, recipe, x.dtype, x.shape, rowwise, columnwise, not ptr & 15,
                                 x.data.device_id))
             if call is not None and x.flags.c_contiguous:
-                return from_internal(call.shape, recipe, call(x, ptr), call.dtype,
-                                     _arrays.CUPY)
+                return call.shape, call(x, ptr), call.dtype, _arrays.CUPY
     arr, family, dtype = _arrays.to_internal(x)
     contiguous = arr.is_contiguous() if family == _arrays.TORCH and arr is x \
         else arr.flags.c_contiguous
@@ -82,7 +87,7 @@ def quantize(x, recipe, rowwise: bool = True, columnwise: bool = False) -> Block
     buffers = backend.quantize(x2d, recipe, rowwise, columnwise, dtype=dtype)
     if backend is not reference and arr is x and rows and cols:
         _record(x, x2d, recipe, rowwise, columnwise, dtype, family)
-    return from_internal(tuple(shape), recipe, list(buffers), dtype, family)
+    return tuple(shape), list(buffers), dtype, family
 
 
 # The hot path's table (``fp8blk.kernels.quantize.repeat_calls``, shared) and the exact array
@@ -140,6 +145,14 @@ def quantize_into(x2d, recipe, rowwise, columnwise, dtype, out):
         out = [_arrays.to_backend(b)[0] if b is not None and _arrays.is_torch(b) else b
                for b in out]
     backend.quantize(x2d, recipe, rowwise, columnwise, dtype=dtype, out=list(out))
+
+
+def quantize_buffers(x, recipe, rowwise: bool = True, columnwise: bool = False) -> list:
+    """``quantize`` without the BlockTensor: its four buffers [rowwise_data, rowwise_scale_inv,
+    columnwise_data, columnwise_scale_inv] in x's array family (None for a direction not asked
+    for), checked as ``quantize`` checks, for callers that take the buffers apart anyway."""
+    shape, buffers, dtype, family = _quantized(x, recipe, rowwise, columnwise)
+    return [_arrays.from_backend(b, family) for b in buffers]
 
 
 def quantize_launcher(x2d, recipe, rowwise, columnwise, views):

@@ -295,3 +295,81 @@ def test_private_name_check_finds_planted_reads(tmp_path):
     own = tmp_path / "own.py"
     own.write_text("from . import _specs\nfrom ._specs import BLOCK\n")
     assert private_reads(own, "fp8blk.kernels.quantize", False) == []
+
+
+# -- private attributes: ``obj._x`` where ``_x`` is a private attribute that fp8blk defines
+# (assigned as ``something._x = ...``, a class-body name, a method, or a ``__slots__`` entry)
+# is for the module that defines it; another module reading it goes around that module's doors.
+# Names fp8blk never defines (torch's ``_local_tensor``, ``torch._C``) are other libraries',
+# as are those in OTHER_LIBRARIES, which fp8blk also happens to define.
+OTHER_LIBRARIES = {"_base"}  # torch.Tensor._base: the tensor a view was made from
+
+
+def _is_private(name):
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_attributes_defined(tree):
+    """The private attribute names a module's source defines."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                and _is_private(node.attr):
+            out.add(node.attr)
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                        and _is_private(item.name):
+                    out.add(item.name)
+                targets = item.targets if isinstance(item, ast.Assign) else \
+                    [item.target] if isinstance(item, ast.AnnAssign) else []
+                for t in targets:
+                    if isinstance(t, ast.Name) and _is_private(t.id):
+                        out.add(t.id)
+                    if isinstance(t, ast.Name) and t.id == "__slots__":
+                        for elt in ast.walk(item.value):
+                            if isinstance(elt, ast.Constant) and isinstance(elt.value, str) \
+                                    and _is_private(elt.value):
+                                out.add(elt.value)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id == "setattr" and len(node.args) >= 2 \
+                and isinstance(node.args[1], ast.Constant) \
+                and isinstance(node.args[1].value, str) and _is_private(node.args[1].value):
+            out.add(node.args[1].value)
+    return out
+
+
+def private_attribute_reads(sources):
+    """``sources``: {module: source text}. Every ``x._a`` (read or written) in a module that
+    does not define ``_a`` itself, where another module does: "module:line reads _a (defined
+    in ...)"."""
+    trees = {m: ast.parse(text) for m, text in sources.items()}
+    defined = {m: private_attributes_defined(t) for m, t in trees.items()}
+    owners = {}
+    for m, names in defined.items():
+        for name in names:
+            owners.setdefault(name, set()).add(m)
+    bad = []
+    for m, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _is_private(node.attr) \
+                    and node.attr in owners and node.attr not in defined[m] \
+                    and node.attr not in OTHER_LIBRARIES:
+                where = ", ".join(sorted(owners[node.attr]))
+                bad.append(f"{m}:{node.lineno} reads {node.attr} (defined in {where})")
+    return sorted(bad)
+
+
+def test_no_module_reads_another_modules_private_attributes():
+    sources = {m: p.read_text() for m, p in _modules().items()}
+    bad = private_attribute_reads(sources)
+    assert not bad, "private attributes read across modules:\n" + "\n".join(bad)
+
+
+def test_private_attribute_check_finds_planted_reads():
+    owner = ("class W:\n    __slots__ = ('_state',)\n    def _peek(self):\n        pass\n"
+             "def make(w):\n    w._cache = 1\n")
+    reader = "def f(w):\n    return w._state, w._peek(), w._cache, w._other, w.__dict__\n"
+    bad = private_attribute_reads({"fp8blk.a": owner, "fp8blk.b": reader})
+    assert sorted(b.split(" reads ")[1].split()[0] for b in bad) == ["_cache", "_peek", "_state"]
+    assert private_attribute_reads({"fp8blk.a": owner + reader}) == []

@@ -30,7 +30,9 @@ functions by cumulative time; ``--profile-dump DIR`` keeps DIR/<case>.pstats.
 kernel time per step by area (GEMM, NCCL, fp8blk kernels, other torch kernels, copies) and
 the top kernels, to stderr: where the GPU time goes.
 
-Run (writes JSON with machine, date, command and the figures):
+Run (writes its run, with machine, date, command and the figures, as section ``tokens<T>`` of
+the ``--out`` file: ``bench.write_section``; a run replaces its token count's section and
+leaves the others, so bench/results/fsdp-h200x2.json holds 8192 and 2048 tokens per rank):
 
     torchrun --standalone --nproc-per-node=1 -m bench.bench_fsdp --out bench/results/
     torchrun --standalone --nproc-per-node=2 -m bench.bench_fsdp --out bench/results/
@@ -38,8 +40,8 @@ Run (writes JSON with machine, date, command and the figures):
     # where the host time goes, on two GPUs:
     torchrun --standalone --nproc-per-node=2 -m bench.bench_fsdp --profile 5 --out /tmp/
 
-A folder as ``--out`` gets the standard name ``fsdp[-tokens<T>]-<machine>.json`` (machine
-``h200`` on one GPU, ``h200x2`` on two; ``-tokens<T>`` unless 8192 tokens).
+A folder as ``--out`` gets the standard name ``fsdp-<machine>.json`` (machine ``h200`` on
+one GPU, ``h200x2`` on two).
 """
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fp8blk as fb
-from bench import machine
+from bench import machine, write_section
 from fp8blk.torch import Float8BlockConfig, convert_to_float8_block
 from fp8blk.torch import fsdp as F
 from fp8blk.torch.fsdp import weights as W
@@ -534,7 +536,8 @@ def main():
     p.add_argument("--profile-dump", default=None, metavar="DIR",
                    help="with --profile: also write DIR/<case>.pstats (rank 0)")
     p.add_argument("--out", default=None, help="JSON output path, or a folder to write "
-                   "fsdp[-tokens<T>]-<machine>.json in (rank 0 writes it)")
+                   "fsdp-<machine>.json in; the run is its section tokens<T> (rank 0 writes "
+                   "it)")
     args = p.parse_args()
     cuda = args.device == "cuda"
     if cuda:  # before the process group, so NCCL binds each rank to its own GPU
@@ -578,12 +581,9 @@ def main():
         if args.out:
             path = args.out
             if os.path.isdir(path) or path.endswith(os.sep):  # a folder: the standard name
-                tokens = "" if args.tokens == 8192 else f"-tokens{args.tokens}"
                 gpu = report["machine"]["gpu"] or "cpu"
-                path = os.path.join(path, f"fsdp{tokens}-{machine(gpu, world)}.json")
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            with open(path, "w") as f:
-                f.write(text + "\n")
+                path = os.path.join(path, f"fsdp-{machine(gpu, world)}.json")
+            write_section(path, f"tokens{args.tokens}", report)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -12,8 +12,7 @@ Measures, on bf16 inputs at 8192x8192, 16384x16384 and 8191x8320 (MXFP8: 8192x83
     weight_quant_transposed_rhs) where they exist;
   * host microseconds per ``fp8blk.quantize`` call on 256x256 arrays (CuPy fp32, torch bf16).
 Writes DIR/kernels-<machine>.json (machine, date, command, per-case figures; machine e.g.
-``h200``) and prints a table. What the hardware FP8 cvt writes for NaN inputs:
-``python -m bench.profile.nan_probe``.
+``h200``) and prints a table.
 """
 from __future__ import annotations
 
@@ -32,7 +31,7 @@ import numpy as np
 
 import fp8blk as fb
 from bench import machine
-from fp8blk.cli import bench as cli_bench
+from fp8blk.cli import timing
 from fp8blk.kernels import backend as kernels
 from fp8blk.kernels import quantize as quant
 
@@ -52,13 +51,13 @@ def log(*a):
 
 def time_cupy(fn, inputs, reps=7, inner=10):
     """(median seconds per call, all figures) of fn(inp) over back-to-back calls, rotating
-    `inputs` (fp8blk.cli.bench.time_cupy without its host figure)."""
-    gpu, _, times = cli_bench.time_cupy(fn, inputs, reps, inner)
+    `inputs` (fp8blk.cli.timing.time_cupy without its host figure)."""
+    gpu, _, times = timing.time_cupy(fn, inputs, reps, inner)
     return gpu, times
 
 
 def time_torch(fn, inputs, reps=7, inner=10):
-    gpu, _, times = _bench.time_torch(fn, inputs, reps, inner)
+    gpu, _, times = timing.time_torch(fn, inputs, reps, inner)
     return gpu, times
 
 
@@ -206,11 +205,9 @@ def bench_variants(copy_bps, shape=(16384, 16384)):
 
 
 def torch_formulas():
-    """The torch formulas of ``fp8blk.cli.bench`` (one copy for both benchmarks), without its
+    """The torch formulas of ``fp8blk.cli.timing`` (one copy for both benchmarks), without its
     fused ``b1d_both``: this table compares torch.compile with single directions."""
-    from fp8blk.cli.bench import torch_formulas as formulas
-
-    return {k: v for k, v in formulas().items() if k != "b1d_both"}
+    return {k: v for k, v in timing.torch_formulas().items() if k != "b1d_both"}
 
 
 def bench_peers(shape, copy_bps, ours):

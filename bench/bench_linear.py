@@ -1,7 +1,7 @@
 """GPU benchmark of fp8blk.torch.Float8BlockLinear, one H200:
 
     python3 -m bench.bench_linear --out bench/results/linear-h200.json [--quick]
-        [--speed-only] [--shapes 0,1,2 | --shapes 8000x4096x4096,...]
+        [--speed-only] [--compile] [--shapes 0,1,2 | --shapes 8000x4096x4096,...] [--section S]
 
 1. Accuracy: SQNR (dB) of the output, input gradient and weight gradient against bf16
    nn.Linear (same weights, inputs and output gradient; the fp32 GEMM of the same bf16 data as
@@ -28,14 +28,18 @@
    saved for backward, against bf16 nn.Linear, for the layer alone and for stacks of four and
    eight square (in -> in) layers (saved tensors add up across layers, transients do not).
 5. torch.compile(fullgraph=True) of a 2-layer model on the GPU: traces, and equals eager.
-Prints a table and writes JSON (machine, date, command, per-case figures).
+Prints a table and writes its run (machine, date, command, per-case figures) as one section of
+the ``--out`` file (``bench.write_section``: "runs" holds each section's run, "speed" every
+section's cases, each tagged with its section). A run replaces its own section and leaves the
+others: ``--section`` names it, by default "compile" with ``--compile``, else "default".
+bench/results/linear-h200.json holds "default" (the full run), "compile" (``--speed-only
+--compile --shapes 2``) and "unaligned" (``--quick --speed-only --shapes
+16384x4096x11008,8000x4096x4096 --section unaligned``).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import platform
 import statistics
 import sys
@@ -43,6 +47,7 @@ import time
 
 import torch
 
+from bench import write_section
 from fp8blk.torch import Float8BlockLinear, blockwise_scaled_mm
 from fp8blk.torch import Float8BlockConfig, convert_to_float8_block
 from fp8blk.torch.scaled_mm import cublaslt_status
@@ -416,6 +421,9 @@ def main():
     parser.add_argument("--shapes", default=None,
                         help="comma-separated indices into SHAPES, or shapes as "
                              "TOKENSxINxOUT (default: all of SHAPES)")
+    parser.add_argument("--section", default=None,
+                        help="the --out file's section this run replaces (default: "
+                             "'compile' with --compile, else 'default')")
     args = parser.parse_args()
     shapes = SHAPES if args.shapes is None else [
         tuple(map(int, s.split("x"))) if "x" in s else SHAPES[int(s)]
@@ -458,10 +466,9 @@ def main():
     print("plan GEMMs on", "cuBLASLt directly" if status["enabled"] else "torch._scaled_mm",
           f"(cuBLASLt refusals: {status['refusals']})")
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        print("wrote", args.out)
+        section = args.section or ("compile" if args.compile else "default")
+        write_section(args.out, section, result, cases="speed")
+        print("wrote", args.out, "section", section)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ dated name of the same benchmark and machine, the newest by name):
   time to issue the step ``step_host_ms``;
 * the two-GPU all-gather curve (``bench_gather.py`` on NCCL, case ``raw_nccl``, ``--gather``):
   GPU time t of an all-gather of S bytes per rank at N = 2;
-* every multi-GPU FSDP2 result (``--measured``): only to validate against, never fitted to.
+* every multi-GPU FSDP2 result (``--measured``; each section of a file, one token count, is
+  a run): only to validate against, never fitted to.
 
 Model, per GPU, per step; L layers of P bytes each (bf16 parameters: 2 bytes per element;
 width and layer count from the single-GPU file), weak scaling (the per-GPU tokens fixed, so
@@ -81,8 +82,8 @@ whose width, layers and tokens the single-GPU input does not cover is listed as 
 
 Run (writes the table to stdout, JSON and PNG; matplotlib optional):
 
-    python bench/project_fsdp.py
-    python bench/project_fsdp.py --fp8-byte-ratio 1.0 --out /tmp/p.json --plot /tmp/p.png
+    python3 -m bench.project_fsdp
+    python3 -m bench.project_fsdp --fp8-byte-ratio 1.0 --out /tmp/p.json --plot /tmp/p.png
 """
 from __future__ import annotations
 
@@ -94,6 +95,8 @@ import json
 import math
 import os
 import sys
+
+from bench import sections
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -129,6 +132,11 @@ def resolve(path, fallbacks):
 def load(path):
     with open(path) as f:
         return json.load(f)
+
+
+def first_run(path):
+    """The first run (section) of a bench_fsdp result file."""
+    return next(iter(sections(load(path)).values()))
 
 
 class Curve:
@@ -245,21 +253,23 @@ def crossover(single, link, mode, ranks, **kw):
 
 
 def measured_files(patterns):
-    """Multi-GPU FSDP2 results (world >= 2), one per distinct run (date + command)."""
+    """Multi-GPU FSDP2 runs (world >= 2), one per distinct run (date + command): [(label,
+    run)], the label the file's path, with ``#<section>`` for a file of sections."""
     seen, out = set(), []
     for pattern in patterns:
         for path in sorted(glob.glob(pattern)):
             try:
-                res = load(path)
-            except (OSError, ValueError):
+                runs = sections(load(path))
+            except (OSError, ValueError, KeyError, TypeError):
                 continue
-            cases = res.get("cases") or []
-            if not cases or (cases[0].get("world") or 1) < 2:
-                continue
-            key = (res.get("date"), res.get("command"))
-            if key not in seen:
-                seen.add(key)
-                out.append((path, res))
+            for section, res in runs.items():
+                cases = res.get("cases") or []
+                if not cases or (cases[0].get("world") or 1) < 2:
+                    continue
+                key = (res.get("date"), res.get("command"))
+                if key not in seen:
+                    seen.add(key)
+                    out.append((path if section is None else f"{path}#{section}", res))
     return out
 
 
@@ -366,7 +376,7 @@ def parse(argv):
                         "gather-nccl-h200x2-*.json)")
     p.add_argument("--measured", nargs="*", default=None,
                    help="multi-GPU bench_fsdp results to validate against (default: every "
-                        "fsdp-*h200x<N>*.json with world >= 2 in bench/results)")
+                        "fsdp-h200x<N>*.json with world >= 2 in bench/results)")
     p.add_argument("--links", default="nvlink,25,50,100",
                    help="'nvlink' and per-GPU network bandwidths in GB/s")
     p.add_argument("--ranks", default=",".join(str(2 ** k) for k in range(1, 11)))
@@ -388,15 +398,14 @@ def main(argv=None):
     args = parse(argv)
     single_path = resolve(args.single, ["fsdp-h200x1.json", "fsdp-h200x1-*.json"])
     gather_path = resolve(args.gather, ["gather-nccl-h200x2-*.json"])
-    single_res, gather_res = load(single_path), load(gather_path)
+    single_res, gather_res = first_run(single_path), load(gather_path)
     if gather_res.get("ranks") != 2:
         raise SystemExit(f"{gather_path}: a two-rank all-gather curve is needed")
     curve = Curve([(r["bytes_per_rank"], r["gpu_us"] * 1e-6)
                    for r in gather_res["results"] if r["case"] == "raw_nccl"])
     patterns = args.measured
     if patterns is None:
-        patterns = [os.path.join(RESULTS, "fsdp-h200x*.json"),
-                    os.path.join(RESULTS, "fsdp-*-h200x*.json")]
+        patterns = [os.path.join(RESULTS, "fsdp-h200x*.json")]
     measured = measured_files(patterns)
     ratio = args.fp8_byte_ratio
     if ratio is None:

@@ -17,7 +17,8 @@
 #   cold_start    bench.cold_start -> cold-start-<machine>.json
 #   host          bench.bench_host (host cost per call from torch and CuPy) -> host-<machine>.json
 #   ncu_fused     Nsight Compute profile of the fused quantize kernels -> ncu_fused.txt
-#   profile       bench/profile/profile_all.sh (fused, master, unaligned) -> ncu_*.txt
+#   profile       bench/profile/profile_all.sh: Nsight Compute over profile_fused.py,
+#                 profile_master.py, profile_unaligned.py -> ncu_*.txt
 #   comm          comm suites: NCCL 1 rank, CuPy over MPI 2 ranks, torch NCCL 1 rank, and
 #                 NCCL on every GPU when there are several               (COMM_TIMEOUT)
 #   master        bench.bench_master -> master-<machine>.json
@@ -25,16 +26,19 @@
 #   bench         the same as "master comm_bench"
 #   gather        bench.bench_gather under mpiexec, one rank per GPU -> gather-nccl-<machine>.json
 #   gather_torch  bench.bench_gather --comm torch under torchrun -> gather-torch-<machine>.json
-#   linear        bench.bench_linear -> linear-<machine>.json (LINEAR_ARGS: more flags)
+#   linear        bench.bench_linear -> linear-<machine>.json (LINEAR_ARGS: more flags; the run
+#                 replaces its section: default, or --compile's, or --section S's)
 #   model         bench.bench_model -> model-<machine>.json (MODEL_ARGS, MODEL_TIMEOUT)
 #   norm          bench.bench_norm (RMSNorm: torch ops, compiled, fp8blk's kernels) -> norm-<machine>.json
 #   loss_parity   bench.loss_parity -> loss-parity-<machine>.{json,png}         (LOSS_TIMEOUT)
 #   fsdp          bench.bench_fsdp under torchrun per token count in FSDP_TOKENS (default 8192)
-#                 -> fsdp-<machine>.json, fsdp-tokens<T>-<machine>.json for other counts
+#                 -> fsdp-<machine>.json, one section tokens<T> per count
 #                 (FSDP_ARGS: more flags, e.g. "--profile 5": where the host time goes)
 #   multirank     the comm suites with one rank per GPU: NCCLComm (mpiexec), TorchComm (torchrun)
 #   tp            tp_parity.py on NCCL, one rank per GPU
 #   examples      weights_pipeline / train_fsdp2 / tensor_parallel --large, one rank per GPU
+# linear and fsdp write sections of one file: $OUT's file starts as bench/results/' copy, so
+# the sections a run does not redo carry over.
 # PROFILE=1 adds ncu_fused. Open MPI on the GPU image is not CUDA-aware and needs the flags below.
 set -o pipefail
 OUT=${OUT:-/tmp/fp8blk-bench}  # step logs land here too: copy the results over bench/results/
@@ -61,6 +65,9 @@ step() {  # step NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, print its tail 
   local rc=$?
   tail -n ${TAIL:-6} "$OUT/$name.log"
   echo "== $name: rc=$rc in $(( $(date +%s) - t0 )) s"
+}
+seed_result() {  # seed_result NAME: $OUT/NAME starts as bench/results/NAME (its sections)
+  [ -f "$OUT/$1" ] || [ ! -f "bench/results/$1" ] || cp "bench/results/$1" "$OUT/$1"
 }
 name_result() {  # name_result GLOB NAME: the newest $OUT/GLOB becomes $OUT/NAME (bench_gather
   # names its file by date)
@@ -136,18 +143,22 @@ if has examples; then  # the examples at their GPU sizes, one rank per GPU
   step ex_tp_$NGPU ${EX_TIMEOUT:-200} torchrun --standalone --nproc-per-node $NGPU \
     examples/tensor_parallel.py --large
 fi
-has linear && step bench_linear ${LINEAR_TIMEOUT:-300} \
-  python3 -m bench.bench_linear --out "$OUT/linear-$M.json" $LINEAR_ARGS
+if has linear; then
+  seed_result linear-$M.json
+  step bench_linear ${LINEAR_TIMEOUT:-300} \
+    python3 -m bench.bench_linear --out "$OUT/linear-$M.json" $LINEAR_ARGS
+fi
 has model && step bench_model ${MODEL_TIMEOUT:-600} \
   python3 -m bench.bench_model --out "$OUT/model-$M.json" $MODEL_ARGS
 has norm && step bench_norm ${NORM_TIMEOUT:-180} python3 -m bench.bench_norm --out "$OUT"
 has loss_parity && step loss_parity ${LOSS_TIMEOUT:-600} \
   python3 -m bench.loss_parity --out "$OUT/loss-parity-$M.json" --plot "$OUT/loss-parity-$M.png"
 if has fsdp; then
+  seed_result fsdp-$M.json
   for tokens in ${FSDP_TOKENS:-8192}; do
-    name=fsdp-$M.json; [ "$tokens" = 8192 ] || name=fsdp-tokens$tokens-$M.json
     step bench_fsdp_${NGPU}_$tokens ${FSDP_TIMEOUT:-300} torchrun --standalone \
-      --nproc-per-node $NGPU -m bench.bench_fsdp --tokens $tokens --out "$OUT/$name" $FSDP_ARGS
+      --nproc-per-node $NGPU -m bench.bench_fsdp --tokens $tokens --out "$OUT/fsdp-$M.json" \
+      $FSDP_ARGS
   done
 fi
 if [ -n "$TARBALL" ]; then  # the device tool returns at most 8 files: logs in one tarball

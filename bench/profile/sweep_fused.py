@@ -65,10 +65,16 @@ def set_knobs(overrides):
 
 
 def special_input(rng, shape=(1024, 1024)):
-    """bf16 test input (ml_dtypes array) with specials inside row and column blocks."""
-    from tests.kernels._cases import make_input
-
-    x = make_input(rng, shape, BF16)
+    """bf16 test input (ml_dtypes array): values over 17 binades, with specials inside row and
+    column blocks (NaN, -NaN, +-inf, a zero 128x128 tile, an all-NaN 1x32 block, a tiny-amax
+    row, subnormal-only blocks, -0, the bf16 max)."""
+    f = rng.standard_normal(shape).astype(np.float32)
+    f *= np.exp2(rng.integers(-8, 9, size=shape)).astype(np.float32)
+    f.flat[rng.choice(f.size, 16, replace=False)] = [np.nan, -np.nan, np.inf, -np.inf] * 4
+    f[128:256, 128:256] = 0.0                           # a zero 128x128 tile
+    f[1, :32] = np.nan                                  # an all-NaN 1x32 block
+    f[2, :] *= np.float32(2.0 ** -120)                  # tiny amax (scale overflow path)
+    x = f.astype(BF16)
     bits = x.view(np.uint16)
     m, k = shape
     sub = rng.integers(1, 0x80, size=k, dtype=np.uint16) | \

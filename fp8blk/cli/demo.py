@@ -1,6 +1,8 @@
 """``python -m fp8blk demo``: quantize a random matrix with every recipe (on the GPU when the
-kernels can run there, else on the CPU) and print, per recipe, bytes stored, dequantization
-error and time. ``--distributed`` (under ``mpiexec``): ``demo_distributed``."""
+kernels can run there, else on the CPU) and print bytes stored, dequantization error and time;
+``--distributed``, under ``mpiexec -n N``: a quantized all-gather and a sharded master-weight
+cast over MPI, checked byte for byte against ``quantize`` of the unsharded data.
+"""
 from __future__ import annotations
 
 import os
@@ -9,8 +11,9 @@ import time
 import numpy as np
 
 import fp8blk as fb
+from fp8blk import _arrays
 
-from .info import gpu_module
+from . import gpu_module
 
 RECIPES = [
     ("Block1D E4M3", fb.Block1D(fb.E4M3)),
@@ -69,8 +72,6 @@ def _nbytes(q):
 
 def run(args) -> int:
     if args.distributed:
-        from .demo_distributed import run as run_distributed
-
         return run_distributed(args.seed)
     xp = np if args.cpu else (gpu_module() or np)
     where = "GPU (CuPy)" if xp is not np else "CPU (NumPy reference)"
@@ -104,3 +105,101 @@ def run(args) -> int:
         print(f"{name:<14}{_nbytes(q):>14,}{_nbytes(q) / host.nbytes:>9.3f}"
               f"{rel.max():>13.2e}{np.sqrt((rel ** 2).mean()):>13.2e}{elapsed * 1e3:>10.1f}")
     return 0
+
+
+# -- the distributed demo, under mpiexec -----------------------------------------------------
+
+
+def _say(comm, text):
+    if comm.rank == 0:
+        print(text, flush=True)
+
+
+def _gather_demo(comm, rng_seed):
+    rows_per_rank, cols = 512, 4096
+    full = np.random.default_rng(rng_seed).standard_normal(
+        (rows_per_rank * comm.size, cols)).astype(_arrays.BF16)
+    local = np.ascontiguousarray(full[comm.rank * rows_per_rank:(comm.rank + 1) * rows_per_rank])
+
+    comm.reset_stats()
+    start = time.perf_counter()
+    plain, _ = fb.comm.gather_along_first_dim(local, comm)
+    plain_s, plain_bytes = time.perf_counter() - start, comm.stats.bytes
+
+    comm.reset_stats()
+    start = time.perf_counter()
+    quantized, _ = fb.comm.gather_along_first_dim(local, comm, fb.Block1D())
+    fp8_s, fp8_bytes = time.perf_counter() - start, comm.stats.bytes
+
+    expected = fb.quantize(full, fb.Block1D())
+    exact = (np.array_equal(quantized.rowwise_data, expected.rowwise_data)
+             and np.array_equal(quantized.rowwise_scale_inv, expected.rowwise_scale_inv)
+             and np.array_equal(plain, full))
+    _say(comm, f"all-gather of a {full.shape[0]}x{cols} bf16 tensor over {comm.size} ranks:\n"
+               f"  bf16       {plain_bytes:>10,} bytes sent by each rank  {plain_s * 1e3:7.1f} ms\n"
+               f"  Block1D    {fp8_bytes:>10,} bytes sent by each rank  {fp8_s * 1e3:7.1f} ms "
+               f"(incl. quantize)\n"
+               f"  equals quantize(concatenation) byte for byte: {exact}")
+    return exact
+
+
+def _master_demo(comm, rng_seed):
+    shapes = [(1024, 768), (300, 257), (768, 3072), (96, 128)]  # (300, 257): Block2D edge tiles
+    recipes = [fb.Block2D(), fb.Block2D(), fb.MXFP8(), fb.MXFP8()]
+    rng = np.random.default_rng(rng_seed)
+    full_masters = [rng.standard_normal(h * w).astype(np.float32) * 0.02 for h, w in shapes]
+    weights, masters, offsets, cuts = [], [], [], []
+    for (h, w), recipe, master in zip(shapes, recipes, full_masters):
+        # Shard boundaries at arbitrary flat offsets (inside rows and blocks), the same on all
+        # ranks because every rank draws them from the same seed.
+        bounds = np.sort(rng.integers(0, h * w, size=comm.size - 1))
+        bounds = np.concatenate([[0], bounds, [h * w]]).astype(int)
+        lo, hi = bounds[comm.rank], bounds[comm.rank + 1]
+        weights.append(fb.quantize(np.zeros((h, w), np.float32), recipe, rowwise=True,
+                                   columnwise=isinstance(recipe, fb.MXFP8)))
+        masters.append(master[lo:hi])
+        offsets.append(int(lo))
+        cuts.append(bounds)
+
+    comm.reset_stats()
+    start = time.perf_counter()
+    fb.cast_master_weights(weights, masters, offsets, comm)
+    elapsed = time.perf_counter() - start
+    collectives, payload = comm.stats.calls, comm.stats.bytes
+
+    exact = True
+    for weight, recipe, master, bounds in zip(weights, recipes, full_masters, cuts):
+        expected = fb.quantize(master.astype(_arrays.BF16).reshape(weight.shape), recipe,
+                               rowwise=True, columnwise=weight.has_columnwise)
+        lo, hi = bounds[comm.rank], bounds[comm.rank + 1]
+        pairs = [(weight.rowwise_data, expected.rowwise_data),
+                 (weight.columnwise_data, expected.columnwise_data)]
+        for got, want in pairs:
+            if got is None:
+                continue
+            # Put the ranks' owned byte ranges together, as an FSDP all-gather would.
+            owned = np.ascontiguousarray(got.reshape(-1)[lo:hi])
+            counts = [int(b - a) for a, b in zip(bounds[:-1], bounds[1:])]
+            gathered = comm.all_gather_v(owned, counts)
+            exact &= np.array_equal(gathered, want.reshape(-1))
+        exact &= np.array_equal(weight.rowwise_scale_inv, expected.rowwise_scale_inv)
+    _say(comm, f"cast_master_weights: {len(weights)} weights (Block2D and MXFP8), shards cut "
+               f"at random flat offsets:\n"
+               f"  {collectives} all-reduce(s), {payload:,} bytes per rank, "
+               f"{elapsed * 1e3:.1f} ms\n"
+               f"  gathered bytes equal quantize(bf16(full weight)): {exact}")
+    return exact
+
+
+def run_distributed(seed: int = 0) -> int:
+    """The distributed demo, one call per MPI rank: a quantized all-gather along dim 0 and a
+    master-weight cast from fp32 shards cut anywhere; exit status 1 on a mismatch."""
+    from mpi4py import MPI
+
+    comm = fb.comm.MPIComm(MPI.COMM_WORLD)
+    _say(comm, f"\nfp8blk distributed demo: {comm.size} MPI ranks, host arrays")
+    ok = _gather_demo(comm, seed)
+    ok &= _master_demo(comm, seed + 1)
+    ok = bool(MPI.COMM_WORLD.allreduce(ok, op=MPI.LAND))
+    _say(comm, "all checks passed" if ok else "MISMATCH: see above")
+    return 0 if ok else 1

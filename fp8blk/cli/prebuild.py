@@ -1,12 +1,9 @@
 """``python -m fp8blk prebuild [--cc 90] [--jobs N] [--dir D]``: compile the common kernel
 variants (``fp8blk.kernels.prebuild.common_variants``) into fp8blk's kernel cache ahead of time,
-with or without a GPU.
-
-A Numba compile takes 1-4 s per kernel variant, paid by every fresh process (every rank of an
-``mpiexec`` job) on first use. With the variants prebuilt, a process loads each from the cache
-folder in well under a millisecond and never imports numba. Numba holds a global compiler
-lock, so variants compile in a pool of worker processes; an interrupted run (Ctrl-C, SIGTERM)
-stops its workers before it exits, and a worker whose parent dies is killed with it.
+with or without a GPU, so that fresh processes load them instead of compiling (docs/api.md).
+Numba holds a global compiler lock, so variants compile in a pool of worker processes; an
+interrupted run (Ctrl-C, SIGTERM) stops its workers before it exits, and a worker whose parent
+dies is killed with it.
 """
 from __future__ import annotations
 
@@ -18,7 +15,7 @@ import sys
 import threading
 import time
 
-from .args import positive_int, writable_dir
+from . import positive_int, writable_dir
 
 HELP = """\
 Compile the common kernel variants into fp8blk's kernel cache ahead of time, with or without
@@ -95,7 +92,7 @@ def check(args):
     """Usage errors found before any work (None when there is none): the cache turned off, a
     folder that cannot be written, a GPU the kernels cannot target. Fills in ``args.cc``."""
     from ..kernels import prebuild as kp
-    from .info import probe_gpu
+    from . import probe_gpu
 
     if not kp.cache_enabled():
         return ("FP8BLK_KERNEL_CACHE=0 turns the kernel cache off: nothing to prebuild into "

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from fp8blk.cli import info
+from fp8blk import cli
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -50,13 +50,13 @@ class CUDARuntimeError(RuntimeError):
 ])
 def test_probe_says_why_there_is_no_gpu(monkeypatch, fake, why):
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    cupy, reason, _ = info.probe_gpu()
+    cupy, reason, _ = cli.probe_gpu()
     assert cupy is None and why in reason
 
 
 def test_probe_and_info_with_a_usable_gpu(monkeypatch, capsys):
     fake = _fake_cupy(count=1, cc="90")
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    assert info.probe_gpu() == (fake, "", (9, 0))
-    assert info.run(None) == 0
+    assert cli.probe_gpu() == (fake, "", (9, 0))
+    assert cli.run_info(None) == 0
     assert "GPU        yes: Fake GPU, compute capability 9.0" in capsys.readouterr().out

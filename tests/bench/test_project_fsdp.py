@@ -3,25 +3,12 @@ the measured two-GPU FSDP2 steps, the crossover over a 25 GB/s network, and that
 change to the model (FP8 weights gathering as many bytes as bf16) moves it."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "bench" / "project_fsdp.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("project_fsdp", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-proj = _module()
+from bench import project_fsdp as proj
 
 
 def _run(tmp_path, capsys, *extra, plot=False):

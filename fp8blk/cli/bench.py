@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from .. import _arrays
-from ..formats import MXFP8, Block2D
+from ..formats import Block2D, check_mxfp8_shape
 from . import positive_int, writable_dir
 from .timing import (CASES, cpu_copy_bandwidth, cpu_inputs, cpu_operation,
                      gpu_copy_bandwidth, gpu_inputs, gpu_operation, time_cupy, time_host,
@@ -238,8 +238,10 @@ def _measure_size(n, cases, on_gpu, args, report, progress):
     copy_bps = gpu_copy_bandwidth(nbytes) if on_gpu else cpu_copy_bandwidth(nbytes)
     report["copy_bytes_per_s"][str(n)] = copy_bps
     for case in cases:
-        if isinstance(case.recipe, MXFP8) and n % 32:
-            report["notes"].append(f"{case.name} skipped at {n}: MXFP8 needs multiples of 32")
+        try:
+            check_mxfp8_shape(case.recipe, n, n, "the input")
+        except ValueError as refused:
+            report["notes"].append(f"{case.name} skipped at {n}: {refused}")
             progress.step(f"{case.name} {n} (skipped)")
             continue
         if on_gpu:

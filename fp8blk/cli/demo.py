@@ -12,6 +12,7 @@ import numpy as np
 
 import fp8blk as fb
 from fp8blk import _arrays
+from fp8blk.formats import check_mxfp8_shape
 
 from . import gpu_module
 
@@ -86,8 +87,10 @@ def run(args) -> int:
     print(f"{'recipe':<14}{'bytes stored':>14}{'vs fp32':>9}{'max rel err':>13}"
           f"{'rms rel err':>13}{'time ms':>10}")
     for name, recipe in RECIPES:
-        if isinstance(recipe, fb.MXFP8) and (rows % 32 or cols % 32):
-            print(f"{name:<14}skipped: MXFP8 needs M and K to be multiples of 32")
+        try:
+            check_mxfp8_shape(recipe, rows, cols, "x")
+        except ValueError as refused:
+            print(f"{name:<14}skipped: {refused}")
             continue
         fb.quantize(x, recipe, rowwise=True, columnwise=True)  # warm-up (kernel compilation)
         if xp is not np:

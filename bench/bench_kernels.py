@@ -177,7 +177,7 @@ def kernel_attributes():
 def bench_variants(copy_bps, shape=(16384, 16384)):
     """Re-time the slower kernels with a minimum-CTAs-per-SM launch bound (register cap)."""
     from fp8blk.kernels.quantize import use_settings
-    from fp8blk.kernels.tuning import QuantizeSettings
+    from fp8blk.kernels.backend import QuantizeSettings
     xs = bf16_inputs(shape)
     saved = use_settings(QuantizeSettings())
     for min_blocks in (2, 3, 4):

@@ -31,13 +31,11 @@ import numpy as np
 import fp8blk as fb
 from bench import machine
 from fp8blk import master
-from fp8blk.kernels import master_batch as mb
-from fp8blk.kernels import partial_amax as pa
-from fp8blk.kernels import partial_cast as pc
-from fp8blk.kernels.tuning import MasterSettings
+from fp8blk.kernels import partial
+from fp8blk.kernels.backend import MasterSettings
 from fp8blk.layout import buffer_layouts
 
-BF16 = pa.model_kind(ml_dtypes.bfloat16)  # the launches' model kind of a bf16 model weight
+BF16 = partial.model_kind(ml_dtypes.bfloat16)  # the launches' model kind of a bf16 model weight
 
 H, W = 16384, 6144
 HOST_REPS = 20  # calls timed on the host clock (no synchronization) per batch
@@ -127,14 +125,14 @@ def kernel_rows(cp, copy_bw, reps, inner, only=None, aligned_only=False):
             for seed in (1, 2):  # two input sets
                 m = masters_for(cp, seed, n)
                 items, _ = master.validate([weight], [m], [o], None)
-                batch = mb.Batch(items, have_fragments=False)
+                batch = partial.Batch(items, have_fragments=False)
                 buf = batch.new_buffer()
                 times_amax.append(gpu_time(
-                    cp, lambda: pa.launch_partial_amax(batch, buf, BF16), reps, inner))
-                scales = pc.launch_scales(batch, buf, 3.3895313892515355e38)
+                    cp, lambda: partial.launch_partial_amax(batch, buf, BF16), reps, inner))
+                scales = partial.launch_scales(batch, buf, 3.3895313892515355e38)
                 sbuf = scales if batch.block2d else buf
                 times_cast.append(gpu_time(
-                    cp, lambda: pc.launch_cast(batch, sbuf, BF16), reps, inner))
+                    cp, lambda: partial.launch_cast(batch, sbuf, BF16), reps, inner))
             t_amax, t_cast = statistics.median(times_amax), statistics.median(times_cast)
             amax_bytes = 4 * n + batch.buf_entries * buf.itemsize
             out_bytes = n * (int(row) + int(col))  # FP8 bytes written per direction
@@ -162,14 +160,14 @@ def specialization_rows(cp, reps, inner):
                                       ("bidirectional weight, general kernel", True, False)):
         weight = make_weight(cp, fb.MXFP8(fb.E4M3), True, col)
         items, _ = master.validate([weight], [m], [0], None)
-        batch = mb.Batch(items, have_fragments=False)
+        batch = partial.Batch(items, have_fragments=False)
         buf = batch.new_buffer()
-        pa.launch_partial_amax(batch, buf, BF16)
-        pc.launch_scales(batch, buf, 0.0)
+        partial.launch_partial_amax(batch, buf, BF16)
+        partial.launch_scales(batch, buf, 0.0)
         if force_general:
             for ln in batch.cast_launches:
                 ln.with_col = True  # HASCOL = 0 in the table: the runtime branch skips it
-        out[label] = gpu_time(cp, lambda: pc.launch_cast(batch, buf, BF16), reps,
+        out[label] = gpu_time(cp, lambda: partial.launch_cast(batch, buf, BF16), reps,
                               inner) * 1e6
         print(f"  {label:40s} {out[label]:8.1f} us", flush=True)
     return out
@@ -180,9 +178,9 @@ def batch_rows(cp, reps):
     without columnwise, MXFP8 bidirectional and row-only, in turn; the one rank owns every
     weight whole)."""
     counters = {"amax": Counter(), "scale": Counter(), "cast": Counter()}
-    pa.kernel_for = counting(pa.kernel_for, counters["amax"])
-    pc.scale_kernel = counting(pc.scale_kernel, counters["scale"])
-    pc.cast_kernel = counting(pc.cast_kernel, counters["cast"])
+    partial.amax_kernel = counting(partial.amax_kernel, counters["amax"])
+    partial.scale_kernel = counting(partial.scale_kernel, counters["scale"])
+    partial.cast_kernel = counting(partial.cast_kernel, counters["cast"])
     result = {}
     rng = np.random.default_rng(7)
     recipes = [(fb.Block2D(fb.E4M3, True), True, False), (fb.MXFP8(fb.E4M3), True, True),
@@ -207,12 +205,12 @@ def batch_rows(cp, reps):
         cp.cuda.get_current_stream().synchronize()
         for c in counters.values():
             c.n = 0
-        uploads = mb.counters["tables_uploaded"]
+        uploads = partial.counters["tables_uploaded"]
         comm.calls = comm.bytes = 0
         call()
         launches = {k: c.n for k, c in counters.items()}
         calls, payload = comm.calls, comm.bytes
-        uploads_steady = mb.counters["tables_uploaded"] - uploads
+        uploads_steady = partial.counters["tables_uploaded"] - uploads
         t_gpu = gpu_time(cp, call, reps, 5, warmup=1)
         t0 = time.perf_counter()
         for _ in range(HOST_REPS):
@@ -279,17 +277,15 @@ def main():
     kernels = kernel_rows(cp, copy_bw, reps, inner)
     sweep = {}
     if args.sweep:
-        saved = pa.use_settings(MasterSettings()), pc.use_settings(MasterSettings())
+        saved = partial.use_settings(MasterSettings())
         for min_blocks in (3, 4):
             sweep_settings = MasterSettings(amax_fast_min_blocks_mxfp8=min_blocks,
                                                 cast_fast_min_blocks_mxfp8=min_blocks)
-            pa.use_settings(sweep_settings)
-            pc.use_settings(sweep_settings)
+            partial.use_settings(sweep_settings)
             print(f"MXFP8 fast-path kernels with minBlocksPerSM={min_blocks}:", flush=True)
             sweep[min_blocks] = kernel_rows(cp, copy_bw, reps, inner, aligned_only=True,
                                             only=("MXFP8 row-only", "MXFP8 bidirectional"))
-        pa.use_settings(saved[0])
-        pc.use_settings(saved[1])
+        partial.use_settings(saved)
     print("MXFP8 cast specialization (16384x6144, aligned):", flush=True)
     spec = specialization_rows(cp, reps, inner)
     payload = payload_rows()

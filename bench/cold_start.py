@@ -60,11 +60,11 @@ def child_warm():
         fb.quantize(x, fb.Block1D(), rowwise=True, columnwise=True)
         cupy.cuda.Device().synchronize()
         times.append(time.perf_counter() - t0)
-    from fp8blk.kernels import prebuild
+    from fp8blk.kernels import backend
     return {"import_numpy_cupy_s": t_cupy, "import_fp8blk_s": t_import, "context_s": t_ctx,
             "first_quantize_s": times[0], "second_quantize_s": times[1],
             "first_beyond_second_s": times[0] - times[1],
-            "numba_imported": "numba" in sys.modules, **prebuild.cache_counts()}
+            "numba_imported": "numba" in sys.modules, **backend.cache_counts()}
 
 
 def child_rank(outdir):
@@ -76,7 +76,6 @@ def child_rank(outdir):
 
     import fp8blk as fb
     from fp8blk.kernels import backend as kernels
-    from fp8blk.kernels import prebuild
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((1024, 1024)) * np.exp(rng.uniform(-6, 6, (1024, 1)))).astype(
         np.float32)
@@ -95,9 +94,9 @@ def child_rank(outdir):
     seconds = time.perf_counter() - t0
     cc = cupy.cuda.Device().compute_capability
     cubins = {name: cubin and hashlib.sha256(cubin).hexdigest()
-              for name, cubin in prebuild.loaded_cubins((int(cc[:-1]), int(cc[-1]))).items()}
+              for name, cubin in kernels.loaded_cubins((int(cc[:-1]), int(cc[-1]))).items()}
     res = {"rank": rank, "outputs": out, "cubins": cubins,
-           "builds": prebuild.cache_counts()["builds"],
+           "builds": kernels.cache_counts()["builds"],
            "seconds": seconds, "numba_imported": "numba" in sys.modules}
     with open(os.path.join(outdir, f"rank-{rank}.json"), "w") as f:
         json.dump(res, f)

@@ -12,19 +12,17 @@ import fp8blk as fb
 from bench.bench_master import H, W, make_weight, masters_for
 from fp8blk import master
 from fp8blk.kernels import _specs as dev
-from fp8blk.kernels import master_batch as mb
-from fp8blk.kernels import partial_amax as pa
-from fp8blk.kernels import partial_cast as pc
+from fp8blk.kernels import partial
 
 m = masters_for(cp, 1, H * W)
 for recipe, col in ((fb.Block2D(fb.E4M3, False), False), (fb.MXFP8(fb.E4M3), False),
                     (fb.MXFP8(fb.E4M3), True)):
     weight = make_weight(cp, recipe, True, col)
     items, _ = master.validate([weight], [m], [0], None)
-    batch = mb.Batch(items, have_fragments=False)
+    batch = partial.Batch(items, have_fragments=False)
     buf = batch.new_buffer()
     for _ in range(2):
-        pa.launch_partial_amax(batch, buf, dev.BF16)
-        scales = pc.launch_scales(batch, buf, 3.3895313892515355e38)
-        pc.launch_cast(batch, scales if batch.block2d else buf, dev.BF16)
+        partial.launch_partial_amax(batch, buf, dev.BF16)
+        scales = partial.launch_scales(batch, buf, 3.3895313892515355e38)
+        partial.launch_cast(batch, scales if batch.block2d else buf, dev.BF16)
 cp.cuda.Device().synchronize()

@@ -80,7 +80,7 @@ def probe_gpu():
                       f"NVIDIA driver"), None
     if count < 1:
         return None, "no CUDA device is visible (check CUDA_VISIBLE_DEVICES)", None
-    from ..kernels.prebuild import MIN_CC
+    from ..kernels.backend import MIN_CC
 
     cc_text = cupy.cuda.Device().compute_capability
     cc = (int(cc_text[:-1]), int(cc_text[-1]))

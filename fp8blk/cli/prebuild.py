@@ -1,5 +1,5 @@
 """``python -m fp8blk prebuild [--cc 90] [--jobs N] [--dir D]``: compile the common kernel
-variants (``fp8blk.kernels.prebuild.common_variants``) into fp8blk's kernel cache ahead of time,
+variants (``fp8blk.kernels.backend.common_variants``) into fp8blk's kernel cache ahead of time,
 with or without a GPU, so that fresh processes load them instead of compiling (docs/api.md).
 Numba holds a global compiler lock, so variants compile in a pool of worker processes; an
 interrupted run (Ctrl-C, SIGTERM) stops its workers before it exits, and a worker whose parent
@@ -66,7 +66,7 @@ def parse_cc(text):
 
 def _supported(cc):
     """A message when the kernels cannot target `cc`, else None."""
-    from ..kernels.prebuild import MIN_CC
+    from ..kernels.backend import MIN_CC
 
     if tuple(cc) < MIN_CC:
         return (f"compute capability {cc[0]}.{cc[1]} is not supported: the kernels use FP8 "
@@ -91,7 +91,7 @@ def compute_capability(text):
 def check(args):
     """Usage errors found before any work (None when there is none): the cache turned off, a
     folder that cannot be written, a GPU the kernels cannot target. Fills in ``args.cc``."""
-    from ..kernels import prebuild as kp
+    from ..kernels import backend as kp
     from . import probe_gpu
 
     if not kp.cache_enabled():
@@ -166,9 +166,9 @@ def prebuild(cc, jobs=None, root=None, variants=None, out=None, build=None):
     """Compile `variants` (default ``common_variants()``) for compute capability `cc` into the
     cache folder `root` (default the kernels' cache folder) with `jobs` worker processes;
     `build(family, spec, cc, root) -> (built, seconds)` is the worker's job (default
-    ``fp8blk.kernels.prebuild.build``). Returns a summary dict (counts, seconds, folder,
+    ``fp8blk.kernels.backend.build``). Returns a summary dict (counts, seconds, folder,
     errors). On SIGINT / SIGTERM the workers are terminated before the exception propagates."""
-    from ..kernels import prebuild as kp
+    from ..kernels import backend as kp
 
     if not kp.cache_enabled():
         raise RuntimeError("FP8BLK_KERNEL_CACHE=0 turns the kernel cache off: nothing to "

@@ -1,39 +1,25 @@
-"""fp8blk's compiled-kernel cache on disk: one cubin per kernel variant, under an explicit key.
-
-Numba's own ``cache=True`` cannot cache these kernels (its key hashes the pickled closure, in
-which ``@intrinsic`` objects carry a random uuid, and its shared index file loses entries under
-concurrent writers), so fp8blk keeps its own. This module does not import numba or CuPy: a
-process whose kernels are all cached never imports numba.
-
-Key (:func:`variant_key`): the kernel family, every field of its spec (all settings that
-change generated code are spec fields), the target compute capability, a hash of the kernel
-sources (the builder and the helper modules it uses, read as bytes once per process), the
-toolchain versions (numba, numba-cuda, llvmlite, cuda-bindings, cuda-core, nvJitLink, NVVM;
-the installed distributions' metadata folders, once per process) and the Python version.
-
-Store (:class:`Store`): ``<dir>/<family>-<digest>.cubin`` holds a small JSON header (entry
-name, the key, the cubin's sha256) and the cubin. Writes go to a temporary file in the same
-folder, then ``os.replace``: a reader sees the old state or the whole new file, never a part.
-A miss takes an exclusive ``fcntl.flock`` on ``<file>.lock`` and looks again before building,
-so among processes that miss the same key at once (``mpiexec`` ranks) one builds and the others
-wait and load its file. A file that fails its checks (truncated, other format, wrong hash) is
-rebuilt. Each build appends one JSON line to ``<dir>/builds.log``.
-
-Environment: ``FP8BLK_CACHE_DIR`` (default ``$XDG_CACHE_HOME/fp8blk``, else
-``~/.cache/fp8blk``); ``FP8BLK_KERNEL_CACHE=0`` turns the cache off (every process compiles).
+"""The compiled-kernel cache: :func:`kernel` gives a launcher its launchable kernel for a
+(family, spec): from memory, from fp8blk's disk cache (one cubin per variant under an explicit
+key, :class:`Store`), or compiled on a miss by the one compile route (:func:`compile_variant`,
+which ``python -m fp8blk prebuild`` uses too). Neither this module nor the hit path imports
+numba. Key, file format, locking and environment: docs/api.md, "Compiled-kernel cache".
 """
 from __future__ import annotations
 
 import dataclasses
 import fcntl
 import hashlib
+import importlib
 import json
 import os
 import re
 import sys
 import tempfile
+import threading
 import time
 from collections import namedtuple
+
+from ._specs import SIM
 
 MAGIC = b"FP8BLK-CUBIN-1\n"
 KEY_FORMAT = 1          # bump when the key's meaning changes
@@ -95,8 +81,8 @@ def _normalize(name):
 def _installed_versions(names):
     """{name: version} of the distributions `names` installed on sys.path, from the names of
     their ``.dist-info`` / ``.egg-info`` folders (first on sys.path wins, as for
-    ``importlib.metadata``): one listdir per path entry, where ``importlib.metadata`` costs
-    ~25 ms to import and ~1 ms per name looked up, on the cache-hit path of every process."""
+    ``importlib.metadata``): one listdir per path entry, far cheaper than importing
+    ``importlib.metadata`` and looking each name up, on the cache-hit path of every process."""
     want = {_normalize(n): n for n in names}
     found = {}
     for entry in sys.path:
@@ -193,7 +179,8 @@ def _who():
 
 
 class Store:
-    """The cubins of one cache folder (see the module docstring)."""
+    """The cubins of one cache folder: ``<family>-<digest>.cubin`` files (a JSON header, then
+    the cubin), atomic writes, a per-key lock for builds, ``builds.log`` (docs/api.md)."""
 
     def __init__(self, root=None):
         self.root = root or cache_dir()
@@ -281,3 +268,119 @@ def store(root=None) -> Store:
     if s is None:
         s = _stores[root] = Store(root)
     return s
+
+
+_store_of = store  # for :func:`entry`, whose `store` argument hides the function
+
+
+# ---- launchable kernels -------------------------------------------------------------------
+
+# family -> (builder module, its build function, kernel modules whose bytes enter the key).
+# Every module a builder imports from fp8blk.kernels must be listed (tests check it).
+_COMMON = ("_numba", "_kernel_lib", "_specs")
+FAMILIES = {
+    "quantize": ("_quantize_kernel", "build", ("_quantize_kernel",) + _COMMON),
+    "dequantize": ("_dequantize_kernel", "build", ("_dequantize_kernel",) + _COMMON),
+    "transpose": ("_transpose_kernel", "build", ("_transpose_kernel",) + _COMMON),
+    "partial_amax": ("_partial_amax_kernel", "build", ("_partial_amax_kernel",) + _COMMON),
+    "partial_scale": ("_partial_cast_kernel", "build_scale",
+                      ("_partial_cast_kernel", "_partial_amax_kernel") + _COMMON),
+    "partial_cast": ("_partial_cast_kernel", "build_cast",
+                     ("_partial_cast_kernel", "_partial_amax_kernel") + _COMMON),
+    "rms_norm": ("_rms_norm_kernel", "build", ("_rms_norm_kernel",) + _COMMON),
+}
+
+_loaded = {}                # (family, spec, device id) -> launchable
+_lock = threading.RLock()   # one load / build at a time in this process
+
+
+def loaded():
+    """[(family, spec, device id)] of the variants this process has loaded."""
+    with _lock:
+        return list(_loaded)
+
+
+def builder(family):
+    """The family's build function ``build(spec) -> (pyfunc, argtypes, launch_bounds)``
+    (imports its builder module, hence numba)."""
+    mod, fn, _ = FAMILIES[family]
+    return getattr(importlib.import_module(f"{__package__}.{mod}"), fn)
+
+
+def sources(family):
+    return kernel_sources(FAMILIES[family][2])
+
+
+def key(family, spec, cc):
+    """(digest, description) of a variant for compute capability `cc` ((major, minor))."""
+    return variant_key(family, spec, cc, sources(family))
+
+
+def compile_variant(family, spec, cc):
+    """(entry name, cubin bytes) of a variant for `cc`: the one compile route (GPU misses and
+    prebuild alike; works without a GPU)."""
+    from . import _numba
+
+    pyfunc, argtypes, bounds = builder(family)(spec)
+    # "kernel_<family>": Nsight filters (bench/profile, run_gpu.sh) select "^kernel"
+    return _numba.compile_cubin(pyfunc, argtypes, bounds, cc, name=f"kernel_{family}")
+
+
+def entry(family, spec, cc, store=None):
+    """The variant's cache Entry for `cc`: from the store (`store`, default the process's
+    store of :func:`cache_dir`), built and stored on a miss; compiled without storing
+    when the cache is off."""
+    digest, desc = key(family, spec, cc)
+    build = lambda: compile_variant(family, spec, cc)  # noqa: E731
+    if not enabled():
+        name, cubin = build()
+        return Entry(name, bytes(cubin), {"key": desc})
+    return (store or _store_of()).get_or_build(family, digest, desc, build)
+
+
+def arg_dtypes(family, spec, n):
+    """NumPy element dtypes of the first `n` (pointer) arguments: the simulator's flat views
+    need them (simulator only: imports the builder)."""
+    import numpy as np
+
+    _, argtypes, _ = builder(family)(spec)
+    return tuple(np.dtype(t.dtype.name) for t in argtypes[:n])
+
+
+def _device_cc(cupy, dev):
+    cc = cupy.cuda.Device(dev).compute_capability   # e.g. "90"
+    return int(cc[:-1]), int(cc[-1])
+
+
+def kernel(family, spec, device=None):
+    """Launchable ``f(grid, block, args)`` of a variant for CUDA device `device` (None: the
+    current one): a CuPy ``Function`` loaded from the variant's cubin (raw-pointer launch on
+    CuPy's current stream), kept in memory per (family, spec, device); under the simulator
+    (no disk cache) a simulated kernel taking NumPy arrays. Builders are imported on a miss
+    only."""
+    if SIM:
+        k = _loaded.get((family, spec, None))
+        if k is None:
+            from . import _numba
+
+            pyfunc, _, _ = builder(family)(spec)
+            k = _loaded[(family, spec, None)] = _numba.sim_kernel(pyfunc)
+        return k
+    import cupy
+
+    dev = cupy.cuda.runtime.getDevice() if device is None else device
+    k = _loaded.get((family, spec, dev))
+    if k is not None:
+        return k
+    with _lock:
+        k = _loaded.get((family, spec, dev))
+        if k is None:
+            e = entry(family, spec, _device_cc(cupy, dev))
+            with cupy.cuda.Device(dev):  # a module belongs to the device it is loaded on
+                # bind the primary context even when the runtime already reports `dev` (a
+                # thread that made no runtime call yet, e.g. autograd's worker for GPU 0)
+                cupy.cuda.runtime.setDevice(dev)
+                module = cupy.cuda.function.Module()
+                module.load(e.cubin)
+            k = _loaded[(family, spec, dev)] = module.get_function(e.entry)
+    return k

@@ -546,5 +546,5 @@ def argtypes(spec):
 
 
 def build(spec):
-    """(pyfunc, argtypes, launch_bounds) of the kernel for `spec` (``_compiled`` compiles it)."""
+    """(pyfunc, argtypes, launch_bounds) of the kernel for `spec` (``_cache`` compiles it)."""
     return make_kernel_pyfunc(spec), argtypes(spec), launch_bounds(spec)

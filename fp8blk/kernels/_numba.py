@@ -10,7 +10,7 @@ numba-cuda-mlir (or a new Numba release) touches one file:
   simulator they are plain Python on NumPy scalars with the same results (bit arithmetic for
   FP8, shared-memory exchange instead of warp shuffles);
 * ``compile_cubin(pyfunc, argtypes, launch_bounds, cc, name)``: the one compile route of the
-  kernel cache (``_compiled``): LTO-IR, then nvJitLink for the target architecture, with or
+  kernel cache (``_cache``): LTO-IR, then nvJitLink for the target architecture, with or
   without a GPU; ``sim_kernel`` the simulator's stand-in; ``compile_ptx_sm90`` for CPU tests;
   ``compile_kernel``: Numba's own launch route (a CUDA dispatcher), kept for comparisons and
   one-off benchmark kernels.
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._sim import SIM as _SIM_ENV
+from ._specs import SIM as _SIM_ENV
 
 if not hasattr(np, "row_stack"):  # numba-cuda 0.30.4 overloads it; NumPy 2.5 removed it
     np.row_stack = np.vstack
@@ -403,7 +403,7 @@ def compile_kernel(pyfunc, argtypes, launch_bounds=None):
     On the GPU this is a ``cupy.cuda.function.Function`` loaded from Numba's cubin: launching
     it costs a few microseconds, passes CuPy arrays as their data pointers, and runs on CuPy's
     current stream (pass integer scalars as ``numpy.int64``). Under the simulator, a
-    ``_SimKernel`` taking NumPy arrays. Callers cache the result (compilation takes ~1 s).
+    ``_SimKernel`` taking NumPy arrays. Callers cache the result (compiling is slow).
     """
     if SIM:
         return _SimKernel(pyfunc)

@@ -1,5 +1,5 @@
-"""Builder of the partial-amax kernels of the master-weight path (launcher: ``partial_amax``;
-batch table: ``master_batch``).
+"""Builder of the partial-amax kernels of the master-weight path (launcher and batch table:
+``partial``).
 
 Kernels
 -------

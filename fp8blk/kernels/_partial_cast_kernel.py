@@ -1,5 +1,5 @@
-"""Builder of the scale and partial-cast kernels of the master-weight path (launcher:
-``partial_cast``; batch table and address space: ``master_batch``).
+"""Builder of the scale and partial-cast kernels of the master-weight path (launcher,
+batch table and address space: ``partial``).
 
 Kernels
 -------

@@ -381,5 +381,5 @@ def launch_bounds(spec):
 
 
 def build(spec):
-    """(pyfunc, argtypes, launch_bounds) of the kernel for `spec` (``_compiled`` compiles it)."""
+    """(pyfunc, argtypes, launch_bounds) of the kernel for `spec` (``_cache`` compiles it)."""
     return make_kernel_pyfunc(spec), argtypes(spec), launch_bounds(spec)

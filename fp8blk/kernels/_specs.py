@@ -1,19 +1,30 @@
 """Numba-free definitions shared by the launchers and the kernel builders: input, output and
-recipe kinds, each kernel family's spec, the launch geometry derived from a spec, and the field
-layout of the master-weight batch table.
-
-A spec (frozen dataclass) names one compiled kernel variant: every value that changes the
-generated code is one of its fields, with its default, so it is part of the variant's cache key
-(``_cache.variant_key``); builders (``_*_kernel.py``) generate a kernel from its spec alone and
-read no module-level tunables. Launchers turn their settings (``QuantizeSettings``, ...) into
-spec fields when they build a spec, and never import numba: a cached kernel loads without it.
-The module-level constants below are structural (the kernels' index arithmetic assumes them);
-they are part of the source hash of every family.
+recipe kinds, each kernel family's spec (every value that changes generated code is a field,
+so it is part of the variant's cache key), the launch geometry derived from a spec, the field
+layout of the master-weight batch table, and :data:`SIM`. Hashed into every kernel's cache key.
+Builders generate a kernel from its spec alone; launchers turn their settings into spec fields;
+the module-level constants are structural (the kernels' index arithmetic assumes them).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
+
+
+def simulator_on() -> bool:
+    """Whether kernels run under Numba's CUDA simulator, read from the environment as Numba
+    reads it (``NUMBA_ENABLE_CUDASIM``, an integer, non-zero = on) without importing numba:
+    the launchers and the disk cache need it on the path that never imports numba (``_numba``
+    checks that Numba agrees)."""
+    value = os.environ.get("NUMBA_ENABLE_CUDASIM", "").strip()
+    try:
+        return int(value) != 0 if value else False
+    except ValueError:  # Numba warns and uses its default (off)
+        return False
+
+
+SIM = simulator_on()
 
 # ---- input kinds (quantize inputs, master-weight model dtypes) --------------------------------
 F32, BF16, F16 = 0, 1, 2
@@ -24,7 +35,7 @@ NAN_HALF = {BF16: 0x7FC0, F16: 0x7E00}
 
 # ---- recipe kinds -----------------------------------------------------------------------------
 # a spec's recipe is the recipe's kind, ``fp8blk.formats.recipe_kind(recipe)`` (spelled here,
-# not imported: a spec's module is hashed into every kernel's cache key and imports nothing)
+# not imported: a spec's module is hashed into every kernel's cache key and imports no fp8blk)
 BLOCK1D, BLOCK2D, MXFP8 = "Block1D", "Block2D", "MXFP8"
 
 
@@ -62,7 +73,7 @@ class QuantizeSettings:
 
     # threads per CTA of the fused Block1D row+col kernel on 2-byte inputs: 512 halves the tile
     # each thread holds and avoids spills at 64 registers, but 256 threads with 3 CTAs per SM
-    # (80 registers, 40 B spilled outside the hot loop) measured faster: 84.5% of copy vs 79.3%
+    # (80 registers, a small spill outside the hot loop) measured faster (the sweep above)
     fused_block1d_threads: int = 256
     # threads per CTA of the Block2D rowwise-only kernel on 2-byte inputs
     block2d_row_threads: int = 256
@@ -286,10 +297,10 @@ class PartialCastSpec:
 
 @dataclass(frozen=True)
 class MasterSettings:
-    """Tuning of the master-weight launchers (``partial_amax.use_settings``): minimum CTAs
+    """Tuning of the master-weight launchers (``partial.use_settings``): minimum CTAs
     per SM of the fast-path kernels (None: the compiler's choice). MXFP8 amax: 4 CTAs of 128
-    threads (<= 128 registers, no spills) measured 4-10% faster than the compiler's 131
-    registers / 3 CTAs on the H200 (``python -m bench.bench_master --sweep``)."""
+    threads (<= 128 registers, no spills) measured faster than the compiler's choice
+    (``python -m bench.bench_master --sweep``)."""
 
     amax_fast_min_blocks_block2d: Optional[int] = None
     amax_fast_min_blocks_mxfp8: Optional[int] = 4

@@ -1,10 +1,7 @@
-"""GPU ``dequantize``: ``fl32(decode(byte) * scale_inv)`` rounded once to fp32/bf16/fp16, from
-rowwise buffers if given, else columnwise ones (same contract and bytes as the reference).
-
-The launcher: picks the kernel path (:func:`choose_path`; kernels in ``_dequantize_kernel``,
-loaded through ``_compiled``: from the disk cache without importing numba, or compiled on a
-miss), builds a launch plan per call signature, allocates the output and launches. Tuning:
-:func:`use_settings`.
+"""GPU ``dequantize``: the launcher of ``_dequantize_kernel``, ``fl32(decode(byte) *
+scale_inv)`` rounded once to fp32/bf16/fp16 from rowwise buffers if given, else columnwise ones
+(same contract and bytes as the reference): the kernel path (:func:`choose_path`), a launch plan
+per call signature, :func:`use_settings`.
 """
 from __future__ import annotations
 
@@ -16,12 +13,11 @@ from .._arrays import BF16
 from ..formats import E4M3
 from ..formats import recipe_kind
 from ..layout import cdiv
+from . import _cache
 from . import _specs as sp
-from . import _compiled
-from ._adapters import adapter_of
-from ._launch import SIM, Tuning, cached_plan, plan_cache, scalars
+from ._launch import Tuning, adapter_of, cached_plan, plan_cache, scalars
 from ._specs import (BF16_OUT, BX, BY, DQ_THREADS, DQ_TILE, F16_OUT, F32_OUT, MAX_GRID_Y, PIECE,
-                     ROWS, SCALAR, TILES, DequantizeSpec, piece_of, transposed)
+                     ROWS, SCALAR, SIM, TILES, DequantizeSpec, piece_of, transposed)
 
 _OUT = {np.dtype(np.float32): F32_OUT, BF16: BF16_OUT, np.dtype(np.float16): F16_OUT}
 
@@ -30,7 +26,7 @@ _OUT = {np.dtype(np.float32): F32_OUT, BF16: BF16_OUT, np.dtype(np.float16): F16
 # device) -> _Plan
 _plans = plan_cache()
 _tuning = Tuning(sp.DequantizeSettings(), (_plans,))
-use_settings = _tuning.use  # (a tuning.DequantizeSettings) -> the previous settings
+use_settings = _tuning.use  # (a backend.DequantizeSettings) -> the previous settings
 
 
 def lpr_shift(spec, cols):
@@ -82,7 +78,7 @@ class _Plan:
         spec = DequantizeSpec(recipe_kind, bool(columnwise), bool(e4m3), out_kind, None,
                               rows_per_thread=_tuning.settings.rows_per_thread)
         spec = self.spec = choose_path(spec, rows, cols, ld, data_align, sinv_align)
-        self.kernel = _compiled.kernel("dequantize", spec, device)
+        self.kernel = _cache.kernel("dequantize", spec, device)
         values = [rows, cols, ld]
         if spec.path == ROWS:
             s = lpr_shift(spec, cols)
@@ -99,7 +95,7 @@ class _Plan:
             self.grid = (cdiv(along, BX), min(cdiv(across, BY), MAX_GRID_Y), 1)
             self.block = (BX, BY, 1)
         self.scalars = scalars(*values)
-        self.arg_dtypes = _compiled.arg_dtypes("dequantize", spec, 3) if SIM else (None,) * 3
+        self.arg_dtypes = _cache.arg_dtypes("dequantize", spec, 3) if SIM else (None,) * 3
 
 
 

@@ -1,11 +1,7 @@
-"""GPU ``quantize``: allocate the docs/layouts.md buffers and launch one tiled kernel (one pass over
-the input for any combination of rowwise and columnwise outputs).
-
-Same signature and return convention as ``fp8blk.reference.quantize``, plus ``dtype``: the
-logical input dtype, needed because device bf16 arrays are uint16 bit patterns.
-
-Launcher (kernel: ``_quantize_kernel``, loaded through ``_compiled``: from the disk cache
-without importing numba, or compiled on a miss). Tuning: :func:`use_settings`.
+"""GPU ``quantize``: the launcher of ``_quantize_kernel`` (one tiled kernel, one pass over the
+input for any combination of rowwise and columnwise outputs into the docs/layouts.md buffers),
+with the launch plans, the repeated-call launchers of the hot path, and :func:`use_settings`.
+Same contract as ``fp8blk.reference.quantize`` plus ``dtype``, the logical input dtype.
 """
 from __future__ import annotations
 
@@ -14,12 +10,12 @@ import numpy as np
 from .. import scaling
 from .._arrays import BF16, numpy_to_torch_dtype
 from ..formats import E4M3, MXFP8, check_mxfp8_shape, recipe_kind
-from ..layout import buffer_layouts
-from . import _compiled
+from ..layout import buffer_layouts, cdiv, round_up
+from . import _cache
 from . import _specs as sp
-from ._adapters import adapter_of, contiguous_strides, torch_launch
-from ._launch import (SIM, Tuning, cached_plan, cdiv, kind_of, plan_cache, round_up,
-                      scalars)
+from ._launch import (Tuning, adapter_of, cached_plan, contiguous_strides, kind_of, plan_cache,
+                      scalars, torch_launch)
+from ._specs import SIM
 
 _VMAX = {sp.F32: scaling.FLT_MAX, sp.BF16: scaling.dtype_max(BF16),
          sp.F16: scaling.dtype_max(np.float16)}
@@ -34,7 +30,7 @@ _plans = plan_cache()  # call signature -> _Plan
 # allocations and the launch.
 repeat_calls = plan_cache()
 _tuning = Tuning(sp.QuantizeSettings(), (_kernels, _plans, repeat_calls))
-use_settings = _tuning.use  # (a tuning.QuantizeSettings) -> the previous settings
+use_settings = _tuning.use  # (a backend.QuantizeSettings) -> the previous settings
 
 
 def loaded_kernels():
@@ -60,7 +56,7 @@ def _kernel_for(recipe, kind, rowwise, columnwise, vec, col_vec, device):
     hit = _kernels.get(key)
     if hit is None:
         spec = spec_for(recipe, kind, rowwise, columnwise, vec, col_vec)
-        hit = (_compiled.kernel("quantize", spec, device), spec)
+        hit = (_cache.kernel("quantize", spec, device), spec)
         _kernels[key] = hit
     return hit
 
@@ -91,7 +87,7 @@ class _Plan:
         self.nbytes = total
         self.scalars = scalars(rows, cols)
         # element types of the five pointer arguments (the simulator's views need them)
-        self.arg_dtypes = _compiled.arg_dtypes("quantize", spec, 5) if SIM else (None,) * 5
+        self.arg_dtypes = _cache.arg_dtypes("quantize", spec, 5) if SIM else (None,) * 5
 
 
 
@@ -179,8 +175,8 @@ class _TorchCall:
         self.empty = torch.empty_strided
 
     def __call__(self, x, ptr):
-        # torch.empty_strided: ~2.0 us per tensor on the H200's host, where x.new_empty costs
-        # ~2.6 and torch.empty(shape, dtype=, device=) more (bench/profile/profile_torch_alloc)
+        # torch.empty_strided is the cheapest of torch's allocating calls from Python (cheaper
+        # than x.new_empty and torch.empty(shape, dtype=, device=))
         empty, device = self.empty, self.device
         outs = [None if o is None else empty(o[0], o[1], dtype=o[2], device=device)
                 for o in self.outs]

@@ -1,26 +1,20 @@
-"""RMSNorm in one pass per direction: Hugging Face's formula (``fp8blk.torch.norm``) and its
-gradient for C-contiguous (M, D) device arrays (torch CUDA tensors, CuPy arrays, NumPy under
-the simulator), the kernels of ``_rms_norm_kernel``.
+"""RMSNorm in one pass per direction, the launcher of ``_rms_norm_kernel`` and the torch room's
+door to it (``fp8blk.torch.norm``): Hugging Face's formula and its gradient for C-contiguous
+(M, D) device arrays of one dtype, 16-byte aligned, D within the kernels' widths (:func:`serves`
+says whether a call fits; docs/torch.md states the bytes and bounds).
 
     y, r = forward(x2d, weight, eps)            # y (M, D) in x's dtype, r (M,) float32
     dx, dw_part = backward(x2d, weight, dy2d, r)
     dw = dw_part.sum(0)                         # (D,) float32: the weight's gradient
-
-x, the weight (D,) and dy share one dtype (float32, bfloat16, float16); D a multiple of 8
-(4 for float32) and at most 256 threads x 8 chunks of 16 bytes (16384 elements of a 2-byte
-dtype); every array 16-byte aligned: :func:`serves` says whether a call fits. The bytes of y
-follow the formula but for the reduction order of ``sum(x * x)`` (and so, rarely, the last
-bit of r and of an element of y); dx and the partial sums are the formula's gradient computed
-in fp32 in the kernel's order (docs/torch.md states the bounds).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from . import _compiled
+from ..layout import cdiv
+from . import _cache
 from . import _specs as sp
-from ._adapters import adapter_of
-from ._launch import cached_plan, cdiv, kind_of, plan_cache, scalars
+from ._launch import adapter_of, cached_plan, kind_of, plan_cache, scalars
 
 _F32 = np.dtype(np.float32)
 _U32 = np.dtype(np.uint32)
@@ -41,7 +35,9 @@ def _spec(kind, width, backward):
 
 def serves(x2d, weight, dtype=None) -> bool:
     """Whether the kernels take x (M, D) and weight (D,): one dtype, C-contiguous, 16-byte
-    aligned, D a whole number of 16-byte chunks within the kernels' width."""
+    aligned, D a whole number of 16-byte chunks (a multiple of 8, of 4 for float32) within the
+    kernels' width (at most 256 threads x 8 chunks: 16384 elements of a 2-byte dtype). The
+    bytes of y follow the formula but for the reduction order of ``sum(x * x)``."""
     ad = adapter_of(x2d)
     if x2d.ndim != 2 or weight.ndim != 1 or weight.shape[0] != x2d.shape[1] \
             or ad.dtype(x2d) != ad.dtype(weight) or not ad.contiguous(x2d) \
@@ -83,7 +79,7 @@ def forward(x2d, weight, eps: float, dtype=None):
     if m:
         args = ad.args((x2d, weight, y, r), (_U32, _U32, _U32, _F32), scalars(
             m, d, FORWARD_ITERS, _fp32_bits(np.float32(1) / np.float32(d)), _fp32_bits(eps)))
-        kernel = _compiled.kernel("rms_norm", spec, ad.device_index(x2d))
+        kernel = _cache.kernel("rms_norm", spec, ad.device_index(x2d))
         ad.launch(kernel, (grid, 1, 1), (spec.threads, 1, 1), args, x2d)
     return y, r
 
@@ -112,7 +108,7 @@ def backward(x2d, weight, dy2d, r, dtype=None):
         args = ad.args((x2d, weight, dy2d, r, dx, dw_part), (_U32,) * 3 + (_F32,) + (_U32,) * 2,
                        scalars(m, d, BACKWARD_ITERS,
                                _fp32_bits(np.float32(1) / np.float32(d))))
-        kernel = _compiled.kernel("rms_norm", spec, ad.device_index(x2d))
+        kernel = _cache.kernel("rms_norm", spec, ad.device_index(x2d))
         ad.launch(kernel, (grid, 1, 1), (spec.threads, 1, 1), args, x2d)
     return dx, dw_part
 

@@ -1,15 +1,15 @@
-"""Block2D FP8 transpose (``BlockTensor.create_columnwise``): (R, C) bytes -> (C, R) bytes and
-the tile scales (cdiv(R,128), >= cdiv(C,128)) -> (cdiv(C,128), round4(cdiv(R,128))), padding
-1.0, in one kernel (``_transpose_kernel``, loaded through ``_compiled``). The same call turns columnwise buffers back into
-rowwise ones.
+"""Block2D FP8 transpose (``BlockTensor.create_columnwise``), the launcher of
+``_transpose_kernel``: (R, C) bytes -> (C, R) bytes and the tile scales (cdiv(R,128),
+>= cdiv(C,128)) -> (cdiv(C,128), round4(cdiv(R,128))), padding 1.0, in one kernel. The same
+call turns columnwise buffers back into rowwise ones.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from . import _compiled
-from ._adapters import adapter_of
-from ._launch import cdiv, round_up, scalars
+from ..layout import cdiv, round_up
+from . import _cache
+from ._launch import adapter_of, scalars
 from ._specs import TR_THREADS as THREADS
 from ._specs import TR_TILE as T
 from ._specs import TransposeSpec
@@ -21,7 +21,7 @@ _kernels = {}  # (vec_in, vec_out, device) -> kernel
 def _kernel_for(vec_in, vec_out, device):
     k = _kernels.get((vec_in, vec_out, device))
     if k is None:
-        k = _kernels[(vec_in, vec_out, device)] = _compiled.kernel(
+        k = _kernels[(vec_in, vec_out, device)] = _cache.kernel(
             "transpose", TransposeSpec(vec_in, vec_out), device)
     return k
 

@@ -7,7 +7,7 @@ import numpy as np
 
 from .. import _arrays
 from ..formats import Block1D, Block2D, MXFP8, check_mxfp8_shape
-from ..kernels.master_batch import BatchWeight
+from ..kernels.partial import BatchWeight
 from ..layout import buffer_layouts
 from ..tensor import BlockTensor, cupy_buffers
 
@@ -90,8 +90,12 @@ def _check_weight(weight, index, on_device):
 
 
 def _internal(x, what, on_device):
-    """(internal array, logical dtype) of a caller array; checks the host/device side."""
-    arr, _, dtype = _arrays.to_backend(x)
+    """(internal array, logical dtype) of a caller array `what` (e.g. "masters[3]"); checks the
+    host/device side. Errors name `what`."""
+    try:
+        arr, _, dtype = _arrays.to_backend(x)
+    except TypeError as err:
+        raise TypeError(f"{what}: {err}") from None
     if _arrays.is_device(arr) != on_device:
         side = "device (CuPy / CUDA torch)" if on_device else "host (NumPy / CPU torch)"
         raise TypeError(f"{what} must be on the same side as the weights' buffers: {side}")

@@ -1,7 +1,7 @@
-"""fp8blk's compiled-kernel disk cache (fp8blk/kernels/_cache.py, _compiled.py) on the CPU: keys
+"""fp8blk's compiled-kernel disk cache (fp8blk/kernels/_cache.py) on the CPU: keys
 hold every setting, writes are atomic, concurrent processes build a key once, sources and the
 switch invalidate / disable it, and the hit path imports no numba. Builds are fake functions
-(no GPU); test_prebuild.py compiles real variants."""
+(no GPU); test_backend.py compiles real variants."""
 import ast
 import dataclasses
 import json
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from fp8blk.kernels import _cache, _compiled
+from fp8blk.kernels import _cache
 from fp8blk.kernels import _specs as sp
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -48,7 +48,7 @@ def _other(value):
 
 
 def test_family_table_covers_every_spec_type():
-    assert set(SPECS) == set(_compiled.FAMILIES)
+    assert set(SPECS) == set(_cache.FAMILIES)
     spec_types = {cls for cls in vars(sp).values()
                   if dataclasses.is_dataclass(cls) and cls.__name__.endswith("Spec")}
     assert {type(s) for s in SPECS.values()} == spec_types
@@ -60,13 +60,13 @@ def test_every_spec_field_changes_the_key(family):
     the compute capability, and is the same for equal specs."""
     spec = SPECS[family]
     assert dataclasses.is_dataclass(spec) and type(spec).__dataclass_params__.frozen
-    digest, desc = _compiled.key(family, spec, (9, 0))
-    assert _compiled.key(family, dataclasses.replace(spec), (9, 0))[0] == digest
-    assert _compiled.key(family, spec, (10, 0))[0] != digest
+    digest, desc = _cache.key(family, spec, (9, 0))
+    assert _cache.key(family, dataclasses.replace(spec), (9, 0))[0] == digest
+    assert _cache.key(family, spec, (10, 0))[0] != digest
     seen = {digest}
     for f in dataclasses.fields(spec):
         other = dataclasses.replace(spec, **{f.name: _other(getattr(spec, f.name))})
-        d, _ = _compiled.key(family, other, (9, 0))
+        d, _ = _cache.key(family, other, (9, 0))
         assert d not in seen, f"{family}: field {f.name} does not change the key"
         seen.add(d)
     assert set(desc["spec"]) == {f.name for f in dataclasses.fields(spec)}
@@ -92,7 +92,7 @@ def test_key_is_exact_for_floats_and_kinds():
     """0 and 0.0, 0.0 and -0.0, and neighbouring floats are different keys; ints and bools
     never collide."""
     s = SPECS["partial_scale"]
-    keys = {_compiled.key("partial_scale", dataclasses.replace(s, vinf=v), (9, 0))[0]
+    keys = {_cache.key("partial_scale", dataclasses.replace(s, vinf=v), (9, 0))[0]
             for v in (0.0, -0.0, 1.0, 1.0000000000000002)}
     assert len(keys) == 4
     with pytest.raises(TypeError):
@@ -138,11 +138,11 @@ def test_dequantize_rows_per_thread_is_in_the_key_and_the_plan():
     from fp8blk.kernels import dequantize as dq
     spec4 = sp.DequantizeSpec(sp.BLOCK1D, False, True, sp.BF16_OUT, sp.ROWS)
     spec2 = dataclasses.replace(spec4, rows_per_thread=2)
-    assert _compiled.key("dequantize", spec4, (9, 0))[0] != \
-        _compiled.key("dequantize", spec2, (9, 0))[0]
+    assert _cache.key("dequantize", spec4, (9, 0))[0] != \
+        _cache.key("dequantize", spec2, (9, 0))[0]
     built = []
-    real = _compiled.kernel
-    _compiled.kernel = lambda family, spec, device=None: built.append(spec) or (lambda *a: None)
+    real = _cache.kernel
+    _cache.kernel = lambda family, spec, device=None: built.append(spec) or (lambda *a: None)
     try:
         grids = {}
         for rpt in (4, 2):
@@ -152,7 +152,7 @@ def test_dequantize_rows_per_thread_is_in_the_key_and_the_plan():
             grids[rpt] = dq.plan_for(Block1D(), False, sp.BF16_OUT, 4096, 256, data, sinv).grid
             dq.use_settings(previous)
     finally:
-        _compiled.kernel = real
+        _cache.kernel = real
     assert [s.rows_per_thread for s in built] == [4, 2]
     assert grids[2][1] == 2 * grids[4][1]   # twice the CTAs along M for half the rows each
 
@@ -174,14 +174,14 @@ def test_builders_list_every_kernel_module_they_use():
                                      f"{'.' * node.level}{node.module}")
         return out
 
-    for family, (builder, _, sources) in _compiled.FAMILIES.items():
+    for family, (builder, _, sources) in _cache.FAMILIES.items():
         need, todo = set(), [builder]
         while todo:
             m = todo.pop()
             if m in need:
                 continue
             need.add(m)
-            todo += [i for i in imports(m) if i != "_sim"]
+            todo += list(imports(m))
         assert need <= set(sources), f"{family}: sources lack {need - set(sources)}"
 
 
@@ -210,7 +210,7 @@ def _fake_build(digest):
 
 def test_store_round_trip_and_atomic_write(tmp_path, monkeypatch):
     store = _cache.Store(str(tmp_path))
-    digest, desc = _compiled.key("transpose", SPECS["transpose"], (9, 0))
+    digest, desc = _cache.key("transpose", SPECS["transpose"], (9, 0))
     e = store.get_or_build("transpose", digest, desc, _fake_build(digest))
     assert store.builds == 1 and e.entry == "fake_entry" and e.meta["key"] == desc
     again = _cache.Store(str(tmp_path)).get_or_build("transpose", digest, desc,
@@ -249,7 +249,7 @@ def _racer(root, digest, desc, start):
 def test_four_concurrent_processes_build_once(tmp_path):
     """4 processes miss one key at the same moment: one builds, the others wait on its lock
     and read its bytes."""
-    digest, desc = _compiled.key("quantize", SPECS["quantize"], (9, 0))
+    digest, desc = _cache.key("quantize", SPECS["quantize"], (9, 0))
     ctx = multiprocessing.get_context("fork")
     start = time.time() + 0.5
     with ctx.Pool(4) as pool:
@@ -264,11 +264,11 @@ def test_disable_switch_compiles_without_the_store(tmp_path, monkeypatch):
     monkeypatch.setenv("FP8BLK_KERNEL_CACHE", "0")
     monkeypatch.setenv("FP8BLK_CACHE_DIR", str(tmp_path / "cache"))
     calls = []
-    monkeypatch.setattr(_compiled, "compile_variant",
+    monkeypatch.setattr(_cache, "compile_variant",
                         lambda f, s, cc: calls.append(f) or ("k", b"\x7fELFcubin"))
     assert not _cache.enabled()
-    e = _compiled.entry("transpose", SPECS["transpose"], (9, 0))
-    e = _compiled.entry("transpose", SPECS["transpose"], (9, 0))
+    e = _cache.entry("transpose", SPECS["transpose"], (9, 0))
+    e = _cache.entry("transpose", SPECS["transpose"], (9, 0))
     assert calls == ["transpose", "transpose"] and e.cubin == b"\x7fELFcubin"
     assert not os.path.exists(tmp_path / "cache")
     monkeypatch.setenv("FP8BLK_KERNEL_CACHE", "1")
@@ -280,21 +280,19 @@ def test_disable_switch_compiles_without_the_store(tmp_path, monkeypatch):
 
 
 def test_simulator_flag_without_numba(monkeypatch):
-    from fp8blk.kernels import _sim
-
     for value, want in (("1", True), ("2", True), ("0", False), ("", False), ("yes", False)):
         monkeypatch.setenv("NUMBA_ENABLE_CUDASIM", value)
-        assert _sim._read() is want
+        assert sp.simulator_on() is want
 
 
 _HIT_PATH = r"""
 import json, sys
 import fp8blk as fb
-from fp8blk.kernels import _cache, _compiled
+from fp8blk.kernels import _cache
 from fp8blk.kernels import _specs as sp
 from fp8blk.kernels import quantize as q
 spec = q.spec_for(fb.Block1D(), sp.BF16, True, True, True, True)
-digest, _ = _compiled.key("quantize", spec, (9, 0))
+digest, _ = _cache.key("quantize", spec, (9, 0))
 entry = _cache.store().read("quantize", digest)
 print(json.dumps({"digest": digest, "hit": entry is not None,
                   "numba": sorted(m for m in sys.modules
@@ -312,7 +310,7 @@ def test_cache_hit_path_imports_no_numba(tmp_path):
     first = json.loads(subprocess.run([sys.executable, "-c", _HIT_PATH], env=env, check=True,
                                       capture_output=True, text=True).stdout)
     assert not first["hit"]
-    _, desc = _compiled.key("quantize", SPECS["quantize"], (9, 0))
+    _, desc = _cache.key("quantize", SPECS["quantize"], (9, 0))
     _cache.Store(str(tmp_path)).get_or_build("quantize", first["digest"], desc,
                                              _fake_build(first["digest"]))
     out = json.loads(subprocess.run([sys.executable, "-c", _HIT_PATH], env=env, check=True,

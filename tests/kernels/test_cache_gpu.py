@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from fp8blk.kernels import _cache, _compiled
+from fp8blk.kernels import _cache
 from fp8blk.kernels import _specs as sp
 
 pytestmark = pytest.mark.gpu
@@ -28,7 +28,7 @@ VARIANTS = [
 ]
 
 # Runs in a fresh process: quantize / dequantize / transpose on fixed data, prints the sha256
-# of every output and of every cubin the process loaded (``prebuild.loaded_cubins``), its
+# of every output and of every cubin the process loaded (``backend.loaded_cubins``), its
 # cache counts and whether numba got imported.
 _CHILD = r"""
 import hashlib, json, sys
@@ -36,7 +36,7 @@ import numpy as np
 import cupy
 import fp8blk as fb
 from fp8blk.kernels import backend as kernels
-from fp8blk.kernels import prebuild
+from fp8blk.kernels import backend
 rng = np.random.default_rng(7)
 x = (rng.standard_normal((1000, 1100)) * np.exp(rng.uniform(-8, 8, (1000, 1)))).astype(np.float32)
 xd = cupy.asarray(x)
@@ -51,10 +51,10 @@ for name, recipe in (("b1d", fb.Block1D()), ("b2d", fb.Block2D(fb.E5M2)),
 d, s, _, _ = kernels.quantize(xd, fb.Block2D(), True, False)
 t = kernels.block2d_columnwise_from_rowwise(d, s)
 h["tr"] = [hashlib.sha256(b.get().tobytes()).hexdigest() for b in t]
-counts = prebuild.cache_counts()  # before loaded_cubins, which reads the store
+counts = backend.cache_counts()  # before loaded_cubins, which reads the store
 cc = cupy.cuda.Device().compute_capability
 cubins = {name: cubin and hashlib.sha256(cubin).hexdigest() for name, cubin in
-          prebuild.loaded_cubins((int(cc[:-1]), int(cc[-1]))).items()}
+          backend.loaded_cubins((int(cc[:-1]), int(cc[-1]))).items()}
 print(json.dumps({"hashes": h, "numba": "numba" in sys.modules, "cubins": cubins, **counts}))
 """
 
@@ -75,8 +75,8 @@ def test_cache_on_and_off_give_the_same_cubins():
     cc = cupy.cuda.Device().compute_capability
     cc = (int(cc[:-1]), int(cc[-1]))
     for family, spec in VARIANTS:
-        off = _compiled.compile_variant(family, spec, cc)
-        on = _compiled.entry(family, spec, cc)
+        off = _cache.compile_variant(family, spec, cc)
+        on = _cache.entry(family, spec, cc)
         assert (on.entry, on.cubin) == off, family
 
 
@@ -91,9 +91,9 @@ def test_route_compiles_what_a_numba_launch_compiles():
     cc = (int(cc[:-1]), int(cc[-1]))
     attrs = {"regs": 4, "local": 3, "shared": 1}
     for family, spec in VARIANTS:
-        pyfunc, argtypes, bounds = _compiled.builder(family)(spec)
+        pyfunc, argtypes, bounds = _cache.builder(family)(spec)
         numba_fn = _numba.compile_kernel(pyfunc, argtypes, launch_bounds=bounds)
-        e = _compiled.entry(family, spec, cc)
+        e = _cache.entry(family, spec, cc)
         module = cupy.cuda.function.Module()
         module.load(e.cubin)
         ours = module.get_function(e.entry)
@@ -122,11 +122,11 @@ def test_kernels_load_per_device():
     import cupy
 
     spec = VARIANTS[3][1]
-    k1 = _compiled.kernel("transpose", spec)
-    assert _compiled.kernel("transpose", spec) is k1
+    k1 = _cache.kernel("transpose", spec)
+    assert _cache.kernel("transpose", spec) is k1
     if cupy.cuda.runtime.getDeviceCount() > 1:
         with cupy.cuda.Device(1):
-            k2 = _compiled.kernel("transpose", spec)
+            k2 = _cache.kernel("transpose", spec)
         assert k2 is not k1
 
 
@@ -137,7 +137,7 @@ def test_stored_cubin_matches_its_header(tmp_path):
     cc = (int(cc[:-1]), int(cc[-1]))
     store = _cache.Store(str(tmp_path))
     family, spec = VARIANTS[0]
-    e = _compiled.entry(family, spec, cc, store=store)
+    e = _cache.entry(family, spec, cc, store=store)
     assert e.meta["sha256"] == hashlib.sha256(e.cubin).hexdigest()
     assert e.meta["key"]["cc"] == list(cc)
     assert np.frombuffer(e.cubin[:4], np.uint8).tobytes() == b"\x7fELF"

@@ -137,11 +137,11 @@ def test_packed_amax_special_halves(rng, dname, rname, rw, cw):
 
 
 def test_settings_through_the_tuning_door(rng):
-    """``quantize.use_settings`` with a ``tuning.QuantizeSettings``: the kernels looked up
+    """``quantize.use_settings`` with a ``backend.QuantizeSettings``: the kernels looked up
     afterwards carry the settings in their specs, the bytes do not change, and
     ``loaded_kernels`` lists them."""
     from fp8blk.kernels import quantize as kq
-    from fp8blk.kernels.tuning import QuantizeSettings
+    from fp8blk.kernels.backend import QuantizeSettings
 
     x = make_input(rng, (1000, 1100), DTYPES["bf16"])
     saved = kq.use_settings(QuantizeSettings(min_blocks_per_sm=2))

@@ -375,6 +375,23 @@ def test_errors_name_the_problem():
         _call([w], [m], [0], fragments=[None])
 
 
+def test_errors_name_the_entry_at_fault():
+    """A bad entry is named by its place in its list (``masters[i]``, ``fragments[i]``,
+    ``weights[i]``), whichever check finds it: here the second of two."""
+    _, w0 = _one()
+    _, w1 = _one()
+    m = np.zeros(64 * 64, np.float32)
+    with pytest.raises(TypeError, match=r"^masters\[1\]: expected a numpy\.ndarray, cupy\.ndarray "
+                                        r"or torch\.Tensor, got builtins\.list"):
+        _call([w0, w1], [m, m.tolist()], [0, 0])
+    with pytest.raises(TypeError, match=r"^fragments\[1\]: expected .*got builtins\.bytes"):
+        _call([w0, w1], [m, m], [0, 0], fragments=[np.zeros(m.size, np.uint8), bytes(m.size)])
+    w1.rowwise_data.shape = (32, 128)  # the weight's own buffer, reshaped after construction
+    with pytest.raises(ValueError, match=r"^weights\[1\] rowwise_data is uint8\(32, 128\), "
+                                         r"expected uint8\(64, 64\)"):
+        _call([w0, w1], [m, m], [0, 0])
+
+
 def test_errors_on_storage_and_mxfp8_fragments():
     spec, w = _one(fb.MXFP8(), (64, 64), columnwise=False)
     m = np.zeros(100, np.float32)
@@ -466,7 +483,7 @@ def test_gpu_steps_on_the_same_arrays_reuse_the_batch(rng):
     each step. The batch table is built once (later calls reuse it) and every step stays
     exact."""
     cp = pytest.importorskip("cupy")
-    from fp8blk.kernels import master_batch as pa
+    from fp8blk.kernels import partial
 
     specs = cases.scenario("batch20")
     fulls = [cases.make_full(rng, s.shape) for s in specs]
@@ -482,9 +499,9 @@ def test_gpu_steps_on_the_same_arrays_reuse_the_batch(rng):
                 for m, f in zip(masters, fresh):
                     if m is not None and m.size:
                         m[...] = f  # in place: same addresses
-            before = pa.counters["batches_built"]
+            before = partial.counters["batches_built"]
             cast_master_weights(ws, masters, starts, comm)
-            built.append(pa.counters["batches_built"] - before)
+            built.append(partial.counters["batches_built"] - before)
             cp.cuda.get_current_stream().synchronize()
             cases.check(specs, steps[step], ranges, [ws])
         return built
@@ -492,6 +509,6 @@ def test_gpu_steps_on_the_same_arrays_reuse_the_batch(rng):
     steps = [fulls]
     for _ in range(2):
         steps.append([cases.step_full(rng, f) for f in steps[-1]])
-    pa.clear_caches()
+    partial.clear_caches()
     built = run_ranks(1, body)[0]
     assert built[1:] == [0, 0], f"batches built per step: {built}"

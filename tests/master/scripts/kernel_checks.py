@@ -6,8 +6,7 @@ import numpy as np
 
 import fp8blk as fb
 from fp8blk import master, reference, scaling
-from fp8blk.kernels import master_batch as mb
-from fp8blk.kernels import partial_amax as pa
+from fp8blk.kernels import partial
 from tests.master.scripts import cases
 from tests.master.scripts.fake_comm import run_ranks
 
@@ -66,12 +65,13 @@ def _check_amax_batch(rng, specs, ranges, misalign, model_dtype, xp, make_full=N
     masters = [_shard(f, s, o, n, m, xp) if n else None
                for f, s, (o, n), m in zip(fulls, specs, ranges, misalign)]
     items, _ = master.validate(weights, masters, [o for o, _ in ranges], None)
-    batch = mb.Batch(items, have_fragments=False)
+    batch = partial.Batch(items, have_fragments=False)
     buf = batch.new_buffer()
-    pa.launch_partial_amax(batch, buf, pa.model_kind(model_dtype))
+    partial.launch_partial_amax(batch, buf, partial.model_kind(model_dtype))
     for it in batch.items:
         o, n = it.start, it.count
-        row_off = int(batch.table.reshape(-1, mb.NF)[batch.items.index(it), mb.F_ROWBUF])
+        table = batch.table.reshape(-1, partial.NF)
+        row_off = int(table[batch.items.index(it), partial.F_ROWBUF])
         host = None if not n else cases._host(it.master)
         if host is not None and it.master_dtype == cases.BF16:
             host = host.view(cases.BF16)

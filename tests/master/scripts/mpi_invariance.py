@@ -16,7 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 import fp8blk as fb
-from fp8blk.master import agree as master_agree
+from fp8blk.master import consensus
 from fp8blk.master import cast_master_weights
 from tests.master.scripts import cases
 
@@ -56,7 +56,7 @@ def run(seed):
         calls, b2_bytes, mx_bytes = cases.expected_payload(specs)
         # the steady state carries the agreement header in the first bucket's all-reduce
         unit = np.dtype(np.int32 if b2_bytes else np.uint8)
-        header = master_agree.header_size(unit) * unit.itemsize
+        header = consensus.header_size(unit) * unit.itemsize
         for step in range(2):  # repeated calls on the same weights, the master changing
             masters, starts = cases.rank_inputs(specs, fulls, ranges, rank, local)
             frags = cases.make_fragments(specs, ranges, rank, local)[0] if use_fragments \

@@ -1,39 +1,7 @@
-"""Rank agreement for ``cast_master_weights``, on the probe of :mod:`fp8blk.comm.agree`: when
-the ranks' batches disagree, or one rank's arguments are invalid, every rank raises the same
-error -- no hang, no crash inside the collective library, no wrong bytes -- and the steady state
-makes no collective of its own.
-
-What must agree: the number of weights; per weight (h, w), the recipe (type, fmt, pow2_scales,
-amax_epsilon) and the directions held; the model dtype; host or device buffers. And the shards
-of all ranks must tile every weight exactly (no gap, no overlap). A *config* is one such batch
-seen from all ranks (the signature plus every rank's shard ranges); a config found valid is
-*verified* and remembered per communicator, with its fingerprint (the same on every rank) and
-this rank's key in it (its signature and ranges).
-
-Every rank keeps the same history (each call ends the same way on every rank: success, or the
-same error), hence the same *prediction* of this call's config: the one that followed the
-previous call's config last time (the previous config itself at first). Per call:
-
-1. the first collective has the prediction's layout on every rank: its first bucket's packed
-   all-reduce with a small header appended (or a header-only int32 all-reduce when there is no
-   prediction or it has no bucket). A rank whose key is the prediction's ("hit") packs its real
-   amaxes; any other rank packs zeros. The header, reduced with MAX, carries: "some rank's
-   arguments are invalid", "some rank missed", "some rank knows no verified config holding its
-   key", and the fingerprint of the config each rank believes in as chunks c and mask - c (their
-   maxima agree only when every rank sent the same chunks);
-2. after it, every rank reads the same header and takes the same branch:
-   error -> one metadata all-reduce of per-rank error flags, then every rank raises (its own
-   error, or a ValueError naming the failing ranks); all hit -> steady state, the buckets go
-   on; all ranks in one known verified config -> run that config's buckets; else -> the
-   verification exchange (metadata all-reduces of counts, per-weight signature fingerprints
-   and shard ranges), then every rank raises the same ValueError or the config is verified and
-   its buckets run.
-
-So the steady state (the same batch every step, or a fixed cycle of batches) costs exactly one
-collective per recipe bucket, the first one ~20-40 bytes longer; a change costs one wasted
-collective plus the exchange, once. Reading the header needs the reduced buffer on the host:
-on the device path that is a stream synchronize after the first bucket's all-reduce (MPIComm
-stages device buffers through the host or synchronizes anyway; NCCL/torch do not).
+"""The rank agreement of ``cast_master_weights`` (on the probe of :mod:`fp8blk.comm.agree`):
+when the ranks' batches disagree, or one rank's arguments are invalid, every rank raises the
+same error -- no hang, no crash inside the collective library, no wrong bytes -- and the steady
+state makes no collective of its own. The protocol: docs/distributed.md, "Rank agreement".
 """
 from __future__ import annotations
 

@@ -1,20 +1,9 @@
-"""The batch table of the master-weight kernels (``partial_amax``, ``partial_cast``): one row per
-weight of a recipe bucket (:class:`BatchWeight`: plain arrays and numbers), the arena that
-addresses every array of the batch from one base, and the launches over ranges of rows.
-
-Batch table
------------
-Every weight of a recipe bucket is one row of an int64 table (fields ``F_*`` below), uploaded
-once (cached while the shards and buffers stay where they are). A kernel launch covers a
-contiguous range of rows: each CUDA block finds its weight by binary search over a prefix
-field (its first block), so 100 weights cost one launch, not 100.
-
-Rows hold *offsets* instead of pointers: all arrays of a batch (masters, data, fragments,
-scale_inv buffers) are addressed from one base address (:class:`Arena`). On the GPU the base is
-the lowest of their addresses (rounded down to 256 bytes) and each array is ``base + offset``
-through typed raw-pointer parameters (``mem32``/``mem16``/``mem8``/``memf``, all the same base);
-under the simulator the arrays are copied into one NumPy pool at offsets that keep their
-alignment modulo 16, and written ones are copied back.
+"""The master-weight kernels' launcher (the GPU side of ``fp8blk.master``; reference:
+``fp8blk.reference.partial_amax`` / ``partial_cast``): the batch table of a recipe bucket (one
+row per weight, :class:`BatchWeight`), the arena that addresses every array of the batch from
+one base, and the launches of the partial-amax kernels (``_partial_amax_kernel``), the scale
+and cast kernels (``_partial_cast_kernel``): a constant number per bucket, whatever its size.
+How a bucket is cast: docs/distributed.md, "Master weights".
 """
 from __future__ import annotations
 
@@ -26,11 +15,23 @@ from .. import _arrays
 from .._bounded import BoundedCache
 from ..formats import Block2D, E4M3
 from ..layout import cdiv, round_up
-from ._launch import SIM, data_ptr, module_of
-from ._specs import (CAST_CHUNK, F_AMAX0, F_AMAXF0, F_BAND0, F_CAST0, F_CASTF0, F_COLBUF,
-                     F_COLDATA, F_COLSINV, F_E4M3, F_EPS, F_FASTROW0, F_FASTROW1, F_H, F_HASCOL,
-                     F_HASROW, F_MBF16, F_MOFF, F_MVEC, F_N, F_NCB, F_NFC, F_O, F_POW2, F_ROWBUF,
-                     F_ROWDATA, F_ROWSINV, F_SCALE0, F_VEC2D, F_W, MX_COLS, NF)
+from . import _cache
+from . import _specs as sp
+from ._launch import Tuning, data_ptr, module_of
+from ._specs import (AMAX2D_THREADS, CAST_CHUNK, CAST_THREADS, F_AMAX0, F_AMAXF0, F_BAND0,
+                     F_CAST0, F_CASTF0, F_COLBUF, F_COLDATA, F_COLSINV, F_E4M3, F_EPS,
+                     F_FASTROW0, F_FASTROW1, F_H, F_HASCOL, F_HASROW, F_MBF16, F_MOFF, F_MVEC,
+                     F_N, F_NCB, F_NFC, F_O, F_POW2, F_ROWBUF, F_ROWDATA, F_ROWSINV, F_SCALE0,
+                     F_VEC2D, F_W, MX_COLS, MXAMAX_THREADS, NF, SCALE_THREADS, SIM)
+
+# Batch table: every weight of a bucket is one row of an int64 table (fields F_* of _specs),
+# uploaded once (cached while the shards and buffers stay where they are). A launch covers a
+# contiguous range of rows; each CUDA block finds its weight by binary search over a prefix
+# field (its first block), so 100 weights cost one launch, not 100. Rows hold offsets, not
+# pointers: all arrays of a batch are addressed from one base (:class:`Arena`); on the GPU the
+# lowest of their addresses rounded down to 256 bytes, through typed raw-pointer parameters
+# (mem32 / mem16 / mem8 / memf, the same base); under the simulator the arrays are copied into
+# one NumPy pool at offsets that keep their alignment modulo 16, and written ones copied back.
 
 
 # ---- one weight ---------------------------------------------------------------------------------
@@ -405,8 +406,8 @@ def _item_key(it):
 
 def batch_for(items, have_fragments):
     """The :class:`Batch` of `items`, reused from an earlier call when every shape, flag and
-    address is the same (the steady state of a training loop: building the table costs ~20 us
-    of Python per weight). Kernels address arrays by pointer, so equal addresses and layouts
+    address is the same (the steady state of a training loop, where building the table costs
+    Python time per weight). Kernels address arrays by pointer, so equal addresses and layouts
     mean an equal batch even if the arrays were replaced. Keyed per CuPy stream like the
     device table. The simulator copies arrays into a pool per call: never cached there."""
     if SIM:
@@ -423,3 +424,106 @@ def batch_for(items, have_fragments):
             _batch_cache.put(key, hit)
             counters["batches_built"] += 1
     return hit
+
+
+# ---- launches ---------------------------------------------------------------------------------
+
+_MODEL_KIND = {np.dtype(np.float32): sp.F32, _arrays.BF16: sp.BF16,
+               np.dtype(np.float16): sp.F16}
+
+
+def model_kind(dtype):
+    """The kernels' model-dtype kind (``_specs.F32`` / ``BF16`` / ``F16``) of a numpy dtype
+    (float32, bfloat16, float16): the ``model`` argument of the launches below."""
+    kind = _MODEL_KIND.get(np.dtype(dtype))
+    if kind is None:
+        raise TypeError(f"model dtype must be float32, bfloat16 or float16, got {dtype}")
+    return kind
+
+
+# ('amax', block2d, model, with_col, fast) / ('scale', block2d, vinf) /
+# ('cast', block2d, model, with_col, fast) -> kernel
+_kernels = {}
+_tuning = Tuning(sp.MasterSettings(), (_kernels,))
+use_settings = _tuning.use  # (a backend.MasterSettings) -> the previous settings
+
+
+def amax_kernel(block2d, model, with_col, fast_path):
+    """The partial-amax kernel of a specialization (see ``_partial_amax_kernel``)."""
+    key = ("amax", block2d, model, with_col, fast_path)
+    k = _kernels.get(key)
+    if k is None:
+        spec = sp.partial_amax_spec(block2d, model, with_col, fast_path, _tuning.settings)
+        k = _kernels[key] = _cache.kernel("partial_amax", spec)
+    return k
+
+
+def launch_partial_amax(batch, buf, model):
+    """Partial amaxes (Block2D, fp32) or E8M0 codes (MXFP8, uint8) of every touched block of
+    the batch into the zeroed packed `buf`; up to two launches (band rows inside aligned
+    shards, the rest) per specialization present. Returns the number of launches."""
+    mem32, mem16, _, _ = batch.arena.pointers()
+    threads = AMAX2D_THREADS if batch.block2d else MXAMAX_THREADS
+    # MXFP8 buffers hold a multiple of 32 codes per weight; Block2D does not use codes32
+    codes32 = ptr_arg(buf, np.uint32) if not batch.block2d else ptr_arg(buf, np.float32)
+    launches = 0
+    for ln in batch.amax_launches:
+        launches += ln.launch(
+            lambda fast_path: amax_kernel(batch.block2d, model, bool(ln.with_col), fast_path),
+            threads, (ptr_arg(batch.table_dev, np.int64), np.int64(ln.first),
+                      np.int64(ln.count), ptr_arg(buf, buf.dtype), codes32, mem32, mem16))
+    return launches
+
+
+def scale_kernel(block2d, vinf):
+    """The scale kernel of a specialization (see ``_partial_cast_kernel``)."""
+    key = ("scale", block2d, vinf)
+    k = _kernels.get(key)
+    if k is None:
+        spec = sp.PartialScaleSpec(bool(block2d), float(vinf))
+        k = _kernels[key] = _cache.kernel("partial_scale", spec)
+    return k
+
+
+def cast_kernel(block2d, model, with_col, fast_path):
+    """The cast kernel of a specialization (see ``_partial_cast_kernel``)."""
+    key = ("cast", block2d, model, with_col, fast_path)
+    k = _kernels.get(key)
+    if k is None:
+        spec = sp.partial_cast_spec(block2d, model, with_col, fast_path, _tuning.settings)
+        k = _kernels[key] = _cache.kernel("partial_cast", spec)
+    return k
+
+
+def launch_scales(batch, buf, vinf):
+    """Write every weight's scale_inv (with padding) from the reduced `buf`; for Block2D also
+    return the packed fp32 scales the cast reads (None for MXFP8, which casts from the codes)."""
+    scales = batch.xp.empty(batch.buf_entries, np.float32) if batch.block2d else None
+    if batch.scale_entries:
+        _, _, mem8, memf = batch.arena.pointers()
+        kernel = scale_kernel(batch.block2d, float(vinf) if batch.block2d else 0.0)
+        grid = ((batch.scale_entries + SCALE_THREADS - 1) // SCALE_THREADS, 1, 1)
+        head = (ptr_arg(batch.table_dev, np.int64), np.int64(0), np.int64(batch.n_items),
+                np.int64(batch.scale_entries))
+        if batch.block2d:
+            kernel(grid, (SCALE_THREADS, 1, 1),
+                   head + (ptr_arg(buf, np.float32), ptr_arg(scales, np.float32), memf))
+        else:
+            kernel(grid, (SCALE_THREADS, 1, 1), head + (ptr_arg(buf, np.uint8), mem8))
+    return scales
+
+
+def launch_cast(batch, sbuf, model):
+    """Cast every owned element of the batch: `sbuf` is the packed fp32 scales (Block2D) or the
+    reduced E8M0 codes (MXFP8). Up to two launches (full chunks of aligned shards, the rest)
+    per specialization present; returns the count."""
+    mem32, mem16, mem8, _ = batch.arena.pointers()
+    codes32 = ptr_arg(sbuf, np.float32 if batch.block2d else np.uint32)  # unused by Block2D
+    launches = 0
+    for ln in batch.cast_launches:
+        launches += ln.launch(
+            lambda fast_path: cast_kernel(batch.block2d, model, bool(ln.with_col), fast_path),
+            CAST_THREADS, (ptr_arg(batch.table_dev, np.int64), np.int64(ln.first),
+                           np.int64(ln.count), ptr_arg(sbuf, sbuf.dtype), codes32, mem32,
+                           mem16, mem8))
+    return launches

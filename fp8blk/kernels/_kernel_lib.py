@@ -6,7 +6,7 @@ docs/numerics.md exactly; under the simulator they run as NumPy float32 scalar c
 
 Input chunks: a kernel holds its input as uint32 words, 16 bytes per chunk: 4 float32, or 8
 bf16/fp16 (element 2i in the low half of word i). Elements outside the tensor are filled with
-NaN bit patterns (:data:`NAN_WORD`), which every block amax ignores.
+NaN bit patterns (``_specs.NAN_WORD``), which every block amax ignores.
 """
 from __future__ import annotations
 
@@ -17,8 +17,7 @@ import numpy as np
 from ._numba import (addr_of, bf16x2_f32, bits_f32, device, f16x2_f32, f32_bits, ld_v4_at,
                      prmt, st8_u8, st8_u16, st8_u32, st_v2_at, st_v4_at, types)
 
-from ._specs import (BF16, ELEMS_PER_CHUNK, F16, F32, ITEMSIZE, NAN_HALF,  # noqa: F401
-                     NAN_WORD)  # input kinds, re-exported for the builders
+from ._specs import BF16, F32
 
 
 @device

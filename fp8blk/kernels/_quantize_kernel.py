@@ -32,6 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _kernel_lib as dev
+from . import _specs as sp
 from ._specs import BLOCK2D, MXFP8
 from ._specs import quantize_tile as tile_shape
 from ._numba import (absmax_bf16x2, absmax_f16x2, cuda, device, fmax32,
@@ -40,7 +41,7 @@ from ._numba import (absmax_bf16x2, absmax_f16x2, cuda, device, fmax32,
 
 def argtypes(spec):
     """Numba argument types of the kernel for `spec`."""
-    in_t = types.uint32 if (spec.vec or spec.kind == dev.F32) else types.uint16
+    in_t = types.uint32 if (spec.vec or spec.kind == sp.F32) else types.uint16
     data_t = types.uint32 if spec.vec else types.uint8
     sinv_t = types.uint8 if spec.recipe == MXFP8 else types.float32
     col_t = types.uint32 if (spec.recipe == MXFP8 and spec.vec) or (
@@ -51,7 +52,7 @@ def argtypes(spec):
 
 def make_kernel_pyfunc(spec):
     """The Python kernel function for `spec` (compile it with :func:`argtypes`)."""
-    VE = dev.ELEMS_PER_CHUNK[spec.kind]
+    VE = sp.ELEMS_PER_CHUNK[spec.kind]
     KIND = spec.kind
     NT = spec.threads
     NW = NT // 32
@@ -79,13 +80,13 @@ def make_kernel_pyfunc(spec):
     TRANS = COL and not IS_MX                    # (K, M) transposed columnwise output
     TKT, TMW = (TK, TM // 4 + 1) if TRANS else (1, 1)   # +1 word: conflict-free 16B reads
     TKC = TK if COLRED else 1
-    NAN_WORD = np.uint32(dev.NAN_WORD[KIND])
-    NAN_HALF = dev.NAN_HALF.get(KIND, 0)
+    NAN_WORD = np.uint32(sp.NAN_WORD[KIND])
+    NAN_HALF = sp.NAN_HALF.get(KIND, 0)
     ONE = np.float32(1.0)
     ZERO = np.float32(0.0)  # amax is fmaxf from 0 (NaN ignored; an all-NaN block gives 0)
-    ISZ = dev.ITEMSIZE[KIND]                     # bytes per input element
-    PACKED = spec.packed_amax and KIND != dev.F32 and (ROWRED or COLRED)
-    habsmax2 = absmax_bf16x2 if KIND == dev.BF16 else absmax_f16x2   # max(|a|, |b|) per half
+    ISZ = sp.ITEMSIZE[KIND]                     # bytes per input element
+    PACKED = spec.packed_amax and KIND != sp.F32 and (ROWRED or COLRED)
+    habsmax2 = absmax_bf16x2 if KIND == sp.BF16 else absmax_f16x2   # max(|a|, |b|) per half
     word_f32 = dev.word_decoder(KIND)
 
     @device
@@ -204,7 +205,7 @@ def make_kernel_pyfunc(spec):
                 raw[j, 2] = w2
                 raw[j, 3] = w3
             else:
-                if KIND == dev.F32:
+                if KIND == sp.F32:
                     for e in range(4):
                         if r < M and kc + e < K:
                             raw[j, e] = x[ej + e]

@@ -104,7 +104,7 @@ def make_forward(spec):
     load = _chunk_loader(spec)
     float32, uint32 = types.float32, types.uint32
     NW = max(T // 32, 1)
-    L4, L8 = NC * 4, NC * 8      # local array lengths (compile-time constants)
+    L4 = NC * 4                  # local array lengths (compile-time constants)
 
     def kernel(x, w, y, r_out, M, D, iters, inv_d_bits, eps_bits):
         tid = cuda.threadIdx.x

@@ -24,8 +24,8 @@ from fp8blk import reference as ref  # noqa: E402
 from fp8blk.kernels.quantize import quantize as kquantize  # noqa: E402
 from fp8blk.kernels.dequantize import dequantize as kdq  # noqa: E402
 from fp8blk.kernels.transpose import block2d_columnwise_from_rowwise as ktr  # noqa: E402
-from tests.kernels._cases import (DTYPES, RECIPES, make_input,  # noqa: E402
-                                  plant_fp8_specials, same_bytes)
+from tests._same import same_bytes  # noqa: E402
+from tests.kernels._cases import DTYPES, RECIPES, make_input, plant_fp8_specials  # noqa: E402
 from fp8blk.kernels import rms_norm  # noqa: E402
 from tests.kernels._rms_norm_checks import check_backward, check_forward, make_rows  # noqa: E402
 from tests.kernels.sim_cases import (DEQUANT_CASES, QUANTIZE_CASES,  # noqa: E402

@@ -36,7 +36,6 @@ import numpy as np
 import cupy
 import fp8blk as fb
 from fp8blk.kernels import backend as kernels
-from fp8blk.kernels import backend
 rng = np.random.default_rng(7)
 x = (rng.standard_normal((1000, 1100)) * np.exp(rng.uniform(-8, 8, (1000, 1)))).astype(np.float32)
 xd = cupy.asarray(x)
@@ -51,10 +50,10 @@ for name, recipe in (("b1d", fb.Block1D()), ("b2d", fb.Block2D(fb.E5M2)),
 d, s, _, _ = kernels.quantize(xd, fb.Block2D(), True, False)
 t = kernels.block2d_columnwise_from_rowwise(d, s)
 h["tr"] = [hashlib.sha256(b.get().tobytes()).hexdigest() for b in t]
-counts = backend.cache_counts()  # before loaded_cubins, which reads the store
+counts = kernels.cache_counts()  # before loaded_cubins, which reads the store
 cc = cupy.cuda.Device().compute_capability
 cubins = {name: cubin and hashlib.sha256(cubin).hexdigest() for name, cubin in
-          backend.loaded_cubins((int(cc[:-1]), int(cc[-1]))).items()}
+          kernels.loaded_cubins((int(cc[:-1]), int(cc[-1]))).items()}
 print(json.dumps({"hashes": h, "numba": "numba" in sys.modules, "cubins": cubins, **counts}))
 """
 

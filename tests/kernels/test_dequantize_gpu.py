@@ -4,15 +4,11 @@ import numpy as np
 import pytest
 
 from fp8blk import reference as ref
-from tests.kernels._cases import DTYPES, RECIPES, make_input, plant_fp8_specials, same_bytes
+from fp8blk.kernels import backend as kernels
+from tests._same import same_bytes
+from tests.kernels._cases import DTYPES, RECIPES, make_input, plant_fp8_specials
 
 pytestmark = pytest.mark.gpu
-
-
-def _kernels():
-    from fp8blk.kernels import backend as kernels
-
-    return kernels
 
 
 def _check_dequantize(recipe, shape, bufs, oname, misalign=False):
@@ -28,7 +24,7 @@ def _check_dequantize(recipe, shape, bufs, oname, misalign=False):
                 view = raw[1:1 + dev_bufs[i].size].reshape(dev_bufs[i].shape)
                 view[...] = dev_bufs[i]
                 dev_bufs[i] = view
-    got = _kernels().dequantize(recipe, shape, *dev_bufs, dtype=DTYPES[oname])
+    got = kernels.dequantize(recipe, shape, *dev_bufs, dtype=DTYPES[oname])
     want = ref.dequantize(recipe, shape, *bufs, dtype=DTYPES[oname])
     err = same_bytes(got.get(), want)
     assert err is None, f"{shape} -> {oname}, misaligned={misalign}: {err}"

@@ -5,7 +5,9 @@ import pytest
 
 import fp8blk as fb
 from fp8blk import reference as ref
-from tests.kernels._cases import BF16, DTYPES, RECIPES, make_input, same_bytes
+from fp8blk.kernels import backend as kernels
+from tests._same import same_bytes
+from tests.kernels._cases import BF16, DTYPES, RECIPES, make_input
 
 pytestmark = pytest.mark.gpu
 
@@ -18,14 +20,8 @@ def _to_device(x):
     return cupy.asarray(x.view(np.uint16) if x.dtype == BF16 else x)
 
 
-def _kernels():
-    from fp8blk.kernels import backend as kernels
-
-    return kernels
-
-
 def _check_quantize(x, recipe, rw, cw):
-    got = _kernels().quantize(_to_device(x), recipe, rw, cw, dtype=x.dtype)
+    got = kernels.quantize(_to_device(x), recipe, rw, cw, dtype=x.dtype)
     want = ref.quantize(x, recipe, rw, cw)
     errs = [same_bytes(None if g is None else g.get(), w) for g, w in zip(got, want)]
     errs = [f"buffer {i}: {e}" for i, e in enumerate(errs) if e]
@@ -60,7 +56,7 @@ def test_quantize_empty():
 
     for recipe in (fb.Block1D(), fb.Block2D(), fb.MXFP8()):
         for shape in ((0, 64), (64, 0)):
-            got = _kernels().quantize(cupy.zeros(shape, np.float32), recipe, True, True)
+            got = kernels.quantize(cupy.zeros(shape, np.float32), recipe, True, True)
             want = ref.quantize(np.zeros(shape, np.float32), recipe, True, True)
             for g, w in zip(got, want):
                 assert g.shape == w.shape and g.dtype == w.dtype

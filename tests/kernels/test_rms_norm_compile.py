@@ -30,8 +30,6 @@ def test_rms_norm_kernels_compile_for_sm90(kind, width, backward):
 
 def _exact_outputs(x, w, dy, eps):
     """Outputs a correct kernel could give (float64 math, rounded once), for the checks."""
-    import ml_dtypes  # noqa: F401  (bf16 arrays)
-
     h = x.astype(np.float64)
     r = (1 / np.sqrt((h ** 2).mean(-1) + np.float32(eps))).astype(np.float32)
     n = (x.astype(np.float32) * r[:, None]).astype(x.dtype).astype(np.float32)

@@ -5,15 +5,11 @@ import pytest
 
 import fp8blk as fb
 from fp8blk import reference as ref
-from tests.kernels._cases import make_input, same_bytes
+from fp8blk.kernels import backend as kernels
+from tests._same import same_bytes
+from tests.kernels._cases import make_input
 
 pytestmark = pytest.mark.gpu
-
-
-def _kernels():
-    from fp8blk.kernels import backend as kernels
-
-    return kernels
 
 
 @pytest.mark.parametrize("shape", [(4096, 4096), (8191, 8320), (129, 141), (1, 1)])
@@ -23,7 +19,7 @@ def test_transpose_and_buffer_reuse(rng, shape):
     x = make_input(rng, shape, np.float32)
     data, sinv, _, _ = ref.quantize(x, fb.Block2D(), True, False)
     want = ref.block2d_columnwise_from_rowwise(data, sinv)
-    k = _kernels()
+    k = kernels
     got = k.block2d_columnwise_from_rowwise(cupy.asarray(data), cupy.asarray(sinv))
     for g, w in zip(got, want):
         assert same_bytes(g.get(), w) is None

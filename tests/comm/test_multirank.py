@@ -1,6 +1,7 @@
 """Multi-rank tests: the communicator suite (tests/comm/scripts/checks.py) under mpiexec
-with MPIComm at 1-4 ranks, under torchrun with TorchComm on gloo, and jobs whose ranks fail
-(they must end within the timeout, not hang).
+with MPIComm at 1-4 ranks, on torch ranks (started as torchrun starts them) with TorchComm on
+gloo, and jobs whose ranks fail under mpiexec and torchrun (they must end within the timeout,
+not hang).
 
 GPU parts (marked ``gpu``; run on the H200 with ``python3 -m pytest -m gpu tests/comm``):
 NCCLComm with one rank on CuPy arrays, MPIComm staging CuPy arrays through the host, and
@@ -8,14 +9,14 @@ TorchComm on an NCCL process group with CUDA tensors.
 """
 import pytest
 
-from .launch import mpi, suite_passes, torchrun
+from .launch import SCRIPTS, mpi, ranks, suite_passes, torchrun
 
 pytestmark = pytest.mark.mpi
 
 
-def _expect_suite(result, ranks, runs=1):
+def _expect_suite(result, n, runs=1):
     code, output, seconds = result
-    assert code == 0 and suite_passes(output) == ranks * runs, output[-8000:]
+    assert code == 0 and suite_passes(output) == n * runs, output[-8000:]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
@@ -49,12 +50,12 @@ def test_failing_rank_ends_the_mpi_job(mode):
 @pytest.mark.parametrize("n", [2, 3])
 def test_torch_suite_gloo(n):
     # the suite on torch tensors, and its collectives once more on NumPy arrays
-    _expect_suite(torchrun(n, "torch_suite.py", "gloo"), n, runs=2)
+    _expect_suite(ranks(n, [SCRIPTS / "torch_suite.py", "gloo"]), n, runs=2)
 
 
 def test_torch_gather_one_collective_gloo():
     # TorchComm's quantized gather: its parts packed into one torch collective, same bytes
-    _expect_suite(torchrun(2, "torch_coalesce.py", timeout=180), 2)
+    _expect_suite(ranks(2, [SCRIPTS / "torch_coalesce.py"], timeout=180), 2)
 
 
 def test_failing_rank_ends_the_torchrun_job():

@@ -2,12 +2,11 @@
 pickling), on the CPU with gloo: ``scripts/checkpoint_worker.py`` (its docstring lists
 every check) saves a trained model with torch.distributed.checkpoint and torch.save, loads it
 into an unconverted model and into a second FP8 model, and resumes training bit for bit."""
-import sys
 from pathlib import Path
 
 import pytest
 
-from ..comm.launch import run, suite_passes
+from ..comm.launch import ranks, suite_passes
 
 pytestmark = pytest.mark.mpi
 pytest.importorskip("torch.distributed")
@@ -17,20 +16,16 @@ WORKER = Path(__file__).resolve().parent / "scripts" / "checkpoint_worker.py"
 
 def test_checkpoint_save_load_resume_two_ranks(rng, tmp_path):
     seed = str(int(rng.integers(2 ** 31)))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node=2", str(WORKER), "cast:block2d", "primary:block2d",
-               "cast:mxfp8", "primary:mxfp8"]
-    code, output, _ = run(command, 300, {"OMP_NUM_THREADS": "1", "FP8BLK_SEED": seed,
-                                         "FP8BLK_CKPT_DIR": str(tmp_path)})
+    code, output, _ = ranks(2, [WORKER, "cast:block2d", "primary:block2d", "cast:mxfp8",
+                                "primary:mxfp8"], timeout=300,
+                            env={"FP8BLK_SEED": seed, "FP8BLK_CKPT_DIR": str(tmp_path)})
     assert code == 0 and suite_passes(output) == 2, output[-8000:]
 
 
 def test_checkpoint_fsdp2_x_tp_four_ranks(rng, tmp_path):
     seed = str(int(rng.integers(2 ** 31)))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node=4", str(WORKER), "tp"]
-    code, output, _ = run(command, 300, {"OMP_NUM_THREADS": "1", "FP8BLK_SEED": seed,
-                                         "FP8BLK_CKPT_DIR": str(tmp_path)})
+    code, output, _ = ranks(4, [WORKER, "tp"], timeout=300,
+                            env={"FP8BLK_SEED": seed, "FP8BLK_CKPT_DIR": str(tmp_path)})
     assert code == 0 and suite_passes(output) == 4, output[-8000:]
 
 

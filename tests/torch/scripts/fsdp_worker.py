@@ -1,4 +1,4 @@
-"""FSDP2 FP8-weight checks, run under torchrun with gloo (tests/torch/test_fsdp.py launches it).
+"""FSDP2 FP8-weight checks, run on gloo ranks (tests/torch/fsdp/test_fsdp.py launches them; torchrun works too).
 
 Each case trains a 3-layer model of Float8BlockLinear layers (no bias) for STEPS steps under
 FSDP2 and, on every rank, a single-process reference running the same FP8 math on the full

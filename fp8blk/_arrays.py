@@ -103,7 +103,7 @@ def to_internal(x):
     """``(array, family, logical dtype)`` for the operations (quantize, dequantize): like
     :func:`to_backend`, except that a torch CUDA tensor is returned as it is (the kernels run
     on it natively: torch allocates the outputs, the launch uses torch's current stream).
-    Costs well under a microsecond for a torch CUDA tensor."""
+    Nearly free for a torch CUDA tensor."""
     family = family_of(x)
     if family == TORCH and x.is_cuda:
         dtype = torch_to_numpy_dtype(x.dtype)
@@ -120,7 +120,7 @@ _RAW_STREAM = []
 
 def torch_raw_stream():
     """``torch._C._cuda_getCurrentRawStream`` (device index -> the handle of that device's
-    current stream, ~0.2 us; ``torch.cuda.current_stream()`` builds a Stream object, ~5 us),
+    current stream; ``torch.cuda.current_stream()`` builds a Stream object, many times slower),
     looked up once. The one place fp8blk reads torch's current stream by handle."""
     if not _RAW_STREAM:
         _RAW_STREAM.append(torch_module()._C._cuda_getCurrentRawStream)

@@ -82,7 +82,7 @@ def _quantized(x, recipe, rowwise, columnwise):
     shape = arr.shape
     rows, cols = shape if len(shape) == 2 else shape2d(shape)
     check_mxfp8_shape(recipe, rows, cols, "x", arr.shape)
-    x2d = arr if len(shape) == 2 else arr.reshape(rows, cols)  # skip a ~2 us no-op reshape
+    x2d = arr if len(shape) == 2 else arr.reshape(rows, cols)  # skip a no-op reshape on the per-call path
     backend = backend_for(arr)
     buffers = backend.quantize(x2d, recipe, rowwise, columnwise, dtype=dtype)
     if backend is not reference and arr is x and rows and cols:

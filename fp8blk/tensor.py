@@ -23,7 +23,7 @@ def internal_buffers(q) -> list:
 def cupy_buffers(q) -> list:
     """``internal_buffers(q)`` with torch CUDA tensors as CuPy views (the same memory), for
     internal code written for CuPy arrays (the master-weight batch). Each view is made once
-    per buffer (a DLPack import costs ~24 us on the GPU) and reused while the buffer is.
+    per buffer (a DLPack import is costly on the per-call path) and reused while the buffer is.
     Tensors of another family hold NumPy/CuPy buffers: their list itself comes back (read it,
     don't modify it), at no cost -- the master-weight path calls this per weight, per call."""
     if q._family != _arrays.TORCH:
@@ -41,7 +41,7 @@ def cupy_buffers(q) -> list:
 
 
 def from_internal(shape, recipe, buffers, dtype, family, cls=None) -> "BlockTensor":
-    """The package's trusted constructor (no checks, ~0.3 us), for fp8blk's own modules that
+    """The package's trusted constructor (no checks), for fp8blk's own modules that
     made the buffers themselves: ``shape`` a tuple of ints, ``buffers`` the list [row data,
     row scale_inv, col data, col scale_inv] of internal arrays or None, laid out as
     ``fp8blk.layout`` says, ``dtype`` a NumPy dtype, ``family`` one of "numpy", "cupy",
@@ -115,7 +115,7 @@ class BlockTensor:
         self._family = family
         self._buffers = buffers
         # torch views of the buffers handed out so far, as (buffer, view) pairs: a DLPack export
-        # costs ~8 us on the GPU, so each buffer is exported once, not once per access
+        # is costly on the per-call path, so each buffer is exported once, not once per access
         self._exported = [None, None, None, None]
 
     # -- buffers in the caller's family ------------------------------------------------------
@@ -180,7 +180,7 @@ class BlockTensor:
                              "columnwise data (see update_usage)")
         out = backend_for(some).dequantize(self.recipe, self.shape2d, *self._buffers,
                                            dtype=out_dtype)
-        if len(self.shape) != 2:  # a 2-D result is already (M, K): skip a ~1 us reshape
+        if len(self.shape) != 2:  # a 2-D result is already (M, K): skip the reshape
             out = out.reshape(self.shape)
         return _arrays.from_backend(out, self._family, out_dtype)
 

@@ -1,54 +1,8 @@
-"""The communicator protocol every backend implements, the Handle of an asynchronous
-collective, and the traffic counters.
-
-Protocol (``Communicator``; MPIComm, NCCLComm and TorchComm subclass it):
-
-``rank``, ``size``
-    this process's rank in the group and the group's size.
-``all_reduce(buf, op="sum", async_op=False, dtype=None)``
-    in place, element-wise over ranks; ``op`` is ``"sum"`` or ``"max"``. Returns None, or a
-    Handle when ``async_op`` (``wait()`` returns ``buf``).
-``all_gather(inp, out=None, async_op=False)``
-    concatenation along dim 0: ``inp`` is (n, ...) with the same shape and dtype on every rank,
-    ``out`` is (size*n, ...). Returns ``out`` (allocated when None), or a Handle whose
-    ``wait()`` returns it.
-``all_gather_v(inp, counts, out=None, async_op=False)``
-    the same with a different element count per rank: ``inp`` is flattened (``inp.size ==
-    counts[rank]``), ``out`` is flat with ``sum(counts)`` elements, rank r's elements at
-    offset ``sum(counts[:r])``. Every rank passes the same ``counts``.
-``reduce_scatter(inp, out=None, op="sum", async_op=False, dtype=None)``
-    ``inp`` is (size*n, ...); rank r receives rows [r*n, (r+1)*n) of the reduction, (n, ...).
-    Returns ``out``, or a Handle.
-``broadcast(buf, root=0, async_op=False)``
-    in place: every rank ends with ``root``'s buffer. Returns None, or a Handle.
-``barrier()``
-    blocks until every rank has entered it (device backends first wait for the current stream).
-
-Arrays are NumPy (host), CuPy (device) or torch tensors (converted through DLPack without a
-copy); in-place and ``out`` buffers must be C-contiguous, inputs may be strided (they are
-copied). Reductions work on uint8, int32, int64, float16, bfloat16, float32 and float64.
-Device bfloat16 buffers are uint16 bit patterns in CuPy, so CuPy callers pass
-``dtype="bfloat16"``; torch bf16 tensors carry their dtype.
-
-``op="max"`` on floating-point data ignores NaN as ``fmaxf`` does (NaN only where every rank
-has NaN) on every backend, and orders -0.0 below +0.0; this is what NCCL computes, and what
-partial block amaxes need. Collectives must be called in the same order on every rank, with
-matching shapes and dtypes: the raw collectives do not check this (a mismatch can hang or
-corrupt, as in MPI and NCCL); the packed helpers and ``gather_along_first_dim`` do.
-
-Counters (``comm.stats``, a :class:`Stats`; ``comm.reset_stats()`` zeroes them):
-
-``calls``        data collectives issued: all_reduce, all_gather, all_gather_v, reduce_scatter,
-                 broadcast (barriers and metadata exchanges are not counted here).
-``bytes``        bytes this rank contributes to them: the buffer's nbytes for all_reduce and
-                 broadcast, the local input's nbytes for all_gather, all_gather_v and
-                 reduce_scatter (where a backend pads uneven gathers, the padded size).
-``meta_calls``   barriers and the small metadata collectives fp8blk's helpers issue to check
-``meta_bytes``   layouts and exchange sizes (see :meth:`Communicator.metadata`).
-``ops``          {op name: [calls, bytes]} for the data collectives.
-
-Features of the package add counters of their own (:meth:`Stats.add_counter`): the quantized
-gather's ``gather_paths`` and ``last_gather_path`` (:mod:`fp8blk.comm.gather`).
+"""The communicator protocol every backend implements (``Communicator``: rank, size,
+all_reduce, all_gather, all_gather_v, reduce_scatter, broadcast, barrier), the Handle of an
+asynchronous collective, and the traffic counters (``Stats``). MPIComm, NCCLComm and TorchComm
+subclass ``Communicator``. The specification (arrays, dtypes, ``op="max"`` on NaN and -0.0,
+ordering rules, counters) is docs/distributed.md, "The communicator protocol".
 """
 from __future__ import annotations
 

@@ -235,8 +235,7 @@ class TorchComm(Communicator):
         dist = _dist()
         # On CUDA tensors with NCCL the caller makes its stream wait at once
         # (fp8blk.comm.gather.streams.run): a synchronous collective does exactly that, without
-        # a Work object to wait on (Work.wait() cost ~100 us of host time per item on the
-        # H200, torch 2.11)
+        # a Work object to wait on (each Work.wait() costs host time per item)
         sync = self._cuda_ok and stream_ptr is not None
         parts = [self._part(send, recv, counts) for send, recv, counts in items]
         live = [p for p in parts if any(p[2])]

@@ -448,14 +448,19 @@ _tuning = Tuning(sp.MasterSettings(), (_kernels,))
 use_settings = _tuning.use  # (a backend.MasterSettings) -> the previous settings
 
 
-def amax_kernel(block2d, model, with_col, fast_path):
-    """The partial-amax kernel of a specialization (see ``_partial_amax_kernel``)."""
-    key = ("amax", block2d, model, with_col, fast_path)
+def _kernel(key, builder, make_spec):
+    """The compiled kernel of `key` in this room's table, built from ``make_spec()`` once."""
     k = _kernels.get(key)
     if k is None:
-        spec = sp.partial_amax_spec(block2d, model, with_col, fast_path, _tuning.settings)
-        k = _kernels[key] = _cache.kernel("partial_amax", spec)
+        k = _kernels[key] = _cache.kernel(builder, make_spec())
     return k
+
+
+def amax_kernel(block2d, model, with_col, fast_path):
+    """The partial-amax kernel of a specialization (see ``_partial_amax_kernel``)."""
+    return _kernel(("amax", block2d, model, with_col, fast_path), "partial_amax",
+                   lambda: sp.partial_amax_spec(block2d, model, with_col, fast_path,
+                                                _tuning.settings))
 
 
 def launch_partial_amax(batch, buf, model):
@@ -477,22 +482,15 @@ def launch_partial_amax(batch, buf, model):
 
 def scale_kernel(block2d, vinf):
     """The scale kernel of a specialization (see ``_partial_cast_kernel``)."""
-    key = ("scale", block2d, vinf)
-    k = _kernels.get(key)
-    if k is None:
-        spec = sp.PartialScaleSpec(bool(block2d), float(vinf))
-        k = _kernels[key] = _cache.kernel("partial_scale", spec)
-    return k
+    return _kernel(("scale", block2d, vinf), "partial_scale",
+                   lambda: sp.PartialScaleSpec(bool(block2d), float(vinf)))
 
 
 def cast_kernel(block2d, model, with_col, fast_path):
     """The cast kernel of a specialization (see ``_partial_cast_kernel``)."""
-    key = ("cast", block2d, model, with_col, fast_path)
-    k = _kernels.get(key)
-    if k is None:
-        spec = sp.partial_cast_spec(block2d, model, with_col, fast_path, _tuning.settings)
-        k = _kernels[key] = _cache.kernel("partial_cast", spec)
-    return k
+    return _kernel(("cast", block2d, model, with_col, fast_path), "partial_cast",
+                   lambda: sp.partial_cast_spec(block2d, model, with_col, fast_path,
+                                                _tuning.settings))
 
 
 def launch_scales(batch, buf, vinf):

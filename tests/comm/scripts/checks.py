@@ -21,7 +21,7 @@ import numpy as np
 import fp8blk as fb
 from fp8blk import _arrays
 from fp8blk.comm import gather as gather_module
-from fp8blk.comm.gather import errors as gather_errors
+from fp8blk.comm.gather import paths as gather_paths
 from fp8blk.comm import GatherFallbackWarning, gather_along_first_dim, packed_all_gather, \
     packed_all_reduce
 
@@ -580,7 +580,7 @@ def check_gather(s: Suite):
 
     # the fallback warns once per call site
     if n > 1:
-        gather_errors.warned_sites.clear()  # a site seen by an earlier run would stay silent
+        gather_paths.warned_sites.clear()  # a site seen by an earlier run would stay silent
         rows = [100] * n
         x = fam.make(np.ones((100, 256), np.float32))
         with warnings.catch_warnings(record=True) as caught:

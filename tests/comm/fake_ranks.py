@@ -3,7 +3,7 @@ exchanges Python objects, an MPI-like host communicator for the metadata over it
 NCCL stand-in on host memory (:class:`FakeNccl`, installed by :func:`host_nccl`), and NumPy
 arrays taken for device arrays (:class:`DeviceOps`: the gather's device path, its fix-up's
 runtime calls done on host memory by :class:`HostRuntime`). Used by
-tests/comm/test_gather_nccl_fake.py, tests/comm/test_gather_fake_ranks_gpu.py (with an NCCL
+tests/comm/gather/test_nccl_fake.py, tests/comm/gather/test_fake_ranks_gpu.py (with an NCCL
 stand-in between device buffers) and tests/master/scripts/fake_comm.py."""
 import ctypes
 import threading

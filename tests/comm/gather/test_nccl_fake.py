@@ -18,8 +18,8 @@ from fp8blk.comm.gather import paths as gather_paths
 from fp8blk.comm.gather import plan as gather_plan
 from fp8blk.comm.gather import streams as gather_streams
 
-from .fake_ranks import DeviceOps, FakeNccl, host_nccl, run_ranks
-from .gather_checks import assert_same_bytes, gather_input
+from tests.comm.fake_ranks import DeviceOps, FakeNccl, host_nccl, run_ranks
+from tests.comm.gather.checks import assert_same_bytes, gather_input
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from .plan import FALLBACK, FAST, PLAIN, Plan, Source, check_sizes, exchange, lo
 from .status import cached_plans, check_pending, plan_cache, record_path, settle
 from .streams import NULL
 
+
 def gather_along_first_dim(x, comm, recipe=None, rowwise=True, columnwise=False,
                            async_op=False, sizes=None, out=None, stream=None):
     """All-gather ``x`` along dim 0 over ``comm``, quantized.
@@ -36,7 +37,7 @@ def gather_along_first_dim(x, comm, recipe=None, rowwise=True, columnwise=False,
     Returns ``(out, handle)``: ``out`` is the BlockTensor (or array) of shape
     (sum of the ranks' dim 0, *x.shape[1:]); ``handle`` is None, or with ``async_op`` a
     Handle whose ``wait()`` must be called before ``out`` is read (on the device it makes the
-    current stream wait for an event; it returns ``out``). See the module docstring.
+    current stream wait for an event; it returns ``out``). See docs/distributed.md.
 
     >>> import numpy as np, fp8blk as fb
     >>> from mpi4py import MPI

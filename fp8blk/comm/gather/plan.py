@@ -161,9 +161,9 @@ _MUST_AGREE = {"shape": "the shape after dim 0", "dtype": "the dtype", "recipe":
 def meta_row(src, sizes, error):
     if error is not None:
         return np.array([1] + [0] * (len(_FIELDS) - 1), dtype=np.int64)
+    recipe = "" if src.recipe is None else recipe_key(src.recipe)
     return np.array([0, src.dim0, fingerprint(src.shape[1:]), fingerprint(str(src.dtype)),
-                     fingerprint(
-                         "" if src.recipe is None else recipe_key(src.recipe)), int(src.is_block), int(src.has_row),
+                     fingerprint(recipe), int(src.is_block), int(src.has_row),
                      int(src.has_col), int(src.rowwise), int(src.columnwise),
                      fingerprint(sizes)], dtype=np.int64)
 

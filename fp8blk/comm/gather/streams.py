@@ -166,14 +166,13 @@ class TorchOps(_arrays.TorchFamily):
         self.torch = torch
         self.device = device.type == "cuda"
         self.where = device
-        self._dtypes = {np.dtype(np.uint8): torch.uint8, np.dtype(np.float32): torch.float32,
-                        np.dtype(np.float16): torch.float16, _arrays.BF16: torch.bfloat16,
-                        np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
-                        np.dtype(np.float64): torch.float64, np.dtype(np.int16): torch.int16,
-                        np.dtype(np.uint16): torch.int16}
 
     def tdtype(self, dtype):
-        return dtype if isinstance(dtype, self.torch.dtype) else self._dtypes[np.dtype(dtype)]
+        if isinstance(dtype, self.torch.dtype):
+            return dtype
+        if np.dtype(dtype) == np.uint16:  # bf16 bit patterns: the same 2 bytes as int16
+            return self.torch.int16
+        return _arrays.numpy_to_torch_dtype(dtype)
 
     def empty(self, shape, dtype):
         return self.torch.empty(shape, dtype=self.tdtype(dtype), device=self.where)

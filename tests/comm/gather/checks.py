@@ -409,7 +409,6 @@ def check_gather_reuse(s: Suite):
         s.check(got.shape == (sum(true_sizes), 64), "a good call after the stale one")
 
 
-
 def _invalid_input(fam, x, bad):
     if bad == "int32":
         return fam.make(np.ones(x.shape, np.int32))  # TypeError: not a high-precision dtype

@@ -45,7 +45,8 @@ import numpy as np
 import torch
 
 import fp8blk as fb
-from fp8blk.comm.gather import arrays, fixup, lane, lookup, paths
+from fp8blk.comm import gather
+from fp8blk.comm.gather import paths, status, streams
 from fp8blk.comm.gather.plan import STAGED
 from fp8blk.layout import all_layouts
 from fp8blk.ops import quantize_into
@@ -167,7 +168,7 @@ def breakdown(world, x, recipe, rowwise, columnwise, sizes, out):
     from cupy.cuda import nccl
 
     comm = world.comm
-    src, plan, _, _ = lookup.resolve(comm, x, recipe, rowwise, columnwise, sizes)
+    src, plan, _, _ = gather.resolve(comm, x, recipe, rowwise, columnwise, sizes)
     ops = paths.result_ops(src)  # torch ops for torch input (no DLPack)
     targets = paths.targets_for(plan, out, ops)
     layouts = all_layouts(recipe, plan.local_rows(), plan.K)
@@ -175,21 +176,21 @@ def breakdown(world, x, recipe, rowwise, columnwise, sizes, out):
         columnwise and not isinstance(recipe, fb.Block2D)))]
     local = [ops.empty(layouts[i].shape, layouts[i].dtype) if i in quantized else None
              for i in range(4)]
-    x2d = arrays.local_x2d(src.x, src.m, src.k, plan.local_rows())
+    x2d = streams.local_x2d(src.x, src.m, src.k, plan.local_rows())
     row, col = rowwise, columnwise and not isinstance(recipe, fb.Block2D)
     result = {}
     q = lambda: quantize_into(x2d, recipe, row, col, src.dtype, local)  # noqa: E731
     result["quantize_gpu_us"], _ = measure(world, q)
     result["quantize_host_us"] = host_only(world, q)
     result["plan_host_us"] = host_only(
-        world, lambda: lookup.resolve(comm, x, recipe, rowwise, columnwise, sizes))
+        world, lambda: gather.resolve(comm, x, recipe, rowwise, columnwise, sizes))
     # the steady state's match against the last call into out (instead of the plan lookup)
-    result["lane_host_us"] = host_only(world, lambda: lane.steady_lane(
+    result["lane_host_us"] = host_only(world, lambda: paths.steady_lane(
         comm, x, recipe, rowwise, columnwise, sizes, out, False, None))
     stagings = {p.index: ops.empty(sum(p.counts), np.uint8) for p in plan.parts
                 if p.mode == STAGED}
     # the fix-up as the steady state replays it (built once: device calls on this stream)
-    fix = fixup.fix_up_post(plan, targets, stagings, ops, ops.current_stream_ptr())
+    fix = status.fix_up_post(plan, targets, stagings, ops, ops.current_stream_ptr())
     result["fixup_gpu_us"], _ = measure(world, fix)
     result["fixup_host_us"] = host_only(world, fix)
     if world.kind == "nccl":

@@ -237,6 +237,9 @@ class Communicator:
 
     rank: int = 0
     size: int = 1
+    #: the quantized gather's plan cache of this communicator (``fp8blk.comm.gather``'s
+    #: ``PlanCache``), None until its first gather
+    gather_state = None
 
     def __init__(self):
         self.stats = Stats()

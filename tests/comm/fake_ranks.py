@@ -3,8 +3,8 @@ exchanges Python objects, an MPI-like host communicator for the metadata over it
 NCCL stand-in on host memory (:class:`FakeNccl`, installed by :func:`host_nccl`), and NumPy
 arrays taken for device arrays (:class:`DeviceOps`: the gather's device path, its fix-up's
 runtime calls done on host memory by :class:`HostRuntime`). Used by
-tests/comm/test_gather_nccl_fake.py, tests/comm/test_gather_fake_ranks_gpu.py (with an NCCL
-stand-in between device buffers) and bench/gather_calls_cpu.py."""
+tests/comm/gather/test_nccl_fake.py, tests/comm/gather/test_fake_ranks_gpu.py (with an NCCL
+stand-in between device buffers) and tests/master/scripts/fake_comm.py."""
 import ctypes
 import threading
 import types
@@ -12,9 +12,8 @@ import types
 import numpy as np
 
 from fp8blk.comm import Communicator, Handle, NCCLComm
-from fp8blk.comm.gather.arrays import NumpyOps
+from fp8blk.comm.gather.streams import Copies, NumpyOps
 from fp8blk.comm import nccl as nccl_module
-from fp8blk.comm.gather.copies import Copies
 
 STREAM = 0x5EED  # the stream handle DeviceOps reports (HostRuntime checks it comes back)
 

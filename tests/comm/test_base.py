@@ -12,7 +12,7 @@ import pytest
 import fp8blk as fb
 from fp8blk.comm import Communicator, Handle, Stats
 from fp8blk.comm.base import float_to_max_keys, max_keys_to_float
-from fp8blk.comm.gather.state import record_path
+from fp8blk.comm.gather.status import record_path
 from fp8blk.layout import all_layouts as buffer_layouts
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -1,4 +1,5 @@
-"""Multi-rank tests: the communicator suite (tests/comm/scripts/checks.py) under mpiexec
+"""Multi-rank tests: the communicator suite (tests/comm/scripts/checks.py, with the gather's
+tests/comm/gather/checks.py in the same launch) under mpiexec
 with MPIComm at 1-4 ranks, on torch ranks (started as torchrun starts them) with TorchComm on
 gloo, and jobs whose ranks fail under mpiexec and torchrun (they must end within the timeout,
 not hang).

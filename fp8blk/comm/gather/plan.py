@@ -1,32 +1,7 @@
-"""What ``gather_along_first_dim`` knows before any data moves: the local input (validated),
-the metadata every rank agrees on, the plan (path, byte counts per rank and buffer, where each
-part lands) and the per-communicator cache of plans that keeps the metadata exchange off the
-steady state.
-
-Cache protocol (every rank decides the same thing, so no rank ever enters a collective its
-peers skip):
-
-* world size 1: no exchange at all.
-* ``sizes=`` given: the plan is keyed by what every rank must pass identically (sizes, the
-  shape after dim 0, dtype, recipe, usage, input kind). The first call with a key exchanges
-  the metadata and checks it on every rank (clear error everywhere if anything disagrees,
-  ``sizes`` included); later calls with the same key issue no metadata collective at all. A
-  rank whose own input no longer matches its cached plan (rows != sizes[rank], a BlockTensor
-  holding other directions) still joins the planned data collectives with zeros, so that no
-  peer waits forever, and raises. So does a rank whose input is invalid (no key at all): it
-  joins out='s steady-state lane for these sizes, else the plan last used with them
-  (``PlanCache.last_sizes_call``); with neither (a first call) it takes the exchange, as its
-  peers miss too. A rank whose own sizes are malformed joins out='s lane, else the plan of
-  the latest checked sizes= call that gathers its input (:meth:`Plan.serves`), or takes the
-  exchange when there is none.
-  Every data collective of a sizes= plan carries the in-band status of each rank
-  (:mod:`fp8blk.comm.gather.status`): a rank that joined with zeros sends a nonzero code, so
-  its peers raise too, without a metadata collective.
-* no ``sizes``: each call makes one small host all-reduce (MAX of [h, -h], 16 bytes) of the
-  hash of the plan its local key finds (or a per-rank miss value). All ranks equal: the
-  cached plan is everyone's plan. Anything else (a miss, or one rank changed its shape): every
-  rank runs the full exchange and caches the new plan.
-"""
+"""What a gather knows before any data moves (docs/distributed.md, "Quantized all-gather"):
+the local input checked (:class:`Source`), the metadata every rank agrees on, the plan (path,
+byte counts per rank and buffer, where each part lands) and the per-communicator plan cache
+that keeps the metadata exchange off the steady state."""
 from __future__ import annotations
 
 import numpy as np
@@ -39,28 +14,24 @@ from ...tensor import BlockTensor, internal_buffers
 from ..agree import fingerprint
 
 STATUS_BYTES = 8  # the in-band status of a sizes= plan: one int64 per rank
-
 FAST, FALLBACK, PLAIN = "fast", "fallback", "plain"
 ROW, COL = "rowwise", "columnwise"
 SLOT, STAGED = "slot", "staged"
 _NUMPY = _arrays.NUMPY
 _RECIPE_TYPES = (Block1D, Block2D, MXFP8)
 _HIGH_PRECISION = frozenset(_arrays.HIGH_PRECISION)
+
+
 # plans per communicator; evicted in insertion order (lookups never reorder them), which is
 # the same on every rank because every rank inserts the same plans in the same order
 CACHE_SIZE = 64
 
 
-# --------------------------------------------------------------------------------------------
-# The local input
-
-
 class Source:
-    """What this rank holds: an array (kind 0, in its own family) or a BlockTensor (kind 1)."""
+    """What this rank holds: an array in its own family, or a BlockTensor (``is_block``)."""
 
-    __slots__ = ("kind", "x", "family", "dtype", "shape", "recipe", "rowwise", "columnwise",
-                 "buffers", "has_row", "has_col", "dim0", "k", "m", "row_elems", "block",
-                 "device")
+    __slots__ = ("is_block", "x", "family", "dtype", "shape", "recipe", "rowwise", "columnwise",
+                 "buffers", "has_row", "has_col", "dim0", "k", "m", "row_elems", "device")
 
     def __init__(self, x, recipe, rowwise, columnwise):
         self.rowwise, self.columnwise = bool(rowwise), bool(columnwise)
@@ -84,11 +55,11 @@ class Source:
                 raise ValueError(f"gather_along_first_dim with a recipe needs an input of at "
                                  f"least two dims (..., K), got shape {shape}: gathering "
                                  f"a 1-D input along dim 0 would change K")
-        if self.kind == 1:
+        if self.is_block:
             self._check_buffers()
 
     def _from_array(self, x, recipe):
-        self.kind = 0
+        self.is_block = False
         family = _NUMPY if type(x) is np.ndarray else _arrays.family_of(x)
         self.family = family
         if family == _arrays.TORCH:
@@ -105,7 +76,7 @@ class Source:
         self.x = x
         self.shape = tuple(x.shape) if family != _arrays.TORCH else tuple(int(d) for d in x.shape)
         self.recipe = recipe
-        self.buffers = self.block = None
+        self.buffers = None
         self.has_row = self.has_col = False
         self.device = family == _arrays.CUPY or (family == _arrays.TORCH and x.is_cuda)
         if recipe is not None:
@@ -116,7 +87,7 @@ class Source:
                                 f"float16 input, got {self.dtype}")
 
     def _from_block_tensor(self, x, recipe):
-        self.kind = 1
+        self.is_block = True
         if recipe is not None and recipe != x.recipe:
             raise ValueError(f"x is a BlockTensor quantized with {x.recipe!r} but recipe="
                              f"{recipe!r} was given: pass recipe=None (or the same recipe), "
@@ -127,7 +98,6 @@ class Source:
             raise ValueError("the BlockTensor holds neither rowwise nor columnwise data")
         public = x.rowwise_data if x.has_rowwise else x.columnwise_data
         self.family = _arrays.family_of(public)
-        self.block = x
         self.x = None
         self.recipe = x.recipe
         self.dtype = np.dtype(x.dtype)
@@ -153,20 +123,9 @@ class Source:
                                  f"expected C-contiguous {layout.dtype}{layout.shape} for "
                                  f"shape {self.shape} and {type(self.recipe).__name__}")
 
-    def internal_family_array(self):
-        """An internal (NumPy/CuPy) array of this input's device (for allocations)."""
-        if self.kind == 1:
-            return next(b for b in self.buffers if b is not None)
-        if self.family == _arrays.TORCH:
-            return None
-        return self.x
-
-    def is_device(self):
-        return self.device
-
     def describe(self):
         return (f"shape {self.shape}, dtype {self.dtype}, recipe {self.recipe!r}, "
-                f"{'BlockTensor' if self.kind else 'array'}, rowwise={self.rowwise}, "
+                f"{'BlockTensor' if self.is_block else 'array'}, rowwise={self.rowwise}, "
                 f"columnwise={self.columnwise}")
 
 
@@ -176,10 +135,6 @@ def _torch_dtype(x):
     except TypeError:
         raise TypeError(f"torch dtype {x.dtype} cannot be gathered by fp8blk; use float32, "
                         f"bfloat16 or float16, or x.view(torch.uint8) for FP8 bytes") from None
-
-
-# --------------------------------------------------------------------------------------------
-# Sizes
 
 
 def check_sizes(sizes, size):
@@ -195,15 +150,10 @@ def check_sizes(sizes, size):
         raise ValueError(f"sizes must give one non-negative row count per rank ({size}), "
                          f"got {list(sizes)}")
     return sizes
-
-
-# --------------------------------------------------------------------------------------------
-# Metadata exchange
-
-_FIELDS = ("error", "dim0", "shape", "dtype", "recipe", "kind", "has_row", "has_col",
+_FIELDS = ("error", "dim0", "shape", "dtype", "recipe", "is_block", "has_row", "has_col",
            "rowwise", "columnwise", "sizes")
 _MUST_AGREE = {"shape": "the shape after dim 0", "dtype": "the dtype", "recipe": "the recipe",
-               "kind": "the input kind (array or BlockTensor)",
+               "is_block": "the input kind (array or BlockTensor)",
                "rowwise": "rowwise=", "columnwise": "columnwise=",
                "sizes": "sizes= (every rank must pass the same list, or None)"}
 
@@ -211,9 +161,9 @@ _MUST_AGREE = {"shape": "the shape after dim 0", "dtype": "the dtype", "recipe":
 def meta_row(src, sizes, error):
     if error is not None:
         return np.array([1] + [0] * (len(_FIELDS) - 1), dtype=np.int64)
+    recipe = "" if src.recipe is None else recipe_key(src.recipe)
     return np.array([0, src.dim0, fingerprint(src.shape[1:]), fingerprint(str(src.dtype)),
-                     fingerprint(
-                         "" if src.recipe is None else recipe_key(src.recipe)), src.kind, int(src.has_row),
+                     fingerprint(recipe), int(src.is_block), int(src.has_row),
                      int(src.has_col), int(src.rowwise), int(src.columnwise),
                      fingerprint(sizes)], dtype=np.int64)
 
@@ -244,10 +194,6 @@ def exchange(comm, src, sizes, error):
     return columns, fingerprint(table.tobytes()) >> 1
 
 
-# --------------------------------------------------------------------------------------------
-# The plan
-
-
 class Part:
     """One buffer's bytes of every rank: ``counts[r]`` bytes per rank, gathered into the
     target buffer's flat bytes from offset 0 (``SLOT``: the ranks' parts are consecutive
@@ -275,7 +221,7 @@ class Plan:
         self.rank = rank
         self.size = comm_size
         self.dim0s = [int(d) for d in columns["dim0"]]
-        self.recipe, self.dtype, self.kind = src.recipe, src.dtype, src.kind
+        self.recipe, self.dtype, self.is_block = src.recipe, src.dtype, src.is_block
         self.rowwise, self.columnwise = src.rowwise, src.columnwise
         self.row_held = [bool(h) for h in columns["has_row"]]
         self.col_held = [bool(h) for h in columns["has_col"]]
@@ -304,19 +250,19 @@ class Plan:
             self.derived = [d for d in wanted if d not in self.directions]
             self.hp_gather = not self.directions
             self.hp_source = (ROW if all(self.row_held) else COL if all(self.col_held)
-                              else None) if self.kind == 1 else None
+                              else None) if self.is_block else None
         self.derive_columnwise = (isinstance(self.recipe, Block2D) and self.columnwise
                                   and self.path == FAST)
         self.targets = self._targets()
         self.parts, self.fills, self.moves = (self._layout_parts() if self.directions
-                                              and (self.path == FAST or self.kind == 1)
+                                              and (self.path == FAST or self.is_block)
                                               else ([], [], []))
         # per-call constants of the fast path
         self.out_layouts = all_layouts(self.recipe, self.M, self.K)
         self.row_q = self.path == FAST and ROW in self.directions
         self.col_q = self.path == FAST and COL in self.directions
         self.quantized = [self.row_q, self.row_q, self.col_q, self.col_q]
-        self.direct = comm_size == 1 and self.kind == 0  # the local quantize is the output
+        self.direct = comm_size == 1 and not self.is_block  # the local quantize is the output
         self.checked_out = None  # (out, its buffers) last validated as this plan's out=
         self.prepared = None     # paths' prepared views and items for the last targets
 
@@ -328,7 +274,7 @@ class Plan:
         recipe, name = self.recipe, type(self.recipe).__name__
         wanted = [d for d, on in ((ROW, self.rowwise), (COL, self.columnwise)) if on]
         check_mxfp8_shape(recipe, self.M, self.K, f"the gathered tensor (local rows {self.ms})")
-        if self.kind == 1 and not isinstance(recipe, Block2D):
+        if self.is_block and not isinstance(recipe, Block2D):
             for direction, held in ((ROW, self.row_held), (COL, self.col_held)):
                 lacking = [r for r, h in enumerate(held) if not h]
                 if direction in wanted and lacking:
@@ -353,7 +299,7 @@ class Plan:
     def _kept(self, wanted):
         """The asked directions of a BlockTensor fallback that every rank holds and whose
         blocks lie within one rank's rows (their bytes are gathered as they are)."""
-        if self.kind == 0 or isinstance(self.recipe, Block2D):
+        if not self.is_block or isinstance(self.recipe, Block2D):
             return []
         as_is = {ROW: True,
                  COL: (self._aligned(128) if isinstance(self.recipe, Block1D)
@@ -472,7 +418,7 @@ class Plan:
     def serves(self, src):
         """Whether this plan gathers what the valid input ``src`` is: its configuration (the
         key without sizes), this rank's rows and held directions."""
-        return (self.kind == src.kind and self.out_shape[1:] == src.shape[1:]
+        return (self.is_block == src.is_block and self.out_shape[1:] == src.shape[1:]
                 and self.dtype == src.dtype and self.recipe == src.recipe
                 and self.rowwise == src.rowwise and self.columnwise == src.columnwise
                 and self.expects(src) is None)
@@ -493,15 +439,12 @@ def _row_bytes(plan):
     return rest * plan.dtype.itemsize
 
 
-# --------------------------------------------------------------------------------------------
-# The cache
-
 class PlanCache:
     """Plans of one communicator, bounded: the oldest inserted plan goes first (lookups
     do not reorder, so every rank inserts and evicts identically).
 
     ``lanes``: {id(out): lane} of the ``sizes=``/``out=`` steady state
-    (:mod:`fp8blk.comm.gather.lane`): at most one lane per cached plan (``plan.lane``),
+    (:mod:`fp8blk.comm.gather.paths`): at most one lane per cached plan (``plan.lane``),
     dropped with its plan, so that a lane is found only while the plan it belongs to is
     cached, on every rank alike (a lane hit then issues exactly what a plan-cache hit issues:
     no metadata).
@@ -577,11 +520,7 @@ def local_key(src, sizes):
     """The key of this rank's call. With ``sizes`` it holds only what every rank passes
     identically (so all ranks hit or miss together); without, this rank's full input."""
     if sizes is not None:
-        return (True, src.kind, src.shape[1:], src.dtype, src.recipe, src.rowwise,
+        return (True, src.is_block, src.shape[1:], src.dtype, src.recipe, src.rowwise,
                 src.columnwise, sizes)
-    return (False, src.kind, src.shape, src.dtype, src.recipe, src.rowwise, src.columnwise,
+    return (False, src.is_block, src.shape, src.dtype, src.recipe, src.rowwise, src.columnwise,
             src.has_row, src.has_col)
-
-
-__all__ = ["Source", "Plan", "Part", "PlanCache", "exchange", "check_sizes",
-           "local_key", "FAST", "FALLBACK", "PLAIN", "SLOT", "STAGED"]

@@ -1,47 +1,46 @@
-"""The in-band status of a ``sizes=`` gather: how every rank learns that one rank raised in the
-steady state, where no metadata moves.
-
-Every data collective of a plan made with ``sizes=`` on more than one rank carries one more
-item in its grouped collective: 8 bytes per rank, an int64 code gathered in place into a
-buffer of 8 * size bytes (rank r's code at byte 8 * r). A rank that joins its peers'
-collectives with zeros (:func:`fp8blk.comm.gather.errors.join_with_zeros`) sends its nonzero
-code (:data:`MALFORMED_SIZES`, :data:`INPUT_MISMATCH`); every other call sends 0 (its slot of
-the status buffer is zeroed when the buffer is made, and only the collective writes it after,
-with that same 0). Every rank appends the item last, with the same counts, so the items, their
-counts and the order of the calls are the same everywhere (NCCL's issuer is worked out from the
-counts once; the steady-state lane keeps the buffer with its prepared items, so the steady state
-allocates nothing for it). The 8 bytes are counted in ``comm.stats`` with the data
-(``Plan.sent_bytes``).
-
-Reading the gathered codes:
-
-* Host arrays (MPI, gloo, the NumPy fake world): after the collective, in the same call (an
-  asynchronous call: in its ``Handle.wait()``), a nonzero code raises ValueError naming the
-  rank(s), on every peer.
-* Device arrays (CuPy, torch CUDA): reading them at once would be a host synchronization per
-  call. Instead a copy of the gathered codes into a slot of a host buffer and an event are
-  enqueued on the collective's stream after it, and kept as pending (:class:`Watch`, one per
-  communicator). Completed records are looked at without blocking (``event`` queries) at the end
-  of every later gather call on the communicator, after that call has issued its collectives
-  (a peer that raised before issuing them would leave the ranks that have not seen the status
-  yet waiting in them), and in ``Handle.wait()`` of an asynchronous one; a nonzero code raises
-  there. :func:`check_pending` blocks on every pending event and raises at once.
-"""
+"""The gather's state across calls and ranks (docs/distributed.md, "Agreement and errors"): the
+communicator's plan cache and path counters, the in-band status every ``sizes=`` collective
+carries (how peers learn that one rank raised where no metadata moves) and the fast path's
+fix-up (staged parts moved into place, scale padding written), worked out once and replayed."""
 from __future__ import annotations
 
 import collections
 
 import numpy as np
 
-from .arrays import U8
-from .plan import STATUS_BYTES
-from .state import cached_plans, plan_cache
+from ..._dispatch import backend_for
+from ..base import Stats
+from .plan import STATUS_BYTES, PlanCache
+from .streams import U8, nothing, uniform_byte
+
+Stats.add_counter("gather_paths", collections.Counter, dict)
+Stats.add_counter("last_gather_path", lambda: None)
+
+
+def cached_plans(comm):
+    """``comm``'s plan cache, or None when it has gathered nothing yet."""
+    return comm.gather_state
+
+
+def plan_cache(comm) -> PlanCache:
+    """The plan cache of ``comm`` (created on first use; tests read ``hits``/``misses``)."""
+    cache = comm.gather_state
+    if cache is None:
+        cache = comm.gather_state = PlanCache()
+    return cache
+
+
+def record_path(comm, path):
+    """Count a gather that took ``path`` in ``comm.stats``."""
+    stats = comm.stats
+    stats.gather_paths[path] += 1
+    stats.last_gather_path = path
+
 
 FINE = 0
 MALFORMED_SIZES = 1  # this rank's own sizes= is malformed
 INPUT_MISMATCH = 2   # this rank's input is invalid, or does not fit the plan of the sizes
 SLOTS = 256  # device records in flight per communicator before the oldest is waited for
-
 _WHAT = {MALFORMED_SIZES: "passed sizes= that are malformed (not one non-negative int per rank)",
          INPUT_MISMATCH: "passed an input that is invalid or does not match these sizes (its "
                          "rows along dim 0, dtype, shape or held directions)"}
@@ -209,5 +208,89 @@ def check_pending(comm):
     watch.check()
 
 
-__all__ = ["status_item", "with_status_item", "with_status", "Watch", "watch_of", "peer_error", "settle",
-           "check_pending", "FINE", "MALFORMED_SIZES", "INPUT_MISMATCH", "STATUS_BYTES"]
+def fix_up_post(plan, targets, stagings, ops, stream):
+    """The fix-up of a multi-rank fast gather into ``targets`` as a callable, built once per
+    set of buffers. On the device every move and fill is one runtime call enqueued on
+    ``stream`` (the communication stream): a cudaMemcpy2DAsync per rank and staged part, a
+    cudaMemsetAsync per fill whose bytes are all equal, else a copy from a constant block made
+    here. On the host (NumPy, CPU torch) they are copies between strided byte views."""
+    derive = derive_post(plan, targets) if plan.derive_columnwise else None
+    if not plan.moves and not plan.fills:
+        return derive or nothing
+    if ops.device:
+        calls, constants = _device_fix_up_calls(plan, targets, stagings, ops, stream)
+
+        def device_post(keep=constants):  # keep: constant blocks the calls copy from
+            for function, args in calls:
+                function(*args)
+            if derive is not None:
+                derive()
+        return device_post
+    steps = _host_fix_up_steps(plan, targets, stagings, ops)
+
+    def host_post():
+        for dst, value in steps:
+            if isinstance(value, (int, float)):
+                ops.fill(dst, value)
+            else:
+                ops.copy(dst, value)
+        if derive is not None:
+            derive()
+    return host_post
+
+
+def derive_post(plan, targets):
+    """Block2D columnwise by FP8 transpose of the gathered rowwise (on the current stream)."""
+    derive = backend_for(targets[0]).block2d_columnwise_from_rowwise
+    out = (targets[2], targets[3])
+
+    def post():  # returns None: a Handle would take a value for its result
+        derive(targets[0], targets[1], out=out)
+    return post
+
+
+def _device_fix_up_calls(plan, targets, stagings, ops, stream):
+    """(calls, constants): the runtime calls ``(function, args)`` of the fix-up (see
+    :mod:`fp8blk.comm.gather.streams`), addresses and sizes worked out once, and the constant
+    blocks they copy fills from (filled here on the current stream, which the communication
+    stream waits for, in begin(), before the first call reads them)."""
+    copies = ops.copies()
+    calls, constants = [], []
+    for index, dst, dst_pitch, src, src_pitch, width, height in plan.moves:
+        calls.append(copies.copy2d(ops.ptr(targets[index]) + dst, dst_pitch,
+                                   ops.ptr(stagings[index]) + src, src_pitch, width, height,
+                                   stream))
+    for index, offset, (height, width), strides, value in plan.fills:
+        if not height or not width:
+            continue
+        dtype = plan.out_layouts[index].dtype
+        item = dtype.itemsize
+        dst, pitch, row = ops.ptr(targets[index]) + offset, strides[0] * item, width * item
+        byte = uniform_byte(value, dtype)
+        if byte is not None and (height == 1 or pitch == row):
+            calls.append(copies.memset(dst, byte, height * row, stream))
+            continue
+        constant = ops.empty((height, width), dtype)
+        ops.fill(constant, value)
+        constants.append(constant)
+        calls.append(copies.copy2d(dst, pitch, ops.ptr(constant), row, row, height, stream))
+    return calls, constants
+
+
+def _host_fix_up_steps(plan, targets, stagings, ops):
+    """[(destination view, source view or fill value)] of the fix-up on host arrays: each
+    move as a (height, width) byte view pair, then the scale padding as typed views."""
+    steps = []
+    flats = {}
+
+    def flat(index):
+        if index not in flats:
+            flats[index] = ops.flat_bytes(targets[index])
+        return flats[index]
+    for index, dst, dst_pitch, src, src_pitch, width, height in plan.moves:
+        steps.append((ops.window(flat(index), dst, (height, width), (dst_pitch, 1), U8),
+                      ops.window(stagings[index], src, (height, width), (src_pitch, 1), U8)))
+    for index, offset, shape, strides, value in plan.fills:
+        steps.append((ops.window(flat(index), offset, shape, strides,
+                                 plan.out_layouts[index].dtype), value))
+    return steps

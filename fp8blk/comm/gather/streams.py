@@ -1,13 +1,261 @@
-"""The streams of a device gather and the running of its collective and post-processing:
-the local quantize on the current stream; the collective and the fix-up on ``stream``
-(default: the current one), which first waits for the current stream; an asynchronous
-call's Handle waits for an event (device) or completes the collective (host backends)."""
+"""Arrays, streams and raw copies of the gather (docs/distributed.md, "Quantized all-gather"):
+the per-family array operations (extending fp8blk._arrays' families), the stream-ordered 2-D
+copies and fills of the device fix-up and status, and the running of a gather's collective and
+post-processing on the compute and communication streams."""
 from __future__ import annotations
 
 import sys
 
+import numpy as np
+
 from ... import _arrays
 from ..base import Handle
+
+_cuda = []
+
+
+class Copies:
+    """Calls ``(function, args)`` of a runtime, built once; ``function(*args)`` enqueues one
+    (the caller replays its list of them in order)."""
+
+    def __init__(self, runtime, host_buffer=None):
+        self.runtime = runtime
+        self._copy2d = runtime.memcpy2DAsync
+        self._memset = runtime.memsetAsync
+        self._kind = runtime.memcpyDeviceToDevice
+        self._host_buffer = host_buffer
+
+    def host_buffer(self, nbytes):
+        """A uint8 NumPy array of ``nbytes`` in host memory the device can copy into
+        asynchronously (page-locked on CUDA; plain host memory for a host stand-in)."""
+        if self._host_buffer is None:
+            return np.zeros(nbytes, np.uint8)
+        return self._host_buffer(nbytes)
+
+    def to_host(self, dst, src, nbytes, stream):
+        """Enqueue a copy of ``nbytes`` from device address ``src`` to host address ``dst``."""
+        runtime = self.runtime
+        runtime.memcpyAsync(dst, src, nbytes, runtime.memcpyDeviceToHost, stream)
+
+    def new_event(self):
+        """A raw event handle (no timing), of the current device."""
+        runtime = self.runtime
+        return runtime.eventCreateWithFlags(runtime.eventDisableTiming)
+
+    def record(self, event, stream):
+        self.runtime.eventRecord(event, stream)
+
+    def done(self, event):
+        """Whether the work before ``event`` has completed (never blocks)."""
+        return self.runtime.eventQuery(event) == 0
+
+    def synchronize(self, event):
+        """Block the host until the work before ``event`` has completed."""
+        self.runtime.eventSynchronize(event)
+
+    def copy2d(self, dst, dst_pitch, src, src_pitch, width, height, stream):
+        """Copy ``height`` rows of ``width`` bytes (rows ``*_pitch`` bytes apart)."""
+        return self._copy2d, (dst, dst_pitch, src, src_pitch, width, height, self._kind,
+                              stream)
+
+    def memset(self, dst, byte, nbytes, stream):
+        return self._memset, (dst, byte, nbytes, stream)
+
+
+def cuda_copies() -> Copies:
+    """The CUDA runtime's calls, through CuPy (which the device kernels need anyway)."""
+    if not _cuda:
+        import cupy
+        from cupy.cuda import runtime
+
+        def pinned(nbytes):
+            return np.frombuffer(cupy.cuda.alloc_pinned_memory(nbytes), np.uint8, nbytes)
+
+        _cuda.append(Copies(runtime, pinned))
+    return _cuda[0]
+
+
+def uniform_byte(value, dtype):
+    """The byte every byte of ``value`` as ``dtype`` equals (so memset writes it), or None."""
+    raw = np.array(value, dtype=dtype).tobytes()
+    return raw[0] if raw.count(raw[:1]) == len(raw) else None
+
+
+U8 = np.dtype(np.uint8)
+
+
+def _span(shape, strides):
+    """Elements from the first to one past the last element of a strided view."""
+    if not all(shape):
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+
+
+class NumpyOps(_arrays.HostFamily):
+    """The gather's array operations on one family (this one: NumPy; :class:`CupyOps`,
+    :class:`TorchOps`), on top of the family's dtype/contiguity/pointer in fp8blk._arrays:
+    ``empty(shape, dtype)`` (C-contiguous; BF16 too), ``flat_bytes(arr)`` (flat uint8 view),
+    ``window(flat, offset, shape, strides, dtype)`` (a typed view: ``offset`` in bytes,
+    ``strides`` in elements), ``copy(dst, src)`` / ``fill(dst, value)`` (in place, on the
+    current stream), ``host_view(arr)``, ``device``, ``current_stream_ptr()`` and, on the
+    device, ``copies()`` (:class:`Copies`). :func:`ops_for` gives an array's."""
+
+    def empty(self, shape, dtype):
+        return np.empty(shape, dtype)
+
+    def flat_bytes(self, arr):
+        return arr.reshape(-1).view(U8)
+
+    def window(self, flat, offset, shape, strides, dtype):
+        dtype = np.dtype(dtype)
+        item = dtype.itemsize
+        return np.ndarray(shape, dtype, buffer=flat, offset=offset,
+                          strides=tuple(s * item for s in strides))
+
+    def copy(self, dst, src):
+        dst[...] = src
+
+    def fill(self, dst, value):
+        dst[...] = value
+
+    def host_view(self, arr):
+        return arr
+
+    def nbytes(self, arr):
+        return arr.nbytes
+
+    def current_stream_ptr(self):
+        return None  # host arrays: no stream
+
+
+class CupyOps(NumpyOps, _arrays.CupyFamily):
+    device = True
+
+    def __init__(self):
+        import cupy
+
+        self.cupy = cupy
+        self._as_strided = cupy.lib.stride_tricks.as_strided
+
+    def empty(self, shape, dtype):
+        dtype = np.dtype(dtype)
+        if dtype == _arrays.BF16:
+            dtype = np.dtype(np.uint16)  # CuPy holds bf16 as bit patterns
+        return self.cupy.empty(shape, dtype)
+
+    def window(self, flat, offset, shape, strides, dtype):
+        dtype = np.dtype(dtype)
+        if dtype == _arrays.BF16:
+            dtype = np.dtype(np.uint16)
+        item = dtype.itemsize
+        typed = flat[offset: offset + _span(shape, strides) * item].view(dtype)
+        return self._as_strided(typed, tuple(shape), tuple(s * item for s in strides))
+
+    def current_stream_ptr(self):
+        return self.cupy.cuda.get_current_stream().ptr
+
+    def copies(self):
+        return cuda_copies()
+
+
+class TorchOps(_arrays.TorchFamily):
+
+    def __init__(self, device):
+        import torch
+
+        self.torch = torch
+        self.device = device.type == "cuda"
+        self.where = device
+
+    def tdtype(self, dtype):
+        if isinstance(dtype, self.torch.dtype):
+            return dtype
+        if np.dtype(dtype) == np.uint16:  # bf16 bit patterns: the same 2 bytes as int16
+            return self.torch.int16
+        return _arrays.numpy_to_torch_dtype(dtype)
+
+    def empty(self, shape, dtype):
+        return self.torch.empty(shape, dtype=self.tdtype(dtype), device=self.where)
+
+    def flat_bytes(self, arr):
+        flat = arr.reshape(-1)
+        if flat.numel() <= 1 and flat.stride(0) != 1:  # DLPack may give size-0/1 tensors
+            flat = flat.as_strided((flat.numel(),), (1,))  # any stride; view() needs 1
+        return flat.view(self.torch.uint8)
+
+    def window(self, flat, offset, shape, strides, dtype):
+        tdtype = self.tdtype(dtype)
+        item = tdtype.itemsize
+        typed = flat[offset: offset + _span(shape, strides) * item].view(tdtype)
+        return typed.as_strided(tuple(shape), tuple(strides), typed.storage_offset())
+
+    def copy(self, dst, src):
+        dst.copy_(src)
+
+    def fill(self, dst, value):
+        dst.fill_(value)
+
+    def host_view(self, arr):
+        return arr.numpy()  # a CPU tensor's memory
+
+    def nbytes(self, arr):
+        return arr.numel() * arr.element_size()
+
+    def current_stream_ptr(self):
+        if not self.device:
+            return None
+        return _arrays.torch_stream_ptr(self.where.index)
+
+    def copies(self):
+        return cuda_copies()
+_NUMPY = NumpyOps()
+_cupy_ops = None
+_torch_ops = {}
+
+
+def internal_ops(device):
+    """The operations on internal arrays: CuPy for device data, NumPy for host data."""
+    global _cupy_ops
+    if not device:
+        return _NUMPY
+    if _cupy_ops is None:
+        _cupy_ops = CupyOps()
+    return _cupy_ops
+
+
+def ops_for(arr):
+    """The operations object of ``arr``'s family (NumPy, CuPy, torch on its device)."""
+    global _cupy_ops
+    if isinstance(arr, np.ndarray):
+        return _NUMPY
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(arr, cupy.ndarray):
+        if _cupy_ops is None:
+            _cupy_ops = CupyOps()
+        return _cupy_ops
+    device = arr.device
+    ops = _torch_ops.get(device)
+    if ops is None:
+        ops = _torch_ops[device] = TorchOps(device)
+    return ops
+
+
+def local_x2d(x, m, k, rows):
+    """The local (rows, K) high-precision array as the quantize backend takes it (``x``: the
+    C-contiguous input of m * K elements; rows > m: MXFP8 rowwise pads with zero rows up to a
+    multiple of 32, never sent)."""
+    if type(x) is not np.ndarray and _arrays.is_torch(x) and not x.is_cuda:
+        x = _arrays.to_backend(x)[0]  # a CPU tensor: its NumPy view (no copy)
+    x2d = x if x.ndim == 2 else x.reshape(m, k)
+    if rows != m:
+        if ops_for(x2d).name == _arrays.TORCH:
+            padded = x2d.new_zeros((rows, k))
+        else:
+            padded = (np if isinstance(x2d, np.ndarray) else _arrays.cupy_module()).zeros(
+                (rows, k), dtype=x2d.dtype)
+        padded[:m] = x2d
+        x2d = padded
+    return x2d
 
 
 _torch_external = {}
@@ -24,7 +272,7 @@ class DeviceStreams:
             import torch
 
             self.lib = torch
-            if stream is None:  # the common case: no Stream objects (~5 us each in torch)
+            if stream is None:  # the common case: no torch Stream objects made
                 self.compute = self.comm = None
                 self.ptr = _arrays.torch_stream_ptr()
                 self.same = True
@@ -90,8 +338,6 @@ class _Null:
 
     def __exit__(self, *exc):
         return False
-
-
 NULL = _Null()
 
 
@@ -204,4 +450,3 @@ def issuer(comm, items):
 
 def nothing():
     return None
-

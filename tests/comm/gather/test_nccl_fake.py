@@ -13,13 +13,13 @@ import pytest
 import fp8blk as fb
 from fp8blk.comm import GatherFallbackWarning
 from fp8blk.comm import nccl as nccl_module
-from fp8blk.comm.gather import arrays as gather_arrays
 from fp8blk.comm.gather import gather_along_first_dim, plan_cache
 from fp8blk.comm.gather import paths as gather_paths
 from fp8blk.comm.gather import plan as gather_plan
+from fp8blk.comm.gather import streams as gather_streams
 
-from .fake_ranks import DeviceOps, FakeNccl, host_nccl, run_ranks
-from .gather_checks import assert_same_bytes, gather_input
+from tests.comm.fake_ranks import DeviceOps, FakeNccl, host_nccl, run_ranks
+from tests.comm.gather.checks import assert_same_bytes, gather_input
 
 
 @pytest.fixture
@@ -98,7 +98,7 @@ def test_torch_native_arrays(fake_nccl, monkeypatch, recipe, rowwise, columnwise
     """The path torch CUDA inputs take (torch output buffers, torch windows and strided
     copies, pointers from data_ptr), run on CPU tensors standing in for CUDA ones."""
     torch = pytest.importorskip("torch")
-    monkeypatch.setattr(gather_paths, "result_ops", lambda src: gather_arrays.ops_for(src.x))
+    monkeypatch.setattr(gather_paths, "result_ops", lambda src: gather_streams.ops_for(src.x))
     monkeypatch.setattr(nccl_module, "_ptr", lambda arr: arr.data_ptr()
                         if isinstance(arr, torch.Tensor) else arr.ctypes.data)
     n, k = 3, 96 if isinstance(recipe, fb.MXFP8) else 260

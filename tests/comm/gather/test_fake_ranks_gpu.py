@@ -7,7 +7,7 @@ the metadata goes through host memory. The result must equal ``fb.quantize`` of 
 input byte for byte, for CuPy and torch inputs, equal and unequal shards (an empty one, ones
 that are not multiples of 4 rows), on non-default streams, in the steady state (``sizes=``,
 the same ``out=`` again) too. Run on the H200 with
-``python3 -m pytest -m gpu tests/comm/test_gather_fake_ranks_gpu.py -q``."""
+``python3 -m pytest -m gpu tests/comm/gather/test_fake_ranks_gpu.py -q``."""
 import types
 
 import pytest
@@ -16,8 +16,8 @@ import fp8blk as fb
 from fp8blk.comm import nccl as nccl_module
 from fp8blk.comm.gather import gather_along_first_dim, plan_cache
 
-from .fake_ranks import run_ranks
-from .gather_checks import assert_same_bytes, gather_input
+from tests.comm.fake_ranks import run_ranks
+from tests.comm.gather.checks import assert_same_bytes, gather_input
 
 pytestmark = pytest.mark.gpu
 

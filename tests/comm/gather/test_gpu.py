@@ -2,13 +2,13 @@
 mpiexec: mpi4py's singleton), on CuPy and torch CUDA inputs: bytes equal ``quantize`` of the
 input, ``out=`` reuse, a communication ``stream=``, asynchronous handles, and
 ``NCCLComm.all_gather``'s direct pointer path. Run on the H200 with
-``python3 -m pytest -m gpu tests/comm/test_gather_gpu.py -q``."""
+``python3 -m pytest -m gpu tests/comm/gather/test_gpu.py -q``."""
 import numpy as np
 import pytest
 
 import fp8blk as fb
 
-from .gather_checks import assert_same_bytes, gather_input
+from tests.comm.gather.checks import assert_same_bytes, gather_input
 
 pytestmark = pytest.mark.gpu
 

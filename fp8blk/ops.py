@@ -8,7 +8,7 @@ import numpy as np
 
 from . import _arrays, reference
 from ._dispatch import backend_for
-from .formats import MXFP8, as_flag, check_mxfp8_shape, check_recipe
+from .formats import as_flag, check_mxfp8_shape, check_recipe
 from .layout import shape2d
 from .tensor import BlockTensor, from_internal
 

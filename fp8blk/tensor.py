@@ -5,7 +5,7 @@ import numpy as np
 
 from . import _arrays
 from ._dispatch import backend_for
-from .formats import MXFP8, Block2D, as_flag, check_mxfp8_shape, check_recipe
+from .formats import Block2D, as_flag, check_mxfp8_shape, check_recipe
 from .layout import BUFFER_NAMES, all_layouts
 from .layout import shape2d as _shape2d
 

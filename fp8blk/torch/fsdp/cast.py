@@ -38,7 +38,7 @@ def recast(registry):
         return
     for state, fp, start, count, chunk in entries:
         if state.frags is None or state.frags[0].shape[0] != chunk:
-            hp = local_of(fp)._planes[0]
+            hp = local_of(fp).planes[0]
             state.frags = [hp.new_zeros((chunk, state.shape[1]), dtype=torch.uint8)
                            for _ in state.planes]
     split = registry.tile_split
@@ -71,7 +71,7 @@ def _split_tile_local(entries):
     for e in entries:
         state, fp, start, count, chunk = e
         ok = (isinstance(state.recipe, Block2D) and chunk % 128 == 0
-              and local_of(fp)._planes[0].dtype == state.model_dtype)
+              and local_of(fp).planes[0].dtype == state.model_dtype)
         (local if ok else other).append(e)
     return local, other
 
@@ -104,7 +104,7 @@ def _cast_tile_local(registry, entries):
         cols = state.shape[1]
         rows = count // cols
         t0 = start // cols // 128
-        x2d = local_of(fp)._planes[0].reshape(-1)[:count].view(rows, cols)
+        x2d = local_of(fp).planes[0].reshape(-1)[:count].view(rows, cols)
         data, sinv = state.frags[0][:rows], view[t0:t0 + cdiv(rows, 128)]
         if x2d.is_cuda:  # straight into the fragment and the packed scales
             quantize_into(x2d, state.recipe, True, False, _arrays.numpy_dtype(x2d.dtype),
@@ -122,7 +122,7 @@ def _cast_tile_local(registry, entries):
 def _cast_mode_item(j, i, entry):
     """The Item of a mode "cast" weight: its parameter's rows, bytes into its fragments."""
     state, fp = entry[0], entry[1]
-    hp = local_of(fp)._planes[0]
+    hp = local_of(fp).planes[0]
     frags = state.frags
     key = (hp.data_ptr(), hp.dtype, hp.numel(), frags[0].data_ptr(), frags[-1].data_ptr())
     return cast_item(j, entry, key, _cast_mode_sources)
@@ -131,7 +131,7 @@ def _cast_mode_item(j, i, entry):
 def _cast_mode_sources(entry):
     state, fp, start, count, chunk = entry
     flat = [f.reshape(-1)[:count] for f in state.frags] + [None]
-    return local_of(fp)._planes[0].reshape(-1)[:count], flat[0], flat[1]
+    return local_of(fp).planes[0].reshape(-1)[:count], flat[0], flat[1]
 
 
 __all__ = ["precompute_fp8_scales", "recast", "cast_version"]

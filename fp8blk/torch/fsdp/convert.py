@@ -56,8 +56,8 @@ def prepare_fsdp_fp8(model: torch.nn.Module, mode: str = "cast", module_filter_f
         r = recipe if recipe is not None else getattr(getattr(module, "config", None),
                                                       "weight", Block2D())
         module.weight = _convert(weight, r, mode, model_dtype, fqn)
-        registry.states.append(module.weight._state if not is_dtensor(module.weight)
-                               else module.weight._local_tensor._state)
+        registry.states.append(module.weight.weight_state if not is_dtensor(module.weight)
+                               else module.weight._local_tensor.weight_state)
         registry.states[-1].registry = registry
     return model
 

@@ -46,9 +46,9 @@ def _scan_registries(model):
     regs = []
     for p in model.parameters():
         local = p._local_tensor if is_dtensor(p) else p
-        if isinstance(local, PlaneWeight) and local._state.registry is not None:
-            if all(r is not local._state.registry for r in regs):
-                regs.append(local._state.registry)
+        if isinstance(local, PlaneWeight) and local.weight_state.registry is not None:
+            if all(r is not local.weight_state.registry for r in regs):
+                regs.append(local.weight_state.registry)
     return regs
 
 

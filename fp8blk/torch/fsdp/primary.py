@@ -29,7 +29,7 @@ def master_weights(model: torch.nn.Module) -> list:
     weight's values (dequantized). Pass them to the optimizer."""
     out = []
     for reg, (state, fp, *_) in _primary_entries(model):
-        vals = reg.local_values(state, local_of(fp)._planes[0])
+        vals = reg.local_values(state, local_of(fp).planes[0])
         out.append(vals.reshape(-1).float().clone().requires_grad_(True))
     return out
 
@@ -161,14 +161,14 @@ def cast_master_weights_(model: torch.nn.Module, masters: list) -> None:
 def _primary_item(masters, j, i, entry):
     """The Item of a mode "primary" weight: master `masters[i]`, bytes into the local planes."""
     m = masters[i]
-    planes = local_of(entry[1])._planes
+    planes = local_of(entry[1]).planes
     key = (m.data_ptr(), m.dtype, planes[0].data_ptr(), planes[-1].data_ptr(),
            planes[0].numel())
     return cast_item(j, entry, key, _primary_sources, m)
 
 
 def _primary_sources(entry, m):
-    planes = local_of(entry[1])._planes
+    planes = local_of(entry[1]).planes
     return m, planes[0].reshape(-1), planes[1].reshape(-1) if len(planes) > 1 else None
 
 

@@ -76,8 +76,8 @@ class Registry:
             group = st._fsdp_param_group
             for fp in group.fsdp_params:
                 local = local_of(fp)
-                if isinstance(local, PlaneWeight) and local._state.registry is self:
-                    self._fsdp[id(local._state)] = (fp, group)
+                if isinstance(local, PlaneWeight) and local.weight_state.registry is self:
+                    self._fsdp[id(local.weight_state)] = (fp, group)
 
     def entries(self, mode):
         """[(state, FSDPParam, first flat index, element count, chunk rows)] of the weights
@@ -113,7 +113,7 @@ class Registry:
         entries = self.entries(mode)
         if entries:
             layout = [(tuple(state.shape), repr(state.recipe), str(state.model_dtype),
-                       str(local_of(fp)._planes[0].dtype), chunk)
+                       str(local_of(fp).planes[0].dtype), chunk)
                       for state, fp, start, count, chunk in entries]
             comm = self.comm(entries[0][1])
             agreement = all_agree(comm, [len(layout), fingerprint(*layout)],

@@ -209,6 +209,16 @@ class PlaneWeight(torch.Tensor):
         self._planes = tuple(planes)
         self._state = state
 
+    @property
+    def planes(self) -> tuple:
+        """The inner tensors: uint8 FP8 bytes, or the high-precision parameter first."""
+        return self._planes
+
+    @property
+    def weight_state(self) -> "WeightState":
+        """The shared :class:`WeightState` (recipe, global shape, scales, registry)."""
+        return self._state
+
     def __repr__(self):
         return (f"{type(self).__name__}(shape={tuple(self.shape)}, recipe={self._state.recipe!r}, "
                 f"global shape={self._state.shape}, mode={self._state.mode})")

@@ -21,7 +21,8 @@ except ImportError as err:  # pragma: no cover
 
 from .config import Float8BlockConfig
 from .scaled_mm import blockwise_scaled_mm
-from .linear import Float8BlockLinear, convert_to_float8_block, float8_block_linear
+from .linear import Float8BlockLinear, float8_block_linear
+from .convert import convert_to_float8_block
 from .fsdp import (cast_master_weights_, clip_master_grad_norm_, master_grads_, master_weights,
                    precompute_fp8_scales, prepare_fsdp_fp8)
 from .checkpoint import master_state_dict

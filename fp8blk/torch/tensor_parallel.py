@@ -56,7 +56,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from ..comm import TorchComm, gather_along_first_dim
 from ..comm.agree import all_agree, fingerprint
 from .linear import Float8BlockLinear
-from .linear.dtensor import dtensor_forward  # noqa: F401 (re-exported)
+from .linear.module import dtensor_forward  # noqa: F401 (re-exported)
 from .linear.functional import (add_bias, forward_operands, fp8_gemms_backward,
                                 quantize_input, transposed, weight_block_tensor)
 from .quantize_ops import block_tensor_buffers

@@ -9,7 +9,7 @@ from ...formats import Block2D, MXFP8, check_mxfp8_shape
 from ...ops import quantize
 from ..dtypes import HIGH_DTYPES
 from ..linear import Float8BlockLinear
-from ..linear.dtensor import is_dtensor
+from ..linear.module import is_dtensor
 from .models import conversions_changed
 from .registry import Registry
 from .weights import Float8BlockCastWeight, Float8BlockPrimaryWeight, PlaneWeight, WeightState

@@ -8,7 +8,7 @@ import weakref
 
 import torch
 
-from ..linear.dtensor import is_dtensor
+from ..linear.module import is_dtensor
 from .weights import PlaneWeight
 
 

@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-from ..linear.dtensor import is_dtensor
+from ..linear.module import is_dtensor
 from .batch import cast_all, cast_item
 from .models import registries_of
 from .state import local_of

@@ -1,13 +1,12 @@
-"""Float8BlockLinear, the ``nn.Linear`` whose three GEMMs run in block-scaled FP8, and
-``convert_to_float8_block``, which swaps a model's ``nn.Linear`` modules for it in place (the
-math, memory and interfaces: :mod:`fp8blk.torch.linear`)."""
+"""Float8BlockLinear, the ``nn.Linear`` whose three GEMMs run in block-scaled FP8 (the math,
+memory and interfaces: docs/torch.md). The whole-model converter is :mod:`fp8blk.torch.convert`."""
 from __future__ import annotations
 
 import torch
 
+from ...layout import c_strides
 from ..config import Float8BlockConfig, config_or_default
-from .dtensor import dtensor_forward, is_dtensor
-from .functional import check_features, float8_block_linear
+from .functional import add_bias, check_features, float8_block_linear
 
 
 class Float8BlockLinear(torch.nn.Linear):
@@ -95,89 +94,80 @@ def _fsdp_fp8_weight(weight) -> bool:
 _forward_eagerly = torch.compiler.disable(Float8BlockLinear._forward)
 
 
-def convert_to_float8_block(model: torch.nn.Module, config: Float8BlockConfig = None,
-                            module_filter_fn=None, *, share_quantize: bool = False,
-                            norms: bool = False, gated_mlps: bool = False,
-                            keep_inputs: bool = False) -> torch.nn.Module:
-    """Swap every ``nn.Linear`` inside ``model`` for a Float8BlockLinear sharing its
-    parameters, in place, and return ``model``. ``module_filter_fn(module, fqn) -> bool``
-    chooses which (default: all). A layer the recipe cannot take (MXFP8: features not
-    multiples of 32) raises a ValueError naming it; filter it out to keep it in bf16.
-    ``share_quantize``: layers reading the same tensor share its FP8 copies within each
-    forward call of ``model`` (``fp8blk.torch.linear.sharing``). ``norms``: RMSNorms swapped
-    for ones keeping only their input between the passes (``fp8blk.torch.norm``).
-    ``gated_mlps``: SwiGLU MLPs swapped for ones not keeping the activation's output
-    (``fp8blk.torch.mlp``). Both keep the state dict and give the same bytes, but for the
-    norms' input gradients (within a rounding bound: ``fp8blk.torch.norm``).
-    ``keep_inputs``: layers keep their input instead of its FP8 copy where it is kept anyway
-    (``Float8BlockLinear.keep_input``; the same bytes): attention output projections (an
-    ``o_proj`` beside a ``q_proj`` or ``qkv_proj``, as in Hugging Face's Llama, Mistral, Qwen
-    and Phi-3: its input is what scaled_dot_product_attention keeps for its own backward
-    pass) and the down projections of the swapped gated MLPs (their input kept as its formula
-    of the gate and up outputs, ``fp8blk.torch.mlp``).
 
-    A model converted before may be converted again with the same config (its
-    Float8BlockLinears are kept); a Float8BlockLinear with another config raises a ValueError
-    naming it (a layer's config is fixed once it is built: its plans, FSDP2 weight and
-    sequence-parallel style follow it), unless ``module_filter_fn`` leaves it out."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"convert_to_float8_block: model must be a torch.nn.Module, got "
-                        f"{type(model).__name__}")
-    config = config_or_default(config, "convert_to_float8_block")
+# DTensor weights (torch's tensor-parallel plans): the FP8 GEMMs run on the local shards and the
+# output is re-wrapped with the placements the weight's sharding implies (docs/torch.md).
+# torch.distributed is imported only when a DTensor weight is first seen.
 
-    def swap(module, fqn):
-        linear = type(module) is torch.nn.Linear
-        if (linear or isinstance(module, Float8BlockLinear)) and (
-                module_filter_fn is None or module_filter_fn(module, fqn)):
-            if linear:
-                try:
-                    return Float8BlockLinear.from_linear(module, config)
-                except ValueError as err:
-                    raise ValueError(f"convert_to_float8_block: layer {fqn!r}: {err}") from None
-            if module.config == config:
-                return module
-            raise ValueError(f"convert_to_float8_block: layer {fqn!r} is a Float8BlockLinear "
-                             f"with config {module.config!r} already, this call's config is "
-                             f"{config!r}; convert once, or leave the layer out with "
-                             f"module_filter_fn")
-        for name, child in list(module.named_children()):
-            new = swap(child, f"{fqn}.{name}" if fqn else name)
-            if new is not child:
-                setattr(module, name, new)
-        return module
-
-    out = swap(model, "")
-    if out is not model:
-        raise TypeError("convert_to_float8_block converts in place; pass a model that "
-                        "contains nn.Linear modules, not an nn.Linear itself (use "
-                        "Float8BlockLinear.from_linear(linear))")
-    if norms:
-        from ..norm import convert_norms
-        convert_norms(model)
-    if gated_mlps:
-        from ..mlp import convert_gated_mlps
-        convert_gated_mlps(model)
-    if keep_inputs:
-        _set_keep_inputs(model, module_filter_fn)
-    if share_quantize:
-        from .sharing import install
-        install(model)
-    return model
+def is_dtensor(t) -> bool:
+    # by type name: importing torch.distributed.tensor costs time and is not always available
+    return type(t).__name__ == "DTensor"
 
 
-def _set_keep_inputs(model, module_filter_fn):
-    from ..mlp import Float8BlockGatedMLP
-    for fqn, parent in model.named_modules():
-        names = dict(parent.named_children())
-        attention = "o_proj" in names and ("q_proj" in names or "qkv_proj" in names)
-        for name, child in names.items():
-            full = f"{fqn}.{name}" if fqn else name
-            if not isinstance(child, Float8BlockLinear) or (
-                    module_filter_fn is not None and not module_filter_fn(child, full)):
-                continue
-            if (attention and name == "o_proj") or (
-                    isinstance(parent, Float8BlockGatedMLP) and name == "down_proj"):
-                child.keep_input = True
+def _shard_dim(placement, ndim):
+    if not placement.is_shard():
+        return None
+    return placement.dim % ndim
 
 
-__all__ = ["Float8BlockLinear", "convert_to_float8_block"]
+def _local(x, want, mesh, what):
+    """x's local tensor, checking a DTensor input has the placement the layer needs."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(x, DTensor):
+        return x, False
+    if len(x.placements) != 1 or x.device_mesh != mesh:
+        raise ValueError(f"Float8BlockLinear ({what}): the input must be a DTensor on the "
+                         f"weight's 1-D mesh, got placements {x.placements}")
+    p = x.placements[0]
+    ok = p.is_replicate() if want == "replicate" else _shard_dim(p, x.ndim) == x.ndim - 1
+    if not ok:
+        raise ValueError(f"Float8BlockLinear ({what}): the input must be "
+                         f"{'Replicate' if want == 'replicate' else 'Shard(-1)'}, got {p}")
+    return x, True
+
+
+def dtensor_forward(layer, x):
+    """Forward of a Float8BlockLinear whose weight is a DTensor (torch's TP plans)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    w = layer.weight
+    mesh = w.device_mesh
+    if len(w.placements) != 1:
+        raise NotImplementedError("Float8BlockLinear supports DTensor weights on 1-D meshes "
+                                  f"(tensor parallelism), got placements {w.placements}")
+    p, b, cfg = w.placements[0], layer.bias, layer.config
+    keep = layer.keep_input
+    dim = _shard_dim(p, 2)
+    if dim == 0:                                   # column-wise
+        x, is_dt = _local(x, "replicate", mesh, "column-wise")
+        # the input gradient computed from this rank's output columns is a partial sum
+        x_local = x.to_local(grad_placements=[Partial()]) if is_dt else x
+        y = float8_block_linear(x_local, w.to_local(),
+                                None if b is None else b.to_local(), cfg, keep_input=keep)
+        # the global shape given explicitly: out_features need not split evenly
+        shape = (*y.shape[:-1], layer.out_features)
+        return DTensor.from_local(y, mesh, [Shard(y.dim() - 1)], run_check=False,
+                                  shape=torch.Size(shape), stride=c_strides(shape))
+    if dim == 1:                                   # row-wise
+        x, is_dt = _local(x, "shard", mesh, "row-wise")
+        x_local = x.to_local() if is_dt else x
+        y = float8_block_linear(x_local, w.to_local(), None, cfg, keep_input=keep)
+        y = DTensor.from_local(y, mesh, [Partial()], run_check=False)
+        if b is not None:
+            # the bias rounded to y's dtype first (the autocast dtype under autocast), as
+            # the unsharded layer adds it: on the local tensors, since the compiled rounding
+            # op has no DTensor sharding rule
+            y = y.redistribute(mesh, [Replicate()])
+            y = DTensor.from_local(add_bias(y.to_local(), b.to_local()), mesh, [Replicate()],
+                                   run_check=False)
+        return y
+    if p.is_replicate():
+        x_local = x.to_local() if isinstance(x, DTensor) else x
+        y = float8_block_linear(x_local, w.to_local(), None if b is None else b.to_local(),
+                                cfg, keep_input=keep)
+        return DTensor.from_local(y, mesh, [Replicate()], run_check=False)
+    raise NotImplementedError(f"Float8BlockLinear: weight placement {p} is not supported")
+
+
+__all__ = ["Float8BlockLinear", "dtensor_forward", "is_dtensor"]

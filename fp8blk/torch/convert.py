@@ -1,0 +1,97 @@
+"""``convert_to_float8_block``: swaps a model's ``nn.Linear`` modules for Float8BlockLinear in
+place, and on request its RMSNorms, SwiGLU MLPs and shared quantizes (the Hugging Face name
+rules for ``keep_inputs``). docs/torch.md has the options."""
+from __future__ import annotations
+
+import torch
+
+from .config import Float8BlockConfig, config_or_default
+from .linear.module import Float8BlockLinear
+
+
+def convert_to_float8_block(model: torch.nn.Module, config: Float8BlockConfig = None,
+                            module_filter_fn=None, *, share_quantize: bool = False,
+                            norms: bool = False, gated_mlps: bool = False,
+                            keep_inputs: bool = False) -> torch.nn.Module:
+    """Swap every ``nn.Linear`` inside ``model`` for a Float8BlockLinear sharing its
+    parameters, in place, and return ``model``. ``module_filter_fn(module, fqn) -> bool``
+    chooses which (default: all). A layer the recipe cannot take (MXFP8: features not
+    multiples of 32) raises a ValueError naming it; filter it out to keep it in bf16.
+    ``share_quantize``: layers reading the same tensor share its FP8 copies within each
+    forward call of ``model`` (``fp8blk.torch.linear.sharing``). ``norms``: RMSNorms swapped
+    for ones keeping only their input between the passes (``fp8blk.torch.norm``).
+    ``gated_mlps``: SwiGLU MLPs swapped for ones not keeping the activation's output
+    (``fp8blk.torch.mlp``). Both keep the state dict and give the same bytes, but for the
+    norms' input gradients (within a rounding bound: ``fp8blk.torch.norm``).
+    ``keep_inputs``: layers keep their input instead of its FP8 copy where it is kept anyway
+    (``Float8BlockLinear.keep_input``; the same bytes): attention output projections (an
+    ``o_proj`` beside a ``q_proj`` or ``qkv_proj``, as in Hugging Face's Llama, Mistral, Qwen
+    and Phi-3: its input is what scaled_dot_product_attention keeps for its own backward
+    pass) and the down projections of the swapped gated MLPs (their input kept as its formula
+    of the gate and up outputs, ``fp8blk.torch.mlp``).
+
+    A model converted before may be converted again with the same config (its
+    Float8BlockLinears are kept); a Float8BlockLinear with another config raises a ValueError
+    naming it (a layer's config is fixed once it is built: its plans, FSDP2 weight and
+    sequence-parallel style follow it), unless ``module_filter_fn`` leaves it out."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"convert_to_float8_block: model must be a torch.nn.Module, got "
+                        f"{type(model).__name__}")
+    config = config_or_default(config, "convert_to_float8_block")
+
+    def swap(module, fqn):
+        linear = type(module) is torch.nn.Linear
+        if (linear or isinstance(module, Float8BlockLinear)) and (
+                module_filter_fn is None or module_filter_fn(module, fqn)):
+            if linear:
+                try:
+                    return Float8BlockLinear.from_linear(module, config)
+                except ValueError as err:
+                    raise ValueError(f"convert_to_float8_block: layer {fqn!r}: {err}") from None
+            if module.config == config:
+                return module
+            raise ValueError(f"convert_to_float8_block: layer {fqn!r} is a Float8BlockLinear "
+                             f"with config {module.config!r} already, this call's config is "
+                             f"{config!r}; convert once, or leave the layer out with "
+                             f"module_filter_fn")
+        for name, child in list(module.named_children()):
+            new = swap(child, f"{fqn}.{name}" if fqn else name)
+            if new is not child:
+                setattr(module, name, new)
+        return module
+
+    out = swap(model, "")
+    if out is not model:
+        raise TypeError("convert_to_float8_block converts in place; pass a model that "
+                        "contains nn.Linear modules, not an nn.Linear itself (use "
+                        "Float8BlockLinear.from_linear(linear))")
+    if norms:
+        from .norm import convert_norms
+        convert_norms(model)
+    if gated_mlps:
+        from .mlp import convert_gated_mlps
+        convert_gated_mlps(model)
+    if keep_inputs:
+        _set_keep_inputs(model, module_filter_fn)
+    if share_quantize:
+        from .linear.sharing import install
+        install(model)
+    return model
+
+
+def _set_keep_inputs(model, module_filter_fn):
+    from .mlp import Float8BlockGatedMLP
+    for fqn, parent in model.named_modules():
+        names = dict(parent.named_children())
+        attention = "o_proj" in names and ("q_proj" in names or "qkv_proj" in names)
+        for name, child in names.items():
+            full = f"{fqn}.{name}" if fqn else name
+            if not isinstance(child, Float8BlockLinear) or (
+                    module_filter_fn is not None and not module_filter_fn(child, full)):
+                continue
+            if (attention and name == "o_proj") or (
+                    isinstance(parent, Float8BlockGatedMLP) and name == "down_proj"):
+                child.keep_input = True
+
+
+__all__ = ["convert_to_float8_block"]

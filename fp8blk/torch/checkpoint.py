@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .fsdp.primary import as_sharded, primary_shards
+from .fsdp.modes import as_sharded, primary_shards
 
 
 def master_state_dict(model: torch.nn.Module, masters: list, optimizer=None) -> dict:

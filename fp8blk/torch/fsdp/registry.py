@@ -1,9 +1,7 @@
-"""The converted weights of one model (one ``prepare_fsdp_fp8`` call) and what they need from
-FSDP2: its FSDPParam and parameter group per weight, this rank's shard of each, and a
-TorchComm per shard process group. Each weight's :class:`~.weights.WeightState` points at
-its registry, which is how the FSDP2 hooks reach the per-model work (the re-cast of mode
-"cast", the values of mode "primary").
-"""
+"""The converted weights of one model (one ``prepare_fsdp_fp8`` call) and their per-step
+work: :class:`Registry` (each weight's FSDPParam, parameter group and shard, a TorchComm per
+shard process group), the model's registries, the batched master cast both modes run, and
+mode "cast"'s re-cast of the FP8 fragments the all-gather sends (docs/torch.md)."""
 from __future__ import annotations
 
 import copy
@@ -12,12 +10,255 @@ import weakref
 import numpy as np
 import torch
 
-from ... import reference, scaling
+from ... import _arrays, master, reference, scaling
 from ...comm.agree import all_agree, fingerprint
-from ...formats import Block2D
-from .cast import cast_version, recast
-from .state import local_of, shard_place
-from .weights import PlaneWeight
+from ...formats import Block2D, MXFP8
+from ...layout import cdiv
+from ...ops import quantize, quantize_into
+from ..linear.module import is_dtensor
+from .weights import PlaneWeight, local_of, shard_place
+
+
+# --------------------------------------------------------------------------------------------
+# A model's registries
+
+
+class _ModelRegistries:
+    """The registries of each model the per-step functions were called with, kept while no
+    prepare_fsdp_fp8 ran since (walking every parameter of a large model each step costs
+    milliseconds)."""
+
+    def __init__(self):
+        self.generation = 0
+        self._known = weakref.WeakKeyDictionary()  # model -> (generation, registries)
+
+    def of(self, model):
+        hit = self._known.get(model)
+        if hit is None or hit[0] != self.generation:
+            hit = self._known[model] = (self.generation, _scan_registries(model))
+        return hit[1]
+
+
+_REGISTRIES = _ModelRegistries()
+
+
+def registries_of(model):
+    """The registries of the converted weights in ``model`` (a model may hold weights
+    converted by several ``prepare_fsdp_fp8`` calls), kept until the next conversion."""
+    return _REGISTRIES.of(model)
+
+
+def conversions_changed():
+    """Called by ``prepare_fsdp_fp8``: the models' registry lists may have changed."""
+    _REGISTRIES.generation += 1
+
+
+def _scan_registries(model):
+    regs = []
+    for p in model.parameters():
+        local = p._local_tensor if is_dtensor(p) else p
+        if isinstance(local, PlaneWeight) and local.weight_state.registry is not None:
+            if all(r is not local.weight_state.registry for r in regs):
+                regs.append(local.weight_state.registry)
+    return regs
+
+
+def gathered_bytes(model: torch.nn.Module) -> list:
+    """Per converted weight, the log of its pre-all-gathers (dicts: training state, usage,
+    planes sent, bytes this rank sent, world size, padded element count)."""
+    return [list(s.gathers) for reg in registries_of(model) for s in reg.states]
+
+
+# --------------------------------------------------------------------------------------------
+# The batched master cast both modes run: fp8blk.master.cast_batch over a model's weights, one
+# all-reduce per recipe bucket, the bytes written into each rank's own rows. An entry is
+# (state, FSDPParam, first flat index, element count, chunk rows): Registry.entries.
+
+
+def _flat_array(t):
+    """The flat internal (NumPy / CuPy) array of torch tensor `t` (None if empty)."""
+    if t is None or t.numel() == 0:
+        return None
+    return _arrays.to_backend(t.detach().reshape(-1))[0]
+
+
+def cast_item(j, entry, key, sources, *args):
+    """The master.Item of one weight (a scale-only weight BlockTensor, bytes into fragments),
+    reused while `key` -- where its master and fragment tensors are (addresses, sizes,
+    dtypes) -- is unchanged: building one imports them through DLPack (~24 us each on the
+    GPU). ``sources(entry, *args)`` gives the (master, row fragment, column fragment) torch
+    tensors, each flat and `count` long (or None), when the Item must be built."""
+    state = entry[0]
+    hit = state.cast_items.get(j)
+    if hit is None or hit[0] != key:
+        hit = state.cast_items[j] = (key, _new_item(j, entry, *sources(entry, *args)))
+    return hit[1]
+
+
+def _new_item(j, entry, m, f_row, f_col):
+    state, fp, start, count, chunk = entry
+    rows, cols = state.shape
+    arr = _flat_array(m) if count else None
+    mdtype = _arrays.numpy_dtype(m.dtype) if arr is not None else None
+    return master.Item(j, state.scale_tensor, rows, cols, state.recipe, arr, mdtype,
+                       start if count else 0, count if arr is not None else 0,
+                       rowwise=True, columnwise=isinstance(state.recipe, MXFP8),
+                       frag_row=_flat_array(f_row) if count else None,
+                       frag_col=_flat_array(f_col) if count else None)
+
+
+def cast_all(registry, entries, item_of):
+    """One batched ``cast_master_weights`` over the entries, one all-reduce per recipe bucket
+    for all weights. ``item_of(j, i, entry)``: the master.Item of entry i, j-th of its
+    model-dtype bucket."""
+    by_dtype = {}
+    for i, entry in enumerate(entries):
+        by_dtype.setdefault(entry[0].model_dtype, []).append(i)
+    device = entries[0][0].scales[0].is_cuda if entries else False
+    comm = registry.comm(entries[0][1]) if entries else None
+    for model_dtype, idx in by_dtype.items():
+        items = [item_of(j, i, entries[i]) for j, i in enumerate(idx)]
+        with on_torch_stream(device):
+            master.cast_batch(items, comm, _arrays.numpy_dtype(model_dtype), have_fragments=True,
+                              device=device)
+
+
+class on_torch_stream:
+    """On CUDA, run fp8blk's CuPy work (the master cast, whose batch works on CuPy arrays) on
+    torch's current stream, so it is ordered with the torch work around it (FSDP runs the
+    pre-all-gather hook on its copy-in stream). A no-op on the CPU."""
+
+    __slots__ = ("ctx",)
+
+    def __init__(self, cuda: bool):
+        self.ctx = None
+        if cuda:
+            import cupy
+
+            stream = _arrays.torch_raw_stream()(torch.cuda.current_device())
+            self.ctx = cupy.cuda.ExternalStream(stream)
+
+    def __enter__(self):
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
+
+
+# --------------------------------------------------------------------------------------------
+# Mode "cast": the re-cast of the FP8 fragments. A Block2D weight whose shards hold whole
+# 128-row tiles and whose parameter has the model dtype is quantized on its own rank, only its
+# scales all-reduced (one packed SUM); the others take the batched partial-amax cast above.
+
+
+def recast(registry):
+    """Cast every mode "cast" weight of `registry`: its fragments (this rank's rows as FP8,
+    padded to FSDP2's chunk) and the global scales, and record what the bytes come from."""
+    entries = registry.entries("cast")
+    if not entries:
+        return
+    for state, fp, start, count, chunk in entries:
+        if state.frags is None or state.frags[0].shape[0] != chunk:
+            hp = local_of(fp).planes[0]
+            state.frags = [hp.new_zeros((chunk, state.shape[1]), dtype=torch.uint8)
+                           for _ in state.planes]
+    split = registry.tile_split
+    if split is None:
+        registry.ensure_agreed("cast")   # before the first collective sized by them
+        split = registry.tile_split = _split_tile_local(entries)
+    local, other = split
+    if local:
+        _cast_tile_local(registry, local)
+    if other:
+        cast_all(registry, other, _cast_mode_item)
+    for state, fp, *_ in entries:
+        state.cast_version = cast_version(state, fp)
+
+
+def cast_version(state, fsdp_param):
+    """What a weight's cast bytes come from: (the sharded parameter's version, the state's
+    count of plain-tensor copies into a shard)."""
+    return fsdp_param.sharded_param._version, state.writes
+
+
+def _split_tile_local(entries):
+    """(tile-local entries, the others): a Block2D weight whose shard holds whole 128-row
+    tiles (FSDP2's chunk of rows a multiple of 128: the same on every rank) and whose
+    parameter already has the model dtype is cast tile by tile on its own rank -- every
+    tile's amax is local, so ``quantize`` of the local rows writes the bytes and those
+    tiles' scales of ``quantize(bf16(full weight))`` in one pass; only the scales travel.
+    The others take the batched partial-amax cast."""
+    local, other = [], []
+    for e in entries:
+        state, fp, start, count, chunk = e
+        ok = (isinstance(state.recipe, Block2D) and chunk % 128 == 0
+              and local_of(fp).planes[0].dtype == state.model_dtype)
+        (local if ok else other).append(e)
+    return local, other
+
+
+class _TilePack:
+    """One fp32 buffer holding the rowwise scale_inv of every tile-local weight (views in
+    conversion order): each rank zeroes it, writes its own tiles' rows, and one SUM
+    all-reduce gives every rank all scales (each entry has one nonzero addend, so the sum is
+    exact: x + 0 = x, NaN stays NaN)."""
+
+    def __init__(self, entries):
+        scales = [e[0].scales[0] for e in entries]
+        sizes = [t.numel() for t in scales]
+        self.buf = torch.empty(sum(sizes), dtype=torch.float32, device=scales[0].device)
+        self.views, o = [], 0
+        for t, n in zip(scales, sizes):
+            self.views.append(self.buf[o:o + n].view(t.shape))
+            o += n
+        self.scales = scales
+
+
+def _cast_tile_local(registry, entries):
+    pack = registry.tile_pack
+    if pack is None:
+        pack = registry.tile_pack = _TilePack(entries)
+    pack.buf.zero_()
+    for (state, fp, start, count, chunk), view in zip(entries, pack.views):
+        if not count:
+            continue
+        cols = state.shape[1]
+        rows = count // cols
+        t0 = start // cols // 128
+        x2d = local_of(fp).planes[0].reshape(-1)[:count].view(rows, cols)
+        data, sinv = state.frags[0][:rows], view[t0:t0 + cdiv(rows, 128)]
+        if x2d.is_cuda:  # straight into the fragment and the packed scales
+            quantize_into(x2d, state.recipe, True, False, _arrays.numpy_dtype(x2d.dtype),
+                          (data, sinv, None, None))
+        else:
+            q = quantize(x2d, state.recipe, rowwise=True)
+            data.copy_(q.rowwise_data)
+            sinv.copy_(q.rowwise_scale_inv)
+    pg = registry.process_group(entries[0][1])
+    if pg.size() > 1:
+        torch.distributed.all_reduce(pack.buf, group=pg)
+    torch._foreach_copy_(pack.scales, pack.views)
+
+
+def _cast_mode_item(j, i, entry):
+    """The Item of a mode "cast" weight: its parameter's rows, bytes into its fragments."""
+    state, fp = entry[0], entry[1]
+    hp = local_of(fp).planes[0]
+    frags = state.frags
+    key = (hp.data_ptr(), hp.dtype, hp.numel(), frags[0].data_ptr(), frags[-1].data_ptr())
+    return cast_item(j, entry, key, _cast_mode_sources)
+
+
+def _cast_mode_sources(entry):
+    state, fp, start, count, chunk = entry
+    flat = [f.reshape(-1)[:count] for f in state.frags] + [None]
+    return local_of(fp).planes[0].reshape(-1)[:count], flat[0], flat[1]
+
+
+# --------------------------------------------------------------------------------------------
+# The registry
 
 
 class Registry:
@@ -190,4 +431,5 @@ def _dequantize_rows(state, row_bytes, r0):
     return vals * mult.repeat_interleave(32, dim=1)
 
 
-__all__ = ["Registry"]
+__all__ = ["Registry", "registries_of", "conversions_changed", "gathered_bytes", "cast_all",
+           "cast_item", "recast", "cast_version"]

@@ -1,33 +1,7 @@
-"""FSDP2 weight tensors that all-gather FP8 bytes (docs/distributed.md and docs/torch.md).
-
-Three ``torch.Tensor`` wrapper subclasses; each claims the weight's high-precision dtype (so
-autograd treats it as a float parameter), holds its real storage in inner tensors, and shares
-one :class:`WeightState` (recipe, global shape, the global block scales, statistics) with every
-tensor FSDP derives from it (chunks, pads, views):
-
-``Float8BlockPrimaryWeight`` (mode "primary", FP8 primary weights; FSDP's sharded local tensor)
-    inner "planes": the rowwise FP8 bytes of the rows this rank holds, uint8, shaped exactly
-    like the tensor (for MXFP8 also the columnwise bytes, (M, K)-shaped too), so every view,
-    chunk, pad and copy FSDP applies maps 1:1 onto the planes. The bytes are written by
-    :func:`fp8blk.torch.cast_master_weights_` from fp32 master shards; the optimizer never
-    touches them.
-``Float8BlockCastWeight`` (mode "cast", high-precision parameters, FP8 on the wire)
-    wraps the bf16/fp32 parameter (one plane); the optimizer updates it in place. The FP8
-    bytes of the local rows are cast once per step, for all weights together, by
-    :func:`fp8blk.torch.precompute_fp8_scales` (or lazily at the first gather after the
-    parameters changed), with scales from one packed partial-amax all-reduce.
-``Float8BlockWeight`` (both modes; FSDP's unsharded parameter)
-    the gathered weight: a :class:`fp8blk.BlockTensor` of the full (M, K) weight whose
-    rowwise bytes are the all-gather output (no copy) and whose scales are the replicated
-    global scales; ``fp8blk_block_tensor(rowwise, columnwise)`` hands it to the Linear.
-
-Only FP8 bytes travel through FSDP's all-gather, as uint8 (gloo cannot gather float8): for
-Block2D the rowwise plane always (the columnwise copy is its FP8 transpose, made locally when
-the pass needs it); for MXFP8 the plane(s) the pass needs. The scales never travel: every
-rank computed the same global scales (partial amax over its shard, one MAX all-reduce), so
-shard boundaries may cut tiles anywhere and the gathered weight equals
-``fb.quantize(bf16(full weight))`` byte for byte.
-"""
+"""The sharded FSDP2 weight subclasses (modes "primary" and "cast") that all-gather FP8 bytes,
+their shared :class:`WeightState`, and what fp8blk reads of FSDP2's state (its private
+training-state attributes, torch >= 2.6). The gathered weight is :mod:`.gathered`; the
+design: docs/torch.md ("FSDP2 with FP8 weights")."""
 from __future__ import annotations
 
 import collections
@@ -41,8 +15,87 @@ from torch.utils._pytree import tree_map_only
 from ... import _arrays
 from ...formats import Block2D, MXFP8
 from ...layout import all_layouts, cdiv
-from ...tensor import BlockTensor, from_internal, internal_buffers
-from .state import fsdp_param_of, state_name, usage_for
+from ...tensor import BlockTensor, from_internal
+from .gathered import Float8BlockWeight, GatheredBox
+
+# FSDP2's state, read once per hook: its names are imported at the first hook
+# (torch.distributed may be missing from a torch build)
+
+_FSDP = {}  # FSDP2's names, filled by _fsdp()
+_NAMES = {}  # id(TrainingState member) -> its name (Enum.name and hash are Python calls)
+
+
+def _fsdp():
+    if not _FSDP:
+        from torch.distributed._composable_state import _get_module_state
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+        _FSDP.update(get_module_state=_get_module_state, FSDPState=FSDPState,
+                     PRE_BACKWARD=TrainingState.PRE_BACKWARD)
+    return _FSDP
+
+
+def fsdp_param_of(state, module):
+    """(FSDPParam, FSDP2 parameter group) of the weight of `state` (the hook's `module` owns
+    it). Raises RuntimeError when FSDP state has no parameter group (as TransformerEngine
+    does). The hooks call it once per module and keep the answer (:class:`WeightState`)."""
+    names = _fsdp()
+    st = names["get_module_state"](module) if module is not None else None
+    if isinstance(st, names["FSDPState"]) and st._fsdp_param_group is None:
+        raise RuntimeError(
+            f"FSDP2 state of {type(module).__name__} has no parameter group, so the FP8 "
+            f"weight cannot tell the training state (forward / backward) it is gathered for: "
+            f"call fully_shard on a module that holds the weight's parameters")
+    hit = state.registry.fsdp_of(state) if state.registry is not None else None
+    if hit is None:
+        raise RuntimeError(
+            f"no FSDP2 parameter group holds this FP8 weight ({state.shape}): convert the "
+            f"model with prepare_fsdp_fp8 and then call fully_shard on it")
+    return hit
+
+
+def param_group_of(state, module):
+    """FSDP2 parameter group holding the weight of `state` (see :func:`fsdp_param_of`)."""
+    return fsdp_param_of(state, module)[1]
+
+
+def usage_for(group):
+    """(rowwise, columnwise) the gathered weight must provide, from the group's training
+    state: PRE_BACKWARD -> columnwise (dgrad); forward with reshard_after_forward -> rowwise;
+    forward without resharding -> both (the backward pass reuses this gather). (FSDP runs the
+    hooks under no_grad, so an inference-only forward cannot be told apart here.)"""
+    if group._training_state is (_FSDP or _fsdp())["PRE_BACKWARD"]:
+        return False, True
+    if group._reshard_after_forward:
+        return True, False
+    return True, True
+
+
+def state_name(group) -> str:
+    st = group._training_state
+    name = _NAMES.get(id(st))
+    if name is None:
+        name = _NAMES[id(st)] = st.name
+    return name
+
+
+def shard_place(fsdp_param, rows, cols):
+    """(first flat index, element count, chunk rows) of this rank's FSDP2 shard of an
+    (rows, cols) weight: torch.chunk along dim 0, ceil(rows / world) rows per rank."""
+    ws = fsdp_param.mesh_info.shard_mesh_size
+    rank = fsdp_param.mesh_info.shard_mesh_rank
+    chunk = cdiv(rows, ws)
+    r0 = min(rank * chunk, rows)
+    r1 = min(r0 + chunk, rows)
+    return r0 * cols, (r1 - r0) * cols, chunk
+
+
+def local_of(fsdp_param):
+    """The sharded parameter's local tensor (FSDPParam._sharded_local_tensor without its
+    typing.cast: two Python calls per weight per step)."""
+    return fsdp_param.sharded_param._local_tensor
+
 
 aten = torch.ops.aten
 
@@ -282,11 +335,11 @@ class PlaneWeight(torch.Tensor):
             # writes only its own columnwise tensor (on the GPU a kernel on torch's current
             # stream), so neither no_grad nor a version-counter guard is needed (~15 Python
             # calls per gather)
-            inner._box.update(all_gather_outputs, planes, usage)
+            inner.regathered(all_gather_outputs, planes, usage)
             return None
         # the unsharded weight claims FSDP's compute dtype (mp_policy.param_dtype, else the
         # parameter's): the Linear produces the weight gradient in it
-        box = _GatheredBox(state, param_dtype or state.dtype)
+        box = GatheredBox(state, param_dtype or state.dtype)
         box.update(all_gather_outputs, planes, usage)
         return Float8BlockWeight(box), box.inner_tensors()
 
@@ -475,175 +528,6 @@ def _padded_rows(plane, chunk):
     return out
 
 
-# --------------------------------------------------------------------------------------------
-# The unsharded (gathered) weight
-
-
-class _GatheredBlockTensor(BlockTensor):
-    """A BlockTensor whose torch-side buffers are the very torch tensors it was built from
-    (FSDP's all-gather outputs and fp8blk's scale tensors), not DLPack re-exports of its
-    internal arrays. A Linear that saves these buffers for its backward pass thus saves
-    views of FSDP's storage, which FSDP refills in place when it re-gathers for the backward
-    pass (a DLPack export would keep a raw pointer to memory FSDP freed after forward).
-
-    Needs only the public internal door ``internal_buffers``; the buffer-to-torch map holds
-    (internal array, torch tensor) pairs per slot, used while the slot still holds that
-    array."""
-
-    __slots__ = ("_torch",)
-
-    @classmethod
-    def empty(cls, shape, recipe, dtype):
-        self = from_internal(tuple(shape), recipe, [None, None, None, None], dtype,
-                             _arrays.TORCH, cls)
-        self._torch = [None, None, None, None]
-        return self
-
-    def _out(self, i):
-        pair = self._torch[i]
-        if pair is not None and internal_buffers(self)[i] is pair[0]:
-            return pair[1]
-        return super()._out(i)
-
-
-class _GatheredBox:
-    """The gathered weight's storage, shared by the unsharded parameter and its aliases:
-    the BlockTensor, the torch tensors behind its buffers, and a cache of their internal
-    (NumPy/CuPy) arrays keyed by address, so a re-gather into the same memory re-imports
-    nothing (a DLPack import costs ~24 us on the GPU). The scale tensors (the global scales,
-    and the Block2D columnwise copy's) are never reallocated: imported once, here."""
-
-    def __init__(self, state, dtype):
-        self.state = state
-        self.dtype = dtype
-        rows, cols = state.shape
-        recipe = state.recipe
-        lay = all_layouts(recipe, rows, cols)
-        self.block2d = isinstance(recipe, Block2D)
-        self.col_data = None
-        col_sinv = state.scales[1]
-        if self.block2d:
-            dev = state.scales[0].device
-            # reused across iterations; its storage is FSDP's to free and re-allocate
-            self.col_data = torch.empty(lay[2].shape, dtype=torch.uint8, device=dev)
-            col_sinv = torch.empty(lay[3].shape, dtype=torch.float32, device=dev)
-        self._internal = {}
-        self.q = _GatheredBlockTensor.empty(state.shape, recipe,
-                                            _arrays.numpy_dtype(state.model_dtype))
-        self.row_sinv = self._import("row_sinv", state.scales[0], 1)
-        self.col_sinv = self._import("col_sinv", col_sinv, 3)
-
-    def inner_tensors(self):
-        return [self.col_data] if self.col_data is not None else []
-
-    def _import(self, key, t, slot):
-        """Internal array of torch tensor `t` for BlockTensor slot `slot` (re-imported only
-        when its address or shape changed), registered as that slot's torch view."""
-        hit = self._internal.get(key)
-        sig = (t.data_ptr(), tuple(t.shape), t.dtype)
-        if hit is None or hit[0] != sig:
-            # NumPy on the CPU; on the GPU the torch tensor itself (torch-native buffers)
-            hit = self._internal[key] = (sig, _arrays.to_internal(t)[0])
-        self.q._torch[slot] = (hit[1], t)
-        return hit[1]
-
-    def update(self, outputs, planes, usage):
-        """Point the BlockTensor at freshly gathered planes; make or drop the columnwise
-        copy as `usage` = (rowwise, columnwise) says."""
-        rows = self.state.shape[0]
-        bufs = internal_buffers(self.q)
-        bufs[0] = bufs[1] = bufs[2] = bufs[3] = None
-        for name, t in zip(planes, outputs):
-            if t.shape[0] != rows:  # FSDP padded the weight to world x chunk rows
-                t = t[:rows]
-            if name == "row":
-                bufs[0], bufs[1] = self._import("row", t, 0), self.row_sinv
-            else:
-                bufs[2], bufs[3] = self._import("col", t, 2), self.col_sinv
-        if self.block2d:
-            rowwise, columnwise = usage
-            if columnwise:
-                self._make_columnwise()
-            elif self.col_data.untyped_storage().nbytes():
-                self.col_data.untyped_storage().resize_(0)  # not needed in this pass
-            if not rowwise:
-                bufs[0] = bufs[1] = None  # only the transpose is needed: release rowwise
-
-    def _make_columnwise(self):
-        """Block2D: FP8 transpose of the gathered rowwise bytes into the reused buffers."""
-        storage = self.col_data.untyped_storage()
-        need = self.col_data.numel()
-        if storage.nbytes() != need:
-            storage.resize_(need)
-        bufs = internal_buffers(self.q)
-        bufs[2], bufs[3] = self._import("col", self.col_data, 2), self.col_sinv
-        self.q.create_columnwise()
-
-    def block_tensor(self, rowwise=True, columnwise=False):
-        q = self.q
-        if columnwise and not q.has_columnwise:
-            if not isinstance(self.state.recipe, Block2D):
-                raise RuntimeError(
-                    "this MXFP8 weight was gathered without its columnwise plane (FSDP gathers "
-                    "the planes the pass needs: rowwise in forward, columnwise in backward "
-                    "when reshard_after_forward=True); MXFP8 columnwise data cannot be derived "
-                    "from rowwise data")
-            if not q.has_rowwise:
-                raise RuntimeError("the gathered weight holds no data (it was resharded)")
-            self._make_columnwise()
-        if rowwise and not q.has_rowwise:
-            if not isinstance(self.state.recipe, Block2D):
-                raise RuntimeError(
-                    "this MXFP8 weight was gathered for the backward pass (columnwise plane "
-                    "only); its rowwise data is not here")
-            q.update_usage(rowwise=True)
-        return q
-
-
-class Float8BlockWeight(torch.Tensor):
-    """The unsharded FP8 weight FSDP2 builds after the all-gather (both modes).
-
-    ``fp8blk_block_tensor(rowwise, columnwise)`` returns the :class:`fp8blk.BlockTensor`
-    (Block2D or MXFP8, family torch) without requantizing; a Block2D columnwise copy not yet
-    made is made by FP8 transpose. Any other torch op sees the dequantized weight (a plain
-    tensor of the nominal dtype)."""
-
-    @staticmethod
-    def __new__(cls, box, requires_grad=False):
-        state = box.state
-        return torch.Tensor._make_wrapper_subclass(
-            cls, state.shape, dtype=box.dtype, device=state.scales[0].device,
-            requires_grad=requires_grad)
-
-    def __init__(self, box, requires_grad=False):
-        self._box = box
-
-    def __repr__(self):
-        return f"Float8BlockWeight(shape={tuple(self.shape)}, {self._box.q!r})"
-
-    def fp8blk_block_tensor(self, rowwise: bool = True, columnwise: bool = False):
-        return self._box.block_tensor(rowwise, columnwise)
-
-    def dequantize(self) -> torch.Tensor:
-        q = self._box.q
-        return q.dequantize(self.dtype)
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in (aten.detach.default, aten.alias.default):
-            return cls(args[0]._box)
-        if func in (aten.as_strided.default, aten.view.default, aten._unsafe_view.default):
-            src, size = args[0], tuple(args[1])
-            if size == tuple(src.shape) and (func is not aten.as_strided.default or (
-                    tuple(args[2]) == tuple(src.stride()) and (len(args) < 4 or not args[3]))):
-                return cls(src._box)
-        if func._schema.is_mutable and args and isinstance(args[0], Float8BlockWeight):
-            raise NotImplementedError(f"Float8BlockWeight is read-only ({func})")
-        a = tree_map_only(Float8BlockWeight, lambda t: t.dequantize(), args)
-        k = tree_map_only(Float8BlockWeight, lambda t: t.dequantize(), kwargs)
-        return func(*a, **k)
-
-
 __all__ = ["WeightState", "PlaneWeight", "Float8BlockPrimaryWeight", "Float8BlockCastWeight",
-           "Float8BlockWeight"]
+           "Float8BlockWeight", "fsdp_param_of", "param_group_of", "usage_for", "state_name",
+           "shard_place", "local_of"]

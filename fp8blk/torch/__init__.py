@@ -1,15 +1,12 @@
 """PyTorch adapters (docs/torch.md): ``blockwise_scaled_mm``, ``Float8BlockConfig``,
 ``Float8BlockLinear``, ``convert_to_float8_block``, tensor/sequence-parallel styles, FSDP2
-with FP8 weights and their checkpoints.
+with FP8 weights and their checkpoints. Importing this package needs torch; ``import fp8blk``
+does not.
 
-Importing this package needs torch; ``import fp8blk`` does not.
-
-Rooms: ``linear/`` (Float8BlockLinear: the module, the general path, the per-signature
-plans, the compiled ops, DTensor weights) and ``fsdp/`` (FSDP2 with FP8 weights); beside
-them the pieces both use: ``config``, ``dtypes``, ``quantize_ops``, ``scaled_mm`` and
-``_cublaslt`` (the GEMM), ``tensor_parallel`` (the sequence-parallel styles) and
-``checkpoint``. A feature layer beside the Linear (a norm, say) is a module or room of its
-own here, reaching the Linear through ``linear.functional``'s names.
+Rooms: ``linear/`` (the layer) and ``fsdp/`` (FSDP2 with FP8 weights); beside them
+``convert`` (the whole-model converter), ``config`` (recipes and torch dtypes),
+``quantize_ops``, ``scaled_mm`` and ``_cublaslt`` (the GEMM), ``tensor_parallel``,
+``checkpoint``, and feature layers beside the Linear (``norm``, ``mlp``, ``recompute``).
 
     from fp8blk.torch import Float8BlockConfig, convert_to_float8_block
     convert_to_float8_block(model, Float8BlockConfig())

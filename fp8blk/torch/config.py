@@ -5,6 +5,8 @@ rowwise, 128x1 columnwise), weights Block2D (128x128 tiles), E4M3 everywhere, po
 scales. Options: E5M2 gradients (``Float8BlockConfig(grad=fb.Block1D(fb.E5M2))``) and MXFP8
 (``Float8BlockConfig.mxfp8()``: 1x32/32x1 blocks with E8M0 scales for all three operands).
 ``low_memory_forward=True`` trades a little GPU time for a lower forward peak (below).
+Beside it, the torch dtypes the adapters name: each FP8 format's float8 dtype (what the uint8
+data bytes are viewed as for a GEMM) and the high-precision dtypes a layer and a GEMM output take.
 
     import fp8blk as fb
     from fp8blk.torch import Float8BlockConfig
@@ -14,7 +16,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from ..formats import E4M3, MXFP8, Block1D, Block2D, Format
+
+_FP8_DTYPE = {Format.E4M3: torch.float8_e4m3fn, Format.E5M2: torch.float8_e5m2}
+
+FP8_DTYPES = tuple(_FP8_DTYPE.values())
+HIGH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def fp8_dtype(fmt: Format):
+    """torch.float8_e4m3fn for E4M3, torch.float8_e5m2 for E5M2."""
+    return _FP8_DTYPE[fmt]
+
 
 
 @dataclass(frozen=True)
@@ -92,4 +107,4 @@ def config_or_default(config, where: str) -> Float8BlockConfig:
     return config
 
 
-__all__ = ["Float8BlockConfig", "config_or_default"]
+__all__ = ["Float8BlockConfig", "config_or_default", "fp8_dtype", "FP8_DTYPES", "HIGH_DTYPES"]

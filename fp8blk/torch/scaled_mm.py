@@ -67,7 +67,7 @@ from .._bounded import BoundedCache
 from ..formats import MXFP8, Block1D, Block2D, check_mxfp8_shape, recipe_kind
 from ..layout import all_layouts, cdiv, round_up
 from . import _cublaslt
-from .dtypes import FP8_DTYPES, HIGH_DTYPES
+from .config import FP8_DTYPES, HIGH_DTYPES
 
 BLOCKS = {"1x128": Block1D(), "128x128": Block2D(), "1x32": MXFP8()}
 _BLOCKS_OF_KIND = {"Block1D": "1x128", "Block2D": "128x128", "MXFP8": "1x32"}

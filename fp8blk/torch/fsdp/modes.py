@@ -11,7 +11,7 @@ import torch
 
 from ...formats import Block2D, MXFP8, check_mxfp8_shape
 from ...ops import quantize
-from ..dtypes import HIGH_DTYPES
+from ..config import HIGH_DTYPES
 from ..linear import Float8BlockLinear
 from ..linear.module import is_dtensor
 from .registry import Registry, cast_all, cast_item, conversions_changed, recast, registries_of

@@ -47,8 +47,7 @@ import torch
 from ..._bounded import BoundedCache
 from ...layout import cdiv, round_up
 from ...ops import quantize_launcher
-from ..config import Float8BlockConfig
-from ..dtypes import fp8_dtype
+from ..config import Float8BlockConfig, fp8_dtype
 from ...formats import recipe_from_key, recipe_key
 from . import plans
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 
 from ...formats import MXFP8
-from ..config import Float8BlockConfig, config_or_default
-from ..dtypes import HIGH_DTYPES, fp8_dtype
+from ..config import HIGH_DTYPES, Float8BlockConfig, config_or_default, fp8_dtype
 from ..quantize_ops import (block2d_columnwise, block_tensor_buffers, mxfp8_columnwise_as_rows,
                             quantize_buffers)
 from ..scaled_mm import blocks_of, blockwise_scaled_mm

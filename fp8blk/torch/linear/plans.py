@@ -37,7 +37,7 @@ from ...formats import MXFP8
 from ...layout import cdiv, round_up
 from ...ops import quantize_launcher
 from .. import _cublaslt
-from ..dtypes import HIGH_DTYPES, fp8_dtype
+from ..config import HIGH_DTYPES, fp8_dtype
 from ..scaled_mm import cuda_scaled_mm
 
 _WEIGHT_TYPES = (torch.Tensor, torch.nn.Parameter)

@@ -14,9 +14,8 @@ scales; M, N and K multiples of 16 (cuBLAS's FP8 leading dimensions); the libcub
 torch itself loaded, version 12.9 or later (the first with block scaling). Unlike
 ``torch._scaled_mm``, K need not be a multiple of 512: cuBLASLt reads fp8blk's scale buffers
 as they are for any K-block count, including a partial last block (fp8blk's
-(nt, round4(kt)) Block2D and (kt, R) Block1D buffers are what it reads:
-bench/profile/probe_cublaslt_kblocks.py checks every candidate layout against an fp32
-reference), so the callers need no zero-padded operand copies there.
+(nt, round4(kt)) Block2D and (kt, R) Block1D buffers are what it reads, each checked
+against an fp32 reference), so the callers need no zero-padded operand copies there.
 Algorithms that need a workspace get one per call from torch's caching allocator on the
 current stream, like any temporary of a torch op: its memory is reused in that stream's order
 only, and under CUDA-graph capture it comes from the graph's private pool (a workspace cached

@@ -47,9 +47,8 @@ same ops' backward kernels on the same values), at about twice the backward cost
 its first consumer and shared with its siblings through :mod:`fp8blk.torch.linear.sharing`.
 
 Eager on CUDA, HF's formula runs on fp8blk's one-pass kernels (:mod:`fp8blk.kernels.rms_norm`:
-one kernel per direction, against 7 torch kernels forward and 12 backward; at 8192 x 4096 bf16
-on an H200 0.04 ms forward and 0.19 ms forward and backward with autograd's gradient
-accumulation, against 0.44 / 1.45 ms on torch's ops, ``bench/bench_norm.py``) when x and the weight are plain CUDA tensors of one dtype, x
+one kernel per direction, against 7 torch kernels forward and 12 backward; timings in
+bench/README.md, ``bench/bench_norm.py``) when x and the weight are plain CUDA tensors of one dtype, x
 C-contiguous, the width a multiple of 8 (4 in fp32) up to 16384 (2-byte dtypes; 8192 in fp32),
 16-byte aligned; anything else takes the torch ops above. Their numerics (bounds checked in
 tests/kernels/_rms_norm_checks.py): r is the formula's but for the order of the fp32 sum of

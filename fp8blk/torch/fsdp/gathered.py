@@ -45,7 +45,7 @@ class GatheredBox:
     """The gathered weight's storage, shared by the unsharded parameter and its aliases:
     the BlockTensor, the torch tensors behind its buffers, and a cache of their internal
     (NumPy/CuPy) arrays keyed by address, so a re-gather into the same memory re-imports
-    nothing (a DLPack import costs ~24 us on the GPU). The scale tensors (the global scales,
+    nothing (a DLPack import is costly on the GPU). The scale tensors (the global scales,
     and the Block2D columnwise copy's) are never reallocated: imported once, here."""
 
     def __init__(self, state, dtype):

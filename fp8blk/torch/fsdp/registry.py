@@ -85,7 +85,7 @@ def _flat_array(t):
 def cast_item(j, entry, key, sources, *args):
     """The master.Item of one weight (a scale-only weight BlockTensor, bytes into fragments),
     reused while `key` -- where its master and fragment tensors are (addresses, sizes,
-    dtypes) -- is unchanged: building one imports them through DLPack (~24 us each on the
+    dtypes) -- is unchanged: building one imports them through DLPack (costly on the
     GPU). ``sources(entry, *args)`` gives the (master, row fragment, column fragment) torch
     tensors, each flat and `count` long (or None), when the Item must be built."""
     state = entry[0]

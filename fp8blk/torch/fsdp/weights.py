@@ -392,8 +392,7 @@ PlaneWeight.fsdp_pre_all_gather.__signature__ = inspect.signature(
 class _PreAllGatherHook:
     """The pre-all-gather hook of one sharded tensor, set on it as an instance attribute at
     its first gather. inspect.signature of a bound method still rebuilds and re-validates the
-    signature without ``self`` (~6 us per gather); of this object it returns the stored one
-    (~1.5 us). It calls the class's hook, so patching the class (tests, the benchmark's timer)
+    signature without ``self`` on every gather; of this object it returns the stored one. It calls the class's hook, so patching the class (tests, the benchmark's timer)
     still takes effect, and holds the tensor weakly (no reference cycle)."""
 
     __slots__ = ("_tensor",)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 
 import fp8blk as fb

@@ -7,8 +7,6 @@ swaps, with fewer saved bytes than bf16."""
 from __future__ import annotations
 
 import gc
-import os
-import sys
 import weakref
 
 import pytest

@@ -18,7 +18,7 @@ import torch
 from .. import _arrays
 from ..formats import recipe_from_key, recipe_key
 from ..layout import all_layouts
-from ..ops import quantize
+from ..ops import quantize_buffers as _ops_quantize_buffers
 from ..tensor import BlockTensor
 
 _EMPTIES = {}
@@ -36,9 +36,14 @@ def _empty(device, fresh=True):
 def block_tensor_buffers(q: BlockTensor, fresh: bool = False):
     """The 4 buffers of a BlockTensor as torch tensors (empty (0,) tensors where absent;
     ``fresh``: new ones, as a custom op's outputs must not alias each other)."""
-    bufs = (q.rowwise_data, q.rowwise_scale_inv, q.columnwise_data, q.columnwise_scale_inv)
+    return _four((q.rowwise_data, q.rowwise_scale_inv, q.columnwise_data,
+                  q.columnwise_scale_inv), fresh)
+
+
+def _four(bufs, fresh=False):
+    """4 torch buffers, None (a direction not held) as an empty (0,) tensor."""
     if bufs[0] is not None and bufs[2] is not None:
-        return bufs
+        return tuple(bufs)
     device = (bufs[0] if bufs[0] is not None else bufs[2]).device
     return tuple(_empty(device, fresh) if b is None else b for b in bufs)
 
@@ -55,9 +60,9 @@ def block_tensor_from_buffers(shape, recipe, buffers, dtype) -> BlockTensor:
 @torch.library.custom_op("fp8blk::quantize", mutates_args=())
 def _quantize(x: torch.Tensor, recipe: str, rowwise: bool, columnwise: bool
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    q = quantize(x, recipe_from_key(recipe), rowwise, columnwise)
     # outputs must not alias each other or the input; fp8blk allocates fresh buffers
-    return block_tensor_buffers(q, fresh=True)
+    return _four(_ops_quantize_buffers(x, recipe_from_key(recipe), rowwise, columnwise),
+                 fresh=True)
 
 
 @_quantize.register_fake
@@ -106,7 +111,7 @@ def quantize_buffers(x2d: torch.Tensor, recipe, rowwise: bool, columnwise: bool)
     """``fb.quantize(x2d, recipe, rowwise, columnwise)``: 4 tensors (see module docstring)."""
     if _compiling():
         return torch.ops.fp8blk.quantize(x2d, recipe_key(recipe), rowwise, columnwise)
-    return block_tensor_buffers(quantize(x2d, recipe, rowwise, columnwise))
+    return _four(_ops_quantize_buffers(x2d, recipe, rowwise, columnwise))
 
 
 def block2d_columnwise(data: torch.Tensor, scale_inv: torch.Tensor, recipe):

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import fp8blk as fb  # noqa: E402
-from fp8blk.torch import (Float8BlockConfig, Float8BlockLinear, blockwise_scaled_mm,  # noqa: E402
+from fp8blk.torch import (Float8BlockLinear, blockwise_scaled_mm,  # noqa: E402
                           convert_to_float8_block, float8_block_linear)
 from fp8blk.torch.mlp import Float8BlockGatedMLP  # noqa: E402
 from fp8blk.torch.norm import Float8BlockRMSNorm, hf_rms_norm  # noqa: E402
@@ -36,26 +36,6 @@ def test_config_must_be_a_float8blockconfig(bad):
         Float8BlockLinear.from_linear(torch.nn.Linear(128, 64), bad)
     with pytest.raises(TypeError, match="float8_block_linear: config must be"):
         float8_block_linear(torch.randn(4, 128), torch.randn(64, 128), None, bad)
-
-
-def test_recipe_as_config_names_the_fix():
-    with pytest.raises(TypeError, match=r"wrap it, e.g. Float8BlockConfig\(activation="):
-        convert_to_float8_block(_model(), fb.Block1D())
-
-
-def test_second_convert_with_another_config_raises_and_same_config_keeps():
-    model = convert_to_float8_block(_model())
-    first = model[0]
-    assert convert_to_float8_block(model) is model and model[0] is first   # same config
-    e5m2 = Float8BlockConfig(grad=fb.Block1D(fb.E5M2))
-    with pytest.raises(ValueError, match=r"layer '0' is a Float8BlockLinear with config"):
-        convert_to_float8_block(model, e5m2)
-    assert model[0].config == Float8BlockConfig()
-    # a filter leaving the converted layers out lets another config convert the rest; the
-    # filter is asked about linear layers only (it may read their attributes)
-    model.add_module("3", torch.nn.Linear(32, 32))
-    convert_to_float8_block(model, e5m2, lambda m, fqn: m.in_features == 32 and fqn == "3")
-    assert model[3].config == e5m2 and model[0].config == Float8BlockConfig()
 
 
 def test_model_and_inputs_type_and_rank_checks():

@@ -10,7 +10,7 @@ import functools
 import torch
 
 from ...formats import Block2D, MXFP8, check_mxfp8_shape
-from ...ops import quantize
+from ...ops import quantize_buffers
 from ..config import HIGH_DTYPES
 from ..linear import Float8BlockLinear
 from ..linear.module import is_dtensor
@@ -91,12 +91,12 @@ def _convert(weight, recipe, mode, model_dtype, fqn):
     if mode == "cast":
         new = Float8BlockCastWeight([local.contiguous()], state)
     else:
-        q = quantize(local.to(model_dtype).contiguous(), recipe, rowwise=True,
-                     columnwise=isinstance(recipe, MXFP8))
-        state.set_scales_from(q)
-        planes = [q.rowwise_data.clone()]
+        rd, rs, cd, cs = quantize_buffers(local.to(model_dtype).contiguous(), recipe,
+                                          rowwise=True, columnwise=isinstance(recipe, MXFP8))
+        state.set_scales(rs, cs)
+        planes = [rd.clone()]
         if isinstance(recipe, MXFP8):
-            planes.append(q.columnwise_data.clone())
+            planes.append(cd.clone())
         new = Float8BlockPrimaryWeight(planes, state)
     if is_dt:  # a tensor-parallel DTensor: wrap its local shard (FSDP2 + TP)
         from torch.distributed.tensor import DTensor

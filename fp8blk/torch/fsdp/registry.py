@@ -14,7 +14,7 @@ from ... import _arrays, master, reference, scaling
 from ...comm.agree import all_agree, fingerprint
 from ...formats import Block2D, MXFP8
 from ...layout import cdiv
-from ...ops import quantize, quantize_into
+from ...ops import quantize_buffers, quantize_into
 from ..linear.module import is_dtensor
 from .weights import PlaneWeight, local_of, shard_place
 
@@ -233,9 +233,9 @@ def _cast_tile_local(registry, entries):
             quantize_into(x2d, state.recipe, True, False, _arrays.numpy_dtype(x2d.dtype),
                           (data, sinv, None, None))
         else:
-            q = quantize(x2d, state.recipe, rowwise=True)
-            data.copy_(q.rowwise_data)
-            sinv.copy_(q.rowwise_scale_inv)
+            rd, rs, _, _ = quantize_buffers(x2d, state.recipe, rowwise=True)
+            data.copy_(rd)
+            sinv.copy_(rs)
     pg = registry.process_group(entries[0][1])
     if pg.size() > 1:
         torch.distributed.all_reduce(pack.buf, group=pg)

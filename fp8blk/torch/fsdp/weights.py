@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_map_only
 from ... import _arrays
 from ...formats import Block2D, MXFP8
 from ...layout import all_layouts, cdiv
-from ...tensor import BlockTensor, from_internal
+from ...tensor import from_internal
 from .gathered import Float8BlockWeight, GatheredBox
 
 # FSDP2's state, read once per hook: its names are imported at the first hook
@@ -225,10 +225,10 @@ class WeightState:
                                    cdiv(rows, ws), cols)
         return p[2:]
 
-    def set_scales_from(self, q: BlockTensor):
-        """Copy the global scales of a full-weight BlockTensor (conversion time)."""
-        src = [q.rowwise_scale_inv, q.columnwise_scale_inv]
-        for dst, s in zip(self.scales, src):
+    def set_scales(self, rowwise_scale_inv, columnwise_scale_inv):
+        """Copy the global scales of the full weight's quantization (conversion time; None
+        for a direction not quantized)."""
+        for dst, s in zip(self.scales, (rowwise_scale_inv, columnwise_scale_inv)):
             if dst is not None:
                 dst.copy_(s)
 

@@ -52,7 +52,7 @@ from fp8blk.torch import Float8BlockLinear, blockwise_scaled_mm
 from fp8blk.torch import Float8BlockConfig, convert_to_float8_block
 from fp8blk.torch.scaled_mm import cublaslt_status
 from fp8blk.torch.linear import functional as fl
-from fp8blk.torch.quantize_ops import block2d_columnwise, quantize_buffers
+from fp8blk.torch.linear.functional import block2d_columnwise, quantize_buffers
 
 SHAPES = [(16384, 8192, 8192), (16384, 4096, 14336), (8192, 4096, 4096)]
 TARGETS = {SHAPES[0]: 1.5, SHAPES[1]: 1.5, SHAPES[2]: 1.2}

@@ -3,9 +3,9 @@
 with FP8 weights and their checkpoints. Importing this package needs torch; ``import fp8blk``
 does not.
 
-Rooms: ``linear/`` (the layer) and ``fsdp/`` (FSDP2 with FP8 weights); beside them
+Rooms: ``linear/`` (the layer, its quantize custom ops) and ``fsdp/`` (FSDP2 with FP8 weights); beside them
 ``convert`` (the whole-model converter), ``config`` (recipes and torch dtypes),
-``quantize_ops``, ``scaled_mm`` and ``_cublaslt`` (the GEMM), ``tensor_parallel``,
+``scaled_mm`` and ``_cublaslt`` (the GEMM), ``tensor_parallel``,
 ``checkpoint``, and feature layers beside the Linear (``norm``, ``mlp``, ``recompute``).
 
     from fp8blk.torch import Float8BlockConfig, convert_to_float8_block

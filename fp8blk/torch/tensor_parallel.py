@@ -59,7 +59,7 @@ from .linear import Float8BlockLinear
 from .linear.module import dtensor_forward  # noqa: F401 (re-exported)
 from .linear.functional import (add_bias, forward_operands, fp8_gemms_backward,
                                 quantize_input, transposed, weight_block_tensor)
-from .quantize_ops import block_tensor_buffers
+from .linear.functional import block_tensor_buffers
 from .scaled_mm import blockwise_scaled_mm
 
 

@@ -15,7 +15,7 @@ from fp8blk.torch import (Float8BlockLinear, blockwise_scaled_mm,  # noqa: E402
                           convert_to_float8_block, float8_block_linear)
 from fp8blk.torch.mlp import Float8BlockGatedMLP  # noqa: E402
 from fp8blk.torch.norm import Float8BlockRMSNorm, hf_rms_norm  # noqa: E402
-from fp8blk.torch.quantize_ops import quantize_buffers  # noqa: E402
+from fp8blk.torch.linear.functional import quantize_buffers  # noqa: E402
 
 
 def _model():

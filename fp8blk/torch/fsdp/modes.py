@@ -236,9 +236,9 @@ def _check_masters(entries, masters):
         raise ValueError(f"masters must be the list from master_weights(model) ({len(entries)} "
                          f"tensors), got {type(masters).__name__} of "
                          f"{len(masters) if hasattr(masters, '__len__') else '?'}")
-    for (reg, (state, fp, start, count, chunk)), m in zip(entries, masters):
+    for i, ((reg, (state, fp, start, count, chunk)), m) in enumerate(zip(entries, masters)):
         if not isinstance(m, torch.Tensor) or m.dim() != 1 or m.numel() != count:
-            raise ValueError(f"masters: expected a 1-D tensor of {count} elements (this rank's "
+            raise ValueError(f"masters[{i}]: expected a 1-D tensor of {count} elements (this rank's "
                              f"shard of a {state.shape} weight), got "
                              f"{getattr(m, 'shape', type(m).__name__)}")
 

@@ -344,6 +344,14 @@ def check_clip(ws, rank, mesh, seed):
         assert_same(a, b * coef, f"clip: gradient {i}")
     print(f"rank {rank}: clip_master_grad_norm_ OK (norm {float(total):.6g}, full {ref:.6g}, "
           f"local {local:.6g})", flush=True)
+    # a bad master is named by its index (every rank raises before any collective)
+    try:
+        F.cast_master_weights_(model, [masters[0], masters[1].tolist()])
+    except ValueError as err:
+        if not str(err).startswith("masters[1]: expected a 1-D tensor"):
+            raise
+    else:
+        raise AssertionError("cast_master_weights_ accepted a Python list as a master")
 
 
 def check_compile(ws, rank, mesh, seed):

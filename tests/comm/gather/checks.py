@@ -133,6 +133,15 @@ def _compare(s, fam, got, expected, label):
                 f"{differing} bytes)")
 
 
+
+def _exact(s, fam, got, data, recipe, columnwise, what):
+    """The gathered `got` equals the plain concatenation of `data` (recipe None) or the
+    quantization of it, byte for byte."""
+    if recipe is None:
+        s.equal(fam.back(got), np.concatenate(data), what)
+    else:
+        _compare(s, fam, got, _expected_gather(data, recipe, True, columnwise), what)
+
 def _one_gather(s, recipe, rowwise, columnwise, rows, rest, dtype, kind, held, async_op,
                 strided=False):
     comm, fam, me = s.comm, s.family, s.comm.rank
@@ -446,11 +455,7 @@ def check_gather_invalid_with_sizes(s: Suite):
                                               out=out)[0]
 
         def exact(got, data, what):
-            if recipe is None:
-                s.equal(fam.back(got), np.concatenate(data), f"{label}: {what}")
-            else:
-                _compare(s, fam, got, _expected_gather(data, recipe, True, columnwise),
-                         f"{label}: {what}")
+            _exact(s, fam, got, data, recipe, columnwise, f"{label}: {what}")
         out = None
         for step in range(3):
             got = call(fam.make(every[step][me]), out)
@@ -531,11 +536,7 @@ def check_gather_malformed_sizes(s: Suite):
                 return got if handle is None else handle.wait()
 
         def exact(got, data, what):
-            if recipe is None:
-                s.equal(fam.back(got), np.concatenate(data), f"{label}: {what}")
-            else:
-                _compare(s, fam, got, _expected_gather(data, recipe, True, columnwise),
-                         f"{label}: {what}")
+            _exact(s, fam, got, data, recipe, columnwise, f"{label}: {what}")
         mine = fam.make(every[0][me])
         s.raises(kind if me == last else ValueError,
                  lambda: call(mine, bad if me == last else rows), f"{label}: a first call")

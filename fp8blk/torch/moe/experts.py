@@ -10,7 +10,9 @@ parameters, its state dict and checkpoint keys, its activation and gating (``_ap
 ``act_fn``) and its flags (``has_gate``, ``has_bias``, ``is_transposed``); the converter
 marks the modules it converts (their ``fp8blk_config`` attribute) and sets the
 implementation on their config. A module sharing that config but left out by the filter
-runs the implementation the config had before.
+runs the implementation the config had before. Under torch.compile a converted experts module
+traces without graph breaks (the per-expert GEMM loops are custom ops:
+``fp8blk.torch.moe.grouped``).
 
 Per call: the routing's padded layout (``routing``), the tokens permuted into it, the gate/up
 projection and the down projection as :func:`~fp8blk.torch.moe.grouped.grouped_linear`, the
@@ -58,17 +60,15 @@ def _project(x, module, name, routing, cfg):
                           transposed=module.is_transposed)
 
 
-def _keeps_zero(module, width, like):
+def _keeps_zero(module) -> bool:
     """Whether the module's gating (or activation) maps a zero row to a zero row (SiLU, GELU,
-    ReLU, gpt-oss's clamped gate do), probed once per module, dtype and width."""
-    key = (width, like.dtype, like.device)
-    cache = module.__dict__.setdefault("fp8blk_zero_rows", {})
-    if key not in cache:
-        with torch.no_grad():
-            zero = like.new_zeros((1, width))
-            out = module._apply_gate(zero) if module.has_gate else module.act_fn(zero)
-        cache[key] = bool((out == 0).all())
-    return cache[key]
+    ReLU, gpt-oss's clamped gate do): probed at conversion on a CPU row of zeros."""
+    first = module.gate_up_proj if module.has_gate else module.up_proj
+    width = first.shape[2] if module.is_transposed else first.shape[1]
+    with torch.no_grad():
+        zero = torch.zeros((1, width))
+        out = module._apply_gate(zero) if module.has_gate else module.act_fn(zero)
+    return bool((out == 0).all())
 
 
 def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -90,9 +90,8 @@ def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tens
         return hidden_states.new_zeros(hidden_states.shape)
     x = permute(hidden_states, routing)
     h = _project(x, module, "gate_up_proj" if module.has_gate else "up_proj", routing, cfg)
-    keeps_zero = _keeps_zero(module, h.shape[1], h)
     h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
-    if not keeps_zero:
+    if not module.fp8blk_zero_rows:
         # padding rows must stay zero: every 128x1 block of the next quantize then holds one
         # expert's rows alone
         h = h * routing.valid_rows().unsqueeze(-1).to(h.dtype)
@@ -144,6 +143,7 @@ def convert_experts(model: torch.nn.Module, config: Float8BlockConfig = None,
             raise ValueError(f"convert_experts: {fqn!r} runs fp8blk experts with config "
                              f"{old!r} already, this call's config is {config!r}")
         m.fp8blk_config = config
+        m.fp8blk_zero_rows = _keeps_zero(m)
         converted.append(fqn)
     for hf_config, modules in configs.values():
         previous = hf_config._experts_implementation

@@ -13,7 +13,10 @@ expert (one quantize of the stacked (E*N, K) when N is a multiple of 128, whose 
 cross two experts), and W_e.T is its FP8 transpose (exact, as for a Block2D weight). The GEMMs
 run per expert through :func:`~fp8blk.torch.blockwise_scaled_mm` (cuBLASLt on CUDA, the
 emulation on the CPU): each expert's output is the dense ``Float8BlockLinear``'s on its rows.
-This path reads the segment table on the host once per routing (one device synchronization).
+This path reads the segment table on the host once per routing (one device synchronization);
+under torch.compile the per-expert loops are custom ops (``torch.ops.fp8blk.grouped_mm_rows``,
+``grouped_mm_weights``, ``grouped_row_sums``) that read it themselves, so a compiled layer
+has no graph break.
 
     import torch
     from fp8blk.torch import Float8BlockConfig
@@ -26,6 +29,8 @@ This path reads the segment table on the host once per routing (one device synch
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..config import HIGH_DTYPES, Float8BlockConfig, config_or_default, fp8_dtype
@@ -33,6 +38,8 @@ from ..linear.functional import add_bias, quantize_buffers
 from ..scaled_mm import blockwise_scaled_mm
 from .routing import ALIGN, Routing
 from ...formats import Block1D, Block2D
+
+_compiling = torch.compiler.is_compiling
 
 
 def check_experts_config(config: Float8BlockConfig, where: str):
@@ -78,8 +85,82 @@ def expert_weight_buffers(weight: torch.Tensor, recipe, transposed: bool, rows_f
     return data_t.view(fp8_dtype(recipe.fmt)), _scale_transposed(scale, r, c)
 
 
-def _segments(routing: Routing):
-    return [(e, a, n) for e, (a, n, _) in enumerate(routing.host()) if n]
+def _host_table(table):
+    """``[(start, padded, count), ...]`` of a routing table (3, E) (one device read)."""
+    return list(zip(*table.tolist()))
+
+
+def _rows_impl(a, a_scale, b, b_scale, host, out_dtype, bias):
+    out = torch.zeros((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
+    for e, (start, n, count) in enumerate(host):
+        if not n:
+            continue
+        rows = slice(start, start + n)
+        out[rows] = blockwise_scaled_mm(a[rows], a_scale[:, rows].contiguous(), b[e],
+                                        b_scale[e], "1x128", "128x128", out_dtype)
+        if bias is not None:
+            routed = slice(start, start + count)
+            out[routed] = add_bias(out[routed], bias[e])
+    return out
+
+
+def _weights_impl(a_t, a_t_scale, b_t, b_t_scale, host, out_dtype):
+    out = torch.empty((len(host), a_t.shape[0], b_t.shape[0]), dtype=out_dtype,
+                      device=a_t.device)
+    for e, (start, n, _) in enumerate(host):
+        if not n:
+            out[e].zero_()
+            continue
+        rows, blocks = slice(start, start + n), slice(start // ALIGN, (start + n) // ALIGN)
+        out[e] = blockwise_scaled_mm(a_t[:, rows].contiguous(), a_t_scale[blocks],
+                                     b_t[:, rows].contiguous(), b_t_scale[blocks], "1x128",
+                                     "1x128", out_dtype)
+    return out
+
+
+def _row_sums_impl(dy, host):
+    out = dy.new_zeros((len(host), dy.shape[1]))
+    for e, (start, _, count) in enumerate(host):
+        if count:
+            out[e] = dy[start:start + count].sum(0)
+    return out
+
+
+# The per-expert loops as torch custom ops: under torch.compile the segment table is read
+# inside the op (dynamo sees no data-dependent Python), in eager mode the implementations run
+# directly with the routing's cached table (one read per routing, not per GEMM).
+@torch.library.custom_op("fp8blk::grouped_mm_rows", mutates_args=())
+def _rows_op(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+             table: torch.Tensor, out_dtype: torch.dtype,
+             bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return _rows_impl(a, a_scale, b, b_scale, _host_table(table), out_dtype, bias)
+
+
+@_rows_op.register_fake
+def _rows_fake(a, a_scale, b, b_scale, table, out_dtype, bias=None):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+@torch.library.custom_op("fp8blk::grouped_mm_weights", mutates_args=())
+def _weights_op(a_t: torch.Tensor, a_t_scale: torch.Tensor, b_t: torch.Tensor,
+                b_t_scale: torch.Tensor, table: torch.Tensor,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    return _weights_impl(a_t, a_t_scale, b_t, b_t_scale, _host_table(table), out_dtype)
+
+
+@_weights_op.register_fake
+def _weights_fake(a_t, a_t_scale, b_t, b_t_scale, table, out_dtype):
+    return a_t.new_empty((table.shape[1], a_t.shape[0], b_t.shape[0]), dtype=out_dtype)
+
+
+@torch.library.custom_op("fp8blk::grouped_row_sums", mutates_args=())
+def _row_sums_op(dy: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    return _row_sums_impl(dy, _host_table(table))
+
+
+@_row_sums_op.register_fake
+def _row_sums_fake(dy, table):
+    return dy.new_empty((table.shape[1], dy.shape[1]))
 
 
 def grouped_mm_rows(a, a_scale, b, b_scale, routing: Routing, out_dtype, bias=None):
@@ -88,34 +169,28 @@ def grouped_mm_rows(a, a_scale, b, b_scale, routing: Routing, out_dtype, bias=No
     128x128 scales (E, ...). ``bias`` (E, N) or None: ``bias[e]`` rounded to ``out_dtype`` and
     added to the expert's routed rows (``add_bias``), not to its padding rows. Rows outside
     the routed rows are zero."""
-    out = torch.zeros((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
-    host = routing.host()
-    for e, start, n in _segments(routing):
-        rows = slice(start, start + n)
-        out[rows] = blockwise_scaled_mm(a[rows], a_scale[:, rows].contiguous(), b[e],
-                                        b_scale[e], "1x128", "128x128", out_dtype)
-        if bias is not None:
-            routed = slice(start, start + host[e][2])
-            out[routed] = add_bias(out[routed], bias[e])
-    return out
+    if _compiling():
+        return torch.ops.fp8blk.grouped_mm_rows(a, a_scale, b, b_scale, routing.table,
+                                                out_dtype, bias)
+    return _rows_impl(a, a_scale, b, b_scale, routing.host(), out_dtype, bias)
 
 
-def grouped_mm_weights(a_t, a_t_scale, b_t, b_t_scale, routing: Routing, out_dtype, out):
-    """k-grouped: ``out[e] = dequant(a_t[:, seg_e]) @ dequant(b_t[:, seg_e]).T`` (N, K) for
-    every expert, zeros for an expert without rows; ``a_t`` (N, rows), ``b_t`` (K, rows)
-    float8 with 128x1 scales (rows/128, round4(N or K)): the columnwise buffers. ``out`` (E,
-    N, K) is written (it may be a transposed view)."""
-    done = set()
-    for e, start, n in _segments(routing):
-        rows, blocks = slice(start, start + n), slice(start // ALIGN, (start + n) // ALIGN)
-        out[e] = blockwise_scaled_mm(a_t[:, rows].contiguous(), a_t_scale[blocks],
-                                     b_t[:, rows].contiguous(), b_t_scale[blocks], "1x128",
-                                     "1x128", out_dtype)
-        done.add(e)
-    for e in range(out.shape[0]):
-        if e not in done:
-            out[e].zero_()
-    return out
+def grouped_mm_weights(a_t, a_t_scale, b_t, b_t_scale, routing: Routing, out_dtype):
+    """k-grouped: ``out[e] = dequant(a_t[:, seg_e]) @ dequant(b_t[:, seg_e]).T`` (E, N, K),
+    zeros for an expert without rows; ``a_t`` (N, rows), ``b_t`` (K, rows) float8 with 128x1
+    scales (rows/128, round4(N or K)): the columnwise buffers."""
+    if _compiling():
+        return torch.ops.fp8blk.grouped_mm_weights(a_t, a_t_scale, b_t, b_t_scale,
+                                                   routing.table, out_dtype)
+    return _weights_impl(a_t, a_t_scale, b_t, b_t_scale, routing.host(), out_dtype)
+
+
+def grouped_row_sums(dy, routing: Routing):
+    """(E, N): each expert's routed rows of ``dy`` (rows, N) summed (a bias gradient, summed
+    as the dense layer sums it)."""
+    if _compiling():
+        return torch.ops.fp8blk.grouped_row_sums(dy, routing.table)
+    return _row_sums_impl(dy, routing.host())
 
 
 class _GroupedLinearFn(torch.autograd.Function):
@@ -143,11 +218,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         dx = dw = dbias = None
         dy = dy.contiguous()
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            # each expert's bias gradient sums its routed rows, as the dense layer's does
-            dbias = dy.new_zeros((routing.num_experts, dy.shape[1]))
-            for e, (start, _, count) in enumerate(routing.host()):
-                if count:
-                    dbias[e] = dy[start:start + count].sum(0)
+            dbias = grouped_row_sums(dy, routing)
         if not (need_dgrad or need_wgrad):
             return None, None, dbias, None, None, None, None, None
         qdy = quantize_buffers(dy, cfg.grad, need_dgrad, need_wgrad)
@@ -156,10 +227,11 @@ class _GroupedLinearFn(torch.autograd.Function):
             wd, ws = expert_weight_buffers(weight, cfg.weight, ctx.transposed, False)
             dx = grouped_mm_rows(qdy[0].view(g), qdy[1], wd, ws, routing, ctx.x_dtype)
         if need_wgrad:
-            dw = torch.empty_like(weight)
-            out = dw.transpose(1, 2) if ctx.transposed else dw
-            grouped_mm_weights(qdy[2].view(g), qdy[3], xt_d.view(fp8_dtype(cfg.activation.fmt)),
-                               xt_s, routing, weight.dtype, out)
+            dw = grouped_mm_weights(qdy[2].view(g), qdy[3],
+                                    xt_d.view(fp8_dtype(cfg.activation.fmt)), xt_s, routing,
+                                    weight.dtype)
+            if ctx.transposed:
+                dw = dw.transpose(1, 2).contiguous()
         return dx, dw, dbias, None, None, None, None, None
 
 
@@ -198,4 +270,4 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, routing: Routing,
 
 
 __all__ = ["grouped_linear", "expert_weight_buffers", "grouped_mm_rows", "grouped_mm_weights",
-           "check_experts_config"]
+           "grouped_row_sums", "check_experts_config"]

@@ -39,6 +39,7 @@ class Routing:
     ``ids`` (T*k,) int64: the expert of pair ``t*k + j``; ``dest`` (T*k,) int64: the padded row of pair ``t*k + j`` (token t's j-th expert);
     ``starts`` / ``counts`` (E,) int64 on the device: each expert's first padded row and its
     routed row count; ``padded`` (E,) its segment length (counts rounded up to 128);
+    ``table`` (3, E) int64: starts, padded and counts stacked (what the per-expert ops read);
     ``rows``: the padded row count (:func:`padded_rows`); ``tokens``, ``top_k``,
     ``num_experts``. :meth:`host` gives the segments as Python lists (one device
     synchronization, then cached) for the per-expert GEMM loop."""
@@ -47,14 +48,14 @@ class Routing:
         self.ids, self.dest, self.starts, self.counts = ids, dest, starts, counts
         self.padded = padded
         self.rows, self.tokens, self.top_k, self.num_experts = rows, tokens, top_k, num_experts
+        self.table = torch.stack([starts, padded, counts])
         self._host = None
         self._valid = None
 
     def host(self):
         """``[(start, padded_length, count), ...]`` per expert, as Python ints."""
         if self._host is None:
-            both = torch.stack([self.starts, self.padded, self.counts]).tolist()
-            self._host = list(zip(*both))
+            self._host = list(zip(*self.table.tolist()))
         return self._host
 
     def valid_rows(self):

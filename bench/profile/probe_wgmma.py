@@ -68,28 +68,28 @@ _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
 
 
-def _asm(builder, ret, args, text, constraints):
+def inline_asm(builder, ret, args, text, constraints):
     fnty = ir.FunctionType(ret, [a.type for a in args])
     return builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=True), args)
 
 
-def _void_asm(text):
+def void_asm(text):
     @intrinsic
     def op(typingctx):
         def codegen(context, builder, sig, args):
-            _asm(builder, ir.VoidType(), [], text, "~{memory}")
+            inline_asm(builder, ir.VoidType(), [], text, "~{memory}")
             return context.get_dummy_value()
         return types.void(), codegen
     return op
 
 
-wgmma_fence = _void_asm("wgmma.fence.sync.aligned;")
-wgmma_commit = _void_asm("wgmma.commit_group.sync.aligned;")
-fence_proxy_async = _void_asm("fence.proxy.async.shared::cta;")
+wgmma_fence = void_asm("wgmma.fence.sync.aligned;")
+wgmma_commit = void_asm("wgmma.commit_group.sync.aligned;")
+fence_proxy_async = void_asm("fence.proxy.async.shared::cta;")
 
 
 @functools.lru_cache(maxsize=None)
-def _ops(n):
+def wgmma_ops(n):
     """The wgmma intrinsics for a warpgroup tile of 64 x n (n = 64 or 128): each thread holds
     N_ACC = n / 2 fp32 accumulator registers and needs n / 4 column scales per block."""
     N_ACC = n // 2
@@ -113,7 +113,7 @@ def _ops(n):
         def wait(typingctx, acc):
             def codegen(context, builder, sig, args):
                 st = ir.LiteralStructType([_F32] * N_ACC)
-                r = _asm(builder, st, _unpack(builder, args[0]),
+                r = inline_asm(builder, st, _unpack(builder, args[0]),
                          f"wgmma.wait_group.sync.aligned {n};", f"{outs},{ties},~{{memory}}")
                 return _pack(context, builder, [builder.extract_value(r, i) for i in range(N_ACC)])
             return ACC(ACC), codegen
@@ -134,7 +134,7 @@ def _ops(n):
             a = builder.zext(args[1], _I64) if args[1].type.width < 64 else args[1]
             b = builder.zext(args[2], _I64) if args[2].type.width < 64 else args[2]
             s = builder.trunc(args[3], _I32) if args[3].type.width > 32 else args[3]
-            r = _asm(builder, st, [a, b, s] + _unpack(builder, args[0]), text, constraints)
+            r = inline_asm(builder, st, [a, b, s] + _unpack(builder, args[0]), text, constraints)
             return _pack(context, builder, [builder.extract_value(r, i) for i in range(N_ACC)])
         return ACC(acc, desc_a, desc_b, scale_d), codegen
 
@@ -218,7 +218,7 @@ def _ops(n):
         def codegen(context, builder, sig, args):
             data = context.make_array(sig.args[0])(context, builder, args[0]).data
             p = builder.ptrtoint(data, _I64)
-            return _asm(builder, _I32, [p], "{ .reg .u64 t; cvta.to.shared.u64 t, $1; "
+            return inline_asm(builder, _I32, [p], "{ .reg .u64 t; cvta.to.shared.u64 t, $1; "
                         "cvt.u32.u64 $0, t; }", "=r,l")
         return types.uint32(arr), codegen
 
@@ -240,7 +240,7 @@ def make_kernel(mode, nwg, n=128):
     """The probe kernel: `mode` 0 plain, 1 serial, 2 pipelined, 3 serial with the scales
     loaded before the wait, 4 the forward's promotion (one scale per row); `nwg` warpgroups
     per CTA, each with a 64 x `n` tile (all of them share one B tile of n x 128)."""
-    o = _ops(n)
+    o = wgmma_ops(n)
     wgmma_m64nk32, acc_zeros, wgmma_wait0, wgmma_wait1 = o.mma, o.zeros, o.wait0, o.wait1
     load_col_scales, promote_regs, promote_rows, store_acc = (
         o.load_col_scales, o.promote_regs, o.promote_rows, o.store_acc)

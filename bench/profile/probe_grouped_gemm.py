@@ -1,0 +1,331 @@
+"""Can one Numba WGMMA launch run the experts' m-grouped forward GEMM (x 1x128 with W_e
+128x128, every expert at once, the segment table read on the device), and how fast?
+
+Why: fp8blk's experts path (``fp8blk.torch.moe``) runs each expert's GEMM through cuBLASLt,
+which needs the segment table on the host and costs host time per expert: level with bf16
+``grouped_mm`` at Mixtral's 8 experts, host-bound at Qwen3-30B-A3B's 128
+(``bench/results/moe-h200.json``). This probe builds the one-launch kernel on the WGMMA
+foundations of ``probe_wgmma.py`` and measures it against bf16 ``grouped_mm`` and the
+per-expert cuBLASLt loop, operands already quantized.
+
+Kernel: a CTA computes a 128 x 128 tile of y (two warpgroups of 64 rows, wgmma m64n128k32,
+e4m3, operands K-major in shared memory without swizzle, the layout ``probe_wgmma`` checked).
+The padded token layout puts every 128-row tile inside one expert; ``tile_expert`` (one int32
+per row tile, computed on the device by ``torch.searchsorted``) says which, and a tile past the
+last segment writes zeros. Per 128-deep block of K: the A and B tiles arrive by ``cp.async``
+16-byte copies in a 3-stage ring (dynamic shared memory, 96 KiB), four wgmma into a fresh
+partial, then ``final += part * sa[row, kb] * sb_e[tile, kb]`` (the 1x128 x 128x128
+promotion); the epilogue packs pairs of bf16 (``cvt.rn.bf16x2.f32``, round to nearest even).
+Needs K and N multiples of 128.
+
+Checks: against blockwise_scaled_mm per expert on the same operands (cuBLASLt sums in
+another order: the bound is the fp32 accumulation's, a bf16 rounding step at most), balanced,
+skewed (empty experts) and tiny routings. Timing: CUDA events, median of interleaved repeats.
+
+    python3 -m bench.profile.probe_grouped_gemm [--out F.json]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import platform
+import sys
+
+import numpy as np
+
+from fp8blk.kernels import _numba as nb
+
+cuda, types = nb.cuda, nb.types
+
+if nb.SIM:
+    sys.exit("probe_grouped_gemm needs a GPU (NUMBA_ENABLE_CUDASIM is set)")
+
+from llvmlite import ir  # noqa: E402
+from numba.cuda.extending import intrinsic  # noqa: E402
+
+from bench.profile.probe_wgmma import (fence_proxy_async, inline_asm, void_asm,  # noqa: E402
+                                       wgmma_commit, wgmma_fence, wgmma_ops)
+
+_I32 = ir.IntType(32)
+_I64 = ir.IntType(64)
+_F32 = ir.FloatType()
+
+STAGES = 3
+STAGE_BYTES = 32768        # A: 128 rows x 128 bytes, B: 128 rows x 128 bytes
+THREADS = 256
+
+cp_async_commit = void_asm("cp.async.commit_group;")
+cp_async_wait1 = void_asm("cp.async.wait_group 1;")
+cp_async_wait0 = void_asm("cp.async.wait_group 0;")
+
+
+@intrinsic
+def cp_async16(typingctx, smem_addr, ptr, offset):
+    """cp.async.cg of 16 bytes from ptr + offset (bytes) to the shared address smem_addr."""
+    def codegen(context, builder, sig, args):
+        src = builder.ptrtoint(builder.gep(args[1], [args[2]]), _I64)
+        dst = args[0] if args[0].type.width == 32 else builder.trunc(args[0], _I32)
+        inline_asm(builder, ir.VoidType(), [dst, src], "cp.async.cg.shared.global [$0], [$1], 16;",
+                   "r,l,~{memory}")
+        return context.get_dummy_value()
+    return types.void(smem_addr, ptr, offset), codegen
+
+
+@functools.lru_cache(maxsize=None)
+def store_ops(n=128):
+    n_acc = n // 2
+    acc_t = types.UniTuple(types.float32, n_acc)
+
+    @intrinsic
+    def store_bf16(typingctx, c, row, col, ld_words, acc):
+        """The thread's 64 x n fragment (rows row, row + 8; columns col + 8j, + 1) as bf16 pairs
+        into c (uint32 words, ld_words per row): cvt.rn.bf16x2.f32 packs column col + 8j in the
+        low half (the lower address)."""
+        def codegen(context, builder, sig, args):
+            cp, r0, cl, ld = args[0], args[1], args[2], args[3]
+            vals = [builder.extract_value(args[4], i) for i in range(n_acc)]
+            for j in range(n_acc // 4):
+                for half in range(2):
+                    lo, hi = vals[4 * j + 2 * half], vals[4 * j + 2 * half + 1]
+                    word = inline_asm(builder, _I32, [hi, lo], "cvt.rn.bf16x2.f32 $0, $1, $2;",
+                                      "=r,f,f")
+                    r = builder.add(r0, ir.Constant(r0.type, 8 * half))
+                    w = builder.add(builder.sdiv(cl, ir.Constant(cl.type, 2)),
+                                    ir.Constant(cl.type, 4 * j))
+                    idx = builder.add(builder.mul(r, ld), w)
+                    builder.store(word, builder.gep(cp, [idx]))
+            return context.get_dummy_value()
+        return types.void(c, row, col, ld_words, acc_t), codegen
+
+    return store_bf16
+
+
+def make_kernel():
+    o = wgmma_ops(128)
+    mma, zeros, wait0, promote_rows, shared_addr = (o.mma, o.zeros, o.wait0, o.promote_rows,
+                                                    o.shared_addr)
+    store_bf16 = store_ops(128)
+    s1, s2, s3 = np.uint64(16), np.uint64(32), np.uint64(48)
+
+    @nb.device
+    def issue(p, da, db):
+        wgmma_fence()
+        p = mma(p, da, db, 0)
+        p = mma(p, da + s1, db + s1, 1)
+        p = mma(p, da + s2, db + s2, 1)
+        p = mma(p, da + s3, db + s3, 1)
+        wgmma_commit()
+        return p
+
+    @nb.device
+    def load(base, stage, a, b, a_row0, b_row0, k, kb, tid):
+        """Block kb of the A tile (128 rows from a_row0) and the B tile (128 rows from
+        b_row0, the expert's rows of W) into ring stage `stage`: chunk i of 16 bytes goes to
+        byte 16 i of the tile, the core-matrix layout (rows in groups of 8, K in 16-byte
+        columns 128 bytes apart, row groups 1024 apart)."""
+        sbase = base + stage * STAGE_BYTES
+        for j in range(4):
+            i = tid + THREADS * j
+            w = i // 512
+            rem = i % 512
+            row = w * 64 + (rem // 64) * 8 + rem % 8
+            chunk = (rem % 64) // 8
+            cp_async16(np.uint32(sbase + i * 16), a,
+                       np.int64(a_row0 + row) * k + kb * 128 + chunk * 16)
+            row = (i // 64) * 8 + i % 8
+            chunk = (i % 64) // 8
+            cp_async16(np.uint32(sbase + 16384 + i * 16), b,
+                       np.int64(b_row0 + row) * k + kb * 128 + chunk * 16)
+
+    def kernel(a, b, sa, sb, c, tile_expert, rows, n, k, experts, kbp, lbo, sbo):
+        smem = cuda.shared.array(0, types.uint8)
+        tid = cuda.threadIdx.x
+        wg = tid // 128
+        t = tid % 128
+        lane = t % 32
+        row0 = (t // 32) * 16 + lane // 4
+        col = 2 * (lane % 4)
+        nt = cuda.blockIdx.x
+        mt = cuda.blockIdx.y
+        e = tile_expert[mt]
+        out_row = mt * 128 + wg * 64 + row0
+        if e >= experts:                       # past the last segment: zeros
+            store_bf16(c, out_row, nt * 128 + col, n // 2, zeros())
+            return
+        raw = np.int64(shared_addr(smem))
+        base = ((raw + 127) // 128) * 128
+        kb_count = k // 128
+        a_row0 = mt * 128
+        b_row0 = np.int64(e) * n + nt * 128
+        for s in range(STAGES - 1):
+            if s < kb_count:
+                load(base, s, a, b, a_row0, b_row0, k, s, tid)
+            cp_async_commit()
+        hi = (np.uint64(lbo >> 4) << np.uint64(16)) | (np.uint64(sbo >> 4) << np.uint64(32))
+        final = zeros()
+        part = zeros()
+        sb_row = (np.int64(e) * (n // 128) + nt) * kbp
+        for kb in range(kb_count):
+            cp_async_wait1()
+            fence_proxy_async()
+            cuda.syncthreads()
+            nxt = kb + STAGES - 1
+            if nxt < kb_count:
+                load(base, nxt % STAGES, a, b, a_row0, b_row0, k, nxt, tid)
+            cp_async_commit()
+            sbase = base + (kb % STAGES) * STAGE_BYTES
+            da = np.uint64(((sbase + wg * 8192) & 0x3FFFF) >> 4) | hi
+            db = np.uint64(((sbase + 16384) & 0x3FFFF) >> 4) | hi
+            part = issue(part, da, db)
+            sbk = sb[sb_row + kb]
+            r0 = sa[np.int64(kb) * rows + out_row] * sbk
+            r1 = sa[np.int64(kb) * rows + out_row + 8] * sbk
+            part = wait0(part)
+            final = promote_rows(final, part, r0, r1)
+        cp_async_wait0()
+        store_bf16(c, out_row, nt * 128 + col, n // 2, final)
+
+    return kernel
+
+
+ARGTYPES = [nb.ptr(types.uint8), nb.ptr(types.uint8), nb.ptr(types.float32),
+            nb.ptr(types.float32), nb.ptr(types.uint32), nb.ptr(types.int32), types.int64,
+            types.int64, types.int64, types.int64, types.int64, types.int64, types.int64]
+SMEM = STAGES * STAGE_BYTES + 128
+
+
+@functools.lru_cache(maxsize=None)
+def kernel():
+    f = nb.compile_kernel(make_kernel(), ARGTYPES, launch_bounds=(THREADS, 1))
+    f.max_dynamic_shared_size_bytes = SMEM
+    return f
+
+
+def tile_experts(routing):
+    """(rows/128,) int32: the expert of each 128-row tile, E past the last segment."""
+    import torch
+    ends = torch.cumsum(routing.padded, 0) // 128
+    tiles = torch.arange(routing.rows // 128, device=ends.device)
+    return torch.searchsorted(ends, tiles, right=True).to(torch.int32)
+
+
+def grouped_forward(a, a_scale, b, b_scale, tiles, experts):
+    """y (rows, N) bf16 = the m-grouped GEMM of a (rows, K) e4m3 with 1x128 scales
+    (K/128, rows) and b (E, N, K) e4m3 with per-expert 128x128 scales (E, N/128, kbp)."""
+    import cupy
+    import torch
+    rows, k = a.shape
+    n = b.shape[1]
+    c = torch.empty((rows, n), dtype=torch.bfloat16, device=a.device)
+    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    with stream:
+        kernel()((n // 128, rows // 128), (THREADS,),
+                 (np.uint64(a.data_ptr()), np.uint64(b.data_ptr()),
+                  np.uint64(a_scale.data_ptr()), np.uint64(b_scale.data_ptr()),
+                  np.uint64(c.data_ptr()), np.uint64(tiles.data_ptr()), np.int64(rows),
+                  np.int64(n), np.int64(k), np.int64(experts), np.int64(b_scale.shape[2]),
+                  np.int64(128), np.int64(1024)), shared_mem=SMEM)
+    return c
+
+
+def operands(experts, top_k, tokens, k, n, kind, seed=0):
+    import torch
+
+    from fp8blk.torch import Float8BlockConfig
+    from fp8blk.torch.linear.functional import quantize_buffers
+    from fp8blk.torch.moe import permute, route
+    from fp8blk.torch.moe.grouped import expert_weight_buffers
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(tokens, experts, generator=gen)
+    if kind == "skewed":
+        scores[:, experts - max(1, experts // 4):] = -1
+        scores[:, 0] = 2
+    ids = scores.argsort(1, descending=True)[:, :top_k].cuda()
+    r = route(ids, experts)
+    x = torch.randn(tokens, k, generator=gen).to("cuda", torch.bfloat16)
+    x = x * torch.logspace(-2, 2, tokens, device="cuda").to(torch.bfloat16).unsqueeze(1)
+    w = (torch.randn(experts, n, k, generator=gen) * k ** -0.5).to("cuda", torch.bfloat16)
+    cfg = Float8BlockConfig()
+    qx = quantize_buffers(permute(x, r), cfg.activation, True, False)
+    wd, ws = expert_weight_buffers(w, cfg.weight, False, True)
+    return r, qx[0].view(torch.float8_e4m3fn), qx[1], wd, ws, x, w
+
+
+def check(experts, top_k, tokens, k, n, kind):
+    import torch
+
+    from fp8blk.torch.moe.grouped import grouped_mm_rows
+    r, a, sa, b, sb, _, _ = operands(experts, top_k, tokens, k, n, kind)
+    got = grouped_forward(a, sa, b, sb, tile_experts(r), experts)
+    ref = grouped_mm_rows(a, sa, b, sb, r, torch.bfloat16)
+    torch.cuda.synchronize()
+    g, f = got.float(), ref.float()
+    diff = (g - f).abs()
+    # one bf16 rounding step of the larger, or fp32 noise where the sum cancels
+    tol = torch.maximum(g.abs(), f.abs()) * 2.0 ** -7 + f.abs().max() * 2.0 ** -14
+    return dict(kind=kind, experts=experts, tokens=tokens, k=k, n=n,
+                equal_fraction=float((got == ref).float().mean()),
+                within_bound=bool((diff <= tol).all()), max_abs=float(diff.max()),
+                nan=bool(torch.isnan(g).any()))
+
+
+def timing(name, experts, top_k, tokens, k, n, kind):
+    import torch
+
+    from bench.bench_linear import interleaved_ms
+    from fp8blk.torch.moe import permute
+    from fp8blk.torch.moe.grouped import grouped_mm_rows
+    r, a, sa, b, sb, x, w = operands(experts, top_k, tokens, k, n, kind)
+    tiles = tile_experts(r)
+    r.host()
+    order = torch.argsort(r.dest)
+    xp = permute(x, r)
+    xs = xp[r.dest[order]].contiguous()
+    offs = torch.cumsum(r.counts, 0).to(torch.int32)
+    gmm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+    wt = w.transpose(-2, -1)
+    fns = {"bf16": lambda: gmm(xs, wt, offs=offs),
+           "cublaslt_loop": lambda: grouped_mm_rows(a, sa, b, sb, r, torch.bfloat16),
+           "wgmma": lambda: grouped_forward(a, sa, b, sb, tiles, experts)}
+    ms = interleaved_ms(fns, inner=5, repeats=5, warmup=2)
+    flop = 2.0 * tokens * top_k * k * n
+    return dict(shape=name, routing=kind, **{f"{v}_tflops": round(flop / t / 1e9, 1)
+                                              for v, t in ms.items()},
+                ratio_vs_bf16=round(ms["bf16"] / ms["wgmma"], 3))
+
+
+SHAPES = {"mixtral_gate_up": (8, 2, 16384, 4096, 2 * 14336),
+          "mixtral_down": (8, 2, 16384, 14336, 4096),
+          "qwen3_30b_gate_up": (128, 8, 8192, 2048, 2 * 768),
+          "qwen3_30b_down": (128, 8, 8192, 768, 2048)}
+
+
+def main():
+    import torch
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out")
+    ap.add_argument("--checks-only", action="store_true")
+    args = ap.parse_args()
+    res = {"machine": platform.node(), "gpu": torch.cuda.get_device_name(),
+           "date": datetime.date.today().isoformat(), "command": "python3 " + " ".join(sys.argv),
+           "checks": [], "timing": []}
+    for case in [(8, 2, 1000, 512, 768, "balanced"), (8, 2, 1000, 512, 768, "skewed"),
+                 (16, 4, 9, 256, 384, "balanced"), (6, 3, 700, 640, 256, "skewed")]:
+        out = check(*case)
+        res["checks"].append(out)
+        print("check", out, flush=True)
+    if not args.checks_only:
+        for name, shape in SHAPES.items():
+            for kind in ("balanced", "skewed"):
+                out = timing(name, *shape, kind)
+                res["timing"].append(out)
+                print(out, flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -13,7 +13,9 @@ e4m3, operands K-major in shared memory without swizzle, the layout ``probe_wgmm
 The padded token layout puts every 128-row tile inside one expert; ``tile_expert`` (one int32
 per row tile, computed on the device by ``torch.searchsorted``) says which, and a tile past the
 last segment writes zeros. Per 128-deep block of K: the A and B tiles arrive by ``cp.async``
-16-byte copies in a 3-stage ring (dynamic shared memory, 96 KiB), four wgmma into a fresh
+16-byte copies in a 5-stage ring (dynamic shared memory, 160 KiB); CTAs run in a grouped
+raster order (8 row tiles by every column tile) so that the tiles the running CTAs read stay
+in L2, four wgmma into a fresh
 partial, then ``final += part * sa[row, kb] * sb_e[tile, kb]`` (the 1x128 x 128x128
 promotion); the epilogue packs pairs of bf16 (``cvt.rn.bf16x2.f32``, round to nearest even).
 Needs K and N multiples of 128.
@@ -52,12 +54,13 @@ _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
 _F32 = ir.FloatType()
 
-STAGES = 3
+STAGES = 5
+GROUP = 8                  # row tiles per raster group: concurrent CTAs share A and B in L2
 STAGE_BYTES = 32768        # A: 128 rows x 128 bytes, B: 128 rows x 128 bytes
 THREADS = 256
 
 cp_async_commit = void_asm("cp.async.commit_group;")
-cp_async_wait1 = void_asm("cp.async.wait_group 1;")
+cp_async_wait_ring = void_asm(f"cp.async.wait_group {STAGES - 2};")
 cp_async_wait0 = void_asm("cp.async.wait_group 0;")
 
 
@@ -147,8 +150,15 @@ def make_kernel():
         lane = t % 32
         row0 = (t // 32) * 16 + lane // 4
         col = 2 * (lane % 4)
-        nt = cuda.blockIdx.x
-        mt = cuda.blockIdx.y
+        # grouped raster order: GROUP row tiles x every column tile, row tiles fastest
+        pid = np.int64(cuda.blockIdx.x)
+        n_tiles = n // 128
+        m_tiles = rows // 128
+        group = pid // (GROUP * n_tiles)
+        first = group * GROUP
+        size = min(m_tiles - first, GROUP)
+        mt = first + (pid % (GROUP * n_tiles)) % size
+        nt = (pid % (GROUP * n_tiles)) // size
         e = tile_expert[mt]
         out_row = mt * 128 + wg * 64 + row0
         if e >= experts:                       # past the last segment: zeros
@@ -168,7 +178,7 @@ def make_kernel():
         part = zeros()
         sb_row = (np.int64(e) * (n // 128) + nt) * kbp
         for kb in range(kb_count):
-            cp_async_wait1()
+            cp_async_wait_ring()
             fence_proxy_async()
             cuda.syncthreads()
             nxt = kb + STAGES - 1
@@ -198,8 +208,10 @@ SMEM = STAGES * STAGE_BYTES + 128
 
 @functools.lru_cache(maxsize=None)
 def kernel():
+    import cupy
     f = nb.compile_kernel(make_kernel(), ARGTYPES, launch_bounds=(THREADS, 1))
-    f.max_dynamic_shared_size_bytes = SMEM
+    cupy.cuda.driver.funcSetAttribute(
+        f.ptr, cupy.cuda.driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, SMEM)
     return f
 
 
@@ -221,7 +233,7 @@ def grouped_forward(a, a_scale, b, b_scale, tiles, experts):
     c = torch.empty((rows, n), dtype=torch.bfloat16, device=a.device)
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
     with stream:
-        kernel()((n // 128, rows // 128), (THREADS,),
+        kernel()(((n // 128) * (rows // 128),), (THREADS,),
                  (np.uint64(a.data_ptr()), np.uint64(b.data_ptr()),
                   np.uint64(a_scale.data_ptr()), np.uint64(b_scale.data_ptr()),
                   np.uint64(c.data_ptr()), np.uint64(tiles.data_ptr()), np.int64(rows),

@@ -4,8 +4,6 @@ with another config, the keep_inputs name rules, the default (every option on; e
 its part off), a conversion on the meta device equal to an eager one after ``to_empty`` and
 the model's init, and PEFT adapters left alone. Tiny Hugging Face Llamas (1-2 layers, hidden
 128) where transformers is installed."""
-import copy
-
 import pytest
 import torch
 
@@ -13,6 +11,7 @@ import fp8blk as fb
 from fp8blk.torch import Float8BlockConfig, Float8BlockLinear, convert_to_float8_block
 
 from ._parity import FeedForward
+from .test_mlp import GatedMLP
 
 
 def _model():
@@ -201,9 +200,11 @@ class Adapted(torch.nn.Module):
 
     adapter_layer_names = ("side",)
 
-    def __init__(self, base):
+    def __init__(self, base, side=None):
         super().__init__()
-        self.base_layer, self.side = base, torch.nn.Linear(base.in_features, base.out_features)
+        self.base_layer = base
+        self.side = torch.nn.Linear(base.in_features, base.out_features) if side is None \
+            else side
 
     def forward(self, x):
         return self.base_layer(x) + self.side(x)
@@ -240,8 +241,11 @@ def test_peft_adapters_left_alone():
                                     adapters=True)
     assert sum(isinstance(m, Float8BlockLinear) for m in every.modules()) == 21
 
-    side = torch.nn.Sequential(Adapted(torch.nn.Linear(64, 64)))
+    side = torch.nn.Sequential(Adapted(torch.nn.Linear(64, 64)),
+                               Adapted(torch.nn.Linear(64, 64), GatedMLP(64, 128)))
     convert_to_float8_block(side)
     assert isinstance(side[0].base_layer, Float8BlockLinear)
     assert type(side[0].side) is torch.nn.Linear
+    # nothing inside an adapter is swapped: nor its norms or MLPs (nor their linears)
+    assert type(side[1].side) is GatedMLP and type(side[1].side.up_proj) is torch.nn.Linear
     assert side(torch.randn(4, 64)).shape == (4, 64)

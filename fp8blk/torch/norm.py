@@ -66,12 +66,12 @@ plain tensor ops, so the compiled graph holds x and r and fuses both passes); th
 formula and ``exact_grad=True`` run the plain formula (dynamo does not trace
 ``torch.autograd.grad`` inside a backward; inductor's partitioner chooses what to keep).
 
-Which modules are swapped (:func:`convert_norms`, or ``convert_to_float8_block(...,
-norms=True)``): ``torch.nn.RMSNorm`` (formula ``F.rms_norm``), and modules that look like HF's
-RMSNorm: a class name ending in ``RMSNorm``, a 1-D ``weight`` parameter, an epsilon attribute
-``variance_epsilon`` or ``eps`` (a float), and an output equal byte for byte to the formula
-above on a probe input (16 x the width, on the weight's device and in its dtype and in fp32)
--- Llama, Qwen2, Qwen3 (whose q_norm / k_norm normalize each head) and Mistral's norms pass;
+Which modules are swapped (:func:`convert_norms`, or ``convert_to_float8_block``: its
+``norms``, on by default): ``torch.nn.RMSNorm`` (formula ``F.rms_norm``), and modules that
+look like HF's RMSNorm: a class name ending in ``RMSNorm``, a 1-D ``weight`` parameter, an
+epsilon attribute ``variance_epsilon`` or ``eps`` (a float), and an output equal byte for
+byte to the formula above on a probe input (16 x the width, on the weight's device and in its
+dtype and in fp32) -- Llama, Qwen2, Qwen3 (whose q_norm / k_norm normalize each head) and Mistral's norms pass;
 a variant (Gemma's ``1 + weight``, an offset, a different cast order) fails the probe and is
 left as it is (:func:`why_not` says why). On the meta device the probe runs on a CPU copy of
 the module with random values (``fp8blk.torch.recompute.probe_twin``), so a model converted
@@ -279,7 +279,7 @@ def _probe(module, w, eps) -> str | None:
             x = torch.randn(16, w.shape[0], generator=gen, device=w.device).to(dtype)
             try:
                 a, b = module(x), hf_rms_norm(x, w, eps)
-            except Exception as err:  # noqa: BLE001  (a module that cannot run alone is not swapped)
+            except Exception as err:  # noqa: BLE001  (a module that cannot run alone: left)
                 return f"cannot run alone on a probe input: {type(err).__name__}"
             if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
                 # Gemma's form, x * r * (1 + weight) in fp32, named: the commonest variant

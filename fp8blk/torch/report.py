@@ -61,9 +61,14 @@ def adapter_fqns(model: torch.nn.Module) -> list[str]:
     return out
 
 
-def inside(fqn: str, prefixes) -> bool:
-    """Whether `fqn` is one of `prefixes` or below one."""
-    return any(fqn == p or fqn.startswith(p + ".") for p in prefixes)
+def inside(fqn: str, prefixes: set) -> bool:
+    """Whether `fqn` is one of `prefixes` (a set of qualified names) or below one: a lookup
+    per level of `fqn`, not a scan of the set (a model with LoRA on every projection has
+    thousands of adapters)."""
+    if not prefixes:
+        return False
+    parts = fqn.split(".")
+    return any(".".join(parts[:i]) in prefixes for i in range(1, len(parts) + 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +227,7 @@ def conversion_report(model: torch.nn.Module, module_filter_fn=None, *, adapters
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"conversion_report: model must be a torch.nn.Module, got "
                         f"{type(model).__name__}")
-    skipped = [] if adapters else adapter_fqns(model)
+    skipped = set() if adapters else set(adapter_fqns(model))
     # reported in the reverse order of the matching: the most general kind (linear) first
     out = {k.name: KindReport(k.name) for k in reversed(kinds)}
     modules = []

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import fp8blk as fb
-from fp8blk.torch import Float8BlockConfig, Float8BlockLinear, convert_to_float8_block
+from fp8blk.torch import (Float8BlockConfig, Float8BlockLinear, conversion_report,
+                          convert_to_float8_block)
 
 from ._parity import FeedForward
 from .test_mlp import GatedMLP
@@ -152,6 +153,9 @@ def test_meta_conversion_equals_eager(arch):
 
     meta = _hf(arch, device="meta")
     convert_to_float8_block(meta, module_filter_fn=_not_head)
+    # the report reads meta modules as the converter does (Gemma's norms: the same reason)
+    assert conversion_report(meta, _not_head).lines() == conversion_report(
+        ref, _not_head).lines()
     meta.to_empty(device="cpu")
     torch.manual_seed(2)
     meta.init_weights()

@@ -6,6 +6,8 @@ torchao's blockwise FP8 Linear; loss curves (JSON) and a plot (PNG).
         --plot bench/results/loss-parity-h200.png
     python3 -m bench.loss_parity --device cpu --tiny       # smoke test
     python3 -m bench.loss_parity --replot RESULTS.json --plot FILE.png   # the plot again
+    python3 -m bench.loss_parity --arch qwen3_moe --out bench/results/loss-parity-moe-h200.json \\
+        --plot bench/results/loss-parity-moe-h200.png       # the mixture-of-experts model
 
 Corpus: every ``*.py`` file under ``sysconfig.get_paths()["stdlib"]`` (not site-packages),
 sorted by path and concatenated as bytes (vocab 256, one token per byte); the last 2% of the
@@ -21,6 +23,14 @@ plain conversion)
 and ``torchao`` (``Float8BlockwiseLinear.from_float``, where importable) with seed 0, so
 fp8blk's and torchao's differences from bf16 seed 0 are the numerics' alone (same init, same
 batches).
+
+``--arch qwen3_moe``: ``Qwen3MoeForCausalLM`` instead, 4 layers, hidden 512, 8 experts of
+intermediate 256, top-2, the router's load-balancing loss on (``output_router_logits``,
+coefficient 0.01, part of the loss), the same heads and training; runs ``bf16`` (transformers'
+``grouped_mm`` experts) seeds 0 and 1 and ``fp8blk`` (``convert_experts`` and the Linear
+conversion of the attention projections). Each run also reports the experts' load on the
+held-out batch (routed rows per expert, per layer) and the summary the largest difference of
+an expert's share of the rows from bf16 seed 0's, beside the two bf16 seeds' own.
 
 The bound: S(run) is a run's loss smoothed by a moving average over ``--window`` (20) steps;
 ``bound`` = max over the last ``--last`` (50) steps of |S(bf16 seed 0) - S(bf16 seed 1)|, the
@@ -67,9 +77,58 @@ def corpus_bytes(limit=None):
     return torch.frombuffer(bytearray(blob), dtype=torch.uint8), len(chunks)
 
 
-def model_for(variant, tiny, device, seed):
+def moe_model_for(variant, tiny, device, seed):
     import transformers
 
+    from fp8blk.torch import convert_to_float8_block
+    from fp8blk.torch.moe import convert_experts
+
+    widths = (dict(hidden_size=128, moe_intermediate_size=128, num_experts=4,
+                   num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                   num_hidden_layers=2) if tiny else
+              dict(hidden_size=512, moe_intermediate_size=256, num_experts=8,
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                   num_hidden_layers=4))
+    cfg = transformers.Qwen3MoeConfig(vocab_size=256, max_position_embeddings=1024,
+                                      tie_word_embeddings=False, num_experts_per_tok=2,
+                                      output_router_logits=True, router_aux_loss_coef=0.01,
+                                      **widths)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM._from_config(cfg, dtype=torch.bfloat16).to(device)
+    if variant == "fp8blk":
+        convert_experts(model)
+        convert_to_float8_block(model, module_filter_fn=lambda m, fqn: fqn != "lm_head")
+    elif variant != "bf16":
+        raise RuntimeError(f"--arch qwen3_moe runs bf16 and fp8blk, not {variant}")
+    return model
+
+
+def expert_load(model, batch):
+    """Routed rows per expert of every MoE layer for one batch: [[count, ...], ...]."""
+    from fp8blk.torch.moe import route
+
+    loads, hooks = [], []
+    for layer in model.model.layers:
+        block = layer.mlp
+        if not hasattr(block, "experts"):
+            continue
+
+        def keep(module, inputs, out, n=block.experts.num_experts):
+            loads.append(route(out[-1], n).counts.tolist())
+        hooks.append(block.gate.register_forward_hook(keep))
+    with torch.no_grad():
+        model(input_ids=batch)
+    for h in hooks:
+        h.remove()
+    return loads
+
+
+def model_for(variant, tiny, device, seed, arch="llama"):
+    import transformers
+
+    if arch == "qwen3_moe":
+        return moe_model_for(variant, tiny, device, seed)
     widths = (dict(hidden_size=128, intermediate_size=256, num_attention_heads=2,
                    num_key_value_heads=1, num_hidden_layers=2) if tiny else
               dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8,
@@ -96,8 +155,8 @@ def lr_at(step, steps, peak=1e-3, warmup=30):
 
 
 def train(variant, seed, data, args, device):
-    """Per-step losses (floats) and the held-out loss of one run."""
-    model = model_for(variant, args.tiny, device, seed)
+    """Per-step losses (floats), the held-out loss of one run and (MoE) the experts' load."""
+    model = model_for(variant, args.tiny, device, seed, args.arch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=device.type == "cuda", foreach=device.type != "cuda")
     split = int(len(data) * 0.98)
@@ -123,7 +182,8 @@ def train(variant, seed, data, args, device):
         batch = torch.stack([held[i * span:(i + 1) * span] for i in range(n)]).to(
             device, torch.long)
         held_loss = float(model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss)
-    return losses, held_loss
+    load = expert_load(model, batch[:, :-1]) if args.arch == "qwen3_moe" else None
+    return losses, held_loss, load
 
 
 def smooth(xs, window):
@@ -147,6 +207,11 @@ def summarize(runs, window, last):
         out["runs"][name] = {"final": final, "held_out": r["held_out"],
                              "diff_vs_bf16_seed0": final - final_ref,
                              "within_bound": abs(final - final_ref) <= bound}
+        if "expert_load" in r and "expert_load" in runs[ref]:
+            out["runs"][name]["max_share_diff_vs_bf16_seed0"] = max(
+                abs(a / sum(la) - b / sum(lb))
+                for la, lb in zip(r["expert_load"], runs[ref]["expert_load"])
+                for a, b in zip(la, lb))
     return out
 
 
@@ -177,6 +242,11 @@ def plot(runs, summary, path, window, title):
     return True
 
 
+def _title(arch, tiny):
+    model = "Qwen3-MoE 8 experts top-2" if arch == "qwen3_moe" else "Llama"
+    return f"{model} {'2x128' if tiny else '4x512'}, stdlib bytes, from scratch"
+
+
 def _write(args, argv, device, data, nfiles, t0, runs, errors, quiet):
     """The results so far (JSON to ``--out``, the plot to ``--plot``); the summary printed
     unless ``quiet``."""
@@ -188,7 +258,9 @@ def _write(args, argv, device, data, nfiles, t0, runs, errors, quiet):
         for name, r in summary["runs"].items():
             print(f"  {name:12} final {r['final']:.4f}  vs bf16 seed 0 "
                   f"{r['diff_vs_bf16_seed0']:+.4f}  held-out {r['held_out']:.4f}  "
-                  f"{'within' if r['within_bound'] else 'OUTSIDE'} the bound")
+                  f"{'within' if r['within_bound'] else 'OUTSIDE'} the bound" +
+                  (f"  experts' share max diff {r['max_share_diff_vs_bf16_seed0']:.4f}"
+                   if "max_share_diff_vs_bf16_seed0" in r else ""))
     result = {"machine": {"host": platform.node(), "torch": torch.__version__,
                           "device": str(device),
                           "gpu": torch.cuda.get_device_name() if device.type == "cuda"
@@ -199,7 +271,7 @@ def _write(args, argv, device, data, nfiles, t0, runs, errors, quiet):
               "corpus": {"files": nfiles, "bytes": len(data),
                          "stdlib": sysconfig.get_paths()["stdlib"]},
               "settings": {k: getattr(args, k) for k in ("steps", "batch", "seq", "window",
-                                                         "last", "tiny")},
+                                                         "last", "tiny", "arch")},
               "wall_s": time.perf_counter() - t0, "summary": summary, "errors": errors,
               "runs": runs}
     if args.out:
@@ -209,8 +281,7 @@ def _write(args, argv, device, data, nfiles, t0, runs, errors, quiet):
         if not quiet:
             print("wrote", args.out)
     if args.plot and summary and plot(runs, summary, args.plot, args.window,
-                                      f"Llama {'2x128' if args.tiny else '4x512'}, stdlib "
-                                      f"bytes, from scratch") and not quiet:
+                                      _title(args.arch, args.tiny)) and not quiet:
         print("wrote", args.plot)
     return result
 
@@ -224,7 +295,10 @@ def main(argv=None):
     parser.add_argument("--seq", type=int, default=None, help="default 512 (--tiny: 64)")
     parser.add_argument("--window", type=int, default=None, help="default 20 (--tiny: 5)")
     parser.add_argument("--last", type=int, default=None, help="default 50 (--tiny: 5)")
-    parser.add_argument("--runs", default=",".join(f"{v}:{s}" for v, s in RUNS))
+    parser.add_argument("--arch", choices=("llama", "qwen3_moe"), default="llama")
+    parser.add_argument("--runs", default=None,
+                        help="variant:seed,... (default: " + ",".join(
+                            f"{v}:{s}" for v, s in RUNS) + "; qwen3_moe: without torchao)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=None)
     parser.add_argument("--replot", metavar="JSON", default=None,
@@ -235,10 +309,12 @@ def main(argv=None):
         s = result["settings"]
         if result["summary"] and args.plot and plot(
                 result["runs"], result["summary"], args.plot, s["window"],
-                f"Llama {'2x128' if s['tiny'] else '4x512'}, stdlib bytes, from scratch"):
+                _title(s.get("arch", "llama"), s["tiny"])):
             print("wrote", args.plot)
         return result
     t = args.tiny
+    args.runs = args.runs or ",".join(f"{v}:{s}" for v, s in RUNS
+                                      if args.arch == "llama" or v != "torchao")
     args.steps = args.steps or (20 if t else 300)
     args.batch = args.batch or (2 if t else 16)
     args.seq = args.seq or (64 if t else 512)
@@ -255,13 +331,15 @@ def main(argv=None):
         name = f"{variant}_seed{seed}"
         t1 = time.perf_counter()
         try:
-            losses, held = train(variant, int(seed), data, args, device)
+            losses, held, load = train(variant, int(seed), data, args, device)
         except RuntimeError as err:
             errors[name] = str(err)
             print(f"{name}: {err}")
             continue
         runs[name] = {"variant": variant, "seed": int(seed), "losses": losses,
                       "held_out": held, "wall_s": time.perf_counter() - t1}
+        if load is not None:
+            runs[name]["expert_load"] = load
         print(f"{name}: final-{args.last} mean {sum(losses[-args.last:]) / args.last:.4f}, "
               f"held-out {held:.4f} ({runs[name]['wall_s']:.1f} s)", flush=True)
         # written after every run, so that a run stopped by a time limit keeps the ones done

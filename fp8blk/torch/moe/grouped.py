@@ -1,0 +1,273 @@
+"""The experts' linear layer in block-scaled FP8: E weight matrices applied to the segments of
+the padded token layout (``routing``), with the three GEMMs of a linear layer per expert
+(docs/torch.md, "Experts").
+
+    y[seg_e]  = x[seg_e] @ W_e.T      forward, m-grouped:   x 1x128,  W_e 128x128
+    dx[seg_e] = dY[seg_e] @ W_e       input gradient:       dY 1x128, W_e.T 128x128
+    dW_e      = dY[seg_e].T @ x[seg_e] weight gradient, k-grouped over the expert's rows:
+                                                            dY, x 128x1 (columnwise)
+
+Operands: the padded rows are quantized as one tensor (``fb.quantize``'s buffers; per expert
+the bytes of its rows quantized alone, ``routing``); W (E, N, K) is quantized 128x128 per
+expert (one quantize of the stacked (E*N, K) when N is a multiple of 128, whose tiles never
+cross two experts), and W_e.T is its FP8 transpose (exact, as for a Block2D weight). The GEMMs
+run per expert through :func:`~fp8blk.torch.blockwise_scaled_mm` (cuBLASLt on CUDA, the
+emulation on the CPU): each expert's output is the dense ``Float8BlockLinear``'s on its rows.
+This path reads the segment table on the host once per routing (one device synchronization);
+under torch.compile the per-expert loops are custom ops (``torch.ops.fp8blk.grouped_mm_rows``,
+``grouped_mm_weights``, ``grouped_row_sums``) that read it themselves, so a compiled layer
+has no graph break.
+
+    import torch
+    from fp8blk.torch import Float8BlockConfig
+    from fp8blk.torch.moe.routing import route, permute
+    from fp8blk.torch.moe.grouped import grouped_linear
+    r = route(torch.randint(0, 4, (64, 2)), num_experts=4)
+    x = permute(torch.randn(64, 256), r)
+    w = torch.randn(4, 384, 256, requires_grad=True)
+    grouped_linear(x, w, r, Float8BlockConfig()).sum().backward()    # y (r.rows, 384)
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..config import HIGH_DTYPES, Float8BlockConfig, config_or_default, fp8_dtype
+from ..linear.functional import add_bias, quantize_buffers
+from ..scaled_mm import blockwise_scaled_mm
+from .routing import ALIGN, Routing
+from ...formats import Block1D, Block2D
+
+_compiling = torch.compiler.is_compiling
+
+
+def check_experts_config(config: Float8BlockConfig, where: str):
+    """Experts take Block1D activations and gradients with Block2D weights (the recipe whose
+    tiles the padded layout keeps inside one expert); MXFP8 experts raise."""
+    if not (isinstance(config.activation, Block1D) and isinstance(config.grad, Block1D)
+            and isinstance(config.weight, Block2D)):
+        raise ValueError(f"{where}: experts run Block1D activations and gradients with Block2D "
+                         f"weights (the default Float8BlockConfig), got {config!r}")
+
+
+def _scale_transposed(scale, rows, cols):
+    """Per-expert Block2D scales (E, rt, round4(ct)) of (rows, cols) tiles as the scales of
+    the transposed tiles (E, ct, round4(rt)), padded with 1.0 as ``fb.quantize`` pads."""
+    e, rt, ct = scale.shape[0], -(-rows // ALIGN), -(-cols // ALIGN)
+    out = scale.new_ones((e, ct, -(-rt // 4) * 4))
+    out[:, :, :rt] = scale[:, :rt, :ct].transpose(1, 2)
+    return out
+
+
+def expert_weight_buffers(weight: torch.Tensor, recipe, transposed: bool, rows_first: bool):
+    """A 3-D expert weight's Block2D buffers, per expert: ``(data (E, R, C) float8, scale_inv
+    (E, cdiv(R,128), round4(cdiv(C,128))) fp32)``, each expert's bytes equal to
+    ``fb.quantize(W_e, recipe)``'s. ``weight`` is (E, N, K) (``transposed=False``) or
+    (E, K, N) (``transposed=True``, as gpt-oss stores it); ``rows_first`` asks for W_e (N, K)
+    (the forward operand), else W_e.T (K, N) (the input gradient's)."""
+    w = weight.detach()
+    if w.dtype not in HIGH_DTYPES:
+        raise TypeError(f"experts: weight dtype must be float32, bfloat16 or float16, got "
+                        f"{w.dtype}")
+    e, r, c = w.shape
+    if r % ALIGN == 0 or e == 1:
+        q = quantize_buffers(w.reshape(e * r, c).contiguous(), recipe, True, False)
+        data = q[0].view(e, r, c)
+        scale = q[1].view(e, -1, q[1].shape[1])
+    else:
+        qs = [quantize_buffers(w[i].contiguous(), recipe, True, False) for i in range(e)]
+        data = torch.stack([q[0] for q in qs])
+        scale = torch.stack([q[1] for q in qs])
+    if rows_first == (not transposed):          # the stored orientation is the one asked for
+        return data.view(fp8_dtype(recipe.fmt)), scale
+    data_t = data.transpose(1, 2).contiguous()
+    return data_t.view(fp8_dtype(recipe.fmt)), _scale_transposed(scale, r, c)
+
+
+def _host_table(table):
+    """``[(start, padded, count), ...]`` of a routing table (3, E) (one device read)."""
+    return list(zip(*table.tolist()))
+
+
+def _rows_impl(a, a_scale, b, b_scale, host, out_dtype, bias):
+    out = torch.zeros((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
+    for e, (start, n, count) in enumerate(host):
+        if not n:
+            continue
+        rows = slice(start, start + n)
+        out[rows] = blockwise_scaled_mm(a[rows], a_scale[:, rows].contiguous(), b[e],
+                                        b_scale[e], "1x128", "128x128", out_dtype)
+        if bias is not None:
+            routed = slice(start, start + count)
+            out[routed] = add_bias(out[routed], bias[e])
+    return out
+
+
+def _weights_impl(a_t, a_t_scale, b_t, b_t_scale, host, out_dtype):
+    out = torch.empty((len(host), a_t.shape[0], b_t.shape[0]), dtype=out_dtype,
+                      device=a_t.device)
+    for e, (start, n, _) in enumerate(host):
+        if not n:
+            out[e].zero_()
+            continue
+        rows, blocks = slice(start, start + n), slice(start // ALIGN, (start + n) // ALIGN)
+        out[e] = blockwise_scaled_mm(a_t[:, rows].contiguous(), a_t_scale[blocks],
+                                     b_t[:, rows].contiguous(), b_t_scale[blocks], "1x128",
+                                     "1x128", out_dtype)
+    return out
+
+
+def _row_sums_impl(dy, host):
+    out = dy.new_zeros((len(host), dy.shape[1]))
+    for e, (start, _, count) in enumerate(host):
+        if count:
+            out[e] = dy[start:start + count].sum(0)
+    return out
+
+
+# The per-expert loops as torch custom ops: under torch.compile the segment table is read
+# inside the op (dynamo sees no data-dependent Python), in eager mode the implementations run
+# directly with the routing's cached table (one read per routing, not per GEMM).
+@torch.library.custom_op("fp8blk::grouped_mm_rows", mutates_args=())
+def _rows_op(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+             table: torch.Tensor, out_dtype: torch.dtype,
+             bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return _rows_impl(a, a_scale, b, b_scale, _host_table(table), out_dtype, bias)
+
+
+@_rows_op.register_fake
+def _rows_fake(a, a_scale, b, b_scale, table, out_dtype, bias=None):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+@torch.library.custom_op("fp8blk::grouped_mm_weights", mutates_args=())
+def _weights_op(a_t: torch.Tensor, a_t_scale: torch.Tensor, b_t: torch.Tensor,
+                b_t_scale: torch.Tensor, table: torch.Tensor,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    return _weights_impl(a_t, a_t_scale, b_t, b_t_scale, _host_table(table), out_dtype)
+
+
+@_weights_op.register_fake
+def _weights_fake(a_t, a_t_scale, b_t, b_t_scale, table, out_dtype):
+    return a_t.new_empty((table.shape[1], a_t.shape[0], b_t.shape[0]), dtype=out_dtype)
+
+
+@torch.library.custom_op("fp8blk::grouped_row_sums", mutates_args=())
+def _row_sums_op(dy: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    return _row_sums_impl(dy, _host_table(table))
+
+
+@_row_sums_op.register_fake
+def _row_sums_fake(dy, table):
+    return dy.new_empty((table.shape[1], dy.shape[1]))
+
+
+def grouped_mm_rows(a, a_scale, b, b_scale, routing: Routing, out_dtype, bias=None):
+    """m-grouped: ``out[seg_e] = dequant(a[seg_e]) @ dequant(b[e]).T`` for every expert;
+    ``a`` (rows, K) float8 with 1x128 scales (cdiv(K,128), rows), ``b`` (E, N, K) float8 with
+    128x128 scales (E, ...). ``bias`` (E, N) or None: ``bias[e]`` rounded to ``out_dtype`` and
+    added to the expert's routed rows (``add_bias``), not to its padding rows. Rows outside
+    the routed rows are zero."""
+    if _compiling():
+        return torch.ops.fp8blk.grouped_mm_rows(a, a_scale, b, b_scale, routing.table,
+                                                out_dtype, bias)
+    return _rows_impl(a, a_scale, b, b_scale, routing.host(), out_dtype, bias)
+
+
+def grouped_mm_weights(a_t, a_t_scale, b_t, b_t_scale, routing: Routing, out_dtype):
+    """k-grouped: ``out[e] = dequant(a_t[:, seg_e]) @ dequant(b_t[:, seg_e]).T`` (E, N, K),
+    zeros for an expert without rows; ``a_t`` (N, rows), ``b_t`` (K, rows) float8 with 128x1
+    scales (rows/128, round4(N or K)): the columnwise buffers."""
+    if _compiling():
+        return torch.ops.fp8blk.grouped_mm_weights(a_t, a_t_scale, b_t, b_t_scale,
+                                                   routing.table, out_dtype)
+    return _weights_impl(a_t, a_t_scale, b_t, b_t_scale, routing.host(), out_dtype)
+
+
+def grouped_row_sums(dy, routing: Routing):
+    """(E, N): each expert's routed rows of ``dy`` (rows, N) summed (a bias gradient, summed
+    as the dense layer sums it)."""
+    if _compiling():
+        return torch.ops.fp8blk.grouped_row_sums(dy, routing.table)
+    return _row_sums_impl(dy, routing.host())
+
+
+class _GroupedLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, routing, cfg, transposed, out_dtype, grad_enabled):
+        need_wgrad = grad_enabled and weight.requires_grad
+        x = x.contiguous()
+        qx = quantize_buffers(x, cfg.activation, True, need_wgrad)
+        wd, ws = expert_weight_buffers(weight, cfg.weight, transposed, True)
+        act = fp8_dtype(cfg.activation.fmt)
+        y = grouped_mm_rows(qx[0].view(act), qx[1], wd, ws, routing, out_dtype, bias)
+        # saved: x's columnwise FP8 buffers and W (a parameter: held anyway)
+        ctx.save_for_backward(qx[2] if need_wgrad else None,
+                              qx[3] if need_wgrad else None, weight)
+        ctx.routing, ctx.cfg, ctx.transposed, ctx.x_dtype = routing, cfg, transposed, x.dtype
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        xt_d, xt_s, weight = ctx.saved_tensors
+        cfg, routing = ctx.cfg, ctx.routing
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx = dw = dbias = None
+        dy = dy.contiguous()
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            dbias = grouped_row_sums(dy, routing)
+        if not (need_dgrad or need_wgrad):
+            return None, None, dbias, None, None, None, None, None
+        qdy = quantize_buffers(dy, cfg.grad, need_dgrad, need_wgrad)
+        g = fp8_dtype(cfg.grad.fmt)
+        if need_dgrad:
+            wd, ws = expert_weight_buffers(weight, cfg.weight, ctx.transposed, False)
+            dx = grouped_mm_rows(qdy[0].view(g), qdy[1], wd, ws, routing, ctx.x_dtype)
+        if need_wgrad:
+            dw = grouped_mm_weights(qdy[2].view(g), qdy[3],
+                                    xt_d.view(fp8_dtype(cfg.activation.fmt)), xt_s, routing,
+                                    weight.dtype)
+            if ctx.transposed:
+                dw = dw.transpose(1, 2).contiguous()
+        return dx, dw, dbias, None, None, None, None, None
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, routing: Routing,
+                   config: Float8BlockConfig = None, *, bias: torch.Tensor = None,
+                   transposed: bool = False):
+    """The experts' linear layer: ``y[seg_e] = x[seg_e] @ W_e.T`` in block-scaled FP8 (module
+    docstring), differentiable in x and W.
+
+    x (routing.rows, K) float32/bfloat16/float16 in the padded layout (``routing.permute``:
+    padding rows zero); weight (E, N, K), or (E, K, N) with ``transposed=True``; bias (E, N)
+    or None, added to each expert's routed rows. Returns (routing.rows, N) in x's dtype (the
+    autocast dtype under ``torch.autocast``), padding rows zero; dW in the weight's dtype,
+    zero for an expert without rows."""
+    config = config_or_default(config, "grouped_linear")
+    check_experts_config(config, "grouped_linear")
+    if weight.dim() != 3 or weight.shape[0] != routing.num_experts:
+        raise ValueError(f"grouped_linear: weight must be ({routing.num_experts}, out, in), got "
+                         f"shape {tuple(weight.shape)}")
+    k = weight.shape[1] if transposed else weight.shape[2]
+    if x.dim() != 2 or x.shape != (routing.rows, k):
+        raise ValueError(f"grouped_linear: x must be ({routing.rows}, {k}) (the padded layout "
+                         f"of the routing), got shape {tuple(x.shape)}")
+    if x.dtype not in HIGH_DTYPES:
+        raise TypeError(f"grouped_linear: x dtype must be float32, bfloat16 or float16, got "
+                        f"{x.dtype}")
+    device = x.device.type
+    out_dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+                 else x.dtype)
+    n = weight.shape[2] if transposed else weight.shape[1]
+    if bias is not None and tuple(bias.shape) != (routing.num_experts, n):
+        raise ValueError(f"grouped_linear: bias must be ({routing.num_experts}, {n}), got "
+                         f"shape {tuple(bias.shape)}")
+    return _GroupedLinearFn.apply(x, weight, bias, routing, config, bool(transposed), out_dtype,
+                                  torch.is_grad_enabled())
+
+
+__all__ = ["grouped_linear", "expert_weight_buffers", "grouped_mm_rows", "grouped_mm_weights",
+           "grouped_row_sums", "check_experts_config"]

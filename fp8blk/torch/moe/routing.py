@@ -1,0 +1,140 @@
+"""The experts' token layout: routed (token, expert) pairs sorted by expert into segments that
+start on 128-row boundaries, with the offsets on the device (docs/torch.md, "Experts").
+
+A segment padded to a multiple of 128 rows with zero rows (DeepGEMM's "contiguous" layout)
+makes every 128-row tile and every 128x1 block of the sorted tokens belong to one expert, so
+the grouped operands are fp8blk's ordinary buffers: quantizing the padded rows columnwise
+gives, for each expert, the bytes ``fb.quantize`` gives for its rows alone (zero rows change
+no block's amax and quantize to zero bytes), and each expert's GEMM operand is a plain slice.
+The row count of the padded layout is fixed by the shapes alone (:func:`padded_rows`), so
+routing needs no host synchronization: a step runs ahead of the GPU.
+
+    import torch
+    from fp8blk.torch.moe.routing import route, permute, combine
+    hidden = torch.randn(6, 256); idx = torch.tensor([[0, 2]] * 6); w = torch.ones(6, 2) / 2
+    r = route(idx, num_experts=4)
+    x = permute(hidden, r)                     # (r.rows, 256): expert 0 rows 0..5, 2 at 128..133
+    out = combine(x, r, w, hidden.dtype)       # the mean of each token's two rows: hidden
+"""
+from __future__ import annotations
+
+import torch
+
+ALIGN = 128
+
+
+def padded_rows(pairs: int, num_experts: int) -> int:
+    """The row count of the padded layout of ``pairs`` routed (token, expert) pairs over
+    ``num_experts`` experts: enough for any routing (each non-empty expert pads at most 127
+    rows), a multiple of 128."""
+    if pairs == 0:
+        return 0
+    bound = pairs + (ALIGN - 1) * min(num_experts, pairs)
+    return -(-bound // ALIGN) * ALIGN
+
+
+class Routing:
+    """One routing of T tokens to k experts each, in the padded layout (module docstring).
+
+    ``ids`` (T*k,) int64: the expert of pair ``t*k + j``; ``dest`` (T*k,) int64: the padded row of pair ``t*k + j`` (token t's j-th expert);
+    ``starts`` / ``counts`` (E,) int64 on the device: each expert's first padded row and its
+    routed row count; ``padded`` (E,) its segment length (counts rounded up to 128);
+    ``table`` (3, E) int64: starts, padded and counts stacked (what the per-expert ops read);
+    ``rows``: the padded row count (:func:`padded_rows`); ``tokens``, ``top_k``,
+    ``num_experts``. :meth:`host` gives the segments as Python lists (one device
+    synchronization, then cached) for the per-expert GEMM loop."""
+
+    def __init__(self, ids, dest, starts, counts, padded, rows, tokens, top_k, num_experts):
+        self.ids, self.dest, self.starts, self.counts = ids, dest, starts, counts
+        self.padded = padded
+        self.rows, self.tokens, self.top_k, self.num_experts = rows, tokens, top_k, num_experts
+        self.table = torch.stack([starts, padded, counts])
+        self._host = None
+        self._valid = None
+
+    def host(self):
+        """``[(start, padded_length, count), ...]`` per expert, as Python ints."""
+        if self._host is None:
+            self._host = list(zip(*self.table.tolist()))
+        return self._host
+
+    def valid_rows(self):
+        """(rows,) bool: whether each padded row holds a routed pair (padding rows: False)."""
+        if self._valid is None:
+            self._valid = torch.zeros(self.rows, dtype=torch.bool, device=self.dest.device)
+            self._valid[self.dest] = True
+        return self._valid
+
+
+def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
+    """The padded layout of a routing. ``top_k_index`` (T, k) integer expert ids in
+    ``[0, num_experts)`` (a router's top-k choice); every op stays on its device."""
+    if top_k_index.dim() != 2:
+        raise ValueError(f"route: top_k_index must be (tokens, top_k), got shape "
+                         f"{tuple(top_k_index.shape)}")
+    if top_k_index.dtype.is_floating_point or top_k_index.dtype == torch.bool:
+        raise TypeError(f"route: top_k_index must hold integer expert ids, got "
+                        f"{top_k_index.dtype}")
+    if num_experts < 1:
+        raise ValueError(f"route: num_experts must be >= 1, got {num_experts}")
+    tokens, top_k = top_k_index.shape
+    pairs = tokens * top_k
+    dev = top_k_index.device
+    ids = top_k_index.reshape(-1).to(torch.int64)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, ids, torch.ones_like(ids))
+    padded = (counts + (ALIGN - 1)) // ALIGN * ALIGN
+    starts = torch.cumsum(padded, 0) - padded
+    # a stable sort keeps each expert's pairs in token order (what grouped_mm's sort gives)
+    order = torch.argsort(ids, stable=True)
+    sorted_ids = ids[order]
+    first = torch.cumsum(counts, 0) - counts          # each expert's first sorted position
+    rank = torch.arange(pairs, device=dev) - first[sorted_ids]
+    dest = torch.empty_like(ids)
+    dest[order] = starts[sorted_ids] + rank
+    return Routing(ids, dest, starts, counts, padded, padded_rows(pairs, num_experts), tokens,
+                   top_k, num_experts)
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, dest, top_k, rows):
+        tokens, width = hidden.shape
+        out = hidden.new_zeros(rows, width)
+        out[dest] = hidden.unsqueeze(1).expand(tokens, top_k, width).reshape(-1, width)
+        ctx.save_for_backward(dest)
+        ctx.shape = (tokens, top_k, width)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        (dest,) = ctx.saved_tensors
+        # each token's k rows summed in one reduction (fp32 inside, one rounding): the order
+        # is fixed, unlike an index_add's atomics
+        return grad[dest].view(ctx.shape).sum(1), None, None, None
+
+
+def permute(hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """(routing.rows, H): row ``routing.dest[t*k + j]`` holds ``hidden[t]``, every other row
+    zeros. ``hidden`` (T, H) in any float dtype; differentiable (each token's gradient is the
+    sum of its k rows' gradients)."""
+    if hidden.dim() != 2 or hidden.shape[0] != routing.tokens:
+        raise ValueError(f"permute: hidden must be ({routing.tokens}, H), got shape "
+                         f"{tuple(hidden.shape)}")
+    return _Permute.apply(hidden, routing.dest, routing.top_k, routing.rows)
+
+
+def combine(rows: torch.Tensor, routing: Routing, top_k_weights: torch.Tensor, dtype):
+    """(T, H) in ``dtype``: each token's k expert rows weighted by ``top_k_weights`` (T, k) and
+    summed, as transformers' ``grouped_mm`` experts do (the product in the promoted dtype,
+    the sum over k in one reduction, then the cast)."""
+    if top_k_weights.shape != (routing.tokens, routing.top_k):
+        raise ValueError(f"combine: top_k_weights must be ({routing.tokens}, "
+                         f"{routing.top_k}), got shape {tuple(top_k_weights.shape)}")
+    picked = rows[routing.dest]
+    weighted = picked * top_k_weights.reshape(-1).unsqueeze(-1)
+    return weighted.view(routing.tokens, routing.top_k, -1).sum(1).to(dtype)
+
+
+__all__ = ["ALIGN", "Routing", "route", "padded_rows", "permute", "combine"]

@@ -1,0 +1,85 @@
+"""References the MoE tests share: routings (balanced, skewed, with empty and sub-128 experts),
+tiny transformers MoE configs, and the per-expert loop the grouped path must equal: each
+expert's routed rows through the dense float8_block_linear, combined as transformers does."""
+from __future__ import annotations
+
+import torch
+
+from fp8blk.torch import float8_block_linear
+
+# tiny configs of four transformers MoE families (widths multiples of 128 where the real
+# models have them; Mixtral's intermediate 192 is not, so its down projection's weight is
+# quantized per expert)
+CONFIGS = {
+    "qwen3_moe": dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                      num_experts=8, num_experts_per_tok=2, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      vocab_size=256),
+    "mixtral": dict(hidden_size=256, intermediate_size=192, num_local_experts=4,
+                    num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=256),
+    "deepseek_v3": dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                        num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4,
+                        num_key_value_heads=4, vocab_size=256, q_lora_rank=64,
+                        kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32,
+                        v_head_dim=64, n_group=2, topk_group=1),
+    "olmoe": dict(hidden_size=256, intermediate_size=128, num_experts=8, num_experts_per_tok=2,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                  vocab_size=256, eos_token_id=0, pad_token_id=0, bos_token_id=0),
+    "gpt_oss": dict(hidden_size=256, intermediate_size=128, num_local_experts=4,
+                    num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=64, vocab_size=256),
+}
+
+
+def tiny_model(name, dtype=torch.bfloat16, device="cpu", seed=0):
+    import transformers
+    torch.manual_seed(seed)
+    cfg = transformers.AutoConfig.for_model(name, **CONFIGS[name])
+    # dtype at construction, as from_pretrained does (a .to(dtype) would cast the rotary
+    # buffers too)
+    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device)
+
+
+def routing_ids(tokens, top_k, experts, kind, seed=0, device="cpu"):
+    """(tokens, top_k) expert ids, distinct per token. ``balanced``: uniform; ``skewed``: the
+    last quarter of the experts (at least one) empty, expert 0 in every token's choice (its
+    rows past 128, the others' below); ``tiny``: a handful of tokens (every expert < 128)."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(tokens, experts, generator=gen)
+    if kind == "skewed":
+        scores[:, experts - max(1, experts // 4):] = -1
+        scores[:, 0] = 2
+    return scores.argsort(1, descending=True)[:, :top_k].to(device)
+
+
+def experts_loop(module, hidden, idx, weights):
+    """transformers' experts formula with every expert's projections as the dense
+    float8_block_linear on its routed rows (in token order)."""
+    parts = []
+    for e in range(module.num_experts):
+        t, j = torch.where(idx == e)
+        if len(t) == 0:
+            continue
+        w1 = module.gate_up_proj[e] if module.has_gate else module.up_proj[e]
+        w2 = module.down_proj[e]
+        if module.is_transposed:
+            w1, w2 = w1.t(), w2.t()
+        b1 = b2 = None
+        if module.has_bias:
+            b1 = (module.gate_up_proj_bias if module.has_gate else module.up_proj_bias)[e]
+            b2 = module.down_proj_bias[e]
+        h = float8_block_linear(hidden[t], w1, b1)
+        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+        y = float8_block_linear(h, w2, b2)
+        parts.append((t, j, y * weights[t, j, None]))
+    out = hidden.new_zeros((*idx.shape, hidden.shape[1]), dtype=parts[0][2].dtype)
+    for t, j, v in parts:
+        out = out.index_put((t, j), v)
+    return out.sum(1).to(hidden.dtype)
+
+
+def experts_module(model):
+    from fp8blk.torch.moe.experts import is_experts_module
+    return [m for m in model.modules() if is_experts_module(m)][0]

@@ -1,0 +1,152 @@
+"""transformers' experts modules on fp8blk's grouped FP8 path (fp8blk/torch/moe/experts.py),
+CPU, tiny configs of Qwen3-MoE, Mixtral, DeepSeek-V3, OLMoE and gpt-oss: which modules are
+converted (experts yes, routers no), a whole model's loss and gradients against the same model
+running the per-expert dense loop (tests/torch/moe/_reference.py), state-dict keys, a save /
+reload round trip and a plain Hugging Face checkpoint loaded into a converted model."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from transformers.integrations import moe as hf_moe  # noqa: E402
+
+from fp8blk.torch.moe import convert_experts  # noqa: E402
+from fp8blk.torch.moe.experts import is_experts_module  # noqa: E402
+
+from ._reference import CONFIGS, experts_loop, routing_ids, tiny_model  # noqa: E402
+
+LOOP = "fp8blk_test_loop"
+if LOOP not in hf_moe.ALL_EXPERTS_FUNCTIONS:
+    type(hf_moe.ALL_EXPERTS_FUNCTIONS).register(LOOP, experts_loop)
+
+
+def _close_bf16(a, b):
+    """Equal but for the order of fp32 sums: a padded segment's zero rows change how the CPU
+    matmul of the emulation blocks its reduction over tokens, so a weight gradient may round
+    to the neighbouring bf16 value (at most 2^-8 relative) or, where the sum cancels, differ
+    by fp32 rounding of the terms (below 2^-16 of the largest)."""
+    a, b = a.float(), b.float()
+    tol = 2.0 ** -8 * torch.maximum(a.abs(), b.abs()) + 2.0 ** -16 * b.abs().max()
+    return bool(((a - b).abs() <= tol).all())
+
+
+def _step(model, ids):
+    for p in model.parameters():
+        p.grad = None
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_model_equals_the_per_expert_loop(name):
+    model = tiny_model(name)
+    loop = copy.deepcopy(model)
+    loop.config._experts_implementation = LOOP
+    converted = convert_experts(model)
+    layers = model.config.num_hidden_layers - model.config.to_dict().get(
+        "first_k_dense_replace", 0)
+    assert len(converted) == layers and all(c.endswith("experts") for c in converted)
+    routers = [m for n, m in model.named_modules() if n.endswith(("gate", "router"))
+               and not is_experts_module(m)]
+    assert routers and all(type(m).__module__.startswith("transformers") for m in routers)
+    ids = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(0))
+    loss, grads = _step(model, ids)
+    ref_loss, ref_grads = _step(loop, ids)
+    assert torch.equal(loss, ref_loss)
+    for n, g in grads.items():
+        if "experts." in n and "shared" not in n and not n.endswith("bias"):
+            assert _close_bf16(g, ref_grads[n]), n
+        else:                       # routers, attention, norms, embeddings, biases
+            assert torch.equal(g, ref_grads[n]), n
+    assert any(("gate" in n or "router" in n) and "experts" not in n and g.abs().sum() > 0
+               for n, g in grads.items())               # the router learns through the FP8 path
+
+
+def test_block_with_empty_and_sub128_experts_equals_the_loop():
+    model = tiny_model("qwen3_moe")
+    module = [m for m in model.modules() if is_experts_module(m)][0]
+    convert_experts(model)
+    for kind, tokens in (("skewed", 300), ("balanced", 7)):
+        idx = routing_ids(tokens, 2, module.num_experts, kind, seed=1)
+        h = torch.randn(tokens, 256, dtype=torch.bfloat16)
+        w = torch.rand(tokens, 2, dtype=torch.bfloat16)
+        outs = []
+        for fn in (module, lambda *a: experts_loop(module, *a)):
+            hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+            y = fn(hh, idx, ww)
+            y.backward(torch.ones_like(y))
+            outs.append((y, hh.grad, ww.grad))
+        for a, b in zip(*outs):
+            assert torch.equal(a, b)
+
+
+def test_state_dict_save_reload_and_plain_checkpoint(tmp_path):
+    model = tiny_model("mixtral").eval()          # from_pretrained gives eval mode
+    plain_keys = list(model.state_dict())
+    convert_experts(model)
+    assert list(model.state_dict()) == plain_keys
+    model.save_pretrained(tmp_path)
+    assert "fp8blk" not in (tmp_path / "config.json").read_text()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert reloaded.config._experts_implementation != "fp8blk"
+    for (n, a), b in zip(model.state_dict().items(), reloaded.state_dict().values()):
+        assert torch.equal(a, b), n
+    convert_experts(reloaded)
+    ids = torch.randint(0, 256, (1, 64))
+    assert torch.equal(model(ids).logits, reloaded(ids).logits)
+    # a plain checkpoint into an already converted model
+    fresh = tiny_model("mixtral", seed=1).eval()
+    convert_experts(fresh)
+    fresh.load_state_dict(transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.bfloat16).state_dict())
+    assert torch.equal(fresh(ids).logits, model(ids).logits)
+
+
+def test_filter_config_and_errors():
+    import fp8blk as fb
+    from fp8blk.torch import Float8BlockConfig
+    model = tiny_model("qwen3_moe")
+    ids = torch.randint(0, 256, (1, 32))
+    plain = model(ids).logits
+    assert convert_experts(model, module_filter_fn=lambda m, fqn: ".0." in fqn) == [
+        "model.layers.0.mlp.experts"]
+    left = model.model.layers[1].mlp.experts
+    assert "fp8blk_config" not in left.__dict__ and left.fp8blk_fallback == "grouped_mm"
+    assert convert_experts(model) == ["model.layers.0.mlp.experts",
+                                      "model.layers.1.mlp.experts"]      # again: same config
+    assert not torch.equal(model(ids).logits, plain)
+    with pytest.raises(ValueError, match="model.layers.0.mlp.experts.*already"):
+        convert_experts(model, Float8BlockConfig(grad=fb.Block1D(fb.E5M2)))
+    with pytest.raises(ValueError, match="Block2D"):
+        convert_experts(tiny_model("qwen3_moe"), Float8BlockConfig.mxfp8())
+    module = model.model.layers[0].mlp.experts
+    module._is_expert_parallel = True
+    with pytest.raises(NotImplementedError, match="expert parallelism"):
+        model(ids)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_compiled_block_has_no_graph_break(name):
+    """torch.compile(fullgraph=True) of a MoE block (router, routing, the per-expert ops):
+    it traces whole, and under aot_eager (the same aten ops as eager) forward and backward
+    give eager's bytes."""
+    model = tiny_model(name)
+    convert_experts(model)
+    block = model.model.layers[0].mlp
+    x = torch.randn(1, 150, 256, dtype=torch.bfloat16)
+    outs = []
+    for fn in (block, torch.compile(block, fullgraph=True, backend="aot_eager")):
+        for p in block.parameters():
+            p.grad = None
+        xx = x.clone().requires_grad_()
+        y = fn(xx)
+        y = y[0] if isinstance(y, tuple) else y
+        y.backward(torch.ones_like(y))
+        outs.append([y, xx.grad] + [p.grad for p in block.parameters()])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

@@ -1,0 +1,88 @@
+"""The experts' linear layer (fp8blk/torch/moe/grouped.py) on the CPU: each expert's output and
+gradients equal the dense float8_block_linear on its padded segment byte for byte (the same
+operands and GEMMs), empty experts get zero weight gradients, the per-expert weight buffers
+are fb.quantize's, and bad input raises."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import fp8blk as fb  # noqa: E402
+from fp8blk.torch import Float8BlockConfig, float8_block_linear  # noqa: E402
+from fp8blk.torch.moe import grouped_linear, permute, route  # noqa: E402
+from fp8blk.torch.moe.grouped import expert_weight_buffers  # noqa: E402
+
+from ._reference import routing_ids  # noqa: E402
+
+
+def _run(kind, transposed=False, bias=False, n=384, k=256, experts=4, seed=0):
+    torch.manual_seed(seed)
+    idx = routing_ids(150, 2, experts, kind, seed)
+    r = route(idx, experts)
+    x = permute(torch.randn(150, k, dtype=torch.bfloat16), r).requires_grad_()
+    shape = (experts, k, n) if transposed else (experts, n, k)
+    w = torch.randn(shape, dtype=torch.bfloat16).requires_grad_()
+    b = torch.randn(experts, n, dtype=torch.bfloat16).requires_grad_() if bias else None
+    y = grouped_linear(x, w, r, bias=b, transposed=transposed)
+    dy = torch.randn_like(y) * r.valid_rows().unsqueeze(-1)   # padding rows get no gradient
+    y.backward(dy)
+    return r, x, w, b, y, dy
+
+
+@pytest.mark.parametrize("kind,transposed,bias,n", [
+    ("balanced", False, False, 384), ("skewed", False, True, 384),
+    ("skewed", True, True, 384), ("balanced", False, False, 200)])
+def test_equals_dense_per_expert(kind, transposed, bias, n):
+    r, x, w, b, y, dy = _run(kind, transposed, bias, n)
+    assert not y[~r.valid_rows()].any()                 # padding rows stay zero
+    empty = 0
+    for e, (start, padded, count) in enumerate(r.host()):
+        if not padded:
+            assert not w.grad[e].any()
+            empty += 1
+            continue
+        seg = slice(start, start + padded)
+        xs = x.detach()[seg].clone().requires_grad_()
+        we = (w.detach()[e].t() if transposed else w.detach()[e]).clone().requires_grad_()
+        ys = float8_block_linear(xs, we)
+        if bias:
+            routed = slice(0, count)
+            ys = torch.cat([ys[routed] + b.detach()[e], ys[count:]])
+        ys.backward(dy[seg])
+        assert torch.equal(ys, y[seg])
+        assert torch.equal(xs.grad, x.grad[seg])
+        assert torch.equal(we.grad.t() if transposed else we.grad, w.grad[e])
+        if bias:
+            assert torch.equal(dy[start:start + count].sum(0), b.grad[e])
+    assert empty == (kind == "skewed")
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("rows", [256, 200])
+def test_weight_buffers_are_quantize_of_each_expert(transposed, rows):
+    w = torch.randn(3, rows, 320) * torch.logspace(-3, 3, 3).view(3, 1, 1)
+    recipe = Float8BlockConfig().weight
+    for rows_first in (True, False):
+        d, s = expert_weight_buffers(w, recipe, transposed, rows_first)
+        for e in range(3):
+            we = w[e].numpy() if rows_first != transposed else w[e].numpy().T
+            q = fb.quantize(np.ascontiguousarray(we), recipe)
+            np.testing.assert_array_equal(d[e].view(torch.uint8).numpy(), q.rowwise_data)
+            np.testing.assert_array_equal(s[e].numpy(), q.rowwise_scale_inv)
+
+
+def test_bad_input():
+    r = route(torch.zeros(4, 1, dtype=torch.int64), 2)
+    x = torch.zeros(r.rows, 128)
+    with pytest.raises(ValueError, match="weight must be"):
+        grouped_linear(x, torch.zeros(3, 128, 128), r)
+    with pytest.raises(ValueError, match="padded layout"):
+        grouped_linear(torch.zeros(4, 128), torch.zeros(2, 128, 128), r)
+    with pytest.raises(ValueError, match="bias must be"):
+        grouped_linear(x, torch.zeros(2, 256, 128), r, bias=torch.zeros(256))
+    with pytest.raises(ValueError, match="Block2D"):
+        grouped_linear(x, torch.zeros(2, 128, 128), r, Float8BlockConfig.mxfp8())
+    with pytest.raises(TypeError, match="dtype"):
+        grouped_linear(x.to(torch.int32), torch.zeros(2, 128, 128), r)

@@ -1,0 +1,90 @@
+"""GPU checks of fp8blk's experts path (fp8blk/torch/moe): the operands' bytes per expert equal
+fb.quantize of each expert's rows alone, each expert's GEMM outputs equal blockwise_scaled_mm
+on those operands and the dense float8_block_linear on its segment, at balanced, skewed
+(empty and >128-row experts) and tiny routings; a tiny Qwen3-MoE and gpt-oss on CUDA against
+the per-expert dense loop (within the bound of a reordered fp32 sum: the loop's GEMMs run on
+unpadded row counts, for which cuBLASLt may choose another algorithm)."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from fp8blk.torch import Float8BlockConfig, blockwise_scaled_mm, float8_block_linear
+from fp8blk.torch.linear.functional import quantize_buffers
+from fp8blk.torch.moe import convert_experts, grouped_linear, permute, route
+
+from ._reference import routing_ids, tiny_model
+
+pytestmark = pytest.mark.gpu
+
+
+def _skewed_rows(tokens, k, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((tokens, k)) * 10.0 ** rng.integers(-3, 4, (tokens, 1))
+    return torch.from_numpy((x * 10.0 ** rng.integers(-2, 3, (1, k))).astype(np.float32))
+
+
+@pytest.mark.parametrize("kind,tokens,experts,top_k,k,n", [
+    ("balanced", 1000, 8, 2, 512, 768), ("skewed", 1000, 8, 2, 512, 768),
+    ("tiny", 9, 16, 4, 256, 384), ("skewed", 700, 6, 3, 640, 200)])
+def test_grouped_linear_bytes(kind, tokens, experts, top_k, k, n):
+    idx = routing_ids(tokens, top_k, experts, kind, seed=5, device="cuda")
+    r = route(idx, experts)
+    h = _skewed_rows(tokens, k, 1).to("cuda", torch.bfloat16)
+    x = permute(h, r).requires_grad_()
+    w = (torch.randn(experts, n, k, device="cuda") * 0.05).to(torch.bfloat16).requires_grad_()
+    y = grouped_linear(x, w, r)
+    dy = (torch.randn_like(y) * r.valid_rows().unsqueeze(-1))
+    y.backward(dy)
+    cfg = Float8BlockConfig()
+    qx = quantize_buffers(x.detach(), cfg.activation, True, True)
+    seen_empty = False
+    for e, (start, padded, count) in enumerate(r.host()):
+        if not padded:
+            assert not w.grad[e].any()
+            seen_empty = True
+            continue
+        seg = slice(start, start + padded)
+        # operand bytes: each expert's rows quantized alone (from bf16, as the layer does)
+        qa = quantize_buffers(x.detach()[start:start + count].contiguous(), cfg.activation,
+                              True, True)
+        assert torch.equal(qx[0][start:start + count], qa[0])
+        assert torch.equal(qx[1][:, start:start + count], qa[1][:, :count])
+        blocks = -(-count // 128)
+        assert torch.equal(qx[2][:, start:start + count], qa[2])
+        assert torch.equal(qx[3][start // 128:start // 128 + blocks], qa[3])
+        # outputs: the GEMM on the segment's operands, and the dense layer on the segment
+        qw = quantize_buffers(w.detach()[e].contiguous(), cfg.weight, True, False)
+        ref = blockwise_scaled_mm(qx[0][seg].view(torch.float8_e4m3fn),
+                                  qx[1][:, seg].contiguous(), qw[0].view(torch.float8_e4m3fn),
+                                  qw[1], "1x128", "128x128", torch.bfloat16)
+        assert torch.equal(ref, y[seg])
+        xs = x.detach()[seg].clone().requires_grad_()
+        we = w.detach()[e].clone().requires_grad_()
+        ys = float8_block_linear(xs, we)
+        ys.backward(dy[seg])
+        assert torch.equal(ys, y[seg])
+        assert torch.equal(xs.grad, x.grad[seg])
+        assert torch.equal(we.grad, w.grad[e])
+    assert seen_empty or kind != "skewed"
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_tiny_model_equals_the_loop(name):
+    from .test_experts import LOOP, _close_bf16
+    model = tiny_model(name, device="cuda")
+    loop = copy.deepcopy(model)
+    loop.config._experts_implementation = LOOP
+    convert_experts(model)
+    ids = torch.randint(0, 256, (2, 160), generator=torch.Generator().manual_seed(0)).cuda()
+    outs = []
+    for m in (model, loop):
+        out = m(ids, labels=ids)
+        out.loss.backward()
+        outs.append((out.loss, {n: p.grad for n, p in m.named_parameters()}))
+    assert _close_bf16(outs[0][0], outs[1][0])
+    for n, g in outs[0][1].items():
+        assert _close_bf16(g, outs[1][1][n]), n

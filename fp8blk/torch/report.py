@@ -22,9 +22,10 @@ A line reads ``norm: 0 converted; 17 left: 17 GemmaRMSNorm ((1 + weight) form no
 recognised): model.norm, model.layers.0.input_layernorm, model.layers.0.post_attention_layernorm,
 ...``.
 
-A kind is one :class:`Kind` entry: a converter for another kind of module (MoE experts) adds
-or replaces its entry, with the predicate for its fp8blk module, the one for the modules it
-takes, the option that switches it off and why it leaves one.
+A kind is one :class:`Kind` entry: a converter for another kind of module adds or replaces
+its entry, with the predicate for its fp8blk module, the one for the modules it takes, the
+option that switches it off and why it leaves one (the experts entry reads the mark of
+``fp8blk.torch.moe.convert_experts``, which ``convert_to_float8_block`` does not run).
 
 PEFT adapters (:func:`adapter_fqns`). PEFT's tuner layers wrap a frozen ``base_layer`` and
 hold the trainable adapter layers as children named by their class attribute
@@ -192,12 +193,13 @@ def _router_candidate(module, name, parent):
         _holds_experts(experts) or isinstance(experts, torch.nn.ModuleList))
 
 
+def _experts_converted(module, name, parent):
+    # fp8blk.torch.moe.convert_experts marks the experts modules it converts with their config
+    return module.__dict__.get("fp8blk_config") is not None
+
+
 def _is_router(module, name, parent):
     return _is_linear(module) and _router_candidate(module, name, parent)
-
-
-def _never(module, name, parent):
-    return False
 
 
 # a module the kind's rule takes, not converted: the report was asked before a conversion,
@@ -207,7 +209,8 @@ _NOT_YET = "not converted yet"
 
 # first match wins: a router that is an nn.Linear is reported as a router
 KINDS = (
-    Kind("experts", _never, _holds_experts, lambda m: "no fp8blk path"),
+    Kind("experts", _experts_converted, _holds_experts,
+         lambda m: "fp8blk.torch.moe.convert_experts converts these"),
     Kind("router", _is_router, _router_candidate, lambda m: "kept in high precision"),
     Kind("mlp", _is_mlp, _mlp_candidate, _mlp_left, option="gated_mlps"),
     Kind("norm", _is_norm, _norm_candidate, _norm_left, option="norms"),

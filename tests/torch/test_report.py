@@ -11,7 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from fp8blk.torch import conversion_report, convert_to_float8_block  # noqa: E402
+from fp8blk.torch import (Float8BlockConfig, conversion_report,  # noqa: E402
+                          convert_to_float8_block)
 from fp8blk.torch.report import KINDS, Kind, Left, adapter_fqns  # noqa: E402
 
 from .test_mlp import GatedMLP  # noqa: E402
@@ -71,8 +72,13 @@ def _facts(report):
             for kind, k in report.kinds.items()}
 
 
+_EXPERTS_LEFT = "fp8blk.torch.moe.convert_experts converts these"
+
+
 def test_report_says_what_was_converted_and_what_was_left_and_why(caplog):
     model = _model()
+    # the mark fp8blk.torch.moe.convert_experts leaves on the experts it converts
+    model["old_moe"].experts.fp8blk_config = Float8BlockConfig()
     before = conversion_report(model, _not_head)
     assert [e.reason for e in before["norm"].left if e.fqn == "norm"] == ["not converted yet"]
     with caplog.at_level(logging.INFO, logger="fp8blk.torch.convert"):
@@ -87,8 +93,7 @@ def test_report_says_what_was_converted_and_what_was_left_and_why(caplog):
         "mlp": (["mlp"], [("fused", "FusedMLP", "fused gate_up_proj")]),
         # an nn.Linear router is converted by the Linear swap and reported as a router
         "router": (["old_moe.gate"], [("moe.gate", "TopKRouter", "kept in high precision")]),
-        "experts": ([], [("moe.experts", "Experts", "no fp8blk path"),
-                         ("old_moe.experts", "Experts", "no fp8blk path")])}
+        "experts": (["old_moe.experts"], [("moe.experts", "Experts", _EXPERTS_LEFT)])}
     assert report["norm"].line() == (
         "norm: 1 converted; 2 left: 1 GemmaStyleRMSNorm ((1 + weight) form not recognised): "
         "gemma; 1 LayerNorm (not an RMSNorm: no fp8blk path): ln")

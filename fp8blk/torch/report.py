@@ -3,7 +3,7 @@ conversion report, and the rule that keeps PEFT adapters out of the conversion.
 
 The report walks the model as it is and sorts its modules into kinds (:data:`KINDS`, first
 match wins): MoE experts, MoE routers, gated MLPs, norms, linear layers. For each kind it
-lists the modules fp8blk converted (their fp8blk type) and the ones left, each with a reason:
+lists the modules fp8blk converted (qualified names) and the ones left, each with a reason:
 the option that switches the kind off (``norms=False``), the converter's ``module_filter_fn``,
 a PEFT adapter, or the kind's own rule (``fp8blk.torch.norm.why_not``,
 ``fp8blk.torch.mlp.why_not``: the same rules the swaps apply, so a reason is what the swap
@@ -29,14 +29,13 @@ option that switches it off and why it leaves one (the experts entry reads the m
 
 PEFT adapters (:func:`adapter_fqns`). PEFT's tuner layers wrap a frozen ``base_layer`` and
 hold the trainable adapter layers as children named by their class attribute
-``adapter_layer_names`` (``peft.tuners.tuners_utils.BaseTunerLayer``; LoRA's
-``("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")``,
-``peft/tuners/lora/layer.py``, huggingface/peft at 5d602fdbff04c33c1c4de55cda9d4ae1d7cb7e40).
-The converter leaves those children, and any module named ``lora_A`` or ``lora_B``, with
-everything inside them, as they are by default (``adapters=True`` converts them): an
-adapter's layers are small (rank r), trained from zero and the part of the model being
-learned, where FP8's rounding costs the most for the least time; the base layer is
-converted. peft is not imported: the rule reads attribute and child names.
+``adapter_layer_names`` (``BaseTunerLayer`` in ``src/peft/tuners/tuners_utils.py``; LoRA's
+``LoraLayer`` in ``src/peft/tuners/lora/layer.py``: ``("lora_A", "lora_B",
+"lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")``; huggingface/peft at
+commit 5d602fdbff04c33c1c4de55cda9d4ae1d7cb7e40). The converter leaves those children, and
+any module named ``lora_A`` or ``lora_B``, with everything inside them, as they are by
+default (``adapters=True`` converts them): an adapter's layers are small (rank r: FP8 saves
+little time there) and are the weights being trained; the frozen base layer is converted. peft is not imported: the rule reads attribute and child names.
 """
 from __future__ import annotations
 

@@ -38,15 +38,15 @@ partitioner keeps it in bf16 (a tensor an opaque op reads in the backward pass i
 recomputed: ``torch/_functorch/partitioners.py``, "materialized in backward").
 
 Which modules are swapped (:func:`convert_gated_mlps`, or ``convert_to_float8_block``: its
-``gated_mlps``, on by default): modules with children ``gate_proj``, ``up_proj``,
-``down_proj`` and ``act_fn``, no parameters of their own, whose output equals byte for byte,
-on a probe input (4 rows of random values on the weights' device and dtype), the formula
-above; the state dict is unchanged (the three projections keep their names). :func:`why_not` says why a module is
-left (Phi-3's fused ``gate_up_proj``, an extra factor). On the meta device the probes run on
-a CPU copy of the module whose projections are small random stand-ins
+``gated_mlps``, on by default): modules with children ``gate_proj``, ``up_proj``, ``down_proj``
+and ``act_fn``, no parameters of their own, whose output equals byte for byte, on a probe input
+(4 rows of random values on the weights' device and dtype), the formula above; the state dict
+is unchanged (the three projections keep their names). :func:`why_not` says why a module is
+left (Phi-3's fused ``gate_up_proj``, an extra factor). On the meta device the probes run on a
+CPU copy of the module whose projections are small random stand-ins
 (``fp8blk.torch.recompute.probe_twin``: the probe checks the formula, not the widths), so a
-model converted on meta swaps the MLPs a real device would, and the SiLU test of the
-activation runs on the CPU.
+model converted on meta swaps the MLPs a real device would, and the SiLU test of the activation
+runs on the CPU.
 
     from fp8blk.torch.mlp import convert_gated_mlps
     convert_gated_mlps(model)        # in place; returns the number swapped

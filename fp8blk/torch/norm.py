@@ -67,15 +67,15 @@ formula and ``exact_grad=True`` run the plain formula (dynamo does not trace
 ``torch.autograd.grad`` inside a backward; inductor's partitioner chooses what to keep).
 
 Which modules are swapped (:func:`convert_norms`, or ``convert_to_float8_block``: its
-``norms``, on by default): ``torch.nn.RMSNorm`` (formula ``F.rms_norm``), and modules that
-look like HF's RMSNorm: a class name ending in ``RMSNorm``, a 1-D ``weight`` parameter, an
-epsilon attribute ``variance_epsilon`` or ``eps`` (a float), and an output equal byte for
-byte to the formula above on a probe input (16 x the width, on the weight's device and in its
-dtype and in fp32) -- Llama, Qwen2, Qwen3 (whose q_norm / k_norm normalize each head) and Mistral's norms pass;
-a variant (Gemma's ``1 + weight``, an offset, a different cast order) fails the probe and is
-left as it is (:func:`why_not` says why). On the meta device the probe runs on a CPU copy of
-the module with random values (``fp8blk.torch.recompute.probe_twin``), so a model converted
-on meta swaps the norms a real device would. The state dict is unchanged (``weight``).
+``norms``, on by default): ``torch.nn.RMSNorm`` (formula ``F.rms_norm``), and modules that look
+like HF's RMSNorm: a class name ending in ``RMSNorm``, a 1-D ``weight`` parameter, an epsilon
+attribute ``variance_epsilon`` or ``eps`` (a float), and an output equal byte for byte to the
+formula above on a probe input (16 x the width, on the weight's device and in its dtype and in
+fp32) -- Llama, Qwen2, Qwen3 (whose q_norm / k_norm normalize each head) and Mistral's norms
+pass; a variant (Gemma's ``1 + weight``, an offset, a different cast order) fails the probe and
+is left as it is (:func:`why_not` says why). On the meta device the probe runs on a CPU copy of
+the module with random values (``fp8blk.torch.recompute.probe_twin``), so a model converted on
+meta swaps the norms a real device would. The state dict is unchanged (``weight``).
 
     from fp8blk.torch.norm import convert_norms
     convert_norms(model)        # in place; returns the number of norms swapped

@@ -27,15 +27,16 @@ its entry, with the predicate for its fp8blk module, the one for the modules it 
 option that switches it off and why it leaves one (the experts entry reads the mark of
 ``fp8blk.torch.moe.convert_experts``, which ``convert_to_float8_block`` does not run).
 
-PEFT adapters (:func:`adapter_fqns`). PEFT's tuner layers wrap a frozen ``base_layer`` and
-hold the trainable adapter layers as children named by their class attribute
-``adapter_layer_names`` (``BaseTunerLayer`` in ``src/peft/tuners/tuners_utils.py``; LoRA's
-``LoraLayer`` in ``src/peft/tuners/lora/layer.py``: ``("lora_A", "lora_B",
-"lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")``; huggingface/peft at
-commit 5d602fdbff04c33c1c4de55cda9d4ae1d7cb7e40). The converter leaves those children, and
-any module named ``lora_A`` or ``lora_B``, with everything inside them, as they are by
-default (``adapters=True`` converts them): an adapter's layers are small (rank r: FP8 saves
-little time there) and are the weights being trained; the frozen base layer is converted. peft is not imported: the rule reads attribute and child names.
+PEFT adapters (:func:`adapter_fqns`). PEFT's tuner layers wrap a frozen ``base_layer`` and hold
+the trainable adapter layers as children named by their class attribute ``adapter_layer_names``
+(``BaseTunerLayer`` in ``src/peft/tuners/tuners_utils.py``; LoRA's ``LoraLayer`` in
+``src/peft/tuners/lora/layer.py``: ``("lora_A", "lora_B", "lora_embedding_A",
+"lora_embedding_B", "lora_magnitude_vector")``; huggingface/peft at commit
+5d602fdbff04c33c1c4de55cda9d4ae1d7cb7e40). The converter leaves those children, and any module
+named ``lora_A`` or ``lora_B``, with everything inside them, as they are by default
+(``adapters=True`` converts them): an adapter's layers are small (rank r: FP8 saves little time
+there) and are the weights being trained; the frozen base layer is converted. peft is not
+imported: the rule reads attribute and child names.
 """
 from __future__ import annotations
 

@@ -157,7 +157,7 @@ def build(case, args, device, mesh, gen):
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     else:
         model = model.to(torch.bfloat16)
-    convert_to_float8_block(model, Float8BlockConfig())
+    convert_to_float8_block(model, Float8BlockConfig(), share_quantize=False)  # the layers alone
     if case in F.MODES:
         F.prepare_fsdp_fp8(model, mode=case, model_dtype=torch.bfloat16)
     kw = {} if mp is None else {"mp_policy": mp}

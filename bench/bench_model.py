@@ -24,7 +24,8 @@ Variants (every ``nn.Linear`` but ``lm_head`` converted):
 * ``bf16``: the model as built; ``bf16_norm``: its RMSNorms swapped for
   ``fp8blk.torch.norm.Float8BlockRMSNorm`` (what the norm alone buys, in bf16);
   ``bf16_opt``: also its MLPs for ``fp8blk.torch.mlp.Float8BlockGatedMLP``;
-* ``fp8blk``: ``convert_to_float8_block`` with the default config;
+* ``fp8blk``: ``convert_to_float8_block`` with the default config and every option off (the
+  Linear swap alone; the converter's default, all four on, is ``fp8blk_opt``);
 * ``fp8blk_share``: ``share_quantize=True`` (quantize once per activation,
   ``fp8blk.torch.linear.sharing``); ``fp8blk_norm``: ``norms=True``; ``fp8blk_mlp``:
   ``gated_mlps=True``; ``fp8blk_norm_mlp``: both; ``fp8blk_nokeep``: all three;
@@ -179,12 +180,12 @@ def convert(model, variant):
                         raise RuntimeError(f"torchao: {full}: {type(err).__name__}: "
                                            f"{err}") from None
         return model
-    opts = {"fp8blk": {}, "fp8blk_share": {"share_quantize": True},
-            "fp8blk_norm": {"norms": True}, "fp8blk_mlp": {"gated_mlps": True},
-            "fp8blk_norm_mlp": {"norms": True, "gated_mlps": True},
-            "fp8blk_nokeep": {"share_quantize": True, "norms": True, "gated_mlps": True},
-            "fp8blk_opt": {"share_quantize": True, "norms": True, "gated_mlps": True,
-                           "keep_inputs": True}}[variant]
+    on = {"fp8blk": (), "fp8blk_share": ("share_quantize",), "fp8blk_norm": ("norms",),
+          "fp8blk_mlp": ("gated_mlps",), "fp8blk_norm_mlp": ("norms", "gated_mlps"),
+          "fp8blk_nokeep": ("share_quantize", "norms", "gated_mlps"),
+          "fp8blk_opt": ("share_quantize", "norms", "gated_mlps", "keep_inputs")}[variant]
+    # every option named: the converter's defaults are all four on
+    opts = {o: o in on for o in ("share_quantize", "norms", "gated_mlps", "keep_inputs")}
     return convert_to_float8_block(model, module_filter_fn=not_lm_head, **opts)
 
 

@@ -10,8 +10,10 @@ loss joins the loss). Then
 
 1. ``convert_experts(model)``: every experts module (3-D ``gate_up_proj`` / ``down_proj``)
    runs its GEMMs in block-scaled FP8 through transformers' ``ExpertsInterface``
-   (``fp8blk.torch.moe``); routers and the rest stay as they are. ``convert_to_float8_block``
-   then converts the attention projections (``lm_head`` left in bf16).
+   (``fp8blk.torch.moe``); routers stay as they are. ``convert_to_float8_block`` then
+   converts the attention projections (``lm_head`` left in bf16) and, by default, swaps the
+   RMSNorms, shares quantizes and keeps o_proj's input (docs/torch.md, "Whole models"); it
+   logs what it converted and left at INFO.
 2. ``--steps`` AdamW steps on random tokens; the experts' load (routed rows per expert, the
    first MoE layer) printed after the last.
 3. ``save_pretrained`` (a plain Hugging Face checkpoint: same keys, no fp8blk in the config),

@@ -18,7 +18,7 @@ the activation once more, the product not; for any other activation it runs ``ac
 again with grad and returns ``torch.autograd.grad`` of it. Either way the same kernels on the
 same values as autograd's, so every output and gradient equals the unconverted module's byte
 for byte. Cost: the activation once more per step (one read of g, one write; for other
-activations the product too). A module built with meta weights takes the general path.
+activations the product too).
 
 Under ``torch.compile`` the SiLU form runs the same autograd function (plain tensor ops both
 ways: the compiled graph holds g and u); other activations run the plain formula (dynamo does
@@ -37,11 +37,16 @@ nodes for inductor's partitioner to recompute in the backward pass: left unmarke
 partitioner keeps it in bf16 (a tensor an opaque op reads in the backward pass is not
 recomputed: ``torch/_functorch/partitioners.py``, "materialized in backward").
 
-Which modules are swapped (:func:`convert_gated_mlps`, or ``convert_to_float8_block(...,
-gated_mlps=True)``): modules with children ``gate_proj``, ``up_proj``, ``down_proj`` and
-``act_fn``, no parameters of their own, whose output equals byte for byte, on a probe input (4
-rows of random values on the weights' device and dtype), the formula above; the state dict is
-unchanged (the three projections keep their names).
+Which modules are swapped (:func:`convert_gated_mlps`, or ``convert_to_float8_block``: its
+``gated_mlps``, on by default): modules with children ``gate_proj``, ``up_proj``, ``down_proj``
+and ``act_fn``, no parameters of their own, whose output equals byte for byte, on a probe input
+(4 rows of random values on the weights' device and dtype), the formula above; the state dict
+is unchanged (the three projections keep their names). :func:`why_not` says why a module is
+left (Phi-3's fused ``gate_up_proj``, an extra factor). On the meta device the probes run on a
+CPU copy of the module whose projections are small random stand-ins
+(``fp8blk.torch.recompute.probe_twin``: the probe checks the formula, not the widths), so a
+model converted on meta swaps the MLPs a real device would, and the SiLU test of the activation
+runs on the CPU.
 
     from fp8blk.torch.mlp import convert_gated_mlps
     convert_gated_mlps(model)        # in place; returns the number swapped
@@ -52,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .recompute import recomputed_grads, saved_as_formula, swap_children
+from .recompute import probe_twin, recomputed_grads, saved_as_formula, swap_children
 
 _compiling = torch.compiler.is_compiling
 
@@ -126,23 +131,21 @@ class Float8BlockGatedMLP(torch.nn.Module):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
         self.act_fn = act_fn
-        w = gate_proj.weight
-        # SiLU's backward pass runs without a second graph (module docstring)
-        self.silu = not w.is_meta and _is_silu(act_fn, torch.randn(
-            4, 64, generator=torch.Generator(device=w.device).manual_seed(1),
-            device=w.device).to(w.dtype))
+        w = _weight(gate_proj)
+        # SiLU's backward pass runs without a second graph (module docstring); on the meta
+        # device the test runs on the CPU
+        device = torch.device("cpu") if w.is_meta else w.device
+        self.silu = _is_silu(act_fn, torch.randn(
+            4, 64, generator=torch.Generator(device=device).manual_seed(1),
+            device=device).to(w.dtype))
 
     @classmethod
     def from_mlp(cls, module):
         """A Float8BlockGatedMLP sharing `module`'s children, or None when `module` is not a
-        gated MLP this module reproduces (see :func:`convert_gated_mlps`)."""
-        parts = [getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj",
-                                                    "act_fn")]
-        if any(not isinstance(p, torch.nn.Module) for p in parts) \
-                or list(module.parameters(recurse=False)):
-            return None
-        new = cls(*parts)
-        return new if _same_output(module, new) else None
+        gated MLP this module reproduces (see :func:`convert_gated_mlps`; :func:`why_not`
+        says why)."""
+        reason, new = _check(module)
+        return new if reason is None else None
 
     def forward(self, x):
         g = self.gate_proj(x)
@@ -169,10 +172,51 @@ class Float8BlockGatedMLP(torch.nn.Module):
         return self.act_fn(g) * u
 
 
+_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
+
+
+def _weight(proj):
+    """A projection's weight: ``weight`` (also a PEFT layer's, its base layer's), else its
+    first parameter."""
+    w = getattr(proj, "weight", None)
+    return w if isinstance(w, torch.Tensor) else next(proj.parameters())
+
+
+def why_not(module) -> str | None:
+    """Why :func:`convert_gated_mlps` leaves `module` as it is, in a few words, or None when
+    it swaps it (the rules of the module docstring; the conversion report reads them)."""
+    return _check(module)[0]
+
+
+def _check(module):
+    """(None, the Float8BlockGatedMLP for `module`) or (why not, None)."""
+    parts = [getattr(module, n, None) for n in _PARTS]
+    missing = [n for n, p in zip(_PARTS, parts) if not isinstance(p, torch.nn.Module)]
+    if missing:
+        if isinstance(getattr(module, "gate_up_proj", None), (torch.nn.Module, torch.Tensor)):
+            return "fused gate_up_proj", None
+        return f"no {', '.join(missing)}", None
+    if list(module.parameters(recurse=False)):
+        return "parameters of its own", None
+    if any(next(p.parameters(), None) is None for p in parts[:3]):
+        return "a projection without parameters", None
+    new = Float8BlockGatedMLP(*parts)
+    probed, probe_new = module, new
+    if _weight(parts[0]).is_meta:
+        # small CPU stand-ins for the projections (module docstring)
+        dtype = _weight(parts[0]).dtype
+        stand = {p: torch.nn.Linear(a, b, bias=getattr(p, "bias", None) is not None,
+                                    dtype=dtype)
+                 for p, (a, b) in zip(parts[:3], ((32, 64), (32, 64), (64, 32)))}
+        probed = probe_twin(module, stand)
+        probe_new = Float8BlockGatedMLP(*(getattr(probed, n) for n in _PARTS))
+    if not _same_output(probed, probe_new):
+        return "formula not recognised: output differs from the gated MLP's on a probe", None
+    return None, new
+
+
 def _same_output(module, new) -> bool:
-    w = new.gate_proj.weight
-    if w.is_meta:
-        return False
+    w = _weight(new.gate_proj)
     gen = torch.Generator(device=w.device).manual_seed(0)
     x = torch.randn(4, w.shape[1], generator=gen, device=w.device).to(w.dtype)
     with torch.no_grad():
@@ -191,4 +235,4 @@ def convert_gated_mlps(model: torch.nn.Module, module_filter_fn=None) -> int:
                          module_filter_fn)
 
 
-__all__ = ["Float8BlockGatedMLP", "convert_gated_mlps"]
+__all__ = ["Float8BlockGatedMLP", "convert_gated_mlps", "why_not"]

@@ -66,14 +66,16 @@ plain tensor ops, so the compiled graph holds x and r and fuses both passes); th
 formula and ``exact_grad=True`` run the plain formula (dynamo does not trace
 ``torch.autograd.grad`` inside a backward; inductor's partitioner chooses what to keep).
 
-Which modules are swapped (:func:`convert_norms`, or ``convert_to_float8_block(...,
-norms=True)``): ``torch.nn.RMSNorm`` (formula ``F.rms_norm``), and modules that look like HF's
-RMSNorm: a class name ending in ``RMSNorm``, a 1-D ``weight`` parameter, an epsilon attribute
-``variance_epsilon`` or ``eps`` (a float), and an output equal byte for byte to the formula
-above on a probe input (16 x the width, on the weight's device and in its dtype and in fp32)
--- Llama, Qwen2, Qwen3 (whose q_norm / k_norm normalize each head) and Mistral's norms pass;
-a variant (Gemma's ``1 + weight``, an offset, a different cast order) fails the probe and is
-left as it is. The state dict is unchanged (``weight``).
+Which modules are swapped (:func:`convert_norms`, or ``convert_to_float8_block``: its
+``norms``, on by default): ``torch.nn.RMSNorm`` (formula ``F.rms_norm``), and modules that look
+like HF's RMSNorm: a class name ending in ``RMSNorm``, a 1-D ``weight`` parameter, an epsilon
+attribute ``variance_epsilon`` or ``eps`` (a float), and an output equal byte for byte to the
+formula above on a probe input (16 x the width, on the weight's device and in its dtype and in
+fp32) -- Llama, Qwen2, Qwen3 (whose q_norm / k_norm normalize each head) and Mistral's norms
+pass; a variant (Gemma's ``1 + weight``, an offset, a different cast order) fails the probe and
+is left as it is (:func:`why_not` says why). On the meta device the probe runs on a CPU copy of
+the module with random values (``fp8blk.torch.recompute.probe_twin``), so a model converted on
+meta swaps the norms a real device would. The state dict is unchanged (``weight``).
 
     from fp8blk.torch.norm import convert_norms
     convert_norms(model)        # in place; returns the number of norms swapped
@@ -86,7 +88,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import rms_norm
-from .recompute import recomputed_grads, swap_children
+from .recompute import probe_twin, recomputed_grads, swap_children
 
 _compiling = torch.compiler.is_compiling
 
@@ -220,21 +222,13 @@ class Float8BlockRMSNorm(torch.nn.Module):
     @classmethod
     def from_norm(cls, module, exact_grad: bool = False):
         """A Float8BlockRMSNorm sharing `module`'s weight, or None when `module` is not an
-        RMSNorm this module reproduces (see :func:`convert_norms`)."""
+        RMSNorm this module reproduces (see :func:`convert_norms`; :func:`why_not` says why)."""
+        if why_not(module) is not None:
+            return None
         if isinstance(module, torch.nn.RMSNorm):
-            if len(module.normalized_shape) != 1:
-                return None
             # eps None: F.rms_norm's default, the input dtype's machine epsilon
             return cls(module.weight, module.eps, "torch", exact_grad)
-        if not type(module).__name__.endswith("RMSNorm"):
-            return None
-        weight = getattr(module, "weight", None)
-        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-        if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1 \
-                or not isinstance(eps, float) or weight.is_meta:
-            return None
-        new = cls(weight, eps, "hf", exact_grad)
-        return new if _same_output(module, new) else None
+        return cls(module.weight, _eps(module), "hf", exact_grad)
 
     def forward(self, x):
         fn = FORMULAS[self.formula]
@@ -252,21 +246,50 @@ class Float8BlockRMSNorm(torch.nn.Module):
                f"eps={self.eps}, formula={self.formula!r}, exact_grad={self.exact_grad}"
 
 
-def _same_output(module, new) -> bool:
-    """Whether `module` and `new` give the same bytes on probe inputs (the weight's dtype and
-    fp32, 16 rows of random values on the weight's device)."""
-    w = new.weight
+def _eps(module):
+    return getattr(module, "variance_epsilon", getattr(module, "eps", None))
+
+
+def why_not(module) -> str | None:
+    """Why :func:`convert_norms` leaves `module` as it is, in a few words, or None when it
+    swaps it (the rules of the module docstring; the conversion report reads them)."""
+    if isinstance(module, torch.nn.RMSNorm):
+        return None if len(module.normalized_shape) == 1 else "normalizes over several dims"
+    name = type(module).__name__
+    if not name.endswith("RMSNorm"):
+        return "not an RMSNorm: no fp8blk path"
+    weight, eps = getattr(module, "weight", None), _eps(module)
+    if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1:
+        return "no 1-D weight parameter"
+    if not isinstance(eps, float):
+        return "no float variance_epsilon or eps"
+    if weight.is_meta:
+        # on the meta device the probe runs on a CPU stand-in (``recompute.probe_twin``)
+        module = probe_twin(module)
+        weight = module.weight
+    return _probe(module, weight, _eps(module))
+
+
+def _probe(module, w, eps) -> str | None:
+    """None when `module` gives HF's formula's bytes on probe inputs (the weight's dtype and
+    fp32, 16 rows of random values on the weight's device), else what differs."""
     gen = torch.Generator(device=w.device).manual_seed(0)
     with torch.no_grad():
         for dtype in dict.fromkeys((w.dtype, torch.float32)):
             x = torch.randn(16, w.shape[0], generator=gen, device=w.device).to(dtype)
             try:
-                a, b = module(x), FORMULAS[new.formula](x, w, new.eps)
-            except Exception:  # noqa: BLE001  (a module that cannot run alone is not swapped)
-                return False
+                a, b = module(x), hf_rms_norm(x, w, eps)
+            except Exception as err:  # noqa: BLE001  (a module that cannot run alone: left)
+                return f"cannot run alone on a probe input: {type(err).__name__}"
             if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
-                return False
-    return True
+                # Gemma's form, x * r * (1 + weight) in fp32, named: the commonest variant
+                h = x.float()
+                gemma = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * (1 + w.float())
+                if a.shape == gemma.shape and torch.allclose(a.float(), gemma, rtol=2e-2,
+                                                             atol=1e-3):
+                    return "(1 + weight) form not recognised"
+                return "formula not recognised: output differs from HF's RMSNorm on a probe"
+    return None
 
 
 def convert_norms(model: torch.nn.Module, module_filter_fn=None, exact_grad: bool = False
@@ -279,4 +302,4 @@ def convert_norms(model: torch.nn.Module, module_filter_fn=None, exact_grad: boo
                          Float8BlockRMSNorm, module_filter_fn)
 
 
-__all__ = ["Float8BlockRMSNorm", "convert_norms", "hf_rms_norm", "torch_rms_norm"]
+__all__ = ["Float8BlockRMSNorm", "convert_norms", "hf_rms_norm", "torch_rms_norm", "why_not"]

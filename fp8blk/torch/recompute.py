@@ -1,10 +1,13 @@
 """What the memory-saving modules (``norm``, ``mlp``) share: gradients of a formula
 recomputed in backward, so that what they keep between the passes is only the formula's
 inputs; a tensor saved by a layer kept as the formula that makes it (:func:`saved_as_formula`);
-and the in-place swap of a model's submodules for them."""
+and the in-place swap of a model's submodules for them, with the CPU stand-in on which a
+module built on the meta device is probed (:func:`probe_twin`)."""
 from __future__ import annotations
 
 import contextlib
+import copy
+import itertools
 
 import torch
 
@@ -115,3 +118,24 @@ def swap_children(model, build, kind, module_filter_fn=None) -> int:
                 setattr(parent, name, new)
                 count += 1
     return count
+
+
+def probe_twin(module, stand_ins=None):
+    """A CPU copy of `module` (built on the meta device) for the swaps' probes: the same
+    classes and attributes, every parameter and floating buffer drawn from a fixed seed
+    (integer buffers zero), and each module of ``stand_ins`` ({original: replacement})
+    replaced. A meta tensor has no values to run a probe on; the probe checks a formula, which
+    the values do not change, so the same rule decides on meta as on a real device (random
+    values tell a formula from its variants at least as well as initialized ones: a weight of
+    ones hides a missing multiply)."""
+    memo = {id(k): v for k, v in (stand_ins or {}).items()}
+    twin = copy.deepcopy(module, memo)
+    twin.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for t in itertools.chain(twin.parameters(), twin.buffers()):
+            if t.is_floating_point():
+                t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+            else:
+                t.zero_()
+    return twin

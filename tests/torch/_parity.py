@@ -8,6 +8,9 @@
   layout handling, so planted layout bugs fail against it.
 * ``Recorder`` + ``check_against_oracle``: every Float8BlockLinear's input, output, output
   gradient and input gradient captured by hooks and checked against the oracle.
+* ``LINEARS_ONLY``: ``convert_to_float8_block``'s options all off, the Linear swap alone (its
+  default also shares quantizes, swaps norms and MLPs and keeps inputs): for the tests about
+  the layer itself.
 * ``gamma``, ``order_bound``: the fp32 summation bounds every tolerance here is built from.
 * ``full_tensor``, ``dequantized``: helpers for sharded-vs-reference comparisons
   (tests/torch/scripts/tp_parity.py shows a whole parity case: reference model, sharded copy,
@@ -32,6 +35,7 @@ import fp8blk as fb
 from fp8blk.torch.linear import Float8BlockLinear
 
 U32 = 2.0 ** -24
+LINEARS_ONLY = dict(share_quantize=False, norms=False, gated_mlps=False, keep_inputs=False)
 
 
 def spread(shape, gen: torch.Generator, dtype=torch.float32, decades=(3.0, 2.0)):

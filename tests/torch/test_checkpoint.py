@@ -49,7 +49,7 @@ def test_state_dict_pickles_as_plain_high_precision_values(mode, rng):
     with torch.no_grad():
         model[0].weight.copy_(spread((300, 384), gen))
     w0 = model[0].weight.detach().clone()
-    convert_to_float8_block(model, Float8BlockConfig())
+    convert_to_float8_block(model, Float8BlockConfig(), share_quantize=False)
     F.prepare_fsdp_fp8(model, mode=mode)
     buf = io.BytesIO()
     torch.save(model.state_dict(), buf)

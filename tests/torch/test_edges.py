@@ -137,7 +137,7 @@ def test_compile_under_autocast_with_bias_gives_eager_bytes():
     # (A tiny model: inductor's C++ build of the two graphs takes ~20 s on a 2-core machine.)
     torch.manual_seed(3)
     model = convert_to_float8_block(torch.nn.Sequential(
-        torch.nn.Linear(64, 128), torch.nn.Linear(128, 32)))
+        torch.nn.Linear(64, 128), torch.nn.Linear(128, 32)), share_quantize=False)
     x = torch.randn(16, 64)
 
     def step(m):

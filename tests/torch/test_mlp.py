@@ -9,6 +9,8 @@ torch = pytest.importorskip("torch")
 from fp8blk.torch import convert_to_float8_block  # noqa: E402
 from fp8blk.torch.mlp import Float8BlockGatedMLP, convert_gated_mlps  # noqa: E402
 
+from ._parity import LINEARS_ONLY  # noqa: E402
+
 
 class GatedMLP(torch.nn.Module):
     """transformers' LlamaMLP, as its forward reads (cited in fp8blk/torch/mlp.py)."""
@@ -63,7 +65,7 @@ def test_same_bytes_fewer_saved(fp8, act):
     ref = GatedMLP(act=act).to(torch.bfloat16)
     if fp8:
         holder = torch.nn.Sequential(ref)
-        convert_to_float8_block(holder)
+        convert_to_float8_block(holder, **LINEARS_ONLY)
     keys = set(ref.state_dict())
     new = Float8BlockGatedMLP.from_mlp(ref)
     assert new is not None and set(new.state_dict()) == keys
@@ -97,7 +99,7 @@ def test_down_projection_keeping_its_input(act, wrap):
     torch.manual_seed(0)
     ref = GatedMLP(act=act).to(torch.bfloat16)
     holder = torch.nn.Sequential(ref)
-    convert_to_float8_block(holder, gated_mlps=True)
+    convert_to_float8_block(holder, **dict(LINEARS_ONLY, gated_mlps=True))
     run = holder if wrap == "plain" else (lambda x: checkpoint(holder, x, use_reentrant=False))
 
     class Runner(torch.nn.Module):
@@ -109,7 +111,7 @@ def test_down_projection_keeping_its_input(act, wrap):
             return run(x)
     x = torch.randn(2, 65, 256).to(torch.bfloat16)
     a, saved_a = _step(Runner(), x)
-    convert_to_float8_block(holder, gated_mlps=True, keep_inputs=True)
+    convert_to_float8_block(holder, **dict(LINEARS_ONLY, gated_mlps=True, keep_inputs=True))
     assert holder[0].down_proj.keep_input
     b, saved_b = _step(Runner(), x)
     for u, v in zip(a, b):

@@ -11,8 +11,8 @@ same tensor objects in each layer's node, so their storage is held once), the sa
 (the quantization is a deterministic function of the input's values and the recipe).
 
 Scope. Sharing happens only inside :func:`sharing` (a context manager), which
-``convert_to_float8_block(..., share_quantize=True)`` opens around every forward call of the
-converted model (:func:`install`: a forward pre-hook and an always-called forward hook on the
+``convert_to_float8_block`` (by default; ``share_quantize=False`` does not) opens around every
+forward call of the converted model (:func:`install`: a forward pre-hook and an always-called forward hook on the
 root module). Outside a scope nothing is cached and every layer quantizes its input, as
 without this module.
 
@@ -58,7 +58,7 @@ One scope per thread (a ``threading.local``): the forward runs on the caller's t
 autograd's backward threads never quantize activations.
 
     from fp8blk.torch import convert_to_float8_block
-    convert_to_float8_block(model, share_quantize=True)
+    convert_to_float8_block(model)        # share_quantize=True by default
     with sharing.counting() as stats:     # tests: how often layers quantized / reused
         model(x)
     stats.misses, stats.hits

@@ -64,7 +64,8 @@ def test_gated_mlp_down_projection(keep):
     is recomputed in backward, then read by the down projection's backward op)."""
     m, d, f = 384, 256, 512
     mlp = torch.nn.Sequential(GatedMLP(d, f)).to(torch.bfloat16)
-    convert_to_float8_block(mlp, gated_mlps=True, keep_inputs=keep)
+    convert_to_float8_block(mlp, share_quantize=False, norms=False, gated_mlps=True,
+                            keep_inputs=keep)
     x = torch.randn(m, d, dtype=torch.bfloat16, requires_grad=True)
     with plan_ops_on_cpu():
         kept, ops = _kept(mlp, x)

@@ -12,8 +12,8 @@ from fp8blk.torch import (Float8BlockConfig, Float8BlockLinear, blockwise_scaled
                           convert_to_float8_block)
 from fp8blk.torch import linear as linear_mod
 
-from .._parity import (PLANTS, U32, FeedForward, Recorder, assert_within, check_against_oracle,
-                      init_spread_, oracle_linear, set_plant, spread)
+from .._parity import (LINEARS_ONLY, PLANTS, U32, FeedForward, Recorder, assert_within,
+                       check_against_oracle, init_spread_, oracle_linear, set_plant, spread)
 
 
 @pytest.fixture
@@ -44,7 +44,7 @@ def test_ffn_against_oracle(name, gen):
     model = torch.nn.Sequential(torch.nn.Linear(384, 320), torch.nn.GELU(),
                                 torch.nn.Linear(320, 256, bias=False))
     init_spread_(model, gen)
-    convert_to_float8_block(model, cfg)
+    convert_to_float8_block(model, cfg, **LINEARS_ONLY)
     rec = Recorder(model)
     x = spread((2, 64, 384), gen).requires_grad_(True)
     _run(model, x, gen)
@@ -58,7 +58,7 @@ def test_unaligned_shapes_and_bias(shape, gen):
     lin = torch.nn.Linear(k, n)
     init_spread_(lin, gen)
     model = torch.nn.Sequential(lin)
-    convert_to_float8_block(model)
+    convert_to_float8_block(model, **LINEARS_ONLY)
     rec = Recorder(model)
     _run(model, spread((m, k), gen).requires_grad_(True), gen)
     check_against_oracle(model, rec, Float8BlockConfig())
@@ -168,7 +168,7 @@ def test_activation_checkpointing_is_exact(reentrant, gen):
     from torch.utils.checkpoint import checkpoint
     model = FeedForward(256, 384)
     init_spread_(model, gen)
-    convert_to_float8_block(model)
+    convert_to_float8_block(model, **LINEARS_ONLY)
     x, g = spread((2, 128, 256), gen), spread((2, 128, 256), gen)
     results = []
     for wrapped in (False, True):
@@ -184,7 +184,7 @@ def test_activation_checkpointing_is_exact(reentrant, gen):
 def test_compile_fullgraph_matches_eager(gen):
     model = FeedForward(256, 384)
     init_spread_(model, gen)
-    convert_to_float8_block(model)
+    convert_to_float8_block(model, **LINEARS_ONLY)
     x = spread((2, 64, 256), gen)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     xe, xc = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
@@ -202,7 +202,8 @@ def test_compile_fullgraph_matches_eager(gen):
 def test_compile_inductor_fullgraph(gen):
     # no graph break anywhere in the layer under the default backend either
     torch._dynamo.reset()
-    model = convert_to_float8_block(torch.nn.Sequential(torch.nn.Linear(256, 128)))
+    model = convert_to_float8_block(torch.nn.Sequential(torch.nn.Linear(256, 128)),
+                                    **LINEARS_ONLY)
     x = spread((64, 256), gen)
     ye = model(x)
     yc = torch.compile(model, fullgraph=True)(x)
@@ -215,7 +216,7 @@ def test_planted_bug_fails_the_oracle(plant, gen):
     # can only be caught by the numbers
     model = torch.nn.Sequential(torch.nn.Linear(256, 256))
     init_spread_(model, gen)
-    convert_to_float8_block(model)
+    convert_to_float8_block(model, **LINEARS_ONLY)
     rec = Recorder(model)
     undo = set_plant(plant)
     try:

@@ -16,7 +16,7 @@ import fp8blk as fb
 from fp8blk.torch import Float8BlockConfig, blockwise_scaled_mm, convert_to_float8_block
 from fp8blk.torch.scaled_mm import _dequant
 
-from .._parity import FeedForward, Recorder, assert_within, check_against_oracle, spread
+from .._parity import LINEARS_ONLY, FeedForward, Recorder, assert_within, check_against_oracle, spread
 
 pytestmark = pytest.mark.gpu
 GPU_REL = 2.0 ** -6
@@ -78,7 +78,7 @@ def test_unpadded_k_runs_on_cublaslt(mkn, b_blocks, rng, monkeypatch):
 def test_ffn_on_gpu_against_oracle(rng):
     gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
     model = FeedForward(384, 640).cuda()
-    convert_to_float8_block(model)
+    convert_to_float8_block(model, **LINEARS_ONLY)
     rec = Recorder(model)
     x = spread((3, 100, 384), gen).cuda().requires_grad_(True)
     y = model(x)
@@ -109,7 +109,7 @@ def test_compile_fullgraph_on_gpu(backend, rng):
     else:
         model = torch.nn.Sequential(torch.nn.Linear(256, 384, dtype=torch.bfloat16)).cuda()
         x = spread((2, 128, 256), gen, torch.bfloat16).cuda()
-    convert_to_float8_block(model)
+    convert_to_float8_block(model, **LINEARS_ONLY)
     with torch.no_grad():
         eager = model(x)
         compiled = torch.compile(model, fullgraph=True, backend=backend)(x)
@@ -125,7 +125,8 @@ M, K = {M}, {K}
 if {GENERAL}:     # the general path; else the per-signature hot path (fp8blk.torch.linear.plans)
     from fp8blk.torch.linear import plans
     plans.plan_for = lambda *a: None
-model = convert_to_float8_block(torch.nn.Sequential(torch.nn.Linear(K, K, bias=False)))
+model = convert_to_float8_block(torch.nn.Sequential(torch.nn.Linear(K, K, bias=False)),
+                                share_quantize=False)
 model.cuda()
 x = torch.randn(M, K, device="cuda", requires_grad=True)
 g = torch.randn(M, K, device="cuda")

@@ -69,7 +69,7 @@ def test_siblings_share_one_quantization(quantize_calls):
 
 def test_no_sharing_outside_a_scope(quantize_calls):
     model = Siblings()
-    convert_to_float8_block(model)
+    convert_to_float8_block(model, share_quantize=False)
     model(torch.randn(4, 256))
     assert len(quantize_calls) == 3
 
@@ -84,7 +84,7 @@ class InPlace(Siblings):
 def test_in_place_update_of_the_input(quantize_calls):
     x = torch.randn(128, 256)
     torch.manual_seed(0)
-    ref = convert_to_float8_block(InPlace())
+    ref = convert_to_float8_block(InPlace(), share_quantize=False)
     torch.manual_seed(0)
     shared = convert_to_float8_block(InPlace(), share_quantize=True)
     with torch.no_grad():
@@ -98,7 +98,7 @@ def test_in_place_update_of_the_input(quantize_calls):
 def test_no_grad_then_grad_are_different_keys(quantize_calls):
     """A pass without grad quantizes rowwise only; a pass with grad in the same scope makes
     its own both-direction copy (reentrant checkpointing does this)."""
-    model = convert_to_float8_block(Siblings())
+    model = convert_to_float8_block(Siblings(), share_quantize=False)
     x = torch.randn(128, 256)
     with sharing.sharing():
         with torch.no_grad():

@@ -27,8 +27,8 @@ batches).
 ``--arch qwen3_moe``: ``Qwen3MoeForCausalLM`` instead, 4 layers, hidden 512, 8 experts of
 intermediate 256, top-2, the router's load-balancing loss on (``output_router_logits``,
 coefficient 0.01, part of the loss), the same heads and training; runs ``bf16`` (transformers'
-``grouped_mm`` experts) seeds 0 and 1 and ``fp8blk`` (``convert_experts`` and the Linear
-conversion of the attention projections). Each run also reports the experts' load on the
+``grouped_mm`` experts) seeds 0 and 1 and ``fp8blk`` (``convert_to_float8_block(...,
+experts=True)``: the experts, the attention projections, the norms). Each run also reports the experts' load on the
 held-out batch (routed rows per expert, per layer) and the summary the largest difference of
 an expert's share of the rows from bf16 seed 0's, beside the two bf16 seeds' own.
 
@@ -81,7 +81,6 @@ def moe_model_for(variant, tiny, device, seed):
     import transformers
 
     from fp8blk.torch import convert_to_float8_block
-    from fp8blk.torch.moe import convert_experts
 
     widths = (dict(hidden_size=128, moe_intermediate_size=128, num_experts=4,
                    num_attention_heads=2, num_key_value_heads=1, head_dim=64,
@@ -97,8 +96,8 @@ def moe_model_for(variant, tiny, device, seed):
     torch.manual_seed(seed)
     model = transformers.Qwen3MoeForCausalLM._from_config(cfg, dtype=torch.bfloat16).to(device)
     if variant == "fp8blk":
-        convert_experts(model)
-        convert_to_float8_block(model, module_filter_fn=lambda m, fqn: fqn != "lm_head")
+        convert_to_float8_block(model, module_filter_fn=lambda m, fqn: fqn != "lm_head",
+                                experts=True)
     elif variant != "bf16":
         raise RuntimeError(f"--arch qwen3_moe runs bf16 and fp8blk, not {variant}")
     return model

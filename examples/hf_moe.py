@@ -8,12 +8,12 @@ Needs transformers (``pip install 'fp8blk[transformers]'``). The model is built 
 (no download): ``Qwen3MoeForCausalLM`` in bf16, ``output_router_logits`` on (the load-balancing
 loss joins the loss). Then
 
-1. ``convert_experts(model)``: every experts module (3-D ``gate_up_proj`` / ``down_proj``)
-   runs its GEMMs in block-scaled FP8 through transformers' ``ExpertsInterface``
-   (``fp8blk.torch.moe``); routers stay as they are. ``convert_to_float8_block`` then
-   converts the attention projections (``lm_head`` left in bf16) and, by default, swaps the
-   RMSNorms, shares quantizes and keeps o_proj's input (docs/torch.md, "Whole models"); it
-   logs what it converted and left at INFO.
+1. ``convert_to_float8_block(model, experts=True, module_filter_fn=...)``: every experts
+   module (3-D ``gate_up_proj`` / ``down_proj``) runs its GEMMs in block-scaled FP8 through
+   transformers' ``ExpertsInterface`` (``fp8blk.torch.moe``); routers stay as they are; the
+   attention projections become Float8BlockLinear (``lm_head`` left in bf16) and, by
+   default, the RMSNorms are swapped, quantizes shared and o_proj's input kept
+   (docs/torch.md, "Whole models"); what was converted and left is logged at INFO.
 2. ``--steps`` AdamW steps on random tokens; the experts' load (routed rows per expert, the
    first MoE layer) printed after the last.
 3. ``save_pretrained`` (a plain Hugging Face checkpoint: same keys, no fp8blk in the config),
@@ -33,7 +33,7 @@ import tempfile
 import torch
 
 from fp8blk.torch import convert_to_float8_block
-from fp8blk.torch.moe import convert_experts, route
+from fp8blk.torch.moe import route
 
 
 def config(args):
@@ -51,9 +51,8 @@ def config(args):
 
 
 def convert(model):
-    convert_experts(model)
-    convert_to_float8_block(model, module_filter_fn=lambda m, fqn: fqn != "lm_head")
-    return model
+    return convert_to_float8_block(model, module_filter_fn=lambda m, fqn: fqn != "lm_head",
+                                   experts=True)
 
 
 def build(args, device, fp8=True):

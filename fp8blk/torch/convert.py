@@ -18,8 +18,8 @@ logger = logging.getLogger(__name__)
 def convert_to_float8_block(model: torch.nn.Module, config: Float8BlockConfig = None,
                             module_filter_fn=None, *, share_quantize: bool = True,
                             norms: bool = True, gated_mlps: bool = True,
-                            keep_inputs: bool = True, adapters: bool = False
-                            ) -> torch.nn.Module:
+                            keep_inputs: bool = True, adapters: bool = False,
+                            experts: bool = False) -> torch.nn.Module:
     """Swap every ``nn.Linear`` inside ``model`` for a Float8BlockLinear sharing its
     parameters, in place, and return ``model``; by default also the memory-saving parts
     below, each switched off by its keyword (``norms=False``; all four False: the Linear swap
@@ -41,6 +41,11 @@ def convert_to_float8_block(model: torch.nn.Module, config: Float8BlockConfig = 
     of the gate and up outputs, ``fp8blk.torch.mlp``). ``adapters``: PEFT adapters' layers
     (``lora_A``, ``lora_B``, the children a module names in ``adapter_layer_names``) are left
     as they are unless True; their frozen base layers are converted (``fp8blk.torch.report``).
+    ``experts``: transformers' mixture-of-experts experts modules (3-D expert weights) run
+    their GEMMs in block-scaled FP8 (``fp8blk.torch.moe.convert_experts``, chosen by
+    ``module_filter_fn`` too); off by default because that path is still slower than bf16's
+    ``grouped_mm`` on the GPU (docs/torch.md, "Mixture of experts"). Routers stay in high
+    precision either way.
 
     What was converted and what was left, and why, is logged at INFO on the logger
     ``fp8blk.torch.convert``, one line per kind of module found (linear, norm, mlp, experts,
@@ -103,6 +108,11 @@ def convert_to_float8_block(model: torch.nn.Module, config: Float8BlockConfig = 
     if gated_mlps:
         from .mlp import convert_gated_mlps
         convert_gated_mlps(model, outside)
+    if experts:
+        from .moe.experts import convert_experts
+        convert_experts(model, config, None if not (module_filter_fn or skipped) else
+                        lambda m, fqn: not inside(fqn, skipped) and (
+                            module_filter_fn is None or module_filter_fn(m, fqn)))
     if keep_inputs:
         _set_keep_inputs(model, module_filter_fn, skipped)
     if share_quantize:
@@ -110,7 +120,7 @@ def convert_to_float8_block(model: torch.nn.Module, config: Float8BlockConfig = 
         install(model)
     if logger.isEnabledFor(logging.INFO):
         report = conversion_report(model, module_filter_fn, norms=norms, gated_mlps=gated_mlps,
-                                   adapters=adapters)
+                                   adapters=adapters, experts=experts)
         for line in report.lines():
             logger.info("convert_to_float8_block: %s", line)
     return model

@@ -25,7 +25,8 @@ recognised): model.norm, model.layers.0.input_layernorm, model.layers.0.post_att
 A kind is one :class:`Kind` entry: a converter for another kind of module adds or replaces
 its entry, with the predicate for its fp8blk module, the one for the modules it takes, the
 option that switches it off and why it leaves one (the experts entry reads the mark of
-``fp8blk.torch.moe.convert_experts``, which ``convert_to_float8_block`` does not run).
+``fp8blk.torch.moe.convert_experts``, which ``convert_to_float8_block(..., experts=True)``
+runs).
 
 PEFT adapters (:func:`adapter_fqns`). PEFT's tuner layers wrap a frozen ``base_layer`` and hold
 the trainable adapter layers as children named by their class attribute ``adapter_layer_names``
@@ -122,14 +123,16 @@ class Kind:
     """An entry of :data:`KINDS`. ``converted(module, name, parent)``: an fp8blk module of
     this kind; ``candidate(module, name, parent)``: a high-precision module of this kind
     (`name`: its name in `parent`); ``why_left(module)``: the kind's own reason for leaving a
-    candidate; ``option``: the converter's keyword that switches the kind off, or None;
-    ``filtered``: whether ``module_filter_fn`` chooses among these."""
+    candidate; ``option``: the converter's keyword that switches the kind off, or None,
+    and ``default`` its default; ``filtered``: whether ``module_filter_fn`` chooses among
+    these."""
     name: str
     converted: Callable
     candidate: Callable
     why_left: Callable
     option: str = None
     filtered: bool = False
+    default: bool = True
 
 
 def _is_linear(module, name=None, parent=None):
@@ -193,6 +196,13 @@ def _router_candidate(module, name, parent):
         _holds_experts(experts) or isinstance(experts, torch.nn.ModuleList))
 
 
+def _experts_left(module):
+    from .moe.experts import is_experts_module
+    if not is_experts_module(module):
+        return "not a transformers experts module (fp8blk.torch.moe.experts.is_experts_module)"
+    return _NOT_YET
+
+
 def _experts_converted(module, name, parent):
     # fp8blk.torch.moe.convert_experts marks the experts modules it converts with their config
     return module.__dict__.get("fp8blk_config") is not None
@@ -210,7 +220,7 @@ _NOT_YET = "not converted yet"
 # first match wins: a router that is an nn.Linear is reported as a router
 KINDS = (
     Kind("experts", _experts_converted, _holds_experts,
-         lambda m: "fp8blk.torch.moe.convert_experts converts these"),
+         lambda m: _experts_left(m), option="experts", filtered=True, default=False),
     Kind("router", _is_router, _router_candidate, lambda m: "kept in high precision"),
     Kind("mlp", _is_mlp, _mlp_candidate, _mlp_left, option="gated_mlps"),
     Kind("norm", _is_norm, _norm_candidate, _norm_left, option="norms"),
@@ -225,7 +235,8 @@ def conversion_report(model: torch.nn.Module, module_filter_fn=None, *, adapters
     precision, with why (module docstring); the model itself is not reported (the converter
     converts inside it). Called with the arguments of the ``convert_to_float8_block`` call
     that converted `model` (``module_filter_fn``, ``adapters`` and the kinds' options:
-    ``norms``, ``gated_mlps``; True where not given; the others are ignored), it returns what
+    ``norms``, ``gated_mlps``, ``experts``; their defaults where not given; the others are
+    ignored), it returns what
     that call logged; before a conversion, what there is to convert."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"conversion_report: model must be a torch.nn.Module, got "
@@ -250,7 +261,7 @@ def conversion_report(model: torch.nn.Module, module_filter_fn=None, *, adapters
                 continue
             if skipped and inside(fqn, skipped):
                 reason = "inside a PEFT adapter"
-            elif kind.option is not None and options.get(kind.option, True) is False:
+            elif kind.option is not None and not options.get(kind.option, kind.default):
                 reason = f"{kind.option}=False"
             elif kind.filtered and module_filter_fn is not None and not module_filter_fn(
                     module, fqn):

@@ -150,3 +150,20 @@ def test_compiled_block_has_no_graph_break(name):
         outs.append([y, xx.grad] + [p.grad for p in block.parameters()])
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+def test_convert_to_float8_block_experts_option_and_report():
+    from fp8blk.torch import conversion_report, convert_to_float8_block
+    model = tiny_model("qwen3_moe")
+    convert_to_float8_block(model)                  # experts are opt-in
+    report = conversion_report(model)
+    assert not report["experts"].converted
+    assert {x.reason for x in report["experts"].left} == {"experts=False"}
+    assert report["router"].left and not report["router"].converted
+    model = tiny_model("qwen3_moe")
+    head = lambda m, fqn: ".1." not in fqn           # noqa: E731  layer 1 left out
+    convert_to_float8_block(model, module_filter_fn=head, experts=True)
+    report = conversion_report(model, module_filter_fn=head, experts=True)
+    assert report["experts"].converted == ["model.layers.0.mlp.experts"]
+    assert [(x.fqn, x.reason) for x in report["experts"].left] == [
+        ("model.layers.1.mlp.experts", "filtered out by module_filter_fn")]

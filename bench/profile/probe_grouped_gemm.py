@@ -105,10 +105,16 @@ def store_ops(n=128):
     return store_bf16
 
 
-def make_kernel():
+MODES = ("full", "noload", "nopromote")
+
+
+def make_kernel(mode="full"):
+    """``mode``: "full" (the GEMM); for the timing of its parts (wrong results) "noload"
+    (the ring filled once, the loop without copies or their waits) and "nopromote" (every
+    block accumulated into one accumulator, waited for once at the end)."""
     o = wgmma_ops(128)
-    mma, zeros, wait0, promote_rows, shared_addr = (o.mma, o.zeros, o.wait0, o.promote_rows,
-                                                    o.shared_addr)
+    mma, zeros, wait0, wait1, promote_rows, shared_addr = (
+        o.mma, o.zeros, o.wait0, o.wait1, o.promote_rows, o.shared_addr)
     store_bf16 = store_ops(128)
     s1, s2, s3 = np.uint64(16), np.uint64(32), np.uint64(48)
 
@@ -116,6 +122,16 @@ def make_kernel():
     def issue(p, da, db):
         wgmma_fence()
         p = mma(p, da, db, 0)
+        p = mma(p, da + s1, db + s1, 1)
+        p = mma(p, da + s2, db + s2, 1)
+        p = mma(p, da + s3, db + s3, 1)
+        wgmma_commit()
+        return p
+
+    @nb.device
+    def issue_acc(p, da, db):
+        wgmma_fence()
+        p = mma(p, da, db, 1)
         p = mma(p, da + s1, db + s1, 1)
         p = mma(p, da + s2, db + s2, 1)
         p = mma(p, da + s3, db + s3, 1)
@@ -177,23 +193,34 @@ def make_kernel():
         final = zeros()
         part = zeros()
         sb_row = (np.int64(e) * (n // 128) + nt) * kbp
-        for kb in range(kb_count):
-            cp_async_wait_ring()
+        if mode == "noload":
+            cp_async_wait0()
             fence_proxy_async()
             cuda.syncthreads()
-            nxt = kb + STAGES - 1
-            if nxt < kb_count:
-                load(base, nxt % STAGES, a, b, a_row0, b_row0, k, nxt, tid)
-            cp_async_commit()
-            sbase = base + (kb % STAGES) * STAGE_BYTES
+        for kb in range(kb_count):
+            if mode != "noload":
+                cp_async_wait_ring()
+                fence_proxy_async()
+                cuda.syncthreads()
+                nxt = kb + STAGES - 1
+                if nxt < kb_count:
+                    load(base, nxt % STAGES, a, b, a_row0, b_row0, k, nxt, tid)
+                cp_async_commit()
+            sbase = base + (kb % (STAGES if mode != "noload" else STAGES - 1)) * STAGE_BYTES
             da = np.uint64(((sbase + wg * 8192) & 0x3FFFF) >> 4) | hi
             db = np.uint64(((sbase + 16384) & 0x3FFFF) >> 4) | hi
-            part = issue(part, da, db)
-            sbk = sb[sb_row + kb]
-            r0 = sa[np.int64(kb) * rows + out_row] * sbk
-            r1 = sa[np.int64(kb) * rows + out_row + 8] * sbk
-            part = wait0(part)
-            final = promote_rows(final, part, r0, r1)
+            if mode == "nopromote":
+                final = issue_acc(final, da, db)
+                final = wait1(final)
+            else:
+                part = issue(part, da, db)
+                sbk = sb[sb_row + kb]
+                r0 = sa[np.int64(kb) * rows + out_row] * sbk
+                r1 = sa[np.int64(kb) * rows + out_row + 8] * sbk
+                part = wait0(part)
+                final = promote_rows(final, part, r0, r1)
+        if mode == "nopromote":
+            final = wait0(final)
         cp_async_wait0()
         store_bf16(c, out_row, nt * 128 + col, n // 2, final)
 
@@ -207,9 +234,9 @@ SMEM = STAGES * STAGE_BYTES + 128
 
 
 @functools.lru_cache(maxsize=None)
-def kernel():
+def kernel(mode="full"):
     import cupy
-    f = nb.compile_kernel(make_kernel(), ARGTYPES, launch_bounds=(THREADS, 1))
+    f = nb.compile_kernel(make_kernel(mode), ARGTYPES, launch_bounds=(THREADS, 1))
     cupy.cuda.driver.funcSetAttribute(
         f.ptr, cupy.cuda.driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, SMEM)
     return f
@@ -223,7 +250,7 @@ def tile_experts(routing):
     return torch.searchsorted(ends, tiles, right=True).to(torch.int32)
 
 
-def grouped_forward(a, a_scale, b, b_scale, tiles, experts):
+def grouped_forward(a, a_scale, b, b_scale, tiles, experts, mode="full"):
     """y (rows, N) bf16 = the m-grouped GEMM of a (rows, K) e4m3 with 1x128 scales
     (K/128, rows) and b (E, N, K) e4m3 with per-expert 128x128 scales (E, N/128, kbp)."""
     import cupy
@@ -233,7 +260,7 @@ def grouped_forward(a, a_scale, b, b_scale, tiles, experts):
     c = torch.empty((rows, n), dtype=torch.bfloat16, device=a.device)
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
     with stream:
-        kernel()(((n // 128) * (rows // 128),), (THREADS,),
+        kernel(mode)(((n // 128) * (rows // 128),), (THREADS,),
                  (np.uint64(a.data_ptr()), np.uint64(b.data_ptr()),
                   np.uint64(a_scale.data_ptr()), np.uint64(b_scale.data_ptr()),
                   np.uint64(c.data_ptr()), np.uint64(tiles.data_ptr()), np.int64(rows),
@@ -283,7 +310,7 @@ def check(experts, top_k, tokens, k, n, kind):
                 nan=bool(torch.isnan(g).any()))
 
 
-def timing(name, experts, top_k, tokens, k, n, kind):
+def timing(name, experts, top_k, tokens, k, n, kind, modes=()):
     import torch
 
     from bench.bench_linear import interleaved_ms
@@ -301,6 +328,9 @@ def timing(name, experts, top_k, tokens, k, n, kind):
     fns = {"bf16": lambda: gmm(xs, wt, offs=offs),
            "cublaslt_loop": lambda: grouped_mm_rows(a, sa, b, sb, r, torch.bfloat16),
            "wgmma": lambda: grouped_forward(a, sa, b, sb, tiles, experts)}
+    for mode in modes:
+        fns[f"wgmma_{mode}"] = functools.partial(grouped_forward, a, sa, b, sb, tiles, experts,
+                                                 mode)
     ms = interleaved_ms(fns, inner=5, repeats=5, warmup=2)
     flop = 2.0 * tokens * top_k * k * n
     return dict(shape=name, routing=kind, **{f"{v}_tflops": round(flop / t / 1e9, 1)
@@ -319,6 +349,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out")
     ap.add_argument("--checks-only", action="store_true")
+    ap.add_argument("--parts", action="store_true",
+                    help="also time the kernel without its loads and without its promotion")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--routings", default="balanced,skewed")
     args = ap.parse_args()
     res = {"machine": platform.node(), "gpu": torch.cuda.get_device_name(),
            "date": datetime.date.today().isoformat(), "command": "python3 " + " ".join(sys.argv),
@@ -329,9 +363,10 @@ def main():
         res["checks"].append(out)
         print("check", out, flush=True)
     if not args.checks_only:
-        for name, shape in SHAPES.items():
-            for kind in ("balanced", "skewed"):
-                out = timing(name, *shape, kind)
+        for name in args.shapes.split(","):
+            for kind in args.routings.split(","):
+                out = timing(name, *SHAPES[name], kind,
+                             modes=("noload", "nopromote") if args.parts else ())
                 res["timing"].append(out)
                 print(out, flush=True)
     if args.out:

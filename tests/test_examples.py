@@ -188,21 +188,11 @@ def test_run_notebook_runs_cells_saves_figures_and_stops_at_a_failure(tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_hf_moe_example():
+@pytest.mark.parametrize("script", ["hf_llama.py", "hf_moe.py"])
+def test_hf_example(script):
     pytest.importorskip("transformers", reason="transformers missing: "
                         "pip install 'fp8blk[transformers]'")
-    code, output, _ = launch.run([sys.executable, str(EXAMPLES / "hf_moe.py")], timeout=150,
-                                 env=ONE_THREAD)
-    assert code == 0, output[-6000:]
-    assert "FAIL" not in output and output.count("  ok   ") == 3, output[-3000:]
-    assert re.search(r"^checks: PASSED$", output, re.M), output[-3000:]
-
-
-@pytest.mark.timeout(180)
-def test_hf_llama_example():
-    pytest.importorskip("transformers", reason="transformers missing: "
-                        "pip install 'fp8blk[transformers]'")
-    code, output, _ = launch.run([sys.executable, str(EXAMPLES / "hf_llama.py")], timeout=150,
+    code, output, _ = launch.run([sys.executable, str(EXAMPLES / script)], timeout=150,
                                  env=ONE_THREAD)
     assert code == 0, output[-6000:]
     assert "FAIL" not in output and output.count("  ok   ") == 3, output[-3000:]

@@ -228,6 +228,28 @@ def wgmma_ops(n):
                            store_acc=store_acc, shared_addr=shared_addr)
 
 
+@functools.lru_cache(maxsize=None)
+def block_issue(n):
+    """The device function ``issue(p, da, db, scale_d)``: one 128-deep block of K as four
+    m64n{n}k32 wgmma (each k32 step is two 16-byte core-matrix columns, 256 bytes on in the
+    layout below: 16 descriptor units), committed as one group; scale_d = 0: the block
+    overwrites p (a fresh partial product), 1: it accumulates into p."""
+    mma = wgmma_ops(n).mma
+    s1, s2, s3 = np.uint64(16), np.uint64(32), np.uint64(48)  # k32 steps: 256 bytes along K
+
+    @nb.device
+    def issue(p, da, db, scale_d):
+        wgmma_fence()
+        p = mma(p, da, db, scale_d)
+        p = mma(p, da + s1, db + s1, 1)
+        p = mma(p, da + s2, db + s2, 1)
+        p = mma(p, da + s3, db + s3, 1)
+        wgmma_commit()
+        return p
+
+    return issue
+
+
 # Shared-memory layout of a tile (R rows x K 128, e4m3, K-major, no swizzle): 8 x 16-byte
 # core matrices; the 8 along K of one 8-row group are 128 bytes apart (the descriptor's
 # leading byte offset), row groups 1024 bytes apart (its stride byte offset): byte
@@ -241,7 +263,7 @@ def make_kernel(mode, nwg, n=128):
     loaded before the wait, 4 the forward's promotion (one scale per row); `nwg` warpgroups
     per CTA, each with a 64 x `n` tile (all of them share one B tile of n x 128)."""
     o = wgmma_ops(n)
-    wgmma_m64nk32, acc_zeros, wgmma_wait0, wgmma_wait1 = o.mma, o.zeros, o.wait0, o.wait1
+    acc_zeros, wgmma_wait0, wgmma_wait1 = o.zeros, o.wait0, o.wait1
     load_col_scales, promote_regs, promote_rows, store_acc = (
         o.load_col_scales, o.promote_regs, o.promote_rows, o.store_acc)
     shared_addr = o.shared_addr
@@ -251,19 +273,7 @@ def make_kernel(mode, nwg, n=128):
     a_words = nwg * A_BYTES // 4
     b_words = b_bytes // 4
     ld_c = n
-    s1, s2, s3 = np.uint64(16), np.uint64(32), np.uint64(48)  # k32 steps: 256 bytes along K
-
-    @nb.device
-    def issue(p, da, db, scale_d):
-        """One 128-deep block of K (four k32 steps) into p, as one wgmma group; scale_d = 0:
-        the block overwrites p (a fresh partial product)."""
-        wgmma_fence()
-        p = wgmma_m64nk32(p, da, db, scale_d)
-        p = wgmma_m64nk32(p, da + s1, db + s1, 1)
-        p = wgmma_m64nk32(p, da + s2, db + s2, 1)
-        p = wgmma_m64nk32(p, da + s3, db + s3, 1)
-        wgmma_commit()
-        return p
+    issue = block_issue(n)
 
     @nb.device
     def promote(final, part, s0, s1, sb, col):

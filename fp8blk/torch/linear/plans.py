@@ -229,9 +229,22 @@ def plan_for(x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad, keep_input=Fal
     if plan is None:
         if not eligible(x2d, weight, cfg, out_dtype):
             return None
+        _check_not_capturing(x2d.shape, weight.shape)
         plan = plans.put(k, LinearPlan(x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad,
                                        keep_input))
     return plan
+
+
+def _check_not_capturing(x_shape, w_shape):
+    """A plan is made with driver work (kernel loads, cuBLASLt descriptors and algorithm
+    choice, buffers) that a CUDA-graph capture must not record: its first call belongs
+    before the capture, as torch's warm-up iterations do."""
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"Float8BlockLinear: the first call of input {tuple(x_shape)} with weight "
+            f"{tuple(w_shape)} happens during CUDA-graph capture; warm the layer up before "
+            f"capture (run its forward and backward pass at this shape once outside the "
+            f"capture, as torch.cuda.graph's warm-up on a side stream does)")
 
 
 def plan_for_shapes(m, k, n, x_dtype, w_dtype, device, cfg, out_dtype, need_dgrad, need_wgrad,
@@ -242,6 +255,7 @@ def plan_for_shapes(m, k, n, x_dtype, w_dtype, device, cfg, out_dtype, need_dgra
     key = (m, k, n, x_dtype, w_dtype, device, cfg, out_dtype, need_dgrad, need_wgrad, keep_input)
     plan = shape_plans.get(key)
     if plan is None:
+        _check_not_capturing((m, k), (n, k))
         x2d = torch.empty((m, k), dtype=x_dtype, device=device)
         weight = torch.empty((n, k), dtype=w_dtype, device=device)
         plan = shape_plans.put(key, LinearPlan(x2d, weight, cfg, out_dtype, need_dgrad,

@@ -124,3 +124,26 @@ def test_reduce_overhead_compile_equals_eager(rng):
         got = [t.clone() for t in [y, xr.grad] + _grads(model)]
         assert_same(got, _eager(model, x, g), f"reduce-overhead call {r}")
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+
+
+def test_first_call_during_capture_says_warm_up():
+    """A signature first seen inside a capture raises the warm-up advice (a plan's driver
+    work must not be recorded); after a warm-up outside, the same capture works."""
+    linear_plans.plans.clear()
+    layer = Float8BlockLinear(512, 512, bias=False, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="warm the layer up before capture"):
+        with torch.cuda.graph(graph):
+            layer(x).sum().backward()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer(x).sum().backward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = layer(x)
+    graph.replay()
+    assert torch.equal(y, layer(x).detach())

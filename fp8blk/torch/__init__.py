@@ -3,7 +3,8 @@
 with FP8 weights and their checkpoints. Importing this package needs torch; ``import fp8blk``
 does not.
 
-Rooms: ``linear/`` (the layer, its quantize custom ops) and ``fsdp/`` (FSDP2 with FP8 weights);
+Rooms: ``linear/`` (the layer, its quantize custom ops), ``fsdp/`` (FSDP2 with FP8 weights)
+and ``moe/`` (mixture-of-experts: routing layout, grouped linear, transformers' experts);
 beside them ``convert`` (the whole-model converter) and ``report`` (what it converted and
 left), ``config`` (recipes and torch dtypes), ``scaled_mm`` and ``_cublaslt`` (the GEMM),
 ``tensor_parallel``, ``checkpoint``, and feature layers beside the Linear (``norm``, ``mlp``,

@@ -105,7 +105,14 @@ def _silu_product(g, u):
     return F.silu(g) * u
 
 
-def _is_silu(act, probe) -> bool:
+def silu_gate(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``F.silu(g) * u`` keeping only g and u for the backward pass (not ``silu(g)``), with
+    the bytes of autograd's forward and backward kernels (``_SiluGate``); the experts' gating
+    (``fp8blk.torch.moe``) uses it too."""
+    return _SiluGate.apply(g, u)
+
+
+def is_silu(act, probe) -> bool:
     """Whether `act` is SiLU: ``F.silu``, a ``torch.nn.SiLU`` (not in place), or a module
     named ``SiLUActivation`` (transformers' ``ACT2FN["silu"]``) giving ``F.silu``'s bytes on
     `probe`."""
@@ -135,7 +142,7 @@ class Float8BlockGatedMLP(torch.nn.Module):
         # SiLU's backward pass runs without a second graph (module docstring); on the meta
         # device the test runs on the CPU
         device = torch.device("cpu") if w.is_meta else w.device
-        self.silu = _is_silu(act_fn, torch.randn(
+        self.silu = is_silu(act_fn, torch.randn(
             4, 64, generator=torch.Generator(device=device).manual_seed(1),
             device=device).to(w.dtype))
 
@@ -235,4 +242,4 @@ def convert_gated_mlps(model: torch.nn.Module, module_filter_fn=None) -> int:
                          module_filter_fn)
 
 
-__all__ = ["Float8BlockGatedMLP", "convert_gated_mlps", "why_not"]
+__all__ = ["silu_gate", "is_silu", "Float8BlockGatedMLP", "convert_gated_mlps", "why_not"]

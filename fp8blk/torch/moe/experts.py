@@ -16,7 +16,8 @@ traces without graph breaks (the per-expert GEMM loops are custom ops:
 
 Per call: the routing's padded layout (``routing``), the tokens permuted into it, the gate/up
 projection and the down projection as :func:`~fp8blk.torch.moe.grouped.grouped_linear`, the
-model's own gating between them, and the combine weighted by the router's ``top_k_weights``
+model's own gating between them (transformers' default SiLU gating as
+``fp8blk.torch.mlp.silu_gate``: the same bytes, SiLU's output not kept), and the combine weighted by the router's ``top_k_weights``
 (autograd reaches the router through them). The router stays in high precision.
 
     import torch, transformers
@@ -32,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from ..config import Float8BlockConfig, config_or_default
+from ..mlp import is_silu, silu_gate
 from .grouped import check_experts_config, grouped_linear
 from .routing import combine, permute, route
 
@@ -58,6 +60,19 @@ def _project(x, module, name, routing, cfg):
     bias = getattr(module, f"{name}_bias") if module.has_bias else None
     return grouped_linear(x, getattr(module, name), routing, cfg, bias=bias,
                           transposed=module.is_transposed)
+
+
+def _silu_gated(module) -> bool:
+    """transformers' default gating (``gate, up = h.chunk(2, -1); act_fn(gate) * up``) with
+    SiLU: run as ``fp8blk.torch.mlp.silu_gate``, which keeps h alone for the backward pass
+    (not SiLU's output as well), with autograd's bytes."""
+    from transformers.integrations import moe as hf_moe
+    if not module.has_gate or getattr(type(module)._apply_gate, "__code__", None) is not \
+            hf_moe._default_apply_gate.__code__:
+        return False
+    first = module.gate_up_proj
+    dtype = first.dtype if first.dtype.is_floating_point else torch.float32
+    return is_silu(module.act_fn, torch.randn(4, 8, dtype=dtype))
 
 
 def _keeps_zero(module) -> bool:
@@ -90,7 +105,10 @@ def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tens
         return hidden_states.new_zeros(hidden_states.shape)
     x = permute(hidden_states, routing)
     h = _project(x, module, "gate_up_proj" if module.has_gate else "up_proj", routing, cfg)
-    h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+    if module.fp8blk_silu_gate:
+        h = silu_gate(*h.chunk(2, dim=-1))
+    else:
+        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
     if not module.fp8blk_zero_rows:
         # padding rows must stay zero: every 128x1 block of the next quantize then holds one
         # expert's rows alone
@@ -144,6 +162,7 @@ def convert_experts(model: torch.nn.Module, config: Float8BlockConfig = None,
                              f"{old!r} already, this call's config is {config!r}")
         m.fp8blk_config = config
         m.fp8blk_zero_rows = _keeps_zero(m)
+        m.fp8blk_silu_gate = _silu_gated(m)
         converted.append(fqn)
     for hf_config, modules in configs.values():
         previous = hf_config._experts_implementation

@@ -167,3 +167,32 @@ def test_convert_to_float8_block_experts_option_and_report():
     assert report["experts"].converted == ["model.layers.0.mlp.experts"]
     assert [(x.fqn, x.reason) for x in report["experts"].left] == [
         ("model.layers.1.mlp.experts", "filtered out by module_filter_fn")]
+
+
+def _saved_storage_bytes(fn):
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def test_silu_gating_keeps_the_projection_alone():
+    """transformers' default SiLU gating runs as fp8blk.torch.mlp.silu_gate: the same bytes
+    (the loop tests), and SiLU's output (padded rows x intermediate, bf16) is not kept."""
+    model = tiny_model("qwen3_moe")
+    convert_experts(model)
+    module = [m for m in model.modules() if is_experts_module(m)][0]
+    assert module.fp8blk_silu_gate
+    idx = routing_ids(200, 2, module.num_experts, "balanced")
+    h = torch.randn(200, 256, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.rand(200, 2, dtype=torch.bfloat16, requires_grad=True)
+    lean = _saved_storage_bytes(lambda: module(h, idx, w))
+    module.fp8blk_silu_gate = False                    # the model's own _apply_gate
+    plain = _saved_storage_bytes(lambda: module(h, idx, w))
+    from fp8blk.torch.moe import route
+    rows = route(idx, module.num_experts).rows
+    assert plain - lean == rows * module.down_proj.shape[2] * 2

@@ -14,7 +14,10 @@ in bf16 on the device from a config, SDPA attention, no pretrained weights:
   32768 (a smaller vocab than Llama-3's 128256, so that the lm_head, kept in bf16, does not
   dominate 8 layers);
 * qwen3: Qwen3-8B widths: hidden 4096, intermediate 12288, 32 heads, 8 KV heads, head_dim 128,
-  per-head q/k RMSNorms, vocab 32768.
+  per-head q/k RMSNorms, vocab 32768;
+* qwen3_moe: Qwen3-30B-A3B widths: hidden 2048, 128 experts of 768, top-8, 32 heads, 4 KV
+  heads, head_dim 128, vocab 32768; mixtral: Mixtral-8x7B widths: hidden 4096, 8 experts of
+  14336, top-2, 32 heads, 8 KV heads, vocab 32768 (``--tiny``: 8 / 4 experts of 128 / 256).
 
 ``--tiny``: hidden 256, intermediate 512, 4 heads, 2 KV heads, vocab 512, 2 layers, 2 x 128
 tokens.
@@ -32,6 +35,9 @@ Variants (every ``nn.Linear`` but ``lm_head`` converted):
   ``fp8blk_opt``: these and ``keep_inputs=True`` (layers keep their input where it is kept
   anyway: ``Float8BlockLinear.keep_input``) -- the bytes of ``fp8blk_norm_mlp``; of
   ``fp8blk`` but for the norms' gradients, which differ by rounding: ``fp8blk.torch.norm``;
+* ``fp8blk_experts``: the converter's default and ``experts=True`` (a MoE model's experts
+  through ``fp8blk.torch.moe``; the other variants leave them in bf16, transformers'
+  ``grouped_mm``);
 * ``torchao``: ``torchao.prototype.blockwise_fp8_training.linear.Float8BlockwiseLinear``
   (torchao 0.18.0 wheel, ``torchao/prototype/blockwise_fp8_training/linear.py``:
   ``from_float(mod)`` asserts no bias and in/out features multiples of 128, the constructor
@@ -110,21 +116,34 @@ WIDTHS = {
                   num_key_value_heads=8, vocab_size=32768),
     "qwen3": dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
                   num_key_value_heads=8, head_dim=128, vocab_size=32768),
+    "qwen3_moe": dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128,
+                      num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4,
+                      head_dim=128, vocab_size=32768),
+    "mixtral": dict(hidden_size=4096, intermediate_size=14336, num_local_experts=8,
+                    num_experts_per_tok=2, num_attention_heads=32, num_key_value_heads=8,
+                    vocab_size=32768),
 }
+_TINY_MOE = {"qwen3_moe": dict(moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
+                               head_dim=64),
+             "mixtral": dict(intermediate_size=256, num_local_experts=4,
+                             num_experts_per_tok=2)}
 TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512)
 VARIANTS = ("bf16", "bf16_norm", "bf16_opt", "fp8blk", "fp8blk_share", "fp8blk_norm",
-            "fp8blk_mlp", "fp8blk_norm_mlp", "fp8blk_nokeep", "fp8blk_opt", "torchao")
+            "fp8blk_mlp", "fp8blk_norm_mlp", "fp8blk_nokeep", "fp8blk_opt", "fp8blk_experts",
+            "torchao")
 DEFAULT_VARIANTS = ("bf16", "fp8blk", "fp8blk_opt", "torchao")
 
 
 def model_config(arch, layers, seq, tiny=False):
-    """The transformers config of `arch` ("llama" or "qwen3") with `layers` decoder layers."""
+    """The transformers config of `arch` ("llama", "qwen3", "qwen3_moe" or "mixtral") with
+    `layers` decoder layers."""
     import transformers
 
-    widths = dict(TINY, **({"head_dim": 64} if arch == "qwen3" else {})) if tiny \
-        else WIDTHS[arch]
-    cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[arch]
+    widths = dict(TINY, **({"head_dim": 64} if arch == "qwen3" else {}),
+                  **_TINY_MOE.get(arch, {})) if tiny else WIDTHS[arch]
+    cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config,
+           "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig}[arch]
     cfg = cls(num_hidden_layers=layers, max_position_embeddings=max(seq, 128),
               tie_word_embeddings=False, **widths)
     cfg._attn_implementation = "sdpa"
@@ -137,7 +156,9 @@ def build_model(arch, variant, layers, seq, device, tiny=False, seed=0):
     import transformers
 
     cfg = model_config(arch, layers, seq, tiny)
-    cls = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[arch]
+    cls = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
+           "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+           "mixtral": transformers.MixtralForCausalLM}[arch]
     torch.manual_seed(seed)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -180,6 +201,8 @@ def convert(model, variant):
                         raise RuntimeError(f"torchao: {full}: {type(err).__name__}: "
                                            f"{err}") from None
         return model
+    if variant == "fp8blk_experts":
+        return convert_to_float8_block(model, module_filter_fn=not_lm_head, experts=True)
     on = {"fp8blk": (), "fp8blk_share": ("share_quantize",), "fp8blk_norm": ("norms",),
           "fp8blk_mlp": ("gated_mlps",), "fp8blk_norm_mlp": ("norms", "gated_mlps"),
           "fp8blk_nokeep": ("share_quantize", "norms", "gated_mlps"),

@@ -17,6 +17,12 @@ from tests.comm.scripts.checks import BF16, Suite
 POW2, FP32 = fb.Block1D(), fb.Block1D(fb.E5M2, pow2_scales=False, amax_epsilon=1e-3)
 
 
+def half(fam):
+    """The 16-bit float the family holds as such: bfloat16, or float16 for CuPy (which has no
+    bfloat16; its uint16 arrays are not rows of floats)."""
+    return np.dtype(np.float16) if fam.name == "cupy" else BF16
+
+
 def counts_matrix(rng, n, skew):
     """(n, n) rows sent from rank r to rank p: skewed (some peers get many, some none) or
     even."""
@@ -67,7 +73,8 @@ def check_quantized(s: Suite):
     given or learned, synchronous and asynchronous, out= reuse."""
     comm, fam, n, me = s.comm, s.family, s.comm.size, s.comm.rank
     cases = [(POW2, np.float32, 200, True), (FP32, np.float32, 128, True),
-             (POW2, BF16, 384, False), (FP32, BF16, 1, True), (POW2, np.float32, 130, True)]
+             (POW2, half(fam), 384, False), (FP32, half(fam), 1, True),
+             (POW2, np.float32, 130, True)]
     for i, (recipe, dtype, k, skew) in enumerate(cases):
         rng = s.rng()
         counts = counts_matrix(rng, n, skew)
@@ -99,7 +106,7 @@ def check_wire_bytes(s: Suite):
     k = 1024
     rows = every_rank_rows(rng, counts, k, np.float32)
     comm.reset_stats()
-    high_precision_all_to_all(fam.make(rows[me].astype(BF16)), comm, counts[me].tolist())
+    high_precision_all_to_all(fam.make(rows[me].astype(half(fam))), comm, counts[me].tolist())
     bf16 = comm.stats.ops["high_precision_all_to_all"][1]
     s.check(bf16 == counts[me].sum() * k * 2, f"bf16 bytes {bf16}")
     for recipe, bound, per_row in ((POW2, 0.51, k + 8), (FP32, 0.52, k + 32)):
@@ -117,14 +124,14 @@ def check_combine_and_plain(s: Suite):
     comm, fam, n, me = s.comm, s.family, s.comm.size, s.comm.rank
     rng = s.rng()
     counts = counts_matrix(rng, n, True)
-    for dtype in (BF16, np.float32):
+    for dtype in (half(fam), np.float32):
         rows = every_rank_rows(rng, counts, 72, dtype)
         mine = received(rows, counts, me)
         back = [received(rows, counts, r) for r in range(n)]  # what each rank holds now
         got, recv, handle = high_precision_all_to_all(fam.make(back[me]), comm,
                                                       counts[:, me].tolist(),
                                                       recv_counts=counts[me].tolist(),
-                                                      async_op=dtype == BF16)
+                                                      async_op=dtype != np.float32)
         if handle is not None:
             s.check(handle.wait() is got, "combine: wait() returns the rows")
         s.equal(fam.back(got, np.dtype(dtype)), rows[me], f"combine {np.dtype(dtype)}")
@@ -184,9 +191,9 @@ def check_errors(s: Suite):
     wide = fam.make(np.ones((2 * n, 384), np.float32))
     _raises_everywhere(s, "hidden size", lambda: call(rows=wide if me == last else x),
                        f"hidden size (elements per row): rank 0 has 256, rank {last} has 384")
-    half = fam.make(np.ones((2 * n, 256), BF16))
-    _raises_everywhere(s, "dtype", lambda: call(rows=half if me == last else x),
-                       f"dtype: rank 0 has float32, rank {last} has bfloat16")
+    other = fam.make(np.ones((2 * n, 256), half(fam)))
+    _raises_everywhere(s, "dtype", lambda: call(rows=other if me == last else x),
+                       f"dtype: rank 0 has float32, rank {last} has {half(fam)}")
     _raises_everywhere(s, "recipe", lambda: call(recipe=FP32 if me == last else POW2),
                        "ranks disagree on the recipe")
     expect = list(even)

@@ -10,7 +10,7 @@ An all_gather of the count vectors rather than an all_to_all of the counts: it i
 metadata collective every backend has on host memory (``meta_all_gather``: no device staging,
 no stream drain on NCCL or torch), and the whole send matrix on every rank is what lets every
 rank check every pair (a rank's sends against what its peer expects) and word the same error.
-Its size, 8 * (8 + 2 * size) bytes per rank, stays small at any expert-parallel width.
+Its size, 8 * (10 + 2 * size) bytes per rank, stays small at any expert-parallel width.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import operator
 import numpy as np
 
 from .. import _arrays
+from ..formats import recipe_code, recipe_from_code
 
 # kinds of call (a rank in one kind of all-to-all while its peer is in another is an error)
 PLAIN, QUANTIZED, HIGH_PRECISION = 1, 2, 3
@@ -28,10 +29,11 @@ _KIND_NAMES = {PLAIN: "all_to_all_v", QUANTIZED: "quantized_all_to_all",
 # a rank's own verdict (column CODE), with the peer index and value it names
 FINE, SEND_LENGTH, SEND_NEGATIVE, SEND_SUM, RECV_LENGTH, RECV_NEGATIVE, INPUT = range(7)
 
-# row layout: CODE, PEER, VALUE, ROWS, KIND, WIDTH, DTYPE, RECIPE, OUT_ROWS, then the send
-# counts (size) and the expected receive counts (size; -1 when not given)
-CODE, PEER, VALUE, ROWS, KIND, WIDTH, DTYPE, RECIPE, OUT_ROWS = range(9)
-HEAD = 9
+# row layout: CODE, PEER, VALUE, ROWS, KIND, WIDTH, DTYPE, RECIPE (kind, format and
+# pow2_scales packed, 0: no recipe), EPSILON (amax_epsilon's float64 bits), OUT_ROWS, then the
+# send counts (size) and the expected receive counts (size; -1 when not given)
+CODE, PEER, VALUE, ROWS, KIND, WIDTH, DTYPE, RECIPE, EPSILON, OUT_ROWS = range(10)
+HEAD = 10
 
 _DTYPES = [np.dtype(d) for d in (np.uint8, np.int8, np.int16, np.uint16, np.int32, np.uint32,
                                  np.int64, np.uint64, np.float16, np.float32, np.float64)]
@@ -69,23 +71,35 @@ def _counts(counts, size, code_length, code_negative):
 
 class Call:
     """What one rank brings to an all-to-all: the values its peers must share (``kind``,
-    ``width``: elements per row, ``dtype``, ``recipe``: a recipe fingerprint or 0) and its
-    rows, counts and ``out`` rows (-1: no out)."""
+    ``width``: elements per row, ``dtype``, ``recipe`` or None) and its rows and ``out``
+    rows (-1: no out)."""
 
     __slots__ = ("kind", "width", "dtype", "recipe", "rows", "out_rows")
 
-    def __init__(self, kind, width, dtype, rows, recipe=0, out_rows=-1):
+    def __init__(self, kind, width, dtype, rows, recipe=None, out_rows=-1):
         self.kind, self.width, self.dtype = int(kind), int(width), int(dtype)
-        self.rows, self.recipe, self.out_rows = int(rows), int(recipe), int(out_rows)
+        self.rows, self.recipe, self.out_rows = int(rows), recipe, int(out_rows)
+
+    def recipe_columns(self):
+        """(RECIPE, EPSILON): the whole recipe, so that every rank can name every rank's."""
+        if self.recipe is None:
+            return 0, 0
+        kind, fmt, pow2, epsilon = recipe_code(self.recipe)
+        return 1 + kind * 4 + fmt * 2 + pow2, epsilon
 
 
-def exchange_counts(comm, call, send_counts, recv_counts=None, local_error=None,
-                    describe_recipe=None):
+def _recipe_name(packed, epsilon):
+    if packed == 0:
+        return "no recipe"
+    packed -= 1
+    return repr(recipe_from_code([packed // 4, (packed // 2) % 2, packed % 2, epsilon]))
+
+
+def exchange_counts(comm, call, send_counts, recv_counts=None, local_error=None):
     """(send counts, receive counts) as lists of ints, after the one metadata all_gather of
     the table; raises on every rank when any rank's arguments are bad or the ranks disagree.
     ``local_error``: an exception this rank found in its own input (it raises it; its peers
-    raise a ValueError naming its rank). ``describe_recipe(code)``: a recipe's name from its
-    fingerprint column, for messages."""
+    raise a ValueError naming its rank)."""
     size, rank = comm.size, comm.rank
     row = np.zeros(HEAD + 2 * size, dtype=np.int64)
     row[HEAD + size:] = -1
@@ -103,10 +117,10 @@ def exchange_counts(comm, call, send_counts, recv_counts=None, local_error=None,
         row[HEAD: HEAD + size] = send
         if recv is not None:
             row[HEAD + size:] = recv
-    row[ROWS:OUT_ROWS + 1] = (call.rows, call.kind, call.width, call.dtype, call.recipe,
-                              call.out_rows)
+    row[ROWS:OUT_ROWS + 1] = (call.rows, call.kind, call.width, call.dtype,
+                              *call.recipe_columns(), call.out_rows)
     table = comm.meta_all_gather(row)
-    message = verdict(table, size, describe_recipe)
+    message = verdict(table, size)
     if message is not None:
         if table[rank, CODE] == INPUT and local_error is not None:
             raise local_error
@@ -114,7 +128,7 @@ def exchange_counts(comm, call, send_counts, recv_counts=None, local_error=None,
     return send, [int(v) for v in table[:, HEAD + rank]]
 
 
-def verdict(table, size, describe_recipe=None):
+def verdict(table, size):
     """The error message every rank raises for this table (the first problem in rank order,
     then disagreements with rank 0, then mismatched pairs), or None."""
     what = _KIND_NAMES.get(int(table[0, KIND]), "all-to-all")
@@ -138,15 +152,18 @@ def verdict(table, size, describe_recipe=None):
     for r in range(1, size):
         for column, name in ((KIND, "the call"), (WIDTH, "the hidden size (elements per row)"),
                              (DTYPE, "the dtype"), (RECIPE, "the recipe")):
-            first, mine = int(table[0, column]), int(table[r, column])
+            span = slice(column, column + (2 if column == RECIPE else 1))
+            first, mine = table[0, span].tolist(), table[r, span].tolist()
             if first == mine:
                 continue
             if column == KIND:
-                first, mine = _KIND_NAMES.get(first, first), _KIND_NAMES.get(mine, mine)
+                first, mine = _KIND_NAMES.get(first[0]), _KIND_NAMES.get(mine[0])
             elif column == DTYPE:
-                first, mine = _dtype_name(first), _dtype_name(mine)
-            elif column == RECIPE and describe_recipe is not None:
-                first, mine = describe_recipe(first), describe_recipe(mine)
+                first, mine = _dtype_name(first[0]), _dtype_name(mine[0])
+            elif column == RECIPE:
+                first, mine = _recipe_name(*first), _recipe_name(*mine)
+            else:
+                first, mine = first[0], mine[0]
             return f"{what}: ranks disagree on {name}: rank 0 has {first}, rank {r} has {mine}"
     sends = table[:, HEAD: HEAD + size]
     expects = table[:, HEAD + size:]

@@ -8,11 +8,10 @@ docs/distributed.md ("All-to-all") specifies them; ``wire`` holds the scale wire
 from __future__ import annotations
 
 from ... import _arrays
-from ...formats import Block1D, recipe_key, recipe_kind
+from ...formats import Block1D, recipe_kind
 from ...layout import all_layouts
 from ...ops import quantize_into
 from ...tensor import BlockTensor, from_internal, internal_buffers
-from ..agree import fingerprint
 from ..alltoall import HIGH_PRECISION, QUANTIZED, Call, byte_counts, dtype_code, exchange_counts
 from ..base import Communicator, xp_of
 from .wire import decode_scales, encode_scales, scale_blocks, wire_scale_bytes
@@ -54,10 +53,9 @@ def quantized_all_to_all(x, comm, send_counts, recipe=None, recv_counts=None, ou
     if error is not None:
         call = Call(QUANTIZED, -1, -1, 0)
     else:
-        call = Call(QUANTIZED, arr.shape[1], dtype_code(dtype), arr.shape[0],
-                    _recipe_mark(recipe), -1 if out is None else out.shape[0])
-    send, recv = exchange_counts(comm, call, send_counts, recv_counts, error,
-                                 _describer(recipe))
+        call = Call(QUANTIZED, arr.shape[1], dtype_code(dtype), arr.shape[0], recipe,
+                    -1 if out is None else out.shape[0])
+    send, recv = exchange_counts(comm, call, send_counts, recv_counts, error)
     xp = xp_of(arr)
     n, k = arr.shape
     layouts = all_layouts(recipe, n, k)
@@ -141,16 +139,6 @@ def _checked(x, recipe, out):
                          f"dtype {dtype} holding rowwise data, got {out!r}")
     bufs = [_arrays.to_backend(b)[0] for b in internal_buffers(out)[:2]]
     return arr, family, dtype, bufs
-
-
-def _recipe_mark(recipe):
-    return fingerprint(recipe_key(recipe))
-
-
-def _describer(recipe):
-    """Names a recipe column of the table: this rank's recipe by name, others by mark."""
-    mine = _recipe_mark(recipe)
-    return lambda mark: repr(recipe) if mark == mine else f"another recipe (mark {mark})"
 
 
 def _public(buf, family):

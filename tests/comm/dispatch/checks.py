@@ -195,7 +195,7 @@ def check_errors(s: Suite):
     _raises_everywhere(s, "dtype", lambda: call(rows=other if me == last else x),
                        f"dtype: rank 0 has float32, rank {last} has {half(fam)}")
     _raises_everywhere(s, "recipe", lambda: call(recipe=FP32 if me == last else POW2),
-                       "ranks disagree on the recipe")
+                       f"the recipe: rank 0 has {POW2!r}, rank {last} has {FP32!r}")
     expect = list(even)
     if me == 0:
         expect[last] = 5

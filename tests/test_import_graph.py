@@ -121,9 +121,9 @@ def test_import_fp8blk_loads_neither_numba_nor_torch():
 
 # -- layering: which room may import which ---------------------------------------------------
 # A room is a root module (fp8blk.ops), a subpackage (fp8blk.kernels, fp8blk.master,
-# fp8blk.torch, fp8blk.cli) or the comm transport (fp8blk.comm) beside its quantized-gather
-# feature (fp8blk.comm.gather). A room may import the rooms listed for it, lazily or not, and
-# nothing else: the floors of docs/index.md's map, bottom up.
+# fp8blk.torch, fp8blk.cli) or the comm transport (fp8blk.comm) beside its feature folders
+# (fp8blk.comm.gather, fp8blk.comm.dispatch). A room may import the rooms listed for it, lazily
+# or not, and nothing else: the floors of docs/index.md's map, bottom up.
 _LOW = {"formats", "layout", "_arrays", "_bounded"}
 ALLOWED = {
     "formats": set(), "layout": {"formats"}, "_arrays": set(), "_bounded": set(),
@@ -135,6 +135,7 @@ ALLOWED = {
     "ops": _LOW | {"_dispatch", "reference", "kernels", "tensor"},
     "comm": _LOW,
     "comm.gather": _LOW | {"scaling", "reference", "_dispatch", "tensor", "ops", "comm"},
+    "comm.dispatch": _LOW | {"tensor", "ops", "comm"},
     "master": _LOW | {"scaling", "reference", "_dispatch", "kernels", "tensor", "ops", "comm"},
     "torch": _LOW | {"scaling", "reference", "_dispatch", "kernels", "tensor", "ops", "comm",
                      "comm.gather", "master"},
@@ -169,8 +170,8 @@ def room_of(module: str) -> str:
     parts = module.split(".")
     if len(parts) == 1:
         return "fp8blk"
-    if parts[1] == "comm" and len(parts) > 2 and parts[2] == "gather":
-        return "comm.gather"
+    if parts[1] == "comm" and len(parts) > 2 and parts[2] in ("gather", "dispatch"):
+        return "comm." + parts[2]
     if parts[1] == "__main__":
         return "cli"
     return parts[1]

@@ -1,7 +1,7 @@
 """The communicator protocol every backend implements (``Communicator``: rank, size,
-all_reduce, all_gather, all_gather_v, reduce_scatter, broadcast, barrier), the Handle of an
-asynchronous collective, and the traffic counters (``Stats``). MPIComm, NCCLComm and TorchComm
-subclass ``Communicator``. The specification (arrays, dtypes, ``op="max"`` on NaN and -0.0,
+all_reduce, all_gather, all_gather_v, reduce_scatter, broadcast, barrier, all_to_all_v), the
+Handle of an asynchronous collective, and the traffic counters (``Stats``). MPIComm, NCCLComm
+and TorchComm subclass ``Communicator``. The specification (arrays, dtypes, ``op="max"`` on NaN and -0.0,
 ordering rules, counters) is docs/distributed.md, "The communicator protocol".
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ import functools
 import numpy as np
 
 from .. import _arrays
+from .alltoall import PLAIN, Call, byte_counts, dtype_code, exchange_counts
 
 OPS = ("sum", "max")
 # dtypes the reductions support (all_gather / broadcast move bytes and take any dtype)
@@ -220,7 +221,8 @@ class Communicator:
     ``_all_reduce(buf, dtype, op, async_op)``, ``_all_gather(inp, out, async_op)``,
     ``_all_gather_v(inp, counts, out, async_op)`` (optional: the default pads to the largest
     count and uses ``_all_gather``), ``_reduce_scatter(inp, out, dtype, op, async_op)``,
-    ``_broadcast(buf, root, async_op)``, ``_barrier()``. ``inp`` / ``buf`` of all_gather,
+    ``_broadcast(buf, root, async_op)``, ``_barrier()``, ``_all_to_all_v(parts, async_op)``
+    (see :meth:`all_to_all_parts`). ``inp`` / ``buf`` of all_gather,
     all_gather_v and broadcast arrive as flat uint8 views; reductions keep their dtype.
 
     Package-internal operations the quantized gather (``fp8blk.comm.gather``) builds on, not
@@ -337,6 +339,57 @@ class Communicator:
         self.stats.record("barrier", 0, meta=True)
         self._barrier()
 
+    def all_to_all_v(self, inp, send_counts, recv_counts=None, out=None, async_op=False):
+        """Rows (dim 0) of ``inp``, grouped by destination: the first ``send_counts[0]`` go to
+        rank 0, the next ``send_counts[1]`` to rank 1, ...; returns the rows received, grouped
+        by source, of shape (sum of recv counts, *inp.shape[1:]). ``recv_counts``: the rows
+        each rank sends here, when the caller knows them (checked); otherwise learned in the
+        call's one metadata collective (``fp8blk.comm.alltoall``). Bad counts, or ranks that
+        disagree (row shape, dtype, a peer's count), raise on every rank before data moves.
+        Returns the output (a Handle whose wait() returns it with ``async_op``)."""
+        return self.rows_all_to_all(inp, send_counts, recv_counts, out, async_op)[0]
+
+    def rows_all_to_all(self, inp, send_counts, recv_counts=None, out=None, async_op=False,
+                        kind=PLAIN, local_error=None, op="all_to_all_v"):
+        """:meth:`all_to_all_v` returning ``(output or Handle, recv counts, output)``;
+        ``kind`` and ``local_error`` (the caller's own verdict on ``inp``, which its peers
+        must learn) are for the features built on it (``fp8blk.comm.dispatch``).
+        Package-internal."""
+        arr = family = logical = None
+        if local_error is None:
+            try:
+                arr, family, logical = _arrays.to_backend(inp)
+                if arr.ndim == 0:
+                    raise ValueError(f"{op} needs an array with at least one dimension "
+                                     f"(rows are dim 0)")
+                out_rows = _out_rows(out, arr, logical, op)
+            except Exception as error:  # every rank must learn of it, or its peers would wait
+                arr, local_error = None, error
+        if arr is None:
+            call = Call(kind, -1, -1, 0)
+        else:
+            width = int(np.prod(arr.shape[1:], dtype=np.int64))
+            call = Call(kind, width, dtype_code(logical), arr.shape[0], out_rows=out_rows)
+        send, recv = exchange_counts(self, call, send_counts, recv_counts, local_error)
+        xp = xp_of(arr)
+        arr = xp.ascontiguousarray(arr)
+        out_shape = (sum(recv),) + tuple(arr.shape[1:])
+        out, out_arr = _output(out, out_shape, arr, family, logical, op)
+        row_bytes = call.width * arr.dtype.itemsize
+        parts = [(byte_view(arr), byte_counts(send, row_bytes), byte_view(out_arr),
+                  byte_counts(recv, row_bytes))]
+        handle = self.all_to_all_parts(parts, op, async_op)
+        return _finish(handle, async_op, out, sync_result=out), recv, out
+
+    def all_to_all_parts(self, parts, op, async_op):
+        """One all-to-all of several byte buffers that share their destinations, counted as
+        ONE collective ``op`` of the bytes this rank sends. ``parts``: list of ``(send,
+        send byte counts, recv, recv byte counts)``, flat uint8 internal arrays laid out peer
+        by peer. Returns a Handle. Package-internal (the quantized all-to-all's data and
+        scales travel as two parts)."""
+        self.record(op, sum(sum(p[1]) for p in parts))
+        return self._all_to_all_v(parts, async_op)
+
     # -- backend hooks --------------------------------------------------------------------------
     def _all_reduce(self, buf, dtype, op, async_op):  # pragma: no cover - abstract
         raise NotImplementedError
@@ -373,6 +426,9 @@ class Communicator:
         raise NotImplementedError
 
     def _barrier(self):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _all_to_all_v(self, parts, async_op):  # pragma: no cover - abstract
         raise NotImplementedError
 
     # -- package-internal operations of the quantized gather (fp8blk.comm.gather) -------------
@@ -457,6 +513,22 @@ def _reduce_dtype(arr, logical, dtype):
         raise TypeError(f"reductions support {', '.join(str(d) for d in REDUCE_DTYPES)}; "
                         f"got {dtype}")
     return dtype
+
+
+def _out_rows(out, like, logical, what):
+    """Rows of a given ``out`` (-1 when None), after the checks that need no peer: dtype,
+    trailing shape, contiguity (its rows are checked against the receive counts on every
+    rank)."""
+    if out is None:
+        return -1
+    out_arr, _, out_logical = _arrays.to_backend(out)
+    if out_logical != logical:
+        raise TypeError(f"{what}: out has dtype {out_logical}, the input {logical}")
+    if out_arr.ndim != like.ndim or tuple(out_arr.shape[1:]) != tuple(like.shape[1:]):
+        raise ValueError(f"{what}: out must have shape (received rows, "
+                         f"*{tuple(like.shape[1:])}), got {tuple(out_arr.shape)}")
+    _require_contiguous(out_arr, f"{what} output")
+    return int(out_arr.shape[0])
 
 
 def _require_contiguous(arr, what):

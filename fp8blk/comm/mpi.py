@@ -275,6 +275,28 @@ class MPIComm(Communicator):
                 _to_device(host, dev)
         return finish
 
+    def _all_to_all_v(self, parts, async_op):
+        """One non-blocking Alltoallv per part; device (CuPy) buffers are staged through host
+        memory unless the MPI is CUDA-aware."""
+        MPI = _mpi()
+        requests, copies = [], []
+        for send, send_counts, recv, recv_counts in parts:
+            host_send = send if self._direct(send) else _to_host(send)
+            host_recv = recv if self._direct(recv) else np.empty(recv.size, np.uint8)
+            if host_recv is not recv:
+                copies.append((host_recv, recv))
+            requests.append(self.mpi_comm.Ialltoallv(_v_spec(host_send, send_counts),
+                                                     _v_spec(host_recv, recv_counts)))
+
+        def post(keep=parts):  # keep: the send buffers live until the requests are done
+            for host, dev in copies:
+                _to_device(host, dev)
+        if async_op:
+            return Handle(waiter=lambda: MPI.Request.Waitall(requests), post=post)
+        MPI.Request.Waitall(requests)
+        post()
+        return Handle.completed()
+
     def _barrier(self):
         if "cupy" in sys.modules:  # device work queued before the barrier counts as before it
             try:
@@ -282,3 +304,10 @@ class MPIComm(Communicator):
             except Exception:  # CuPy without a usable device: nothing can be queued
                 pass
         self.mpi_comm.Barrier()
+
+
+def _v_spec(buf, counts):
+    """[buffer, (counts, displacements), BYTE] of a vector collective, peer by peer."""
+    counts = np.asarray(counts, dtype=np.int64)
+    displacements = np.concatenate([[0], np.cumsum(counts[:-1])]).astype(np.int64)
+    return [buf, (counts, displacements), _mpi().BYTE]

@@ -258,6 +258,33 @@ class NCCLComm(Communicator):
                              self._stream().ptr)
         return self._enqueued(async_op)
 
+    def _all_to_all_v(self, parts, async_op):
+        """All parts in ONE NCCL group of ncclSend/ncclRecv per peer with a non-empty count
+        (this rank included: NCCL pairs a send to self with the receive from self), enqueued
+        on the current stream. Host parts go to the MPI host communicator."""
+        if self._host(parts[0][0], parts[0][2]):
+            return self.host_comm._all_to_all_v(parts, async_op)
+        nccl = _nccl()
+        u8, stream = nccl.NCCL_UINT8, self._stream().ptr
+        nccl.groupStart()
+        try:
+            for send, send_counts, recv, recv_counts in parts:
+                send_at = recv_at = 0
+                for peer in range(self.size):
+                    # zero counts are skipped (an empty CuPy array has a null pointer); both
+                    # sides of a pair see the same count, so both skip it
+                    if send_counts[peer]:
+                        self.nccl_comm.send(send.data.ptr + send_at, send_counts[peer], u8,
+                                            peer, stream)
+                    if recv_counts[peer]:
+                        self.nccl_comm.recv(recv.data.ptr + recv_at, recv_counts[peer], u8,
+                                            peer, stream)
+                    send_at += send_counts[peer]
+                    recv_at += recv_counts[peer]
+        finally:
+            nccl.groupEnd()
+        return self._enqueued(async_op)
+
     stream_ordered = True
 
     def gather_parts(self, items, stream_ptr=None):

@@ -215,6 +215,31 @@ class TorchComm(Communicator):
     def _barrier(self):
         _dist().barrier(group=self.group)
 
+    def _all_to_all_v(self, parts, async_op):
+        """One ``all_to_all_single`` with split sizes per part (gloo implements it on CPU
+        tensors, NCCL as grouped send/recv), on uint8 tensors; NumPy/CuPy buffers are wrapped
+        through DLPack, and staged where the group takes the other device."""
+        dist = _dist()
+        works, posts = [], []
+        for send, send_counts, recv, recv_counts in parts:
+            recv_t, copy_back, group = self._work(recv)
+            send_t = self._work(send)[0]
+            if send_t.device != recv_t.device:
+                send_t = send_t.to(recv_t.device)
+            works.append(dist.all_to_all_single(recv_t, send_t, list(recv_counts),
+                                                list(send_counts), group=group,
+                                                async_op=True))
+            posts.append(copy_back)
+
+        def wait(keep=parts):  # keep: the buffers the tensors view live until completion
+            for work in works:
+                work.wait()
+        if async_op:
+            return Handle(waiter=wait, post=_in_order(*posts))
+        wait()
+        _in_order(*posts)()
+        return Handle.completed()
+
     #: Parts of one grouped gather whose largest-rank bytes add up to at most this many
     #: bytes per rank move in ONE collective (packed, see :meth:`gather_parts`); above it each
     #: part is its own collective, without the packing copies.

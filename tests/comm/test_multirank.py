@@ -1,5 +1,6 @@
 """Multi-rank tests: the communicator suite (tests/comm/scripts/checks.py, with the gather's
-tests/comm/gather/checks.py in the same launch) under mpiexec
+tests/comm/gather/checks.py and the all-to-alls' tests/comm/dispatch/checks.py in the same
+launch) under mpiexec
 with MPIComm at 1-4 ranks, on torch ranks (started as torchrun starts them) with TorchComm on
 gloo, and jobs whose ranks fail under mpiexec and torchrun (they must end within the timeout,
 not hang).
@@ -52,6 +53,11 @@ def test_failing_rank_ends_the_mpi_job(mode):
 def test_torch_suite_gloo(n):
     # the suite on torch tensors, and its collectives once more on NumPy arrays
     _expect_suite(ranks(n, [SCRIPTS / "torch_suite.py", "gloo"]), n, runs=2)
+
+
+def test_torch_all_to_all_gloo_4():
+    # the all-to-alls' checks at 4 gloo ranks (2 and 3 run them within the whole suite)
+    _expect_suite(ranks(4, [SCRIPTS / "torch_suite.py", "gloo", "dispatch"], timeout=180), 4)
 
 
 def test_torch_gather_one_collective_gloo():

@@ -1,6 +1,7 @@
 """The communicator test suite, shared by every multi-rank launcher (MPI, NCCL, torch): the
 transport's checks (collectives, packed collectives) and ``run_suite``, which also runs the
-quantized gather's checks (tests/comm/gather/checks.py) in the same launch.
+quantized gather's checks (tests/comm/gather/checks.py) and the all-to-alls'
+(tests/comm/dispatch/checks.py) in the same launch.
 
 Each rank builds every rank's data from one seed that rank 0 draws and broadcasts, so each
 rank can compute the expected result of a collective on its own. Checks raise AssertionError
@@ -361,7 +362,7 @@ def check_packed(s: Suite):
         "mixed dtypes", contains="one dtype")
 
 
-def run_suite(comm, family, label, parts=("collectives", "packed", "gather")):
+def run_suite(comm, family, label, parts=("collectives", "packed", "gather", "dispatch")):
     seed = shared_seed(comm)
     s = Suite(comm, family, seed, label)
     if "collectives" in parts:
@@ -369,9 +370,11 @@ def run_suite(comm, family, label, parts=("collectives", "packed", "gather")):
     if "packed" in parts:
         check_packed(s)
     # the gather's checks build on this module's Suite and Family: imported here, not above
+    from tests.comm.dispatch.checks import run_dispatch_checks
     from tests.comm.gather.checks import run_gather_checks
 
     run_gather_checks(s, parts)
+    run_dispatch_checks(s, parts)
     comm.barrier()
     print(f"SUITE OK {label} rank {comm.rank}/{comm.size} checks {s.count} seed {seed} "
           f"gather paths {sorted(s.paths.items())}", flush=True)

@@ -4,8 +4,8 @@
 
 BACKEND: ``mpi`` (MPIComm, NumPy arrays), ``mpi-cupy`` (MPIComm with CuPy arrays staged
 through host memory), ``nccl`` (NCCLComm on CuPy arrays; one rank per GPU). PARTS: a comma list
-of collectives,packed,gather,plain,sizes (default: all; gather includes plain). Each rank prints
-``SUITE OK ...`` when it passes.
+of collectives,packed,gather,plain,sizes,dispatch (default: all; gather includes plain). Each
+rank prints ``SUITE OK ...`` when it passes.
 
 On the GPU machine (system Open MPI, not CUDA-aware)::
 
@@ -26,7 +26,7 @@ from tests.comm.scripts import checks
 def main():
     backend = sys.argv[1] if len(sys.argv) > 1 else "mpi"
     parts = tuple(sys.argv[2].split(",")) if len(sys.argv) > 2 else \
-        ("collectives", "packed", "gather")
+        ("collectives", "packed", "gather", "dispatch")
     if backend == "mpi":
         comm, family = MPIComm(MPI.COMM_WORLD), checks.Family()
     elif backend == "mpi-cupy":

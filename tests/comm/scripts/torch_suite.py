@@ -1,6 +1,7 @@
 """Run the communicator suite over a torch.distributed process group (TorchComm).
 
     PYTHONPATH=. torchrun --standalone --nproc-per-node N tests/comm/scripts/torch_suite.py [gloo|nccl]
+    ... torch_suite.py gloo PARTS      # only PARTS (a comma list as comm_suite's), torch tensors
 
 gloo (CPU): the suite runs on torch CPU tensors, and its collective part once more on NumPy
 arrays. nccl (one GPU per process): on CUDA tensors. Each rank prints ``SUITE OK ...``.
@@ -35,6 +36,9 @@ def main():
         raise RuntimeError(f"rank {comm.rank} fails on purpose")
     if backend == "nccl":
         checks.run_suite(comm, checks.TorchFamily("cuda"), "torch-nccl")
+    elif len(sys.argv) > 2:
+        checks.run_suite(comm, checks.TorchFamily("cpu"), "torch-gloo",
+                         tuple(sys.argv[2].split(",")))
     else:
         checks.run_suite(comm, checks.TorchFamily("cpu"), "torch-gloo")
         checks.run_suite(comm, checks.Family(), "torch-gloo-numpy", ("collectives",))

@@ -185,6 +185,19 @@ def check_against_oracle(model, recorder, cfg, check_bias=True):
                               f"{name} bias grad")
 
 
+def saved_storages(fn):
+    """``(fn(), {storage pointer: bytes})``: every storage autograd saves for the backward pass
+    while ``fn`` runs, once each (saved_tensors_hooks)."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, seen
+
+
 def assert_same(got, want, what):
     """``got`` equals ``want`` byte for byte: tensors (the same dtype and shape; 1-byte dtypes
     such as float8 compared as their bytes), None (equal only to None), or equal-length

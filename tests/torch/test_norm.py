@@ -9,6 +9,7 @@ torch = pytest.importorskip("torch")
 
 from fp8blk.torch import Float8BlockLinear  # noqa: E402
 from fp8blk.torch.norm import Float8BlockRMSNorm, convert_norms, hf_rms_norm  # noqa: E402
+from ._parity import saved_storages  # noqa: E402
 
 
 class HFStyleRMSNorm(torch.nn.Module):
@@ -41,17 +42,6 @@ def _norms(width, dtype):
             n.weight.copy_(torch.randn(width, generator=gen) * 0.5 + 1)
         n.to(dtype)
     return out
-
-
-def _saved_bytes(fn):
-    seen = {}
-
-    def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, seen
 
 
 def _run(mod, x, dy):
@@ -159,8 +149,8 @@ def test_saves_only_its_input(exact_grad):
     ref = HFStyleRMSNorm(width).to(torch.bfloat16)
     new = Float8BlockRMSNorm.from_norm(ref, exact_grad=exact_grad)
     x = torch.randn(64, width, dtype=torch.bfloat16, requires_grad=True)
-    _, seen_ref = _saved_bytes(lambda: ref(x))
-    _, seen_new = _saved_bytes(lambda: new(x))
+    _, seen_ref = saved_storages(lambda: ref(x))
+    _, seen_new = saved_storages(lambda: new(x))
     w = ref.weight.untyped_storage().data_ptr()
     ref_bytes = sum(v for k, v in seen_ref.items() if k != w)
     new_bytes = sum(v for k, v in seen_new.items() if k != w)

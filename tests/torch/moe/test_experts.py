@@ -17,6 +17,7 @@ from transformers.integrations import moe as hf_moe  # noqa: E402
 from fp8blk.torch.moe import convert_experts  # noqa: E402
 from fp8blk.torch.moe.experts import is_experts_module  # noqa: E402
 
+from .._parity import saved_storages  # noqa: E402
 from ._reference import CONFIGS, experts_loop, routing_ids, tiny_model  # noqa: E402
 
 LOOP = "fp8blk_test_loop"
@@ -170,14 +171,7 @@ def test_convert_to_float8_block_experts_option_and_report():
 
 
 def _saved_storage_bytes(fn):
-    seen = {}
-
-    def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
+    return sum(saved_storages(fn)[1].values())
 
 
 def test_silu_gating_keeps_the_projection_alone():

@@ -1,13 +1,15 @@
 """Loss parity on real text: a small Hugging Face Llama trained from scratch on the Python
 standard library's own source files as bytes, in bf16 (two seeds), with fp8blk and with
-torchao's blockwise FP8 Linear; loss curves (JSON) and a plot (PNG).
+torchao's blockwise FP8 Linear; loss curves (JSON) and a plot (PNG). One results file per
+machine holds a section per ``--arch`` (a run replaces its own section, ``{"archs": {arch:
+run}}``) and the plot a row per architecture.
 
     python3 -m bench.loss_parity --out bench/results/loss-parity-h200.json \\
         --plot bench/results/loss-parity-h200.png
     python3 -m bench.loss_parity --device cpu --tiny       # smoke test
     python3 -m bench.loss_parity --replot RESULTS.json --plot FILE.png   # the plot again
-    python3 -m bench.loss_parity --arch qwen3_moe --out bench/results/loss-parity-moe-h200.json \\
-        --plot bench/results/loss-parity-moe-h200.png       # the mixture-of-experts model
+    python3 -m bench.loss_parity --arch qwen3_moe --out bench/results/loss-parity-h200.json \\
+        --plot bench/results/loss-parity-h200.png       # the mixture-of-experts model
 
 Corpus: every ``*.py`` file under ``sysconfig.get_paths()["stdlib"]`` (not site-packages),
 sorted by path and concatenated as bytes (vocab 256, one token per byte); the last 2% of the
@@ -214,7 +216,9 @@ def summarize(runs, window, last):
     return out
 
 
-def plot(runs, summary, path, window, title):
+def plot(panels, path):
+    """One row per ``(runs, summary, window, title)`` panel: the smoothed curves and their
+    last third."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -222,23 +226,43 @@ def plot(runs, summary, path, window, title):
     except ImportError:
         print("matplotlib not installed: no plot")
         return False
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, r in runs.items():
-        s = smooth(r["losses"], window)
-        ax.plot(s, label=f"{name} (final {summary['runs'][name]['final']:.4f})", lw=1.2)
-        tail = len(s) // 3
-        ax2.plot(range(len(s) - tail, len(s)), s[-tail:], label=name, lw=1.2)
-    ax.set_xlabel("step")
-    ax.set_ylabel(f"training loss (moving average, {window} steps)")
-    ax.set_title(title)
-    ax.legend()
-    ax2.set_xlabel("step")
-    ax2.set_title(f"last third; bound (bf16 seed spread) {summary['bound']:.4f}")
-    ax2.legend()
+    fig, axes = plt.subplots(len(panels), 2, figsize=(12, 4.5 * len(panels)), squeeze=False)
+    for (ax, ax2), (runs, summary, window, title) in zip(axes, panels):
+        for name, r in runs.items():
+            s = smooth(r["losses"], window)
+            ax.plot(s, label=f"{name} (final {summary['runs'][name]['final']:.4f})", lw=1.2)
+            tail = len(s) // 3
+            ax2.plot(range(len(s) - tail, len(s)), s[-tail:], label=name, lw=1.2)
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"training loss (moving average, {window} steps)")
+        ax.set_title(title)
+        ax.legend()
+        ax2.set_xlabel("step")
+        ax2.set_title(f"last third; bound (bf16 seed spread) {summary['bound']:.4f}")
+        ax2.legend()
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
     return True
+
+
+def sections(path):
+    """{arch: result} of a results file (a file of one run without sections is its arch's)."""
+    if not path or not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    if "archs" in data:
+        return data["archs"]
+    return {data.get("settings", {}).get("arch", "llama"): data}
+
+
+def plot_file(archs, path):
+    """The plot of every architecture of a results file that has a summary."""
+    panels = [(r["runs"], r["summary"], r["settings"]["window"],
+               _title(arch, r["settings"]["tiny"]))
+              for arch, r in archs.items() if r.get("summary")]
+    return bool(panels) and plot(panels, path)
 
 
 def _title(arch, tiny):
@@ -273,14 +297,16 @@ def _write(args, argv, device, data, nfiles, t0, runs, errors, quiet):
                                                          "last", "tiny", "arch")},
               "wall_s": time.perf_counter() - t0, "summary": summary, "errors": errors,
               "runs": runs}
+    # one file per machine: this architecture's section replaces its own, the others stay
+    archs = sections(args.out)
+    archs[args.arch] = result
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump({"archs": archs}, f, indent=1)
         if not quiet:
             print("wrote", args.out)
-    if args.plot and summary and plot(runs, summary, args.plot, args.window,
-                                      _title(args.arch, args.tiny)) and not quiet:
+    if args.plot and summary and plot_file(archs, args.plot) and not quiet:
         print("wrote", args.plot)
     return result
 
@@ -304,13 +330,10 @@ def main(argv=None):
                         help="only draw --plot from a results file this script wrote")
     args = parser.parse_args(argv)
     if args.replot:
-        result = json.load(open(args.replot))
-        s = result["settings"]
-        if result["summary"] and args.plot and plot(
-                result["runs"], result["summary"], args.plot, s["window"],
-                _title(s.get("arch", "llama"), s["tiny"])):
+        archs = sections(args.replot)
+        if args.plot and plot_file(archs, args.plot):
             print("wrote", args.plot)
-        return result
+        return archs
     t = args.tiny
     args.runs = args.runs or ",".join(f"{v}:{s}" for v, s in RUNS
                                       if args.arch == "llama" or v != "torchao")

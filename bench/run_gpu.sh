@@ -30,7 +30,8 @@
 #                 replaces its section: default, or --compile's, or --section S's)
 #   model         bench.bench_model -> model-<machine>.json (MODEL_ARGS, MODEL_TIMEOUT)
 #   norm          bench.bench_norm (RMSNorm: torch ops, compiled, fp8blk's kernels) -> norm-<machine>.json
-#   loss_parity   bench.loss_parity -> loss-parity-<machine>.{json,png}         (LOSS_TIMEOUT)
+#   loss_parity   bench.loss_parity -> loss-parity-<machine>.{json,png}, its --arch's section
+#                 (LOSS_ARGS: "--arch qwen3_moe" for the MoE model; LOSS_TIMEOUT)
 #   fsdp          bench.bench_fsdp under torchrun per token count in FSDP_TOKENS (default 8192)
 #                 -> fsdp-<machine>.json, one section tokens<T> per count
 #                 (FSDP_ARGS: more flags, e.g. "--profile 5": where the host time goes)
@@ -151,8 +152,9 @@ fi
 has model && step bench_model ${MODEL_TIMEOUT:-600} \
   python3 -m bench.bench_model --out "$OUT/model-$M.json" $MODEL_ARGS
 has norm && step bench_norm ${NORM_TIMEOUT:-180} python3 -m bench.bench_norm --out "$OUT"
-has loss_parity && step loss_parity ${LOSS_TIMEOUT:-600} \
-  python3 -m bench.loss_parity --out "$OUT/loss-parity-$M.json" --plot "$OUT/loss-parity-$M.png"
+has loss_parity && seed_result "loss-parity-$M.json" && step loss_parity ${LOSS_TIMEOUT:-600} \
+  python3 -m bench.loss_parity --out "$OUT/loss-parity-$M.json" --plot "$OUT/loss-parity-$M.png" \
+  ${LOSS_ARGS:-}
 if has fsdp; then
   seed_result fsdp-$M.json
   for tokens in ${FSDP_TOKENS:-8192}; do

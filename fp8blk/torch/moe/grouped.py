@@ -36,8 +36,9 @@ import torch
 from ..config import HIGH_DTYPES, Float8BlockConfig, config_or_default, fp8_dtype
 from ..linear.functional import add_bias, quantize_buffers
 from ..scaled_mm import blockwise_scaled_mm
-from .routing import ALIGN, Routing
+from .routing import ALIGN, Routing, host_table
 from ...formats import Block1D, Block2D
+from ...layout import all_layouts, cdiv
 
 _compiling = torch.compiler.is_compiling
 
@@ -51,11 +52,13 @@ def check_experts_config(config: Float8BlockConfig, where: str):
                          f"weights (the default Float8BlockConfig), got {config!r}")
 
 
-def _scale_transposed(scale, rows, cols):
-    """Per-expert Block2D scales (E, rt, round4(ct)) of (rows, cols) tiles as the scales of
-    the transposed tiles (E, ct, round4(rt)), padded with 1.0 as ``fb.quantize`` pads."""
-    e, rt, ct = scale.shape[0], -(-rows // ALIGN), -(-cols // ALIGN)
-    out = scale.new_ones((e, ct, -(-rt // 4) * 4))
+def _scale_transposed(scale, recipe, rows, cols):
+    """Per-expert Block2D rowwise scales (E, rt, round4(ct)) of (rows, cols) weights as their
+    columnwise scales (E, ct, round4(rt)): the transposed tiles' (``fp8blk.layout``'s shape
+    and padding value)."""
+    lay = all_layouts(recipe, rows, cols)[3]
+    ct, rt = lay.shape[0], cdiv(rows, ALIGN)
+    out = scale.new_full((scale.shape[0], *lay.shape), lay.fill)
     out[:, :, :rt] = scale[:, :rt, :ct].transpose(1, 2)
     return out
 
@@ -82,12 +85,7 @@ def expert_weight_buffers(weight: torch.Tensor, recipe, transposed: bool, rows_f
     if rows_first == (not transposed):          # the stored orientation is the one asked for
         return data.view(fp8_dtype(recipe.fmt)), scale
     data_t = data.transpose(1, 2).contiguous()
-    return data_t.view(fp8_dtype(recipe.fmt)), _scale_transposed(scale, r, c)
-
-
-def _host_table(table):
-    """``[(start, padded, count), ...]`` of a routing table (3, E) (one device read)."""
-    return list(zip(*table.tolist()))
+    return data_t.view(fp8_dtype(recipe.fmt)), _scale_transposed(scale, recipe, r, c)
 
 
 def _rows_impl(a, a_scale, b, b_scale, host, out_dtype, bias):
@@ -133,7 +131,7 @@ def _row_sums_impl(dy, host):
 def _rows_op(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
              table: torch.Tensor, out_dtype: torch.dtype,
              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return _rows_impl(a, a_scale, b, b_scale, _host_table(table), out_dtype, bias)
+    return _rows_impl(a, a_scale, b, b_scale, host_table(table), out_dtype, bias)
 
 
 @_rows_op.register_fake
@@ -145,7 +143,7 @@ def _rows_fake(a, a_scale, b, b_scale, table, out_dtype, bias=None):
 def _weights_op(a_t: torch.Tensor, a_t_scale: torch.Tensor, b_t: torch.Tensor,
                 b_t_scale: torch.Tensor, table: torch.Tensor,
                 out_dtype: torch.dtype) -> torch.Tensor:
-    return _weights_impl(a_t, a_t_scale, b_t, b_t_scale, _host_table(table), out_dtype)
+    return _weights_impl(a_t, a_t_scale, b_t, b_t_scale, host_table(table), out_dtype)
 
 
 @_weights_op.register_fake
@@ -155,7 +153,7 @@ def _weights_fake(a_t, a_t_scale, b_t, b_t_scale, table, out_dtype):
 
 @torch.library.custom_op("fp8blk::grouped_row_sums", mutates_args=())
 def _row_sums_op(dy: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    return _row_sums_impl(dy, _host_table(table))
+    return _row_sums_impl(dy, host_table(table))
 
 
 @_row_sums_op.register_fake

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from ...layout import round_up
+
 ALIGN = 128
 
 
@@ -30,7 +32,7 @@ def padded_rows(pairs: int, num_experts: int) -> int:
     if pairs == 0:
         return 0
     bound = pairs + (ALIGN - 1) * min(num_experts, pairs)
-    return -(-bound // ALIGN) * ALIGN
+    return round_up(bound, ALIGN)
 
 
 class Routing:
@@ -55,7 +57,7 @@ class Routing:
     def host(self):
         """``[(start, padded_length, count), ...]`` per expert, as Python ints."""
         if self._host is None:
-            self._host = list(zip(*self.table.tolist()))
+            self._host = host_table(self.table)
         return self._host
 
     def valid_rows(self):
@@ -64,6 +66,12 @@ class Routing:
             self._valid = torch.zeros(self.rows, dtype=torch.bool, device=self.dest.device)
             self._valid[self.dest] = True
         return self._valid
+
+
+def host_table(table: torch.Tensor) -> list:
+    """``[(start, padded, count), ...]`` per expert of a routing table (3, E) (one device
+    read)."""
+    return list(zip(*table.tolist()))
 
 
 def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
@@ -137,4 +145,4 @@ def combine(rows: torch.Tensor, routing: Routing, top_k_weights: torch.Tensor, d
     return weighted.view(routing.tokens, routing.top_k, -1).sum(1).to(dtype)
 
 
-__all__ = ["ALIGN", "Routing", "route", "padded_rows", "permute", "combine"]
+__all__ = ["ALIGN", "Routing", "route", "padded_rows", "host_table", "permute", "combine"]

@@ -68,6 +68,14 @@ def routing_ids(tokens, top_k, experts, skewed, gen):
     return ids
 
 
+def sorted_rows(padded, routing):
+    """The routed rows of a padded-layout tensor in expert order without the padding, and the
+    cumulative counts (int32): bf16 ``grouped_mm``'s operand and ``offs``."""
+    order = torch.argsort(routing.dest)
+    return (padded[routing.dest[order]].contiguous(),
+            torch.cumsum(routing.counts, 0).to(torch.int32))
+
+
 def bf16_grouped_mm():
     fn = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
     return fn
@@ -97,10 +105,8 @@ def gemm_case(name, skewed, quick):
     dy_pad = torch.zeros(r.rows, n, device=dev, dtype=torch.bfloat16)
     dy_pad[r.dest] = torch.randn(tokens * top_k, n, device=dev, dtype=torch.bfloat16)
     # bf16: the routed rows sorted by expert without padding, offsets = cumulative counts
-    order = torch.argsort(r.dest)
-    xs = x_pad[r.dest[order]].contiguous()
-    dys = dy_pad[r.dest[order]].contiguous()
-    offs = torch.cumsum(r.counts, 0).to(torch.int32)
+    xs, offs = sorted_rows(x_pad, r)
+    dys, _ = sorted_rows(dy_pad, r)
     gmm = bf16_grouped_mm()
     wd = w.detach()
     wt = wd.transpose(-2, -1)

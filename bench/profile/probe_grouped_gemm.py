@@ -59,6 +59,7 @@ if nb.SIM:
 from llvmlite import ir  # noqa: E402
 from numba.cuda.extending import intrinsic  # noqa: E402
 
+from bench.bench_moe import SHAPES  # noqa: E402
 from bench.profile.probe_wgmma import (block_issue, fence_proxy_async,  # noqa: E402
                                        inline_asm, void_asm, wgmma_ops)
 
@@ -307,16 +308,14 @@ def timing(name, experts, top_k, tokens, k, n, kind, modes=()):
     import torch
 
     from bench.bench_linear import interleaved_ms
+    from bench.bench_moe import bf16_grouped_mm, sorted_rows
     from fp8blk.torch.moe import permute
     from fp8blk.torch.moe.grouped import grouped_mm_rows
     r, a, sa, b, sb, x, w = operands(experts, top_k, tokens, k, n, kind)
     tiles = tile_experts(r)
     r.host()
-    order = torch.argsort(r.dest)
-    xp = permute(x, r)
-    xs = xp[r.dest[order]].contiguous()
-    offs = torch.cumsum(r.counts, 0).to(torch.int32)
-    gmm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+    xs, offs = sorted_rows(permute(x, r), r)
+    gmm = bf16_grouped_mm()
     wt = w.transpose(-2, -1)
     fns = {"bf16": lambda: gmm(xs, wt, offs=offs),
            "cublaslt_loop": lambda: grouped_mm_rows(a, sa, b, sb, r, torch.bfloat16),
@@ -329,12 +328,6 @@ def timing(name, experts, top_k, tokens, k, n, kind, modes=()):
     return dict(shape=name, routing=kind, **{f"{v}_tflops": round(flop / t / 1e9, 1)
                                               for v, t in ms.items()},
                 ratio_vs_bf16=round(ms["bf16"] / ms["wgmma"], 3))
-
-
-SHAPES = {"mixtral_gate_up": (8, 2, 16384, 4096, 2 * 14336),
-          "mixtral_down": (8, 2, 16384, 14336, 4096),
-          "qwen3_30b_gate_up": (128, 8, 8192, 2048, 2 * 768),
-          "qwen3_30b_down": (128, 8, 8192, 768, 2048)}
 
 
 def main():

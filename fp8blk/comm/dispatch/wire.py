@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...layout import cdiv, round_up
+from ...layout import all_layouts, cdiv
 
 _SUBNORMAL_2_POW_M127 = 0x00400000  # fp32 bits of 2^-127
 
@@ -45,7 +45,9 @@ def encode_scales(xp, scale_inv, rows, recipe):
 
 def decode_scales(xp, wire, rows, blocks, recipe, scale_inv):
     """Write the rowwise Block1D ``scale_inv`` (blocks, round4(rows)) fp32 of ``rows`` received
-    rows from their token-major wire scales, the padding columns 1.0 (fp8blk.layout)."""
+    rows from their token-major wire scales, the padding columns as fp8blk.layout fills them.
+    The one-byte codes decode as ``fp8blk.scaling.e8m0_decode`` does (that one is NumPy's;
+    this runs in the arrays' own family, `xp`)."""
     if recipe.pow2_scales:
         codes = wire.astype(np.uint32)
         bits = xp.where(codes == 0, np.uint32(_SUBNORMAL_2_POW_M127), codes << 23)
@@ -53,12 +55,7 @@ def decode_scales(xp, wire, rows, blocks, recipe, scale_inv):
     else:
         values = wire.view(np.float32).reshape(rows, blocks)
     scale_inv[:, :rows] = values.T
-    scale_inv[:, rows:] = 1.0
+    scale_inv[:, rows:] = all_layouts(recipe, rows, blocks * 128)[1].fill
 
 
-def scale_inv_shape(rows, k):
-    return (scale_blocks(k), round_up(rows, 4))
-
-
-__all__ = ["scale_blocks", "wire_scale_bytes", "encode_scales", "decode_scales",
-           "scale_inv_shape"]
+__all__ = ["scale_blocks", "wire_scale_bytes", "encode_scales", "decode_scales"]

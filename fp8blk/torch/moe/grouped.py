@@ -37,7 +37,7 @@ from ..config import HIGH_DTYPES, Float8BlockConfig, config_or_default, fp8_dtyp
 from ..linear.functional import add_bias, quantize_buffers
 from ..scaled_mm import blockwise_scaled_mm
 from .routing import ALIGN, Routing, host_table
-from ...formats import Block1D, Block2D
+from ...formats import recipe_kind
 from ...layout import all_layouts, cdiv
 
 _compiling = torch.compiler.is_compiling
@@ -46,8 +46,9 @@ _compiling = torch.compiler.is_compiling
 def check_experts_config(config: Float8BlockConfig, where: str):
     """Experts take Block1D activations and gradients with Block2D weights (the recipe whose
     tiles the padded layout keeps inside one expert); MXFP8 experts raise."""
-    if not (isinstance(config.activation, Block1D) and isinstance(config.grad, Block1D)
-            and isinstance(config.weight, Block2D)):
+    kinds = (recipe_kind(config.activation), recipe_kind(config.grad),
+             recipe_kind(config.weight))
+    if kinds != ("Block1D", "Block1D", "Block2D"):
         raise ValueError(f"{where}: experts run Block1D activations and gradients with Block2D "
                          f"weights (the default Float8BlockConfig), got {config!r}")
 

@@ -122,7 +122,8 @@ def _one_rank_group(device):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        extra = {"device_id": device} if device.type == "cuda" else {}
+        extra = ({"device_id": torch.device("cuda", torch.cuda.current_device())}
+                 if device.type == "cuda" else {})
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
                                 **extra)

@@ -30,6 +30,9 @@ block against the bf16 block, one rank per GPU (NCCL) or on CPU ranks (gloo, ``-
                     fp8_dispatch=True)``: this rank's E/P experts, tokens dispatched in FP8
      ep_bf16        the same with ``fp8_dispatch=False`` (bf16 dispatch)
 
+   ``out_diff_vs_fp8blk``: max |y - y_fp8blk| / max |y_fp8blk| of one forward of the rank's
+   tokens, y_fp8blk the converted whole block's output (rounding only, for the EP cases).
+
    Every rank builds the same full block (one seed) before ``expert_parallel`` keeps its
    experts; each rank's tokens are its own.
 
@@ -252,6 +255,18 @@ def layer_cases(name, spec, args, env):
         return step
 
     fns = {case: stepper(b) for case, b in blocks.items()}
+    # a sanity figure, not a parity test (tests/torch/moe has those): an expert-parallel block
+    # computes what the whole converted block does up to rounding; a wrong shard or a token
+    # sent to the wrong rank shows as a difference of the outputs' own size
+    outs = {}
+    with torch.no_grad():
+        for case, block in blocks.items():
+            y = block(x)
+            outs[case] = (y[0] if isinstance(y, tuple) else y).float()
+    ref = outs.get("fp8blk")
+    diffs = {case: float((y - ref).abs().max() / ref.abs().max()) if ref is not None else None
+             for case, y in outs.items()}
+    del outs, ref
     for _ in range(args.warmup):
         for fn in fns.values():
             fn()
@@ -275,7 +290,7 @@ def layer_cases(name, spec, args, env):
                         hidden=spec["hidden"], intermediate=spec["intermediate"],
                         experts=spec["experts"], top_k=spec["top_k"], gpu_ms=gpu,
                         host_ms=host, param_gib=params / 2 ** 30,
-                        step_peak_gib=peaks.get(case)))
+                        step_peak_gib=peaks.get(case), out_diff_vs_fp8blk=diffs[case]))
     return out
 
 
@@ -308,7 +323,8 @@ def merge_ranks(mine, env):
     merged = []
     for i, c in enumerate(every[0]):
         c = dict(c)
-        for key in ("gpu_ms", "host_ms", "bytes_sent", "step_peak_gib", "byte_check"):
+        for key in ("gpu_ms", "host_ms", "bytes_sent", "step_peak_gib", "byte_check",
+                    "out_diff_vs_fp8blk"):
             if key in c:
                 c[f"{key}_per_rank"] = [r[i].get(key) for r in every]
         merged.append(c)
@@ -322,8 +338,11 @@ def report_line(c):
     if c["part"] == "dispatch":
         text += (f"  sent {c['bytes_sent']} B (x{c['bytes_sent_vs_bf16']:.4f} bf16)"
                  if c["bytes_sent_vs_bf16"] is not None else f"  sent {c['bytes_sent']} B")
-    elif c.get("step_peak_gib") is not None:
-        text += f"  peak +{c['step_peak_gib']:.3f} GiB"
+    else:
+        if c["step_peak_gib"] is not None:
+            text += f"  peak +{c['step_peak_gib']:.3f} GiB"
+        if c["out_diff_vs_fp8blk"] is not None:
+            text += f"  out diff {c['out_diff_vs_fp8blk']:.1e}"
     return text
 
 

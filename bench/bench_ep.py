@@ -68,13 +68,19 @@ import torch.distributed as dist
 
 import fp8blk as fb
 from bench import machine, write_section
-from bench.bench_moe import routing_ids
+from bench.bench_moe import BLOCKS, routing_ids
 
-SHAPES = {
-    # name: the block's model type and its config's widths (bench_moe's BLOCKS)
-    "qwen3_30b": dict(model="qwen3_moe", hidden=2048, intermediate=768, experts=128, top_k=8),
-    "mixtral": dict(model="mixtral", hidden=4096, intermediate=14336, experts=8, top_k=2),
-}
+
+def _widths(block):
+    """A bench_moe block's model type and widths under this script's names (the two model
+    types name the expert width and count differently)."""
+    return dict(model=block["model"], hidden=block["hidden_size"],
+                intermediate=block.get("moe_intermediate_size", block.get("intermediate_size")),
+                experts=block.get("num_experts", block.get("num_local_experts")),
+                top_k=block["num_experts_per_tok"])
+
+
+SHAPES = {name: _widths(block) for name, block in BLOCKS.items()}
 DISPATCH_CASES = ("fp8_pow2", "fp8_fp32", "bf16", "combine")
 LAYER_CASES = ("bf16", "fp8blk", "ep_fp8", "ep_bf16")
 RECIPES = {"fp8_pow2": fb.Block1D(), "fp8_fp32": fb.Block1D(pow2_scales=False)}

@@ -173,8 +173,12 @@ def check_operands(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype
                 f"{dtype}{tuple(want)} on {data.device}; got {got}")
 
 
-def _dequant(data, sinv, blocks):
-    """fp32 values of an operand (rows, K) (the CPU emulation and the MXFP8 path)."""
+def dequantize_operand(data, sinv, blocks):
+    """fp32 values (rows, K) of an operand: FP8 ``data`` (rows, K) (float8 or its uint8 bytes
+    viewed as float8 by the caller) and its ``sinv`` in the rowwise layout of ``blocks``
+    ("1x128", "128x128" or "1x32"): the CPU emulation, the MXFP8 path, the expert-parallel
+    dispatch's columnwise copy. Exact (each product of an FP8 value and a power-of-two or
+    fp32 scale is one fp32 rounding)."""
     rows, k = data.shape
     v = data.float()
     if blocks == "1x128":
@@ -192,7 +196,8 @@ def _dequant(data, sinv, blocks):
 
 def emulate(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype):
     """dequantize both, fp32 matmul, round to out_dtype."""
-    out = _dequant(a, a_scale_inv, a_blocks) @ _dequant(b, b_scale_inv, b_blocks).t()
+    out = (dequantize_operand(a, a_scale_inv, a_blocks)
+           @ dequantize_operand(b, b_scale_inv, b_blocks).t())
     return out.to(out_dtype)
 
 
@@ -293,4 +298,5 @@ def blockwise_scaled_mm(a, a_scale_inv, b, b_scale_inv, a_blocks="1x128", b_bloc
     return impl(a, a_scale_inv, b, b_scale_inv, a_blocks, b_blocks, out_dtype)
 
 
-__all__ = ["blockwise_scaled_mm", "check_operands", "emulate", "BLOCKS", "blocks_of"]
+__all__ = ["blockwise_scaled_mm", "check_operands", "emulate", "dequantize_operand", "BLOCKS",
+           "blocks_of"]

@@ -235,8 +235,8 @@ def set_plant(name):
     from fp8blk.torch.linear import functional as linear
 
     if name == "scale_layout":
-        target, attr = scaled_mm, "_dequant"
-        orig = scaled_mm._dequant
+        target, attr = scaled_mm, "dequantize_operand"
+        orig = scaled_mm.dequantize_operand
 
         def planted(data, sinv, blocks):
             if blocks != "1x128":

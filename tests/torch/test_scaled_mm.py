@@ -60,7 +60,7 @@ def test_cuda_path_against_torch_layout_rules(mkn, b_blocks, rng, monkeypatch):
            qb.rowwise_scale_inv, "1x128", b_blocks)
     monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm)
     got = sm.cuda_scaled_mm(*ops, torch.float32)
-    # the operands' values from fp8blk's NumPy reference, not from scaled_mm's own _dequant
+    # the operands' values from fp8blk's NumPy reference, not from scaled_mm's own dequantize_operand
     a = qa.dequantize(torch.float32).double()
     b = qb.dequantize(torch.float32).double()
     bound = (k * U32 / (1 - k * U32) + U32) * (a.abs() @ b.abs().T)

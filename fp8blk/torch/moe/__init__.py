@@ -1,10 +1,13 @@
 """Mixture-of-experts in block-scaled FP8 (docs/torch.md, "Experts"): ``routing`` (the padded
 token layout, its permutation and combine), ``grouped`` (the experts' linear layer: per-expert
 GEMMs over the padded segments), ``experts`` (transformers' experts modules: the registered
-``fp8blk`` implementation and :func:`convert_experts`).
+``fp8blk`` implementation and :func:`convert_experts`), ``parallel`` (expert parallelism:
+:func:`expert_parallel`, the FP8 dispatch and the combine over a communicator).
 """
 from .experts import convert_experts, experts_forward
 from .grouped import grouped_linear
+from .parallel import expert_parallel
 from .routing import Routing, combine, permute, route
 
-__all__ = ["convert_experts", "experts_forward", "grouped_linear", "Routing", "route", "permute", "combine"]
+__all__ = ["convert_experts", "experts_forward", "expert_parallel", "grouped_linear", "Routing",
+           "route", "permute", "combine"]

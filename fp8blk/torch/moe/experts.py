@@ -86,6 +86,22 @@ def _keeps_zero(module) -> bool:
     return bool((out == 0).all())
 
 
+def gate(module, h: torch.Tensor, routing) -> torch.Tensor:
+    """The module's gating (or activation) of the first projection's output ``h`` (rows, 2I
+    or I) in the padded layout: transformers' default SiLU gating as ``silu_gate``, else the
+    module's own ``_apply_gate`` / ``act_fn``; padding rows re-zeroed where the gating does
+    not keep zeros (``fp8blk_zero_rows``)."""
+    if module.fp8blk_silu_gate:
+        h = silu_gate(*h.chunk(2, dim=-1))
+    else:
+        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+    if not module.fp8blk_zero_rows:
+        # padding rows must stay zero: every 128x1 block of the next quantize then holds one
+        # expert's rows alone
+        h = h * routing.valid_rows().unsqueeze(-1).to(h.dtype)
+    return h
+
+
 def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """The ``fp8blk`` experts implementation: ``hidden_states`` (T, H), ``top_k_index`` (T, k)
@@ -95,6 +111,9 @@ def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tens
     cfg = module.__dict__.get("fp8blk_config")
     if cfg is None:
         return _fallback(module, hidden_states, top_k_index, top_k_weights)
+    parallel = module.__dict__.get("fp8blk_ep")
+    if parallel is not None:
+        return parallel.forward(module, hidden_states, top_k_index, top_k_weights)
     if getattr(module, "_is_expert_parallel", False):
         raise NotImplementedError(
             "fp8blk experts do not run under transformers' expert parallelism; leave these "
@@ -105,14 +124,7 @@ def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tens
         return hidden_states.new_zeros(hidden_states.shape)
     x = permute(hidden_states, routing)
     h = _project(x, module, "gate_up_proj" if module.has_gate else "up_proj", routing, cfg)
-    if module.fp8blk_silu_gate:
-        h = silu_gate(*h.chunk(2, dim=-1))
-    else:
-        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
-    if not module.fp8blk_zero_rows:
-        # padding rows must stay zero: every 128x1 block of the next quantize then holds one
-        # expert's rows alone
-        h = h * routing.valid_rows().unsqueeze(-1).to(h.dtype)
+    h = gate(module, h, routing)
     y = _project(h, module, "down_proj", routing, cfg)
     if getattr(module, "has_post_expert_norm", False):
         y = module.post_expert_norm(y)
@@ -173,4 +185,4 @@ def convert_experts(model: torch.nn.Module, config: Float8BlockConfig = None,
     return converted
 
 
-__all__ = ["experts_forward", "register", "is_experts_module", "convert_experts", "NAME"]
+__all__ = ["experts_forward", "gate", "register", "is_experts_module", "convert_experts", "NAME"]

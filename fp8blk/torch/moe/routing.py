@@ -44,14 +44,17 @@ class Routing:
     ``table`` (3, E) int64: starts, padded and counts stacked (what the per-expert ops read);
     ``rows``: the padded row count (:func:`padded_rows`); ``tokens``, ``top_k``,
     ``num_experts``. :meth:`host` gives the segments as Python lists (one device
-    synchronization, then cached) for the per-expert GEMM loop."""
+    synchronization, then cached) for the per-expert GEMM loop; ``host``, when the caller
+    knows the segments already (the expert-parallel layout, built from host counts), sets
+    them."""
 
-    def __init__(self, ids, dest, starts, counts, padded, rows, tokens, top_k, num_experts):
+    def __init__(self, ids, dest, starts, counts, padded, rows, tokens, top_k, num_experts,
+                 host=None):
         self.ids, self.dest, self.starts, self.counts = ids, dest, starts, counts
         self.padded = padded
         self.rows, self.tokens, self.top_k, self.num_experts = rows, tokens, top_k, num_experts
         self.table = torch.stack([starts, padded, counts])
-        self._host = None
+        self._host = host
         self._valid = None
 
     def host(self):
@@ -140,9 +143,18 @@ def combine(rows: torch.Tensor, routing: Routing, top_k_weights: torch.Tensor, d
     if top_k_weights.shape != (routing.tokens, routing.top_k):
         raise ValueError(f"combine: top_k_weights must be ({routing.tokens}, "
                          f"{routing.top_k}), got shape {tuple(top_k_weights.shape)}")
-    picked = rows[routing.dest]
+    return weighted_sum(rows[routing.dest], top_k_weights, dtype)
+
+
+def weighted_sum(picked: torch.Tensor, top_k_weights: torch.Tensor, dtype):
+    """(T, H) in ``dtype``: ``picked`` (T*k, H), token t's k expert rows at ``t*k .. t*k+k-1``,
+    weighted by ``top_k_weights`` (T, k) and summed over k (the product in the promoted dtype,
+    one reduction, then the cast): :func:`combine`'s arithmetic, for rows already gathered
+    (the expert-parallel combine)."""
+    tokens, top_k = top_k_weights.shape
     weighted = picked * top_k_weights.reshape(-1).unsqueeze(-1)
-    return weighted.view(routing.tokens, routing.top_k, -1).sum(1).to(dtype)
+    return weighted.view(tokens, top_k, picked.shape[-1]).sum(1).to(dtype)
 
 
-__all__ = ["ALIGN", "Routing", "route", "padded_rows", "host_table", "permute", "combine"]
+__all__ = ["ALIGN", "Routing", "route", "padded_rows", "host_table", "permute", "combine",
+           "weighted_sum"]

@@ -14,7 +14,7 @@ import torch
 
 import fp8blk as fb
 from fp8blk.torch import Float8BlockConfig, blockwise_scaled_mm, convert_to_float8_block
-from fp8blk.torch.scaled_mm import _dequant
+from fp8blk.torch.scaled_mm import dequantize_operand as _dequant
 
 from .._parity import LINEARS_ONLY, FeedForward, Recorder, assert_within, check_against_oracle, spread
 

@@ -109,3 +109,67 @@ def test_compiled_block_on_cuda():
         outs.append((y.float(), xx.grad.float()))
     for a, b in zip(*outs):
         assert torch.linalg.norm(a - b) <= 2.0 ** -6 * torch.linalg.norm(b)
+
+
+@pytest.fixture
+def nccl_comm():
+    """A one-rank NCCL process group in this process (TorchComm over it), destroyed after."""
+    import socket
+
+    import torch.distributed as dist
+
+    from fp8blk.comm import TorchComm
+    if dist.is_initialized():
+        pytest.skip("a process group is initialized already")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        yield TorchComm()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_expert_parallel_on_one_gpu_with_nccl(nccl_comm, arch):
+    # the expert-parallel module on one rank, NCCL all-to-alls, cuBLASLt GEMMs: with the bf16
+    # dispatch every byte of the single-rank module's; with the FP8 dispatch the outputs and
+    # input / routing-weight gradients byte for byte, the weight gradients within the second
+    # FP8 rounding of their 128x1 operands (docs/torch.md, "Expert parallelism"), the bias
+    # gradient within one bf16 step (fp32 partial sums, another order)
+    from fp8blk.torch.moe import expert_parallel
+    from fp8blk.torch.moe.experts import is_experts_module
+    model = tiny_model(arch, device="cuda")
+    convert_experts(model)
+    base = [m for m in model.modules() if is_experts_module(m)][0]
+    tokens = 700
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    hidden = _skewed_rows(tokens, 256, 2).to("cuda", torch.bfloat16)
+    idx = routing_ids(tokens, 2, base.num_experts, "skewed", seed=4, device="cuda")
+    weights = torch.rand(tokens, 2, device="cuda", generator=gen).bfloat16()
+    dout = torch.randn(tokens, 256, device="cuda", generator=gen).bfloat16()
+
+    def run(module):
+        h = hidden.clone().requires_grad_(True)
+        w = weights.clone().requires_grad_(True)
+        out = module(h, idx, w)
+        out.backward(dout)
+        return [out, h.grad, w.grad], {n: p.grad for n, p in module.named_parameters()}
+
+    want, want_grads = run(base)
+    for fp8 in (False, True):
+        ep = copy.deepcopy(base)
+        expert_parallel(ep, nccl_comm, fp8_dispatch=fp8)
+        got, grads = run(ep)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), fp8
+        for n, g in grads.items():
+            r = want_grads[n].float()
+            if not fp8:
+                assert torch.equal(g, want_grads[n]), n
+            elif n.endswith("_bias"):
+                assert ((g.float() - r).abs() <= 2.0 ** -7 * r.abs() + 1e-30).all(), n
+            else:
+                assert (g.float() - r).norm() <= 0.25 * r.norm(), n

@@ -234,8 +234,17 @@ def build_block(spec, case, env):
     from fp8blk.torch.moe import convert_experts
 
     cls = Qwen3MoeSparseMoeBlock if spec["model"] == "qwen3_moe" else MixtralSparseMoeBlock
-    torch.manual_seed(0)  # the same full block on every rank: EP keeps each rank's experts
-    block = cls(hf_config(spec)).to(env.device, torch.bfloat16)
+    cfg = hf_config(spec)
+    with torch.device(env.device):
+        block = cls(cfg)
+    # a block made alone keeps the experts' torch.empty parameters (transformers initializes
+    # weights in its models' post_init): drawn here as the models draw them, from one seed, so
+    # that every rank holds the same full block before expert_parallel keeps its experts
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.normal_(0.0, cfg.initializer_range)
+    block = block.to(torch.bfloat16)
     if case != "bf16":
         convert_experts(block)
     if case in ("ep_fp8", "ep_bf16"):

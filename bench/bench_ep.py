@@ -2,7 +2,8 @@
 block against the bf16 block, one rank per GPU (NCCL) or on CPU ranks (gloo, ``--device cpu``):
 
     torchrun --standalone --nproc-per-node N -m bench.bench_ep --out bench/results/ep-h200.json
-    # CPU smoke run: --device cpu --hidden 256 --experts 8 --top-k 2 --tokens 64 --steps 1
+    # CPU smoke run (tests/bench/test_bench_ep.py): --device cpu --hidden 256 --intermediate 128
+    #   --experts 8 --top-k 2 --tokens 64 --steps 1 --warmup 1 --inner 1
 
 1. Dispatch / combine (``--parts dispatch``). Each rank routes ``--tokens`` tokens top-k to E
    experts spread evenly over the P ranks (experts [r*E/P, (r+1)*E/P) on rank r), balanced
@@ -45,8 +46,10 @@ synchronous, so host time includes the peers' host time up to it). On the CPU th
 events: GPU fields are null. Bytes per call: this rank's ``comm.stats`` over one call, the
 data collective (``bytes_sent``, the bytes this rank sends, its own block included) apart from
 the metadata collective (``meta_bytes_sent``). Figures are rank 0's, with every rank's in the
-``*_per_rank`` fields. Peak memory (layer, CUDA): one more step per case, the allocator's peak
-above what was allocated before it, plus the block's parameter bytes on this rank.
+``*_per_rank`` fields; ``*_vs_bf16``: a figure over its bf16 peer's (the bf16 dispatch, the
+bf16 block), ``bytes_sent_vs_bf16_max_rank`` the worst rank's. Memory (layer): the block's
+parameter bytes on this rank (``param_gib``) and, on CUDA, one more step per case: the
+allocator's peak above what was allocated before it (``step_peak_gib``).
 
 On one rank the all-to-all is a local copy (no link): the run shows that the script works,
 not what the dispatch costs (the JSON's ``note`` says so). Writes its run (machine, date,
@@ -124,7 +127,7 @@ def check_shape(name, spec, world):
                          f"tokens; skewed routing leaves {live} of {spec['experts']}")
 
 
-# -- timing -----------------------------------------------------------------------------------
+# -- timing ------------------------------------------------------------------------------------
 def time_cases(fns, env, steps, inner):
     """{name: (GPU ms per call or None, host ms per call)}, medians over ``steps`` rounds of
     one sample per case (see the module docstring)."""
@@ -158,7 +161,7 @@ def sent_bytes(env, fn, op):
     return stats.ops.get(op, [0, 0])[1], stats.meta_bytes
 
 
-# -- part 1: dispatch and combine ---------------------------------------------------------------
+# -- part 1: dispatch and combine --------------------------------------------------------------
 def dispatch_rows(spec, tokens, skewed, env):
     """(rows (N, H) bf16 grouped by destination rank, send counts): this rank's (token,
     expert) pairs sorted by expert."""
@@ -209,7 +212,7 @@ def dispatch_cases(name, spec, skewed, args, env):
     return out
 
 
-# -- part 2: the MoE block --------------------------------------------------------------------
+# -- part 2: the MoE block ---------------------------------------------------------------------
 def hf_config(spec):
     import transformers
 
@@ -309,7 +312,7 @@ def layer_cases(name, spec, args, env):
     return out
 
 
-# -- report -------------------------------------------------------------------------------------
+# -- report ------------------------------------------------------------------------------------
 def ratios(cases):
     """Add ``<figure>_vs_bf16`` to every dispatch case and every layer case (not the combine,
     which has no bf16 counterpart): its figure over its bf16 peer's (same part, shape and

@@ -34,7 +34,8 @@ def test_bench_ep_runs_on_two_cpu_ranks(tmp_path):
     assert "bench.bench_ep" in run["command"] and run["date"]
     cases = {(c["part"], c["shape"], c.get("routing"), c["case"]): c for c in result["cases"]}
     want = {("dispatch", s, r, c) for s in SHAPES for r in ("balanced", "skewed")
-            for c in DISPATCH_CASES} | {("layer", s, None, c) for s in SHAPES for c in LAYER_CASES}
+            for c in DISPATCH_CASES}
+    want |= {("layer", s, None, c) for s in SHAPES for c in LAYER_CASES}
     assert set(cases) == want
 
     for (part, shape, routing, case), c in cases.items():

@@ -30,7 +30,10 @@ batches).
 intermediate 256, top-2, the router's load-balancing loss on (``output_router_logits``,
 coefficient 0.01, part of the loss), the same heads and training; runs ``bf16`` (transformers'
 ``grouped_mm`` experts) seeds 0 and 1 and ``fp8blk`` (``convert_to_float8_block(...,
-experts=True)``: the experts, the attention projections, the norms). Each run also reports the experts' load on the
+experts=True)``: the experts, the attention projections, the norms) and ``fp8blk_ep``: the
+same made expert-parallel on one rank with the FP8 dispatch (``expert_parallel``, a
+one-process group), whose only difference from ``fp8blk`` is the weight gradients' 128x1
+operands made from the FP8 rows (docs/torch.md, "Expert parallelism"). Each run also reports the experts' load on the
 held-out batch (routed rows per expert, per layer) and the summary the largest difference of
 an expert's share of the rows from bf16 seed 0's, beside the two bf16 seeds' own.
 
@@ -60,6 +63,7 @@ from bench import bench_model
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 RUNS = (("bf16", 0), ("bf16", 1), ("fp8blk", 0), ("torchao", 0))
+MOE_RUNS = (("bf16", 0), ("bf16", 1), ("fp8blk", 0), ("fp8blk_ep", 0))
 
 
 def corpus_bytes(limit=None):
@@ -97,12 +101,32 @@ def moe_model_for(variant, tiny, device, seed):
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     model = transformers.Qwen3MoeForCausalLM._from_config(cfg, dtype=torch.bfloat16).to(device)
-    if variant == "fp8blk":
+    if variant in ("fp8blk", "fp8blk_ep"):
         convert_to_float8_block(model, module_filter_fn=lambda m, fqn: fqn != "lm_head",
                                 experts=True)
+        if variant == "fp8blk_ep":
+            from fp8blk.torch.moe import expert_parallel
+            expert_parallel(model, _one_rank_group(device), fp8_dispatch=True)
     elif variant != "bf16":
-        raise RuntimeError(f"--arch qwen3_moe runs bf16 and fp8blk, not {variant}")
+        raise RuntimeError(f"--arch qwen3_moe runs bf16, fp8blk and fp8blk_ep, not {variant}")
     return model
+
+
+def _one_rank_group(device):
+    """The default process group of this one process (NCCL on CUDA, gloo on the CPU), made on
+    first use: the expert-parallel run's communicator."""
+    import socket
+
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        extra = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                                **extra)
+    return None
 
 
 def expert_load(model, batch):
@@ -323,7 +347,8 @@ def main(argv=None):
     parser.add_argument("--arch", choices=("llama", "qwen3_moe"), default="llama")
     parser.add_argument("--runs", default=None,
                         help="variant:seed,... (default: " + ",".join(
-                            f"{v}:{s}" for v, s in RUNS) + "; qwen3_moe: without torchao)")
+                            f"{v}:{s}" for v, s in RUNS) + "; qwen3_moe: " + ",".join(
+                            f"{v}:{s}" for v, s in MOE_RUNS) + ")")
     parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=None)
     parser.add_argument("--replot", metavar="JSON", default=None,
@@ -335,8 +360,8 @@ def main(argv=None):
             print("wrote", args.plot)
         return archs
     t = args.tiny
-    args.runs = args.runs or ",".join(f"{v}:{s}" for v, s in RUNS
-                                      if args.arch == "llama" or v != "torchao")
+    args.runs = args.runs or ",".join(f"{v}:{s}" for v, s in (
+        RUNS if args.arch == "llama" else MOE_RUNS))
     args.steps = args.steps or (20 if t else 300)
     args.batch = args.batch or (2 if t else 16)
     args.seq = args.seq or (64 if t else 512)

@@ -186,8 +186,9 @@ class ExpertParallel:
         """``rows`` (pairs, H) expert-sorted here -> the received rows' padded layout on the
         expert rank, quantized: ``(data, scale_inv, col_data, col_scale_inv, high)`` as
         ``quantize_buffers`` gives them for the padded rows (col_* None unless asked for),
-        ``high`` the padded rows in high precision (the received ones, or the FP8 ones
-        dequantized under ``fp8_dispatch``)."""
+        ``high`` the padded rows in high precision (the received ones; under ``fp8_dispatch``
+        the FP8 ones dequantized, which the columnwise copy is made from, or None when it is
+        not asked for)."""
         routing = plan.routing
         if not self.fp8_dispatch:
             got, _, _ = high_precision_all_to_all(rows, self.comm, plan.send, plan.recv)
@@ -204,9 +205,10 @@ class ExpertParallel:
         pscale = scale.new_full(lay[1].shape, _zero_row_scale(recipe))
         pscale[:, routing.dest] = scale[:, :routing.tokens]
         pscale[:, routing.rows:] = lay[1].fill
+        if not columnwise:
+            return pdata, pscale, None, None, None
         high = dequantize_operand(pdata.view(fp8_dtype(recipe.fmt)), pscale, "1x128")
-        col = _quantize(high, recipe, False, True)[2:] if columnwise else (None, None)
-        return pdata, pscale, *col, high
+        return pdata, pscale, *_quantize(high, recipe, False, True)[2:], high
 
     def send_back(self, padded, plan: Plan):
         """``padded`` (routing.rows, N) on the expert rank -> (T*k, N) where the tokens live,

@@ -35,10 +35,12 @@
 #   fsdp          bench.bench_fsdp under torchrun per token count in FSDP_TOKENS (default 8192)
 #                 -> fsdp-<machine>.json, one section tokens<T> per count
 #                 (FSDP_ARGS: more flags, e.g. "--profile 5": where the host time goes)
+#   ep            bench.bench_ep under torchrun, one rank per GPU -> ep-<machine>.json, section
+#                 tokens<T> (EP_ARGS: more flags; EP_TIMEOUT)
 #   multirank     the comm suites with one rank per GPU: NCCLComm (mpiexec), TorchComm (torchrun)
 #   tp            tp_parity.py on NCCL, one rank per GPU
 #   examples      weights_pipeline / train_fsdp2 / tensor_parallel --large, one rank per GPU
-# linear and fsdp write sections of one file: $OUT's file starts as bench/results/' copy, so
+# linear, fsdp and ep write sections of one file: $OUT's file starts as bench/results/' copy, so
 # the sections a run does not redo carry over.
 # PROFILE=1 adds ncu_fused. Open MPI on the GPU image is not CUDA-aware and needs the flags below.
 set -o pipefail
@@ -162,6 +164,11 @@ if has fsdp; then
       --nproc-per-node $NGPU -m bench.bench_fsdp --tokens $tokens --out "$OUT/fsdp-$M.json" \
       $FSDP_ARGS
   done
+fi
+if has ep; then
+  seed_result ep-$M.json
+  TAIL=${EP_TAIL:-45} step bench_ep_$NGPU ${EP_TIMEOUT:-600} torchrun --standalone \
+    --nproc-per-node $NGPU -m bench.bench_ep --out "$OUT/ep-$M.json" $EP_ARGS
 fi
 if [ -n "$TARBALL" ]; then  # the device tool returns at most 8 files: logs in one tarball
   (cd "$OUT" && tar czf logs.tgz --remove-files $(ls *.log *.txt 2>/dev/null))

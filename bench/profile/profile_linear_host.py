@@ -1,0 +1,158 @@
+"""Where a Float8BlockLinear step's host time goes, beside bf16 nn.Linear's: the host us per
+fwd+bwd (issued behind a sleeping GPU: ``bench.bench_linear.host_us``), with autograd's
+multithreading on and off, then cProfile's top functions (own time) over the same loop.
+
+    python3 -m bench.profile.profile_linear_host [--shape 8192x4096x4096] [--n 200] [--top 40]
+
+Writes ``bench/profile/results/profile-linear-host-h200.txt`` with ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+
+from bench.bench_linear import fwd_bwd, host_us
+from fp8blk.torch import Float8BlockLinear
+
+
+def layers(k, n, device):
+    torch.manual_seed(0)
+    bf16 = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+    fp8 = Float8BlockLinear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+    fp8.weight.data.copy_(bf16.weight.data)
+    return {"bf16": bf16, "fp8blk": fp8}
+
+
+def profile(step, n, top):
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    torch.cuda._sleep(200_000_000)
+    prof.enable()
+    for _ in range(n):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
+class _Ident(torch.autograd.Function):
+    """A Python autograd Function with one kernel in forward and none in backward: what a
+    Python backward costs on its own, with autograd's device threads and without."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def thread_costs(x, g):
+    """Host us per fwd+bwd of ``x * 1`` (a C++ backward) and of :class:`_Ident` (a Python
+    one), autograd multithreading on and off."""
+    out = []
+    for threads in (True, False):
+        torch.autograd.set_multithreading_enabled(threads)
+        for name, fn in (("cpp_backward", lambda: x * 1), ("python_backward",
+                                                           lambda: _Ident.apply(x))):
+            def step(fn=fn):
+                x.grad = None
+                fn().backward(g)
+            out.append(f"{name:15s} multithreading={threads!s:5s} host "
+                       f"{host_us(step, n=10, repeats=15):7.1f} us per fwd+bwd")
+            print(out[-1], flush=True)
+    return out
+
+
+def inside_plan(x, g, k, n, device):
+    """Host us spent inside LinearPlan.forward / .backward per step (perf_counter around
+    them), multithreading on and off: the backward's own time on autograd's device thread
+    against the calling thread."""
+    from fp8blk.torch.linear import plans
+    spent = {"forward": 0.0, "backward": 0.0}
+    originals = {name: getattr(plans.LinearPlan, name) for name in spent}
+
+    def timed(name):
+        inner = originals[name]
+
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - t0
+        return call
+
+    out = []
+    for name in spent:
+        setattr(plans.LinearPlan, name, timed(name))
+    try:
+        for threads in (True, False):
+            torch.autograd.set_multithreading_enabled(threads)
+            step = fwd_bwd(layers(k, n, device)["fp8blk"], x, g)
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize()
+            for key in spent:
+                spent[key] = 0.0
+            reps = 100
+            torch.cuda._sleep(200_000_000)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                step()
+            total = (time.perf_counter() - t0) / reps * 1e6
+            torch.cuda.synchronize()
+            out.append(f"fp8blk multithreading={threads!s:5s} step {total:7.1f} us: inside "
+                       f"plan.forward {spent['forward'] / reps * 1e6:6.1f}, plan.backward "
+                       f"{spent['backward'] / reps * 1e6:6.1f}")
+            print(out[-1], flush=True)
+    finally:
+        for name, fn in originals.items():
+            setattr(plans.LinearPlan, name, fn)
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="8192x4096x4096")
+    parser.add_argument("--n", type=int, default=100)
+    parser.add_argument("--top", type=int, default=40)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    m, k, n = (int(v) for v in args.shape.split("x"))
+    device = torch.device("cuda")
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+    lines = []
+    for threads in (True, False):
+        torch.autograd.set_multithreading_enabled(threads)
+        for name, layer in layers(k, n, device).items():
+            us = host_us(fwd_bwd(layer, x, g), n=10, repeats=15)
+            lines.append(f"{name:7s} multithreading={threads!s:5s} host {us:7.1f} us per fwd+bwd")
+            print(lines[-1], flush=True)
+    lines += thread_costs(torch.randn(m, k, device=device, dtype=torch.bfloat16,
+                                      requires_grad=True),
+                          torch.randn(m, k, device=device, dtype=torch.bfloat16))
+    lines += inside_plan(x, g, k, n, device)
+    torch.autograd.set_multithreading_enabled(False)
+    for name, layer in layers(k, n, device).items():
+        text = profile(fwd_bwd(layer, x, g), args.n, args.top)
+        lines.append(f"\n==== {name}: cProfile over {args.n} steps (multithreading off)\n{text}")
+        print(lines[-1], flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,8 @@
 """Model benchmark: a Hugging Face ``LlamaForCausalLM`` and ``Qwen3ForCausalLM`` built from a
 config, trained in bf16, with fp8blk and with torchao's blockwise FP8 Linear, eager and
-``torch.compile``, on one GPU.
+``torch.compile`` (``--modes``: ``compiled`` per decoder layer or, ``--compile-scope model``,
+the whole model; ``compiled_ro`` the same with ``mode="reduce-overhead"``: CUDA graphs), on one
+GPU.
 
     python3 -m bench.bench_model [--arch llama,qwen3] [--layers 8] [--tokens 8192]
         [--variants bf16,fp8blk,fp8blk_opt,torchao] [--modes eager,compiled] [--breakdown]
@@ -12,7 +14,8 @@ in bf16 on the device from a config, SDPA attention, no pretrained weights:
 
 * llama: Llama-3-8B widths: hidden 4096, intermediate 14336, 32 heads, 8 KV heads, vocab
   32768 (a smaller vocab than Llama-3's 128256, so that the lm_head, kept in bf16, does not
-  dominate 8 layers);
+  dominate 8 layers); llama_1b: Llama-3.2-1B widths: hidden 2048, intermediate 8192, 32
+  heads, 8 KV heads, vocab 32768, 16 layers by default;
 * qwen3: Qwen3-8B widths: hidden 4096, intermediate 12288, 32 heads, 8 KV heads, head_dim 128,
   per-head q/k RMSNorms, vocab 32768;
 * qwen3_moe: Qwen3-30B-A3B widths: hidden 2048, 128 experts of 768, top-8, 32 heads, 4 KV
@@ -114,6 +117,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIDTHS = {
     "llama": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                   num_key_value_heads=8, vocab_size=32768),
+    "llama_1b": dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=32768),
     "qwen3": dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
                   num_key_value_heads=8, head_dim=128, vocab_size=32768),
     "qwen3_moe": dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128,
@@ -123,6 +128,7 @@ WIDTHS = {
                     num_experts_per_tok=2, num_attention_heads=32, num_key_value_heads=8,
                     vocab_size=32768),
 }
+LAYERS = {"llama_1b": 16}      # an arch's default --layers (others: 8)
 _TINY_MOE = {"qwen3_moe": dict(moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
                                head_dim=64),
              "mixtral": dict(intermediate_size=256, num_local_experts=4,
@@ -133,6 +139,9 @@ VARIANTS = ("bf16", "bf16_norm", "bf16_opt", "fp8blk", "fp8blk_share", "fp8blk_n
             "fp8blk_mlp", "fp8blk_norm_mlp", "fp8blk_nokeep", "fp8blk_opt", "fp8blk_experts",
             "torchao")
 DEFAULT_VARIANTS = ("bf16", "fp8blk", "fp8blk_opt", "torchao")
+# mode -> torch.compile's mode (eager: not compiled; compiled_ro: "reduce-overhead", CUDA
+# graphs over each compiled region)
+MODES = {"eager": None, "compiled": None, "compiled_ro": "reduce-overhead"}
 
 
 def model_config(arch, layers, seq, tiny=False):
@@ -142,8 +151,8 @@ def model_config(arch, layers, seq, tiny=False):
 
     widths = dict(TINY, **({"head_dim": 64} if arch == "qwen3" else {}),
                   **_TINY_MOE.get(arch, {})) if tiny else WIDTHS[arch]
-    cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config,
-           "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig}[arch]
+    cls = {"llama": transformers.LlamaConfig, "llama_1b": transformers.LlamaConfig,
+           "qwen3": transformers.Qwen3Config, "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig}[arch]
     cfg = cls(num_hidden_layers=layers, max_position_embeddings=max(seq, 128),
               tie_word_embeddings=False, **widths)
     cfg._attn_implementation = "sdpa"
@@ -156,7 +165,8 @@ def build_model(arch, variant, layers, seq, device, tiny=False, seed=0):
     import transformers
 
     cfg = model_config(arch, layers, seq, tiny)
-    cls = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
+    cls = {"llama": transformers.LlamaForCausalLM, "llama_1b": transformers.LlamaForCausalLM,
+           "qwen3": transformers.Qwen3ForCausalLM,
            "qwen3_moe": transformers.Qwen3MoeForCausalLM,
            "mixtral": transformers.MixtralForCausalLM}[arch]
     torch.manual_seed(seed)
@@ -212,27 +222,31 @@ def convert(model, variant):
     return convert_to_float8_block(model, module_filter_fn=not_lm_head, **opts)
 
 
-def compile_model(model, scope="layers"):
-    """Compile `model` in place: each decoder layer (``scope="layers"``) or the whole model."""
+def compile_model(model, scope="layers", mode=None):
+    """Compile `model` in place: each decoder layer (``scope="layers"``) or the whole model,
+    with torch.compile's `mode` (None: the default; "reduce-overhead": CUDA graphs)."""
     for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
                  "accumulated_recompile_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
     if scope == "model":
-        model.compile()
+        model.compile(mode=mode)
     else:
         for layer in model.model.layers:
-            layer.compile()
+            layer.compile(mode=mode)
     return model
 
 
-def make_step(model, ids, lr=1e-4):
-    """The training step as a callable, and its optimizer."""
+def make_step(model, ids, lr=1e-4, graphs=False):
+    """The training step as a callable, and its optimizer. ``graphs``: the model runs CUDA
+    graphs of torch.compile's "reduce-overhead" mode, told where each step begins."""
     fused = ids.is_cuda
     opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=fused, foreach=not fused)
 
     def step(mark=None):
         """One step; ``mark(phase)`` is called after the forward and backward passes."""
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         loss = model(input_ids=ids, labels=ids).loss
         if mark is not None:
             mark("forward")
@@ -483,7 +497,8 @@ def record_snapshot(step, path):
 # -- one case -----------------------------------------------------------------------------
 
 def run_case(arch, variant, mode, args, device):
-    case = {"arch": arch, "variant": variant, "mode": mode, "layers": args.layers,
+    layers = args.layers or LAYERS.get(arch, 8)
+    case = {"arch": arch, "variant": variant, "mode": mode, "layers": layers,
             "tokens": args.batch * args.seq, "batch": args.batch, "seq": args.seq}
     torch._dynamo.reset()       # compiled code of earlier cases holds on to their modules
     gc.collect()
@@ -491,16 +506,16 @@ def run_case(arch, variant, mode, args, device):
         torch.cuda.empty_cache()
         case["start_bytes"] = base = torch.cuda.memory_allocated()
     try:
-        model = build_model(arch, variant, args.layers, args.seq, device, args.tiny)
+        model = build_model(arch, variant, layers, args.seq, device, args.tiny)
     except RuntimeError as err:
         case["error"] = str(err)
         return case
-    if mode == "compiled":
-        compile_model(model, args.compile_scope)
+    if mode != "eager":
+        compile_model(model, args.compile_scope, MODES[mode])
     gen = torch.Generator(device=device).manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device=device,
                         generator=gen)
-    step, opt = make_step(model, ids)
+    step, opt = make_step(model, ids, graphs=MODES[mode] == "reduce-overhead")
     t0 = time.perf_counter()
     for _ in range(args.warmup):
         step()
@@ -509,6 +524,8 @@ def run_case(arch, variant, mode, args, device):
     params = list(model.parameters())
 
     def forward():
+        if MODES[mode] == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
         return model(input_ids=ids, labels=ids).loss
 
     # saved bytes and held bytes between the passes, one forward each (then backward, to free)
@@ -628,9 +645,10 @@ def main(argv=None):
     parser.add_argument("--arch", default="llama,qwen3")
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                         help=f"comma-separated, of {', '.join(VARIANTS)}")
-    parser.add_argument("--modes", default=None, help="eager,compiled (default: both on "
-                        "CUDA, eager on the CPU)")
-    parser.add_argument("--layers", type=int, default=None, help="default 8 (--tiny: 2)")
+    parser.add_argument("--modes", default=None, help="of eager,compiled,compiled_ro (default: "
+                        "eager,compiled on CUDA, eager on the CPU)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="default 8, llama_1b 16 (--tiny: 2)")
     parser.add_argument("--tokens", type=int, default=None,
                         help="tokens per step, batch x --seq (default 8192; --tiny: 256)")
     parser.add_argument("--seq", type=int, default=None, help="default 4096 (--tiny: 128)")
@@ -660,7 +678,7 @@ def main(argv=None):
     if args.combine:
         return combine(args.combine, args.out)
     device = torch.device(args.device)
-    args.layers = args.layers or (2 if args.tiny else 8)
+    args.layers = args.layers or (2 if args.tiny else None)
     args.seq = args.seq or (128 if args.tiny else 4096)
     tokens = args.tokens or (256 if args.tiny else 8192)
     if tokens % args.seq:
@@ -669,6 +687,9 @@ def main(argv=None):
     args.steps = args.steps or (2 if args.tiny else 8)
     modes = (args.modes or ("eager,compiled" if device.type == "cuda" else "eager")).split(",")
     variants = args.variants.split(",")
+    for m in modes:
+        if m not in MODES:
+            parser.error(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
     for v in variants:
         if v not in VARIANTS:
             parser.error(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")

@@ -34,7 +34,7 @@ import torch
 
 from ..config import Float8BlockConfig, config_or_default
 from ..mlp import is_silu, silu_gate
-from .grouped import check_experts_config, grouped_linear
+from .grouped import check_experts_config, grouped_linear, grouped_linear_combine
 from .routing import combine, permute, route
 
 NAME = "fp8blk"
@@ -125,10 +125,14 @@ def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tens
     x = permute(hidden_states, routing)
     h = _project(x, module, "gate_up_proj" if module.has_gate else "up_proj", routing, cfg)
     h = gate(module, h, routing)
-    y = _project(h, module, "down_proj", routing, cfg)
     if getattr(module, "has_post_expert_norm", False):
-        y = module.post_expert_norm(y)
-    return combine(y, routing, top_k_weights, hidden_states.dtype)
+        # the norm stands between the projection and the combine: y kept, not recomputed
+        y = module.post_expert_norm(_project(h, module, "down_proj", routing, cfg))
+        return combine(y, routing, top_k_weights, hidden_states.dtype)
+    bias = module.down_proj_bias if module.has_bias else None
+    return grouped_linear_combine(h, module.down_proj, routing, top_k_weights,
+                                  hidden_states.dtype, cfg, bias=bias,
+                                  transposed=module.is_transposed)
 
 
 def register():

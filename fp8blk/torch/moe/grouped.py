@@ -36,7 +36,7 @@ import torch
 from ..config import HIGH_DTYPES, Float8BlockConfig, config_or_default, fp8_dtype
 from ..linear.functional import add_bias, quantize_buffers
 from ..scaled_mm import blockwise_scaled_mm
-from .routing import ALIGN, Routing, host_table
+from .routing import ALIGN, Routing, combine, host_table
 from ...formats import recipe_kind
 from ...layout import all_layouts, cdiv
 
@@ -192,15 +192,43 @@ def grouped_row_sums(dy, routing: Routing):
     return _row_sums_impl(dy, routing.host())
 
 
+def _forward(x, weight, bias, routing, cfg, transposed, out_dtype, columns):
+    """y = x @ W_e.T per segment, and x's quantized buffers (rowwise, and columnwise when
+    ``columns``: the weight gradient's operand)."""
+    qx = quantize_buffers(x.contiguous(), cfg.activation, True, columns)
+    wd, ws = expert_weight_buffers(weight, cfg.weight, transposed, True)
+    act = fp8_dtype(cfg.activation.fmt)
+    return grouped_mm_rows(qx[0].view(act), qx[1], wd, ws, routing, out_dtype, bias), qx
+
+
+def _backward(dy, xt_d, xt_s, weight, routing, cfg, transposed, x_dtype, needs, has_bias):
+    """(dx, dW, dbias) of the experts' linear layer from dy (rows, N); ``needs``: whether x,
+    W and the bias want their gradients; xt_d, xt_s: x's columnwise buffers (for dW)."""
+    need_dgrad, need_wgrad, need_dbias = needs
+    dx = dw = dbias = None
+    dy = dy.contiguous()
+    if has_bias and need_dbias:
+        dbias = grouped_row_sums(dy, routing)
+    if not (need_dgrad or need_wgrad):
+        return dx, dw, dbias
+    qdy = quantize_buffers(dy, cfg.grad, need_dgrad, need_wgrad)
+    g = fp8_dtype(cfg.grad.fmt)
+    if need_dgrad:
+        wd, ws = expert_weight_buffers(weight, cfg.weight, transposed, False)
+        dx = grouped_mm_rows(qdy[0].view(g), qdy[1], wd, ws, routing, x_dtype)
+    if need_wgrad:
+        dw = grouped_mm_weights(qdy[2].view(g), qdy[3], xt_d.view(fp8_dtype(cfg.activation.fmt)),
+                                xt_s, routing, weight.dtype)
+        if transposed:
+            dw = dw.transpose(1, 2).contiguous()
+    return dx, dw, dbias
+
+
 class _GroupedLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, routing, cfg, transposed, out_dtype, grad_enabled):
         need_wgrad = grad_enabled and weight.requires_grad
-        x = x.contiguous()
-        qx = quantize_buffers(x, cfg.activation, True, need_wgrad)
-        wd, ws = expert_weight_buffers(weight, cfg.weight, transposed, True)
-        act = fp8_dtype(cfg.activation.fmt)
-        y = grouped_mm_rows(qx[0].view(act), qx[1], wd, ws, routing, out_dtype, bias)
+        y, qx = _forward(x, weight, bias, routing, cfg, transposed, out_dtype, need_wgrad)
         # saved: x's columnwise FP8 buffers and W (a parameter: held anyway)
         ctx.save_for_backward(qx[2] if need_wgrad else None,
                               qx[3] if need_wgrad else None, weight)
@@ -212,26 +240,95 @@ class _GroupedLinearFn(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         xt_d, xt_s, weight = ctx.saved_tensors
-        cfg, routing = ctx.cfg, ctx.routing
-        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dx = dw = dbias = None
-        dy = dy.contiguous()
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            dbias = grouped_row_sums(dy, routing)
-        if not (need_dgrad or need_wgrad):
-            return None, None, dbias, None, None, None, None, None
-        qdy = quantize_buffers(dy, cfg.grad, need_dgrad, need_wgrad)
-        g = fp8_dtype(cfg.grad.fmt)
-        if need_dgrad:
-            wd, ws = expert_weight_buffers(weight, cfg.weight, ctx.transposed, False)
-            dx = grouped_mm_rows(qdy[0].view(g), qdy[1], wd, ws, routing, ctx.x_dtype)
-        if need_wgrad:
-            dw = grouped_mm_weights(qdy[2].view(g), qdy[3],
-                                    xt_d.view(fp8_dtype(cfg.activation.fmt)), xt_s, routing,
-                                    weight.dtype)
-            if ctx.transposed:
-                dw = dw.transpose(1, 2).contiguous()
+        dx, dw, dbias = _backward(dy, xt_d, xt_s, weight, ctx.routing, ctx.cfg, ctx.transposed,
+                                  ctx.x_dtype, ctx.needs_input_grad[:3], ctx.has_bias)
         return dx, dw, dbias, None, None, None, None, None
+
+
+class _LinearCombineFn(torch.autograd.Function):
+    """The down projection and the combine in one node: y is not kept for the backward pass
+    (only the router weights' gradient reads it) but recomputed there by the same GEMM on the
+    same FP8 bytes (x's rowwise buffers, kept): byte for byte the y of the forward pass. Each
+    gradient is autograd's arithmetic for ``combine(grouped_linear(x, ...), ...)``
+    (:func:`_combine_backward`), so every byte equals the two-node path's."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, top_k_weights, routing, cfg, transposed, out_dtype, dtype,
+                grad_enabled):
+        need_wgrad = grad_enabled and weight.requires_grad
+        need_y = grad_enabled and top_k_weights.requires_grad
+        y, qx = _forward(x, weight, bias, routing, cfg, transposed, out_dtype, need_wgrad)
+        out = combine(y, routing, top_k_weights, dtype)
+        # saved: x's columnwise FP8 buffers (dW), its rowwise ones (y again, when the router
+        # weights want a gradient), W and the bias (parameters: held anyway), the (T, k)
+        # weights
+        ctx.save_for_backward(qx[2] if need_wgrad else None, qx[3] if need_wgrad else None,
+                              qx[0] if need_y else None, qx[1] if need_y else None, weight,
+                              bias, top_k_weights)
+        ctx.routing, ctx.cfg, ctx.transposed, ctx.x_dtype = routing, cfg, transposed, x.dtype
+        ctx.y_dtype = y.dtype
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        xt_d, xt_s, x_d, x_s, weight, bias, w = ctx.saved_tensors
+        cfg, routing = ctx.cfg, ctx.routing
+        y = None
+        if ctx.needs_input_grad[3]:
+            wd, ws = expert_weight_buffers(weight, cfg.weight, ctx.transposed, True)
+            y = grouped_mm_rows(x_d.view(fp8_dtype(cfg.activation.fmt)), x_s, wd, ws, routing,
+                                ctx.y_dtype, bias)
+        needs = ctx.needs_input_grad[:3]
+        dy, dw_router = _combine_backward(dout, y, w, routing, ctx.y_dtype, any(needs))
+        dx, dw, dbias = (None, None, None) if dy is None else _backward(
+            dy, xt_d, xt_s, weight, routing, cfg, ctx.transposed, ctx.x_dtype, needs,
+            bias is not None)
+        return dx, dw, dbias, dw_router, None, None, None, None, None, None
+
+
+def _combine_backward(dout, y, w, routing, y_dtype, need_rows):
+    """The gradients of ``routing.combine(y, routing, w, dtype)`` as autograd computes them
+    node by node (ToCopy, Sum, View, Mul with its broadcast reduction and dtype casts, Index):
+    (d y (rows, N) in y's dtype or None, d w (T, k) in w's dtype or None; y None: no d w)."""
+    tokens, top_k = routing.tokens, routing.top_k
+    width = dout.shape[-1]
+    g = dout.to(torch.promote_types(y_dtype, w.dtype))
+    g = g.unsqueeze(1).expand(tokens, top_k, width).reshape(tokens * top_k, width)
+    dy = dw = None
+    if need_rows:
+        d_picked = (g * w.reshape(-1).unsqueeze(-1)).to(y_dtype)
+        # the index's backward as autograd runs it: an accumulating put into zeros
+        dy = d_picked.new_zeros((routing.rows, width))
+        dy.index_put_((routing.dest,), d_picked, accumulate=True)
+    if y is not None:
+        dw = (g * y[routing.dest]).sum(1, keepdim=True).to(w.dtype).view(tokens, top_k)
+    return dy, dw
+
+
+def _checked(x, weight, routing, config, bias, transposed, where):
+    """The config (default filled in) and the output dtype of the experts' linear layer, after
+    checking the arguments' shapes and dtypes (:func:`grouped_linear`)."""
+    config = config_or_default(config, where)
+    check_experts_config(config, where)
+    if weight.dim() != 3 or weight.shape[0] != routing.num_experts:
+        raise ValueError(f"{where}: weight must be ({routing.num_experts}, out, in), got "
+                         f"shape {tuple(weight.shape)}")
+    k = weight.shape[1] if transposed else weight.shape[2]
+    if x.dim() != 2 or x.shape != (routing.rows, k):
+        raise ValueError(f"{where}: x must be ({routing.rows}, {k}) (the padded layout "
+                         f"of the routing), got shape {tuple(x.shape)}")
+    if x.dtype not in HIGH_DTYPES:
+        raise TypeError(f"{where}: x dtype must be float32, bfloat16 or float16, got "
+                        f"{x.dtype}")
+    n = weight.shape[2] if transposed else weight.shape[1]
+    if bias is not None and tuple(bias.shape) != (routing.num_experts, n):
+        raise ValueError(f"{where}: bias must be ({routing.num_experts}, {n}), got "
+                         f"shape {tuple(bias.shape)}")
+    device = x.device.type
+    out_dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+                 else x.dtype)
+    return config, out_dtype
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, routing: Routing,
@@ -245,28 +342,28 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, routing: Routing,
     or None, added to each expert's routed rows. Returns (routing.rows, N) in x's dtype (the
     autocast dtype under ``torch.autocast``), padding rows zero; dW in the weight's dtype,
     zero for an expert without rows."""
-    config = config_or_default(config, "grouped_linear")
-    check_experts_config(config, "grouped_linear")
-    if weight.dim() != 3 or weight.shape[0] != routing.num_experts:
-        raise ValueError(f"grouped_linear: weight must be ({routing.num_experts}, out, in), got "
-                         f"shape {tuple(weight.shape)}")
-    k = weight.shape[1] if transposed else weight.shape[2]
-    if x.dim() != 2 or x.shape != (routing.rows, k):
-        raise ValueError(f"grouped_linear: x must be ({routing.rows}, {k}) (the padded layout "
-                         f"of the routing), got shape {tuple(x.shape)}")
-    if x.dtype not in HIGH_DTYPES:
-        raise TypeError(f"grouped_linear: x dtype must be float32, bfloat16 or float16, got "
-                        f"{x.dtype}")
-    device = x.device.type
-    out_dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
-                 else x.dtype)
-    n = weight.shape[2] if transposed else weight.shape[1]
-    if bias is not None and tuple(bias.shape) != (routing.num_experts, n):
-        raise ValueError(f"grouped_linear: bias must be ({routing.num_experts}, {n}), got "
-                         f"shape {tuple(bias.shape)}")
+    config, out_dtype = _checked(x, weight, routing, config, bias, transposed,
+                                 "grouped_linear")
     return _GroupedLinearFn.apply(x, weight, bias, routing, config, bool(transposed), out_dtype,
                                   torch.is_grad_enabled())
 
 
-__all__ = ["grouped_linear", "expert_weight_buffers", "grouped_mm_rows", "grouped_mm_weights",
-           "grouped_row_sums", "check_experts_config"]
+def grouped_linear_combine(x: torch.Tensor, weight: torch.Tensor, routing: Routing,
+                           top_k_weights: torch.Tensor, dtype, config: Float8BlockConfig = None,
+                           *, bias: torch.Tensor = None, transposed: bool = False):
+    """``routing.combine(grouped_linear(x, weight, routing, config, bias=bias,
+    transposed=transposed), routing, top_k_weights, dtype)``: the experts' last projection
+    and the weighted sum over each token's k rows, (T, N) in ``dtype``, with the same bytes
+    forward and backward (d x, d W, d bias, d top_k_weights), but without keeping the
+    projection's (T*k, N) output for the router weights' gradient: x's rowwise FP8 buffers
+    (one byte per element and the 1x128 scales) are kept instead and the GEMM runs again in
+    the backward pass (:class:`_LinearCombineFn`). Arguments as :func:`grouped_linear` and
+    ``routing.combine``."""
+    config, out_dtype = _checked(x, weight, routing, config, bias, transposed,
+                                 "grouped_linear_combine")
+    return _LinearCombineFn.apply(x, weight, bias, top_k_weights, routing, config,
+                                  bool(transposed), out_dtype, dtype, torch.is_grad_enabled())
+
+
+__all__ = ["grouped_linear", "grouped_linear_combine", "expert_weight_buffers",
+           "grouped_mm_rows", "grouped_mm_weights", "grouped_row_sums", "check_experts_config"]

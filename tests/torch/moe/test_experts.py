@@ -2,7 +2,9 @@
 CPU, tiny configs of Qwen3-MoE, Mixtral, DeepSeek-V3, OLMoE and gpt-oss: which modules are
 converted (experts yes, routers no), a whole model's loss and gradients against the same model
 running the per-expert dense loop (tests/torch/moe/_reference.py), state-dict keys, a save /
-reload round trip and a plain Hugging Face checkpoint loaded into a converted model."""
+reload round trip and a plain Hugging Face checkpoint loaded into a converted model; the fused
+down projection and combine against the two-node path (tests/torch/moe/_reference.py), bytes
+and what is kept between the passes."""
 from __future__ import annotations
 
 import copy
@@ -18,11 +20,13 @@ from fp8blk.torch.moe import convert_experts  # noqa: E402
 from fp8blk.torch.moe.experts import is_experts_module  # noqa: E402
 
 from .._parity import saved_storages  # noqa: E402
-from ._reference import CONFIGS, experts_loop, routing_ids, tiny_model  # noqa: E402
+from ._reference import (CONFIGS, experts_loop, routing_ids, tiny_model,  # noqa: E402
+                         two_node_experts)
 
-LOOP = "fp8blk_test_loop"
-if LOOP not in hf_moe.ALL_EXPERTS_FUNCTIONS:
-    type(hf_moe.ALL_EXPERTS_FUNCTIONS).register(LOOP, experts_loop)
+LOOP, TWO_NODE = "fp8blk_test_loop", "fp8blk_test_two_node"
+for _name, _fn in ((LOOP, experts_loop), (TWO_NODE, two_node_experts)):
+    if _name not in hf_moe.ALL_EXPERTS_FUNCTIONS:
+        type(hf_moe.ALL_EXPERTS_FUNCTIONS).register(_name, _fn)
 
 
 def _close_bf16(a, b):
@@ -190,3 +194,58 @@ def test_silu_gating_keeps_the_projection_alone():
     from fp8blk.torch.moe import route
     rows = route(idx, module.num_experts).rows
     assert plain - lean == rows * module.down_proj.shape[2] * 2
+
+
+def _same_bytes(a, b):
+    return (a.dtype == b.dtype and a.shape == b.shape and
+            torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_model_equals_the_two_node_path(name):
+    """The down projection and combine as one node (y recomputed for the router weights'
+    gradient, not kept): a whole model's loss and every gradient, routers included, equal the
+    two-node path's byte for byte (Mixtral: an intermediate width not a multiple of 128;
+    gpt-oss: transposed weights, biases, its own gating)."""
+    model = tiny_model(name)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias"):                  # zeros at init: make them count
+                p.normal_()
+    convert_experts(model)
+    two = copy.deepcopy(model)
+    two.config._experts_implementation = TWO_NODE
+    ids = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(0))
+    loss, grads = _step(model, ids)
+    ref_loss, ref_grads = _step(two, ids)
+    assert _same_bytes(loss, ref_loss)
+    for n, g in grads.items():
+        assert _same_bytes(g, ref_grads[n]), n
+
+
+def test_the_experts_keep_no_expert_outputs():
+    """Between the passes the fused path keeps no (T*k, H) high-precision tensor (the
+    two-node path keeps the expert outputs for the router weights' gradient), but the down
+    projection's rowwise FP8 input and its scales (saved_tensors_hooks)."""
+    model = tiny_model("qwen3_moe")
+    convert_experts(model)
+    module = [m for m in model.modules() if is_experts_module(m)][0]
+    tokens, top_k, hidden = 200, 2, 256
+    idx = routing_ids(tokens, top_k, module.num_experts, "balanced")
+    h = torch.randn(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.rand(tokens, top_k, dtype=torch.bfloat16, requires_grad=True)
+    shapes = []
+
+    def pack(t):
+        shapes.append((tuple(t.shape), t.dtype))
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(h, idx, w)
+    assert not [s for s, d in shapes if d.is_floating_point and d.itemsize > 1 and
+                s[-1] == hidden and s[0] >= tokens * top_k]
+    lean = _saved_storage_bytes(lambda: module(h, idx, w))
+    two = _saved_storage_bytes(lambda: two_node_experts(module, h, idx, w))
+    from fp8blk.torch.moe import route
+    rows, inter = route(idx, module.num_experts).rows, module.down_proj.shape[2]
+    kept = rows * inter + -(-inter // 128) * rows * 4          # 1x128 FP8 bytes, fp32 scales
+    assert two - lean == tokens * top_k * hidden * 2 - kept

@@ -1,7 +1,8 @@
 """The experts' linear layer (fp8blk/torch/moe/grouped.py) on the CPU: each expert's output and
 gradients equal the dense float8_block_linear on its padded segment byte for byte (the same
 operands and GEMMs), empty experts get zero weight gradients, the per-expert weight buffers
-are fb.quantize's, and bad input raises."""
+are fb.quantize's, the down projection fused with the combine (grouped_linear_combine) gives
+the two-node path's bytes forward and backward, and bad input raises."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,8 +12,8 @@ torch = pytest.importorskip("torch")
 
 import fp8blk as fb  # noqa: E402
 from fp8blk.torch import Float8BlockConfig, float8_block_linear  # noqa: E402
-from fp8blk.torch.moe import grouped_linear, permute, route  # noqa: E402
-from fp8blk.torch.moe.grouped import expert_weight_buffers  # noqa: E402
+from fp8blk.torch.moe import combine, grouped_linear, permute, route  # noqa: E402
+from fp8blk.torch.moe.grouped import expert_weight_buffers, grouped_linear_combine  # noqa: E402,E501
 
 from ._reference import routing_ids  # noqa: E402
 
@@ -57,6 +58,40 @@ def test_equals_dense_per_expert(kind, transposed, bias, n):
         if bias:
             assert torch.equal(dy[start:start + count].sum(0), b.grad[e])
     assert empty == (kind == "skewed")
+
+
+def _same_bytes(a, b):
+    return (a.dtype == b.dtype and a.shape == b.shape and
+            torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+
+
+@pytest.mark.parametrize("transposed,bias,n,w_dtype", [
+    (False, False, 384, torch.float32), (True, True, 200, torch.bfloat16)])
+def test_linear_combine_equals_the_two_nodes(transposed, bias, n, w_dtype):
+    """Output, d x, d W, d bias and the router weights' gradient, compared as bytes, with
+    router weights in fp32 (the weighted sum promoted, then cast back) and in bf16."""
+    tokens, top_k, experts, k = 150, 2, 4, 256
+    r = route(routing_ids(tokens, top_k, experts, "skewed"), experts)
+    torch.manual_seed(1)
+    x0 = permute(torch.randn(tokens, k, dtype=torch.bfloat16), r)
+    w0 = torch.randn((experts, k, n) if transposed else (experts, n, k), dtype=torch.bfloat16)
+    b0 = torch.randn(experts, n, dtype=torch.bfloat16) if bias else None
+    tw0 = torch.rand(tokens, top_k, dtype=w_dtype)
+    dout = torch.randn(tokens, n, dtype=torch.bfloat16)
+    got = []
+    for fused in (False, True):
+        x, w, tw = (t.clone().requires_grad_() for t in (x0, w0, tw0))
+        b = b0.clone().requires_grad_() if bias else None
+        if fused:
+            out = grouped_linear_combine(x, w, r, tw, torch.bfloat16, bias=b,
+                                         transposed=transposed)
+        else:
+            out = combine(grouped_linear(x, w, r, bias=b, transposed=transposed), r, tw,
+                          torch.bfloat16)
+        out.backward(dout)
+        got.append([out, x.grad, w.grad, tw.grad] + ([b.grad] if bias else []))
+    for i, (a, b) in enumerate(zip(*got)):
+        assert _same_bytes(a, b), i
 
 
 @pytest.mark.parametrize("transposed", [False, True])

@@ -103,5 +103,7 @@ def two_node_experts(module, hidden, idx, weights):
         h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
     if not module.fp8blk_zero_rows:
         h = h * routing.valid_rows().unsqueeze(-1).to(h.dtype)
-    return combine(_project(h, module, "down_proj", routing, cfg), routing, weights,
-                   hidden.dtype)
+    y = _project(h, module, "down_proj", routing, cfg)
+    if getattr(module, "has_post_expert_norm", False):
+        y = module.post_expert_norm(y)
+    return combine(y, routing, weights, hidden.dtype)

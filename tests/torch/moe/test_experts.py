@@ -249,3 +249,27 @@ def test_the_experts_keep_no_expert_outputs():
     rows, inter = route(idx, module.num_experts).rows, module.down_proj.shape[2]
     kept = rows * inter + -(-inter // 128) * rows * 4          # 1x128 FP8 bytes, fp32 scales
     assert two - lean == tokens * top_k * hidden * 2 - kept
+
+
+def test_a_norm_after_the_experts_keeps_the_two_nodes():
+    """``has_post_expert_norm`` (a norm between the down projection and the combine): the
+    experts run the two-node path with the norm, the bytes of the reference's."""
+    model = tiny_model("qwen3_moe")
+    convert_experts(model)
+    module = [m for m in model.modules() if is_experts_module(m)][0]
+    module.has_post_expert_norm = True
+    module.post_expert_norm = torch.nn.RMSNorm(256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        module.post_expert_norm.weight.uniform_(0.5, 2)
+    idx = routing_ids(150, 2, module.num_experts, "skewed")
+    h0 = torch.randn(150, 256, dtype=torch.bfloat16)
+    w0 = torch.rand(150, 2, dtype=torch.bfloat16)
+    got = []
+    for fn in (module, lambda *a: two_node_experts(module, *a)):
+        module.zero_grad(set_to_none=True)
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        out = fn(h, idx, w)
+        out.backward(torch.ones_like(out))
+        got.append([out, h.grad, w.grad, module.post_expert_norm.weight.grad])
+    for a, b in zip(*got):
+        assert _same_bytes(a, b)

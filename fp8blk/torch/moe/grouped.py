@@ -18,6 +18,12 @@ under torch.compile the per-expert loops are custom ops (``torch.ops.fp8blk.grou
 ``grouped_mm_weights``, ``grouped_row_sums``) that read it themselves, so a compiled layer
 has no graph break.
 
+The experts' last projection and the combine run as one node (:func:`grouped_linear_combine`):
+the router weights' gradient reads the projection's output, which a two-node graph keeps
+((T*k, N), 2N bytes a routed pair in bf16); here the projection's rowwise FP8 input is kept
+instead (K bytes a padded row, and its scales) and the same GEMM on the same bytes runs again
+in the backward pass.
+
     import torch
     from fp8blk.torch import Float8BlockConfig
     from fp8blk.torch.moe.routing import route, permute

@@ -90,20 +90,13 @@ def two_node_experts(module, hidden, idx, weights):
     (``grouped_linear`` then ``routing.combine``: autograd keeps the (T*k, H) expert outputs
     for the router weights' gradient): what ``grouped_linear_combine`` must equal byte for
     byte."""
-    from fp8blk.torch.mlp import silu_gate
-    from fp8blk.torch.moe.experts import _project
+    from fp8blk.torch.moe.experts import _project, gate
     from fp8blk.torch.moe.routing import combine, permute, route
     cfg = module.fp8blk_config
     routing = route(idx, module.num_experts)
     h = _project(permute(hidden, routing), module,
                  "gate_up_proj" if module.has_gate else "up_proj", routing, cfg)
-    if module.fp8blk_silu_gate:
-        h = silu_gate(*h.chunk(2, dim=-1))
-    else:
-        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
-    if not module.fp8blk_zero_rows:
-        h = h * routing.valid_rows().unsqueeze(-1).to(h.dtype)
-    y = _project(h, module, "down_proj", routing, cfg)
+    y = _project(gate(module, h, routing), module, "down_proj", routing, cfg)
     if getattr(module, "has_post_expert_norm", False):
         y = module.post_expert_norm(y)
     return combine(y, routing, weights, hidden.dtype)

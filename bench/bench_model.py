@@ -575,13 +575,14 @@ def run_case(arch, variant, mode, args, device):
 
 def ratios(cases):
     """Each case's tokens/s, peak, saved bytes over bf16's (and tokens/s over torchao's) of
-    the same arch and mode."""
-    by = {(c["arch"], c["mode"], c["variant"]): c for c in cases if "error" not in c}
+    the same arch, mode and layer count."""
+    by = {(c["arch"], c["mode"], c.get("layers"), c["variant"]): c for c in cases
+          if "error" not in c}
     for c in cases:
         if "error" in c:
             continue
         for ref in ("bf16", "torchao"):
-            r = by.get((c["arch"], c["mode"], ref))
+            r = by.get((c["arch"], c["mode"], c.get("layers"), ref))
             if r is None or r is c:
                 continue
             c[f"speedup_vs_{ref}"] = c["tokens_per_s"] / r["tokens_per_s"]
@@ -619,14 +620,15 @@ def print_table(cases):
 
 def combine(paths, out):
     """One result file from several: the machine of the first, every run's date, command and
-    cases (a later file's case replaces an earlier one of the same arch, variant and mode)."""
+    cases (a later file's case replaces an earlier one of the same arch, variant, mode and
+    layer count)."""
     runs = [json.load(open(p)) for p in paths]
     cases = {}
     for r in runs:
         for c in r["cases"]:
             for key in [k for k in c if k.startswith("speedup_vs_") or k.endswith("_vs_bf16")]:
                 del c[key]
-            cases[(c["arch"], c["variant"], c["mode"])] = c
+            cases[(c["arch"], c["variant"], c["mode"], c.get("layers"))] = c
     result = {"machine": runs[0]["machine"], "date": runs[-1]["date"],
               "command": [r["command"] for r in runs], "runs": [
                   {"date": r["date"], "command": r["command"], "wall_s": r.get("wall_s")}

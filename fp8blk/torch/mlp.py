@@ -93,12 +93,16 @@ class _SiluGate(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: aten.silu_backward has no derivative
             return recomputed_grads(lambda g, u: F.silu(g) * u, (g, u),
                                     ctx.needs_input_grad[:2], dp)
-        dg = du = None
-        if ctx.needs_input_grad[1]:
-            du = dp * F.silu(g)
-        if ctx.needs_input_grad[0]:
-            dg = torch.ops.aten.silu_backward(dp * u, g)
-        return dg, du
+        return silu_gate_backward(g, u, dp, *ctx.needs_input_grad[:2])
+
+
+def silu_gate_backward(g, u, dp, need_g=True, need_u=True):
+    """(dg, du) of ``F.silu(g) * u`` for the output gradient ``dp``, as autograd's kernels
+    compute them (MulBackward0's two products, SiluBackward0's ``silu_backward``); None where
+    not needed. Not differentiable (first order)."""
+    du = dp * F.silu(g) if need_u else None
+    dg = torch.ops.aten.silu_backward(dp * u, g) if need_g else None
+    return dg, du
 
 
 def _silu_product(g, u):

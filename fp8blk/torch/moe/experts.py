@@ -124,12 +124,17 @@ def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tens
         return hidden_states.new_zeros(hidden_states.shape)
     x = permute(hidden_states, routing)
     h = _project(x, module, "gate_up_proj" if module.has_gate else "up_proj", routing, cfg)
+    bias = module.down_proj_bias if module.has_bias else None
+    if module.fp8blk_silu_gate and not getattr(module, "has_post_expert_norm", False):
+        # the gating inside the last node: h kept, the gated rows made again in backward
+        return grouped_linear_combine(h, module.down_proj, routing, top_k_weights,
+                                      hidden_states.dtype, cfg, bias=bias,
+                                      transposed=module.is_transposed, silu_gated=True)
     h = gate(module, h, routing)
     if getattr(module, "has_post_expert_norm", False):
         # the norm stands between the projection and the combine: y kept, not recomputed
         y = module.post_expert_norm(_project(h, module, "down_proj", routing, cfg))
         return combine(y, routing, top_k_weights, hidden_states.dtype)
-    bias = module.down_proj_bias if module.has_bias else None
     return grouped_linear_combine(h, module.down_proj, routing, top_k_weights,
                                   hidden_states.dtype, cfg, bias=bias,
                                   transposed=module.is_transposed)

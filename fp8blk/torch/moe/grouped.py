@@ -38,9 +38,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from ..config import HIGH_DTYPES, Float8BlockConfig, config_or_default, fp8_dtype
 from ..linear.functional import add_bias, quantize_buffers
+from ..mlp import silu_gate_backward
 from ..scaled_mm import blockwise_scaled_mm
 from .routing import ALIGN, Routing, combine, host_table
 from ...formats import recipe_kind
@@ -251,28 +253,44 @@ class _GroupedLinearFn(torch.autograd.Function):
         return dx, dw, dbias, None, None, None, None, None
 
 
+def _silu_gate(h):
+    """transformers' default gating with SiLU, ``silu(g) * u`` of ``g, u = h.chunk(2, -1)``, as
+    ``fp8blk.torch.mlp.silu_gate`` computes it."""
+    g, u = h.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
 class _LinearCombineFn(torch.autograd.Function):
     """The down projection and the combine in one node: y is not kept for the backward pass
     (only the router weights' gradient reads it) but recomputed there by the same GEMM on the
-    same FP8 bytes (x's rowwise buffers, kept): byte for byte the y of the forward pass. Each
-    gradient is autograd's arithmetic for ``combine(grouped_linear(x, ...), ...)``
-    (:func:`_combine_backward`), so every byte equals the two-node path's."""
+    same FP8 bytes: byte for byte the y of the forward pass. Each gradient is autograd's
+    arithmetic for ``combine(grouped_linear(x, ...), ...)`` (:func:`_combine_backward`), so
+    every byte equals the two-node path's. The FP8 bytes are x's rowwise buffers, kept; with
+    ``silu_gated`` the node takes h and computes x = silu(g) * u itself, keeping h alone (which
+    the gating keeps anyway) and making x and its FP8 buffers again in the backward pass."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, top_k_weights, routing, cfg, transposed, out_dtype, dtype,
-                grad_enabled):
+                grad_enabled, silu_gated):
         need_wgrad = grad_enabled and weight.requires_grad
         need_y = grad_enabled and top_k_weights.requires_grad
+        h = x
+        if silu_gated:
+            x = _silu_gate(h)
         y, qx = _forward(x, weight, bias, routing, cfg, transposed, out_dtype, need_wgrad)
         out = combine(y, routing, top_k_weights, dtype)
-        # saved: x's columnwise FP8 buffers (dW), its rowwise ones (y again, when the router
-        # weights want a gradient), W and the bias (parameters: held anyway), the (T, k)
-        # weights
-        ctx.save_for_backward(qx[2] if need_wgrad else None, qx[3] if need_wgrad else None,
-                              qx[0] if need_y else None, qx[1] if need_y else None, weight,
-                              bias, top_k_weights)
+        # saved: h (silu_gated), or x's columnwise FP8 buffers (dW) and its rowwise ones (y
+        # again, when the router weights want a gradient); W and the bias (parameters: held
+        # anyway), the (T, k) weights
+        if silu_gated:
+            ctx.save_for_backward(h if grad_enabled else None, None, None, None, weight, bias,
+                                  top_k_weights)
+        else:
+            ctx.save_for_backward(qx[2] if need_wgrad else None,
+                                  qx[3] if need_wgrad else None, qx[0] if need_y else None,
+                                  qx[1] if need_y else None, weight, bias, top_k_weights)
         ctx.routing, ctx.cfg, ctx.transposed, ctx.x_dtype = routing, cfg, transposed, x.dtype
-        ctx.y_dtype = y.dtype
+        ctx.y_dtype, ctx.silu_gated = y.dtype, silu_gated
         return out
 
     @staticmethod
@@ -280,17 +298,29 @@ class _LinearCombineFn(torch.autograd.Function):
     def backward(ctx, dout):
         xt_d, xt_s, x_d, x_s, weight, bias, w = ctx.saved_tensors
         cfg, routing = ctx.cfg, ctx.routing
+        need_h, need_wgrad, need_dbias, need_router = ctx.needs_input_grad[:4]
+        h = None
+        if ctx.silu_gated:        # x and its FP8 buffers again, from h: the forward's bytes
+            h, xt_d = xt_d, None
+            if need_router or need_wgrad:
+                x_d, x_s, xt_d, xt_s = quantize_buffers(_silu_gate(h).contiguous(),
+                                                        cfg.activation, need_router, need_wgrad)
         y = None
-        if ctx.needs_input_grad[3]:
+        if need_router:
             wd, ws = expert_weight_buffers(weight, cfg.weight, ctx.transposed, True)
             y = grouped_mm_rows(x_d.view(fp8_dtype(cfg.activation.fmt)), x_s, wd, ws, routing,
                                 ctx.y_dtype, bias)
-        needs = ctx.needs_input_grad[:3]
+        needs = (need_h, need_wgrad, need_dbias)
         dy, dw_router = _combine_backward(dout, y, w, routing, ctx.y_dtype, any(needs))
+        y = x_d = x_s = None
         dx, dw, dbias = (None, None, None) if dy is None else _backward(
             dy, xt_d, xt_s, weight, routing, cfg, ctx.transposed, ctx.x_dtype, needs,
             bias is not None)
-        return dx, dw, dbias, dw_router, None, None, None, None, None, None
+        if h is not None and dx is not None:
+            # the gating's backward as autograd runs it: silu_gate's, then the chunk's (a cat)
+            dg, du = silu_gate_backward(*h.chunk(2, dim=-1), dx)
+            dx = torch.cat([dg, du], dim=-1)
+        return dx, dw, dbias, dw_router, None, None, None, None, None, None, None
 
 
 def _combine_backward(dout, y, w, routing, y_dtype, need_rows):
@@ -356,7 +386,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, routing: Routing,
 
 def grouped_linear_combine(x: torch.Tensor, weight: torch.Tensor, routing: Routing,
                            top_k_weights: torch.Tensor, dtype, config: Float8BlockConfig = None,
-                           *, bias: torch.Tensor = None, transposed: bool = False):
+                           *, bias: torch.Tensor = None, transposed: bool = False,
+                           silu_gated: bool = False):
     """``routing.combine(grouped_linear(x, weight, routing, config, bias=bias,
     transposed=transposed), routing, top_k_weights, dtype)``: the experts' last projection
     and the weighted sum over each token's k rows, (T, N) in ``dtype``, with the same bytes
@@ -364,11 +395,19 @@ def grouped_linear_combine(x: torch.Tensor, weight: torch.Tensor, routing: Routi
     projection's (T*k, N) output for the router weights' gradient: x's rowwise FP8 buffers
     (one byte per element and the 1x128 scales) are kept instead and the GEMM runs again in
     the backward pass (:class:`_LinearCombineFn`). Arguments as :func:`grouped_linear` and
-    ``routing.combine``."""
-    config, out_dtype = _checked(x, weight, routing, config, bias, transposed,
+    ``routing.combine``. ``silu_gated``: ``x`` is h (rows, 2K) and the projection's input is
+    transformers' default SiLU gating of it, ``silu(g) * u`` with ``g, u = h.chunk(2, -1)``
+    (``fp8blk.torch.mlp.silu_gate``'s bytes); then h alone is kept, the gated rows and their
+    FP8 buffers are made again in the backward pass."""
+    if silu_gated and (x.dim() != 2 or x.shape[-1] % 2):
+        raise ValueError(f"grouped_linear_combine: a SiLU-gated input is (rows, 2K), got "
+                         f"shape {tuple(x.shape)}")
+    gated = x[:, :x.shape[1] // 2] if silu_gated else x    # the shape the projection takes
+    config, out_dtype = _checked(gated, weight, routing, config, bias, transposed,
                                  "grouped_linear_combine")
     return _LinearCombineFn.apply(x, weight, bias, top_k_weights, routing, config,
-                                  bool(transposed), out_dtype, dtype, torch.is_grad_enabled())
+                                  bool(transposed), out_dtype, dtype, torch.is_grad_enabled(),
+                                  bool(silu_gated))
 
 
 __all__ = ["grouped_linear", "grouped_linear_combine", "expert_weight_buffers",

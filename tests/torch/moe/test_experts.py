@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers.integrations import moe as hf_moe  # noqa: E402
 
+from fp8blk.layout import cdiv, round_up  # noqa: E402
 from fp8blk.torch.moe import convert_experts  # noqa: E402
 from fp8blk.torch.moe.experts import is_experts_module  # noqa: E402
 
@@ -179,8 +180,10 @@ def _saved_storage_bytes(fn):
 
 
 def test_silu_gating_keeps_the_projection_alone():
-    """transformers' default SiLU gating runs as fp8blk.torch.mlp.silu_gate: the same bytes
-    (the loop tests), and SiLU's output (padded rows x intermediate, bf16) is not kept."""
+    """transformers' default SiLU gating runs inside the last node (grouped_linear_combine's
+    ``silu_gated``): the same bytes (the loop tests), and neither SiLU's output (padded rows x
+    intermediate, bf16) nor the gated rows' FP8 buffers (rowwise and columnwise, one byte per
+    element and their fp32 scales) are kept: the gate/up projection's output h alone."""
     model = tiny_model("qwen3_moe")
     convert_experts(model)
     module = [m for m in model.modules() if is_experts_module(m)][0]
@@ -193,7 +196,10 @@ def test_silu_gating_keeps_the_projection_alone():
     plain = _saved_storage_bytes(lambda: module(h, idx, w))
     from fp8blk.torch.moe import route
     rows = route(idx, module.num_experts).rows
-    assert plain - lean == rows * module.down_proj.shape[2] * 2
+    inter = module.down_proj.shape[2]
+    fp8_copies = 2 * rows * inter + 4 * (cdiv(inter, 128) * round_up(rows, 4)
+                                         + cdiv(rows, 128) * round_up(inter, 4))
+    assert plain - lean == rows * inter * 2 + fp8_copies
 
 
 def _same_bytes(a, b):
@@ -225,8 +231,9 @@ def test_model_equals_the_two_node_path(name):
 
 def test_the_experts_keep_no_expert_outputs():
     """Between the passes the fused path keeps no (T*k, H) high-precision tensor (the
-    two-node path keeps the expert outputs for the router weights' gradient), but the down
-    projection's rowwise FP8 input and its scales (saved_tensors_hooks)."""
+    two-node path keeps the expert outputs for the router weights' gradient), nor the down
+    projection's FP8 input (its columnwise copy and scales, which the two-node path keeps for
+    the weight gradient): both are made again from h (saved_tensors_hooks)."""
     model = tiny_model("qwen3_moe")
     convert_experts(model)
     module = [m for m in model.modules() if is_experts_module(m)][0]
@@ -242,13 +249,13 @@ def test_the_experts_keep_no_expert_outputs():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         module(h, idx, w)
     assert not [s for s, d in shapes if d.is_floating_point and d.itemsize > 1 and
-                s[-1] == hidden and s[0] >= tokens * top_k]
+                s == (tokens * top_k, hidden)]
     lean = _saved_storage_bytes(lambda: module(h, idx, w))
     two = _saved_storage_bytes(lambda: two_node_experts(module, h, idx, w))
     from fp8blk.torch.moe import route
     rows, inter = route(idx, module.num_experts).rows, module.down_proj.shape[2]
-    kept = rows * inter + -(-inter // 128) * rows * 4          # 1x128 FP8 bytes, fp32 scales
-    assert two - lean == tokens * top_k * hidden * 2 - kept
+    columnwise = rows * inter + cdiv(rows, 128) * round_up(inter, 4) * 4    # 128x1 FP8, scales
+    assert two - lean == tokens * top_k * hidden * 2 + columnwise
 
 
 def test_a_norm_after_the_experts_keeps_the_two_nodes():

@@ -279,21 +279,21 @@ class _ExpertParallelFn(torch.autograd.Function):
         cfg, routing = module.fp8blk_config, plan.routing
         act = fp8_dtype(cfg.activation.fmt)
         need_w1 = call.grad_enabled and w1.requires_grad
-        need_w2 = call.grad_enabled and w2.requires_grad
         xd, xs, xtd, xts, _ = ep.dispatch(hidden[plan.token_of], plan, cfg.activation, True,
                                           need_w1)
         w1d, w1s = expert_weight_buffers(w1, cfg.weight, module.is_transposed, True)
         h = grouped_mm_rows(xd.view(act), xs, w1d, w1s, routing, call.out_dtype, b1)
         with torch.no_grad():
             a = gate(module, h, routing).contiguous()
-        ad, as_, atd, ats = _quantize(a, cfg.activation, True, need_w2)
+        ad, as_ = _quantize(a, cfg.activation, True, False)[:2]
         del a
         w2d, w2s = expert_weight_buffers(w2, cfg.weight, module.is_transposed, True)
         y = grouped_mm_rows(ad.view(act), as_, w2d, w2s, routing, call.out_dtype, b2)
         picked = ep.send_back(y, plan)
-        # saved: x's and a's columnwise FP8 (the weight gradients), h (the gating's backward),
-        # the weights (parameters: held anyway)
-        ctx.save_for_backward(xtd, xts, h, atd, ats, w1, w2)
+        # saved: x's columnwise FP8 (the gate/up weight gradient), h (the gating's backward,
+        # and a = gate(h) made again for the down projection's weight gradient), the weights
+        # (parameters: held anyway)
+        ctx.save_for_backward(xtd, xts, h, w1, w2)
         ctx.call = call
         ctx.has_bias = (b1 is not None, b2 is not None)
         ctx.x_dtype = hidden.dtype
@@ -302,7 +302,7 @@ class _ExpertParallelFn(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dpicked):
-        xtd, xts, h, atd, ats, w1, w2 = ctx.saved_tensors
+        xtd, xts, h, w1, w2 = ctx.saved_tensors
         call = ctx.call
         ep, module, plan = call.ep, call.module, call.plan
         cfg, routing = module.fp8blk_config, plan.routing
@@ -317,18 +317,22 @@ class _ExpertParallelFn(torch.autograd.Function):
             db2 = (ep.bias_grad(sorted_rows, plan, dpicked.dtype) if ep.fp8_dispatch
                    else grouped_row_sums(dy, routing))
         del sorted_rows
+        # the gating again, with autograd (its backward below): a's bytes of the forward pass
+        with torch.enable_grad():
+            leaf = h.detach().requires_grad_(True)
+            a = gate(module, leaf, routing)
         dw2 = None
         if need_w2:
+            atd, ats = _quantize(a.detach().contiguous(), cfg.activation, False, True)[2:]
             dw2 = grouped_mm_weights(dytd.view(g), dyts, atd.view(act), ats, routing, w2.dtype)
             dw2 = dw2.transpose(1, 2).contiguous() if transposed else dw2
+            del atd, ats
         w2td, w2ts = expert_weight_buffers(w2, cfg.weight, transposed, False)
         da = grouped_mm_rows(dyd.view(g), dys, w2td, w2ts, routing, h.dtype)
         del dy, dyd, dys, dytd, dyts
         # the gating's backward: autograd's, on h (the single-rank path's bytes)
-        with torch.enable_grad():
-            leaf = h.detach().requires_grad_(True)
-            (dh,) = torch.autograd.grad(gate(module, leaf, routing), leaf, da)
-        del da
+        (dh,) = torch.autograd.grad(a, leaf, da)
+        del da, a
         dh = dh.contiguous()
         db1 = grouped_row_sums(dh, routing) if need_b1 else None
         dhd, dhs, dhtd, dhts = _quantize(dh, cfg.grad, True, need_w1)

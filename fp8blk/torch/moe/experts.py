@@ -125,6 +125,14 @@ def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tens
     x = permute(hidden_states, routing)
     h = _project(x, module, "gate_up_proj" if module.has_gate else "up_proj", routing, cfg)
     bias = module.down_proj_bias if module.has_bias else None
+    if torch.compiler.is_compiling():
+        # compiled, the experts run as separate nodes (the gating, the down projection, the
+        # combine): under inductor on CUDA the recomputing node's output came out zero
+        # (tests/torch/moe/test_moe_gpu.py::test_compiled_block_on_cuda), so eager mode only
+        y = _project(gate(module, h, routing), module, "down_proj", routing, cfg)
+        if getattr(module, "has_post_expert_norm", False):
+            y = module.post_expert_norm(y)
+        return combine(y, routing, top_k_weights, hidden_states.dtype)
     if module.fp8blk_silu_gate and not getattr(module, "has_post_expert_norm", False):
         # the gating inside the last node: h kept, the gated rows made again in backward
         return grouped_linear_combine(h, module.down_proj, routing, top_k_weights,

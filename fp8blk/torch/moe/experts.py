@@ -56,10 +56,15 @@ def _fallback(module, *args):
     return fn(module, *args)
 
 
+def expert_bias(module, name):
+    """The bias (E, N) of the module's projection ``name`` ("gate_up_proj", "up_proj",
+    "down_proj"), or None for a module without biases."""
+    return getattr(module, f"{name}_bias") if module.has_bias else None
+
+
 def _project(x, module, name, routing, cfg):
-    bias = getattr(module, f"{name}_bias") if module.has_bias else None
-    return grouped_linear(x, getattr(module, name), routing, cfg, bias=bias,
-                          transposed=module.is_transposed)
+    return grouped_linear(x, getattr(module, name), routing, cfg,
+                          bias=expert_bias(module, name), transposed=module.is_transposed)
 
 
 def _silu_gated(module) -> bool:
@@ -124,28 +129,23 @@ def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tens
         return hidden_states.new_zeros(hidden_states.shape)
     x = permute(hidden_states, routing)
     h = _project(x, module, "gate_up_proj" if module.has_gate else "up_proj", routing, cfg)
-    bias = module.down_proj_bias if module.has_bias else None
-    if torch.compiler.is_compiling():
-        # compiled, the experts run as separate nodes (the gating, the down projection, the
-        # combine): under inductor on CUDA the recomputing node's output came out zero
-        # (tests/torch/moe/test_moe_gpu.py::test_compiled_block_on_cuda), so eager mode only
+    post_norm = getattr(module, "has_post_expert_norm", False)
+    # compiled, the experts run as separate nodes (the gating, the down projection, the
+    # combine): under inductor on CUDA the recomputing node's output came out zero
+    # (tests/torch/moe/test_moe_gpu.py::test_compiled_block_on_cuda), so eager mode only; a
+    # norm between the down projection and the combine keeps the nodes apart too
+    if post_norm or torch.compiler.is_compiling():
         y = _project(gate(module, h, routing), module, "down_proj", routing, cfg)
-        if getattr(module, "has_post_expert_norm", False):
+        if post_norm:
             y = module.post_expert_norm(y)
         return combine(y, routing, top_k_weights, hidden_states.dtype)
-    if module.fp8blk_silu_gate and not getattr(module, "has_post_expert_norm", False):
-        # the gating inside the last node: h kept, the gated rows made again in backward
-        return grouped_linear_combine(h, module.down_proj, routing, top_k_weights,
-                                      hidden_states.dtype, cfg, bias=bias,
-                                      transposed=module.is_transposed, silu_gated=True)
-    h = gate(module, h, routing)
-    if getattr(module, "has_post_expert_norm", False):
-        # the norm stands between the projection and the combine: y kept, not recomputed
-        y = module.post_expert_norm(_project(h, module, "down_proj", routing, cfg))
-        return combine(y, routing, top_k_weights, hidden_states.dtype)
-    return grouped_linear_combine(h, module.down_proj, routing, top_k_weights,
-                                  hidden_states.dtype, cfg, bias=bias,
-                                  transposed=module.is_transposed)
+    # with SiLU gating the gating runs inside the last node: h kept, the gated rows made again
+    # in the backward pass
+    silu = module.fp8blk_silu_gate
+    return grouped_linear_combine(h if silu else gate(module, h, routing), module.down_proj,
+                                  routing, top_k_weights, hidden_states.dtype, cfg,
+                                  bias=expert_bias(module, "down_proj"),
+                                  transposed=module.is_transposed, silu_gated=silu)
 
 
 def register():
@@ -202,4 +202,5 @@ def convert_experts(model: torch.nn.Module, config: Float8BlockConfig = None,
     return converted
 
 
-__all__ = ["experts_forward", "gate", "register", "is_experts_module", "convert_experts", "NAME"]
+__all__ = ["experts_forward", "gate", "expert_bias", "register", "is_experts_module",
+           "convert_experts", "NAME"]

@@ -50,7 +50,7 @@ from ...layout import all_layouts
 from ..config import HIGH_DTYPES, fp8_dtype
 from ..linear.functional import block_tensor_buffers, quantize_buffers
 from ..scaled_mm import dequantize_operand
-from .experts import gate, is_experts_module
+from .experts import expert_bias, gate, is_experts_module
 from .grouped import (expert_weight_buffers, grouped_mm_rows, grouped_mm_weights,
                       grouped_row_sums)
 from .routing import ALIGN, Routing, weighted_sum
@@ -185,7 +185,7 @@ class ExpertParallel:
     def dispatch(self, rows, plan: Plan, recipe, rowwise: bool, columnwise: bool):
         """``rows`` (pairs, H) expert-sorted here -> the received rows' padded layout on the
         expert rank, quantized: ``(data, scale_inv, col_data, col_scale_inv, high)`` as
-        ``quantize_buffers`` gives them for the padded rows (col_* None unless asked for),
+        ``quantize_buffers`` gives them for the padded rows (col_* only when asked for),
         ``high`` the padded rows in high precision (the received ones; under ``fp8_dispatch``
         the FP8 ones dequantized, which the columnwise copy is made from, or None when it is
         not asked for)."""
@@ -194,7 +194,7 @@ class ExpertParallel:
             got, _, _ = high_precision_all_to_all(rows, self.comm, plan.send, plan.recv)
             high = got.new_zeros((routing.rows, got.shape[1]))
             high[routing.dest] = got
-            q = _quantize(high, recipe, rowwise, columnwise)
+            q = quantize_buffers(high, recipe, rowwise, columnwise)
             return (*q, high)
         q, _, _ = quantized_all_to_all(rows, self.comm, plan.send, recipe, plan.recv)
         data, scale = block_tensor_buffers(q)[:2]
@@ -208,7 +208,7 @@ class ExpertParallel:
         if not columnwise:
             return pdata, pscale, None, None, None
         high = dequantize_operand(pdata.view(fp8_dtype(recipe.fmt)), pscale, "1x128")
-        return pdata, pscale, *_quantize(high, recipe, False, True)[2:], high
+        return pdata, pscale, *quantize_buffers(high, recipe, False, True)[2:], high
 
     def send_back(self, padded, plan: Plan):
         """``padded`` (routing.rows, N) on the expert rank -> (T*k, N) where the tokens live,
@@ -239,11 +239,10 @@ class ExpertParallel:
         out_dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
                      else hidden.dtype)
         first = "gate_up_proj" if module.has_gate else "up_proj"
-        bias = (lambda name: getattr(module, f"{name}_bias")) if module.has_bias else \
-            (lambda name: None)
         call = _Call(self, module, plan, out_dtype, torch.is_grad_enabled())
-        picked = _ExpertParallelFn.apply(hidden, getattr(module, first), bias(first),
-                                         module.down_proj, bias("down_proj"), call)
+        picked = _ExpertParallelFn.apply(hidden, getattr(module, first),
+                                         expert_bias(module, first), module.down_proj,
+                                         expert_bias(module, "down_proj"), call)
         if getattr(module, "has_post_expert_norm", False):
             picked = module.post_expert_norm(picked)      # a per-row norm: where the rows are
         return weighted_sum(picked, top_k_weights, hidden.dtype)
@@ -255,18 +254,6 @@ class _Call:
     def __init__(self, ep, module, plan, out_dtype, grad_enabled):
         self.ep, self.module, self.plan = ep, module, plan
         self.out_dtype, self.grad_enabled = out_dtype, grad_enabled
-
-
-def _quantize(x, recipe, rowwise, columnwise):
-    """``quantize_buffers`` with None for a direction not made, and no launch for no rows."""
-    if x.shape[0] == 0:
-        lay = all_layouts(recipe, 0, x.shape[1])
-        bufs = [torch.empty(lay[i].shape, dtype=torch.uint8 if i % 2 == 0 else torch.float32,
-                            device=x.device) for i in range(4)]
-    else:
-        bufs = quantize_buffers(x, recipe, rowwise, columnwise)
-    return (bufs[0] if rowwise else None, bufs[1] if rowwise else None,
-            bufs[2] if columnwise else None, bufs[3] if columnwise else None)
 
 
 class _ExpertParallelFn(torch.autograd.Function):
@@ -285,7 +272,7 @@ class _ExpertParallelFn(torch.autograd.Function):
         h = grouped_mm_rows(xd.view(act), xs, w1d, w1s, routing, call.out_dtype, b1)
         with torch.no_grad():
             a = gate(module, h, routing).contiguous()
-        ad, as_ = _quantize(a, cfg.activation, True, False)[:2]
+        ad, as_ = quantize_buffers(a, cfg.activation, True, False)[:2]
         del a
         w2d, w2s = expert_weight_buffers(w2, cfg.weight, module.is_transposed, True)
         y = grouped_mm_rows(ad.view(act), as_, w2d, w2s, routing, call.out_dtype, b2)
@@ -295,7 +282,6 @@ class _ExpertParallelFn(torch.autograd.Function):
         # (parameters: held anyway)
         ctx.save_for_backward(xtd, xts, h, w1, w2)
         ctx.call = call
-        ctx.has_bias = (b1 is not None, b2 is not None)
         ctx.x_dtype = hidden.dtype
         return picked
 
@@ -323,7 +309,7 @@ class _ExpertParallelFn(torch.autograd.Function):
             a = gate(module, leaf, routing)
         dw2 = None
         if need_w2:
-            atd, ats = _quantize(a.detach().contiguous(), cfg.activation, False, True)[2:]
+            atd, ats = quantize_buffers(a.detach().contiguous(), cfg.activation, False, True)[2:]
             dw2 = grouped_mm_weights(dytd.view(g), dyts, atd.view(act), ats, routing, w2.dtype)
             dw2 = dw2.transpose(1, 2).contiguous() if transposed else dw2
             del atd, ats
@@ -335,7 +321,7 @@ class _ExpertParallelFn(torch.autograd.Function):
         del da, a
         dh = dh.contiguous()
         db1 = grouped_row_sums(dh, routing) if need_b1 else None
-        dhd, dhs, dhtd, dhts = _quantize(dh, cfg.grad, True, need_w1)
+        dhd, dhs, dhtd, dhts = quantize_buffers(dh, cfg.grad, True, need_w1)
         dw1 = None
         if need_w1:
             dw1 = grouped_mm_weights(dhtd.view(g), dhts, xtd.view(act), xts, routing, w1.dtype)

@@ -48,7 +48,8 @@ import time
 import torch
 
 from bench import write_section
-from fp8blk.torch import Float8BlockLinear, blockwise_scaled_mm
+from fp8blk.torch import (Float8BlockLinear, blockwise_scaled_mm, release_scratch,
+                          scratch_bytes)
 from fp8blk.torch import Float8BlockConfig, convert_to_float8_block
 from fp8blk.torch.scaled_mm import cublaslt_status
 from fp8blk.torch.linear import functional as fl
@@ -264,13 +265,15 @@ def memory(layer, x):
     previous op's output lives on only if the layer saves it; a scalar mul saves nothing):
     nn.Linear keeps it (2 bytes/element in bf16), Float8BlockLinear keeps x's FP8 columnwise
     copy (1 byte/element + scales) and W's FP8 tiles (N*K bytes)."""
+    release_scratch()       # fp8blk's transients count in the peak, not in what is held
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     y = layer(x * 1.0)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    held = torch.cuda.memory_allocated() - base - y.numel() * y.element_size()
+    held = (torch.cuda.memory_allocated() - base - y.numel() * y.element_size()
+            - scratch_bytes())
     del y
     return peak, held
 

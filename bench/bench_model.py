@@ -108,7 +108,7 @@ import time
 import torch
 
 from bench.bench_linear import sleep_ms
-from fp8blk.torch import convert_to_float8_block
+from fp8blk.torch import convert_to_float8_block, release_scratch
 from fp8blk.torch.mlp import convert_gated_mlps
 from fp8blk.torch.norm import convert_norms
 
@@ -501,6 +501,7 @@ def run_case(arch, variant, mode, args, device):
     case = {"arch": arch, "variant": variant, "mode": mode, "layers": layers,
             "tokens": args.batch * args.seq, "batch": args.batch, "seq": args.seq}
     torch._dynamo.reset()       # compiled code of earlier cases holds on to their modules
+    release_scratch()           # and fp8blk's scratch memory is made again: a fresh state
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

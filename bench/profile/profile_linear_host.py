@@ -9,6 +9,7 @@ Writes ``bench/profile/results/profile-linear-host-h200.txt`` with ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import pstats
@@ -55,6 +56,19 @@ class _Ident(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return g
+
+
+@contextlib.contextmanager
+def allocating_plans():
+    """The Linear's plans on their allocating path (every buffer from torch's allocator, the
+    launches and GEMMs through their allocating calls): the lean path's baseline."""
+    from fp8blk.torch.linear import plans
+    original = plans._Lean.stream
+    plans._Lean.stream = lambda self: None
+    try:
+        yield
+    finally:
+        plans._Lean.stream = original
 
 
 def thread_costs(x, g):
@@ -140,6 +154,11 @@ def main(argv=None):
             us = host_us(fwd_bwd(layer, x, g), n=10, repeats=15)
             lines.append(f"{name:7s} multithreading={threads!s:5s} host {us:7.1f} us per fwd+bwd")
             print(lines[-1], flush=True)
+        with allocating_plans():
+            us = host_us(fwd_bwd(layers(k, n, device)["fp8blk"], x, g), n=10, repeats=15)
+        lines.append(f"fp8blk, the plan's allocating path (no scratch arena, as under CUDA-graph "
+                     f"capture) multithreading={threads!s:5s} host {us:7.1f} us per fwd+bwd")
+        print(lines[-1], flush=True)
     lines += thread_costs(torch.randn(m, k, device=device, dtype=torch.bfloat16,
                                       requires_grad=True),
                           torch.randn(m, k, device=device, dtype=torch.bfloat16))

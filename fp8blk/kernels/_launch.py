@@ -140,12 +140,48 @@ def _cupy_cuda():
     return _cuda
 
 
+class DriverError(RuntimeError):
+    """A CUDA driver call failed; ``status`` is its CUresult (as CuPy's CUDADriverError)."""
+
+    def __init__(self, status, what="cuLaunchKernel"):
+        super().__init__(f"{what} failed: CUDA driver error {status}")
+        self.status = status
+
+
+_driver_launch = []  # [cuLaunchKernel bound through ctypes.PyDLL] or [None]: CuPy's then
+
+
+def _bind_driver_launch():
+    """libcuda's cuLaunchKernel through ``ctypes.PyDLL``: the call keeps the GIL (it only
+    queues work). CuPy's launch and ctypes' CDLL calls release the GIL and take it back,
+    which lets another thread in between -- autograd's device thread tearing down a Python
+    node, say -- so every launch can wait for that thread."""
+    fn = None
+    try:
+        fn = ctypes.PyDLL("libcuda.so.1").cuLaunchKernel    # the process's driver library
+        u = ctypes.c_uint
+        fn.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        fn = None
+    _driver_launch.append(fn)
+    return fn
+
+
 def raw_launch(kernel, grid, block, args, stream_ptr):
     """Launch compiled `kernel` (a CuPy Function) with `args`, a list of ints (pointers and
     int64 scalars, each passed as 8 bytes), on the stream `stream_ptr`."""
-    driver = (_cuda or _cupy_cuda())[0]
     params = _params
     params.slots[:len(args)] = args
+    launch = _driver_launch[0] if _driver_launch else _bind_driver_launch()
+    if launch is not None:
+        status = launch(kernel.ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                        0, stream_ptr, params.address, None)
+        if status:
+            raise DriverError(status)
+        return
+    driver = (_cuda or _cupy_cuda())[0]
     driver.launchKernel(kernel.ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
                         0, stream_ptr, params.address, 0)
 
@@ -230,21 +266,26 @@ def torch_launch(kernel, grid, block, args, index):
     runtime = (_cuda or _cupy_cuda())[1]
     stream = torch_raw_stream()(index)
     if runtime.getDevice() == index:
-        try:
-            raw_launch(kernel, grid, block, args, stream)
-        except Exception as exc:
-            if getattr(exc, "status", None) != _INVALID_CONTEXT:
-                raise
-            # A thread on which no CUDA runtime call made the device's context current:
-            # autograd's worker thread for GPU 0 (torch skips cudaSetDevice when the
-            # runtime already reports device 0). setDevice binds the primary context.
-            runtime.setDevice(index)
-            raw_launch(kernel, grid, block, args, stream)
+        launch_here(kernel, grid, block, args, stream, index)
     else:
         import cupy
 
         with cupy.cuda.Device(index):
             raw_launch(kernel, grid, block, args, stream)
+
+
+def launch_here(kernel, grid, block, args, stream, index):
+    """:func:`raw_launch` for a caller on CUDA device `index` already (the current device),
+    binding the device's primary context to this thread where no CUDA runtime call has:
+    autograd's worker thread for GPU 0 (torch skips cudaSetDevice when the runtime already
+    reports device 0)."""
+    try:
+        raw_launch(kernel, grid, block, args, stream)
+    except Exception as exc:
+        if getattr(exc, "status", None) != _INVALID_CONTEXT:
+            raise
+        (_cuda or _cupy_cuda())[1].setDevice(index)
+        raw_launch(kernel, grid, block, args, stream)
 
 
 def contiguous_strides(shape):

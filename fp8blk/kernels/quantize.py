@@ -13,8 +13,8 @@ from ..formats import E4M3, MXFP8, check_mxfp8_shape, recipe_kind
 from ..layout import buffer_layouts, cdiv, round_up
 from . import _cache
 from . import _specs as sp
-from ._launch import (Tuning, adapter_of, cached_plan, contiguous_strides, kind_of, plan_cache,
-                      scalars, torch_launch)
+from ._launch import (Tuning, adapter_of, cached_plan, contiguous_strides, kind_of, launch_here,
+                      plan_cache, scalars, torch_launch)
 from ._specs import SIM
 
 _VMAX = {sp.F32: scaling.FLT_MAX, sp.BF16: scaling.dtype_max(BF16),
@@ -184,6 +184,22 @@ class _TorchCall:
         args = [ptr] + [ptr if o is None else o.data_ptr() for o in outs] + self.scalars
         torch_launch(self.kernel, self.grid, self.block, args, self.index)
         return outs
+
+    def arguments(self, x, outs):
+        """The kernel's argument list for input address `x` and the four buffers' addresses
+        `outs` (None for a direction not asked for), each :attr:`nbytes` long: for a caller
+        that places the buffers itself and launches with :meth:`launch`."""
+        return [x] + [x if o is None else o for o in outs] + self.scalars
+
+    def launch(self, args, stream):
+        """Launch with :meth:`arguments`' list on raw stream `stream`; the current device
+        must be the recorded one."""
+        launch_here(self.kernel, self.grid, self.block, args, stream, self.index)
+
+    @property
+    def nbytes(self):
+        """The byte size of each of the four buffers (0 for a direction not asked for)."""
+        return [0 if o is None else int(np.prod(o[0])) * o[2].itemsize for o in self.outs]
 
 
 class _CupyCall:

@@ -20,7 +20,7 @@ except ImportError as err:  # pragma: no cover
 
 from .config import Float8BlockConfig
 from .scaled_mm import blockwise_scaled_mm
-from .linear import Float8BlockLinear, float8_block_linear
+from .linear import Float8BlockLinear, float8_block_linear, release_scratch, scratch_bytes
 from .convert import convert_to_float8_block
 from .report import ConversionReport, conversion_report
 from .fsdp import (cast_master_weights_, clip_master_grad_norm_, master_grads_, master_weights,
@@ -31,4 +31,4 @@ __all__ = ["Float8BlockConfig", "Float8BlockLinear", "convert_to_float8_block",
            "conversion_report", "ConversionReport",
            "float8_block_linear", "blockwise_scaled_mm", "prepare_fsdp_fp8",
            "precompute_fp8_scales", "master_weights", "master_grads_", "cast_master_weights_",
-           "clip_master_grad_norm_", "master_state_dict"]
+           "clip_master_grad_norm_", "master_state_dict", "release_scratch", "scratch_bytes"]

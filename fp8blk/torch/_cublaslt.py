@@ -106,7 +106,9 @@ def _library(device):
     lib = None
     if path is not None:
         try:
-            lib = C.CDLL(path)
+            # PyDLL: calls keep the GIL (cublasLtMatmul only queues work); a CDLL call
+            # releases it and takes it back, letting another thread in between
+            lib = C.PyDLL(path)
         except OSError:
             lib = None
     if lib is not None:
@@ -182,20 +184,26 @@ class ScaledMM:
     """``mm(a, b, scale_a, scale_b) -> out``: ``torch._scaled_mm(a, b, scale_a, scale_b,
     out_dtype=...)`` for one signature (see the module docstring for the operand
     layouts; the caller guarantees them: nothing is checked per call). Made by :func:`make`.
-    Its cuBLASLt descriptors are freed with it."""
+    Its cuBLASLt descriptors are freed with it.
+
+    :meth:`own` gives a copy with descriptors of its own (the same algorithm) for one
+    caller, and :meth:`run` the GEMM on raw pointers: a caller whose scale buffers stay put
+    (the Linear's scratch memory, fp8blk/torch/_arena.py) then sets no descriptor attribute
+    per call -- a scale pointer is set only when it differs from the last one set."""
 
     __slots__ = ("m", "n", "device", "index", "lib", "handle", "owned", "desc", "layouts",
                  "keep", "addrs", "slots", "lock", "empty", "stream", "current", "ws_size",
-                 "out_dtype")
+                 "out_dtype", "sig", "algo")
 
-    def __init__(self, lib, handle, owned, algo, ws_size, m, n, device, out_dtype):
+    def __init__(self, lib, handle, owned, algo, ws_size, m, n, device, out_dtype, sig):
         self.lib, self.handle, self.owned = lib, handle, owned
         self.desc, self.layouts = owned.desc, tuple(owned.layouts)
         self.m, self.n, self.device, self.index = m, n, device, device.index
-        self.out_dtype = out_dtype
+        self.out_dtype, self.sig, self.algo = out_dtype, sig, algo
         # host memory cuBLASLt reads by address: a pointer-sized slot per scale pointer
         # (cuBLAS's A = torch's b, B = torch's a), alpha = 1, beta = 0, the algorithm; the
-        # addresses are ints, the cheapest argument ctypes converts
+        # addresses are ints, the cheapest argument ctypes converts. The slots hold the
+        # pointers last set on the descriptor.
         self.slots = (C.c_uint64(), C.c_uint64())
         self.keep = (C.c_float(1.0), C.c_float(0.0), algo)
         self.addrs = tuple(C.addressof(o) for o in self.slots + self.keep)
@@ -204,6 +212,16 @@ class ScaledMM:
         self.stream = _arrays.torch_raw_stream()
         self.current = torch._C._cuda_getDevice
         self.ws_size = ws_size
+
+    def own(self):
+        """A ScaledMM of the same signature and algorithm over new descriptors (no heuristic
+        query): for a caller that runs it alone, so the scale pointers it sets stay set."""
+        k, a_dtype, b_dtype, b_blocks = self.sig
+        with _lock:
+            owned = _descriptors(self.lib, self.m, self.n, k, a_dtype, b_dtype, b_blocks,
+                                 self.out_dtype, 0)
+        return ScaledMM(self.lib, self.handle, owned, self.algo, self.ws_size, self.m,
+                        self.n, self.device, self.out_dtype, self.sig)
 
     def __call__(self, a, b, scale_a, scale_b, out=None):
         """The product into a new (m, n) tensor, or into `out`: C-contiguous rows of (m, n)
@@ -214,28 +232,35 @@ class ScaledMM:
         if out is None:
             out = self.empty((self.m, self.n), (self.n, 1), dtype=self.out_dtype,
                              device=self.device)
+        ws, w_ptr = None, 0
+        if self.ws_size:      # held until the GEMM is queued (module docstring)
+            ws = self.empty((self.ws_size,), (1,), dtype=torch.uint8, device=self.device)
+            w_ptr = ws.data_ptr()
+        self.run(a.data_ptr(), b.data_ptr(), scale_a.data_ptr(), scale_b.data_ptr(),
+                 out.data_ptr(), w_ptr, self.stream(self.index))
+        return out
+
+    def run(self, a, b, scale_a, scale_b, out, workspace, stream):
+        """``__call__`` on data pointers (ints) on CUDA stream `stream`, the current device
+        the signature's: out (m, n) = a @ b with `workspace` of :attr:`ws_size` bytes (any
+        pointer where that is 0), held by the caller until the GEMM is queued."""
         lib, desc, (la, lb, lc) = self.lib, self.desc, self.layouts
         slot_a, slot_b = self.slots
         p_a, p_b, p_alpha, p_beta, p_algo = self.addrs
-        d = out.data_ptr()
-        stream = self.stream(self.index)
-        ws, w_ptr, w_size = None, None, self.ws_size
-        if w_size:      # held until the GEMM is queued (module docstring)
-            ws = self.empty((w_size,), (1,), dtype=torch.uint8, device=self.device)
-            w_ptr = ws.data_ptr()
-        set_attr = lib.cublasLtMatmulDescSetAttribute
-        # the scale pointers are attributes of the shared descriptor: set and run as one
+        # the scale pointers are attributes of the descriptor: set and run as one
         with self.lock:
-            slot_a.value, slot_b.value = scale_b.data_ptr(), scale_a.data_ptr()
-            set_attr(desc, _DESC_A_SCALE_POINTER, p_a, 8)
-            set_attr(desc, _DESC_B_SCALE_POINTER, p_b, 8)
-            status = lib.cublasLtMatmul(self.handle, desc, p_alpha, b.data_ptr(), la,
-                                        a.data_ptr(), lb, p_beta, d, lc, d, lc, p_algo, w_ptr,
-                                        w_size, stream)
+            if slot_a.value != scale_b:
+                slot_a.value = scale_b
+                lib.cublasLtMatmulDescSetAttribute(desc, _DESC_A_SCALE_POINTER, p_a, 8)
+            if slot_b.value != scale_a:
+                slot_b.value = scale_a
+                lib.cublasLtMatmulDescSetAttribute(desc, _DESC_B_SCALE_POINTER, p_b, 8)
+            status = lib.cublasLtMatmul(self.handle, desc, p_alpha, b, la, a, lb, p_beta, out,
+                                        lc, out, lc, p_algo, workspace or None, self.ws_size,
+                                        stream)
         if status != 0:
             raise RuntimeError(f"cublasLtMatmul failed with status {status} (out {self.m} x "
                                f"{self.n} on cuda:{self.index})")
-        return out
 
 
 def make(m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, device):
@@ -273,6 +298,29 @@ def for_signature(m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, device):
     return None if mm is _DECLINED else mm
 
 
+def _descriptors(lib, m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, placeholder):
+    """A signature's matmul descriptor and three layouts (an owned :class:`_Descriptors`);
+    the scale pointers set to `placeholder`'s address (block-scaled modes need them for the
+    heuristic query too: status 7 with null ones; each call sets the real ones)."""
+    owned = _Descriptors(lib)   # freed on return unless the ScaledMM keeps it
+    desc = _VP()
+    _check(lib.cublasLtMatmulDescCreate(C.byref(desc), _COMPUTE_32F, _R_32F),
+           "cublasLtMatmulDescCreate")
+    desc = owned.desc = desc.value
+    _set(lib, desc, _DESC_TRANSA, _OP_T, C.c_int32)
+    _set(lib, desc, _DESC_TRANSB, _OP_N, C.c_int32)
+    _set(lib, desc, _DESC_FAST_ACCUM, 0, C.c_int8)
+    _set(lib, desc, _DESC_A_SCALE_MODE, _SCALE_BLK128x128_32F if b_blocks == "128x128"
+         else _SCALE_VEC128_32F, C.c_int32)
+    _set(lib, desc, _DESC_B_SCALE_MODE, _SCALE_VEC128_32F, C.c_int32)
+    _set(lib, desc, _DESC_A_SCALE_POINTER, placeholder, C.c_uint64)
+    _set(lib, desc, _DESC_B_SCALE_POINTER, placeholder, C.c_uint64)
+    for dtype, rows, cols in ((_FP8_TYPE[b_dtype], k, n), (_FP8_TYPE[a_dtype], k, m),
+                              (_OUT_TYPE[out_dtype], n, m)):
+        owned.layouts.append(_layout(lib, dtype, rows, cols, rows))
+    return owned
+
+
 def _make(m, n, k, a_dtype, b_dtype, b_blocks, device, out_dtype=torch.bfloat16):
     with _lock:
         lib = _library(device)
@@ -280,25 +328,10 @@ def _make(m, n, k, a_dtype, b_dtype, b_blocks, device, out_dtype=torch.bfloat16)
             _refuse("no libcublasLt loaded by torch")
             return None
         handle = _handle(lib, device.index)
-        owned = _Descriptors(lib)   # freed on return unless the ScaledMM keeps it
-        desc = _VP()
-        _check(lib.cublasLtMatmulDescCreate(C.byref(desc), _COMPUTE_32F, _R_32F),
-               "cublasLtMatmulDescCreate")
-        desc = owned.desc = desc.value
-        _set(lib, desc, _DESC_TRANSA, _OP_T, C.c_int32)
-        _set(lib, desc, _DESC_TRANSB, _OP_N, C.c_int32)
-        _set(lib, desc, _DESC_FAST_ACCUM, 0, C.c_int8)
-        _set(lib, desc, _DESC_A_SCALE_MODE, _SCALE_BLK128x128_32F if b_blocks == "128x128"
-             else _SCALE_VEC128_32F, C.c_int32)
-        _set(lib, desc, _DESC_B_SCALE_MODE, _SCALE_VEC128_32F, C.c_int32)
-        # block-scaled modes need scale pointers for the heuristic query too (status 7 with
-        # null ones); each call sets the real ones
         placeholder = torch.empty(64, dtype=torch.float32, device=device)
-        _set(lib, desc, _DESC_A_SCALE_POINTER, placeholder.data_ptr(), C.c_uint64)
-        _set(lib, desc, _DESC_B_SCALE_POINTER, placeholder.data_ptr(), C.c_uint64)
-        for dtype, rows, cols in ((_FP8_TYPE[b_dtype], k, n), (_FP8_TYPE[a_dtype], k, m),
-                                  (_OUT_TYPE[out_dtype], n, m)):
-            owned.layouts.append(_layout(lib, dtype, rows, cols, rows))
+        owned = _descriptors(lib, m, n, k, a_dtype, b_dtype, b_blocks, out_dtype,
+                             placeholder.data_ptr())
+        desc = owned.desc
         la, lb, lc = owned.layouts
         pref = _VP()
         _check(lib.cublasLtMatmulPreferenceCreate(C.byref(pref)),
@@ -317,4 +350,5 @@ def _make(m, n, k, a_dtype, b_dtype, b_blocks, device, out_dtype=torch.bfloat16)
                 f"workspace {result.workspace_size} bytes")
         return None
     algo = (C.c_uint64 * 8)(*result.algo)
-    return ScaledMM(lib, handle, owned, algo, result.workspace_size, m, n, device, out_dtype)
+    return ScaledMM(lib, handle, owned, algo, result.workspace_size, m, n, device, out_dtype,
+                    (k, a_dtype, b_dtype, b_blocks))

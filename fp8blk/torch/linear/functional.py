@@ -240,8 +240,11 @@ def fp8_gemms_backward(dy2d, qx_t, qw, cfg, need_dgrad, need_wgrad, dx_dtype, dw
 
 
 class _Float8BlockLinearFn(torch.autograd.Function):
+    # the call's settings travel as one argument, (cfg, out_dtype, grad_enabled, keep_input):
+    # Function.apply's host time grows with the argument count
     @staticmethod
-    def forward(ctx, x, weight, bias, cfg, out_dtype, grad_enabled, keep_input):
+    def forward(ctx, x, weight, bias, settings):
+        cfg, out_dtype, grad_enabled, keep_input = settings
         # a 2-D x is used as it is: a reshape view costs host time on every call
         x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         if not x2d.is_contiguous():
@@ -323,15 +326,15 @@ class _Float8BlockLinearFn(torch.autograd.Function):
         x2d = None
         if ctx.keep:                    # xt_d holds x (M, K) itself
             x2d, xt_d = xt_d, None
-            if need_wgrad and ctx.op is None:
-                xt_d, xt_s = (ctx.plan.columnwise(x2d) if ctx.plan is not None
-                              else transposed(quantize_buffers(x2d, ctx.cfg.activation, False,
-                                                               True), ctx.cfg.activation))
+            # the plan and the compiled op make x's columnwise copy from x themselves
+            if need_wgrad and ctx.op is None and ctx.plan is None:
+                xt_d, xt_s = transposed(quantize_buffers(x2d, ctx.cfg.activation, False, True),
+                                        ctx.cfg.activation)
         if ctx.op is not None:
             dx, dw = compiled.backward(dy2d, xt_d, xt_s, weight, ctx.cfg, x_dtype, ctx.op,
                                        need_dgrad, need_wgrad, x2d)
         elif ctx.plan is not None:
-            dx, dw = ctx.plan.backward(dy2d, xt_d, xt_s, weight, need_dgrad, need_wgrad)
+            dx, dw = ctx.plan.backward(dy2d, xt_d, xt_s, weight, need_dgrad, need_wgrad, x2d)
         else:
             qw = weight_block_tensor(weight, ctx.cfg, False, True) if need_dgrad else None
             dx, dw = fp8_gemms_backward(dy2d, (xt_d, xt_s), qw, ctx.cfg, need_dgrad,
@@ -339,7 +342,7 @@ class _Float8BlockLinearFn(torch.autograd.Function):
         dbias = dy2d.sum(0) if has_bias and ctx.needs_input_grad[2] else None
         if dx is not None and len(x_shape) != 2:
             dx = dx.reshape(x_shape)
-        return dx, dw, dbias, None, None, None, None
+        return dx, dw, dbias, None
 
 
 def check_features(in_features, out_features, config):
@@ -397,8 +400,9 @@ def float8_block_linear(x, weight, bias=None, config: Float8BlockConfig = None, 
         raise ValueError(f"Float8BlockLinear runs on CUDA or CPU tensors, got a {device} tensor")
     out_dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
                  else x.dtype)
-    return _Float8BlockLinearFn.apply(x, weight, bias, config, out_dtype,
-                                      torch.is_grad_enabled(), bool(keep_input))
+    return _Float8BlockLinearFn.apply(x, weight, bias, (config, out_dtype,
+                                                        torch.is_grad_enabled(),
+                                                        bool(keep_input)))
 
 
 __all__ = ["float8_block_linear", "add_bias", "fp8_gemms_backward", "quantize_input",

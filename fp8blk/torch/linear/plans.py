@@ -21,6 +21,10 @@ tokens or 11008 features, with no padding), else through ``scaled_mm.cuda_scaled
 The bytes are the general path's: the same kernels on the same inputs, the same GEMMs on the
 same bytes (tests/torch/linear/test_plans.py compares them on the GPU).
 
+On the device's default stream a plan runs lean (:class:`_Lean`): its transient buffers in
+that stream's scratch arena (fp8blk/torch/_arena.py), the launches and GEMMs on raw
+addresses; elsewhere (side streams, CUDA-graph capture and warm-up) it allocates each buffer.
+
 Plans are keyed by the signature (:func:`plan_for`); :data:`plans` keeps the 1024 used last.
 Under torch.compile the layer's two ops (``compiled``) hold no x in backward, so they key
 plans by shapes and dtypes instead (:func:`plan_for_shapes`, :data:`shape_plans`, bounded the
@@ -32,11 +36,12 @@ import functools
 
 import torch
 
+from ... import _arrays
 from ..._bounded import BoundedCache
 from ...formats import MXFP8
 from ...layout import cdiv, round_up
 from ...ops import quantize_launcher
-from .. import _cublaslt
+from .. import _arena, _cublaslt
 from ..config import HIGH_DTYPES, fp8_dtype
 from ..scaled_mm import cuda_scaled_mm
 
@@ -112,7 +117,7 @@ class LinearPlan:
     made; then, W's FP8 tiles freed, ``qxt`` makes x's columnwise copy alone (fp8blk/torch/config.py)."""
 
     __slots__ = ("qx", "qxt", "qw", "qwt", "qdy", "mm_fwd", "mm_dgrad", "mm_wgrad", "halves",
-                 "y_spec", "keep_input")
+                 "y_spec", "keep_input", "lean")
 
     def __init__(self, x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad, keep_input=False):
         (m, k), n = x2d.shape, weight.shape[0]
@@ -174,8 +179,17 @@ class LinearPlan:
                 _scale_t(m, nt) if need_dgrad else None,
                 ((n, m), (m, 1), fg) if need_wgrad else None,
                 _scale_t(n, mt) if need_wgrad else None])
+        self.lean = None
+        if self.halves is None and all(isinstance(mm, _cublaslt.ScaledMM) or mm is None
+                                       for mm in (self.mm_fwd, self.mm_dgrad, self.mm_wgrad)):
+            self.lean = _Lean(self, x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad)
 
     def forward(self, x2d, weight, share=None):
+        lean = self.lean
+        if lean is not None:
+            stream = lean.stream()
+            if stream is not None:
+                return lean.forward(x2d, weight, share, stream)
         if self.halves is None:
             # share: the sharing scope's sharer of the layer's input (None: quantize here)
             xd, xs, xtd, xts = (self.qx(x2d, x2d.data_ptr()) if share is None
@@ -200,12 +214,22 @@ class LinearPlan:
         (``keep_input`` plans: the backward pass's)."""
         return tuple(self.qxt(x2d, x2d.data_ptr())[2:])
 
-    def backward(self, dy2d, xt_d, xt_s, weight, need_dgrad, need_wgrad):
+    def backward(self, dy2d, xt_d, xt_s, weight, need_dgrad, need_wgrad, x2d=None):
+        """(dx, dw) from dY; x's columnwise copy `xt_d`, `xt_s` as the forward pass saved it,
+        or (``keep_input`` plans) made here from `x2d`."""
         if dy2d.data_ptr() & 15:             # contiguous already (the caller's)
             dy2d = dy2d.clone(memory_format=torch.contiguous_format)
         dx = dw = None
         if self.qdy is None:
             return dx, dw
+        lean = self.lean
+        if lean is not None:
+            stream = lean.stream()
+            if stream is not None:
+                return lean.backward(dy2d, xt_d, xt_s, weight, need_dgrad, need_wgrad, x2d,
+                                     stream)
+        if x2d is not None and need_wgrad:
+            xt_d, xt_s = self.columnwise(x2d)
         gd, gs, gtd, gts = self.qdy(dy2d, dy2d.data_ptr())
         if need_dgrad:
             wtd, wts = self.qwt(weight, weight.data_ptr())[2:]
@@ -213,6 +237,125 @@ class LinearPlan:
         if need_wgrad:
             dw = self.mm_wgrad(gtd, xt_d, gts, xt_s)
         return dx, dw
+
+
+class _Lean:
+    """A plan's steps with every transient buffer in the default stream's scratch arena
+    (fp8blk/torch/_arena.py: x's and W's rowwise FP8 copies, dY's copies, W's columnwise
+    copy, a ``keep_input`` layer's columnwise copy of x, the cuBLASLt workspace) and the
+    launches and GEMMs on raw addresses (each GEMM on cuBLASLt descriptors of its own, whose
+    scale pointers stay set while the arena stays put): a step allocates only what outlives
+    it (y, the saved columnwise copy of x, dx, dW). The same kernels and GEMMs on the same
+    bytes as the plan's other path, which serves what this one does not: CUDA-graph capture
+    (its allocations belong to the graph's pool), a current device other than the plan's,
+    GEMMs on ``torch._scaled_mm`` and ``low_memory_forward``. With a sharing scope the input's
+    FP8 copies are the scope's (allocated: other layers read them later)."""
+
+    __slots__ = ("index", "device", "qx", "qw", "qwt", "qdy", "qxt", "mm_fwd", "mm_dgrad",
+                 "mm_wgrad", "y", "dx", "dw", "xt", "cols", "dy_dirs", "fwd", "bwd", "need",
+                 "raw_stream", "default_stream")
+
+    def __init__(self, plan, x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad):
+        (m, k), n = x2d.shape, weight.shape[0]
+        self.index, self.device = x2d.get_device(), x2d.device
+        self.qx, self.qw, self.qwt, self.qdy, self.qxt = (plan.qx, plan.qw, plan.qwt, plan.qdy,
+                                                          plan.qxt)
+        self.mm_fwd, self.mm_dgrad, self.mm_wgrad = (
+            None if mm is None else mm.own() for mm in (plan.mm_fwd, plan.mm_dgrad,
+                                                        plan.mm_wgrad))
+        self.y = ((m, n), (n, 1), out_dtype)
+        self.dx = ((m, k), (k, 1), x2d.dtype)
+        self.dw = ((n, k), (k, 1), weight.dtype)
+        self.xt = tuple(x_views(m, k, cfg, True)[2:])      # the saved columnwise copy of x
+        self.cols = need_wgrad and not plan.keep_input
+        self.dy_dirs = (need_dgrad, need_wgrad)
+        zeros = [0, 0, 0, 0]
+        qx, qw = self.qx.nbytes, self.qw.nbytes
+        dy = self.qdy.nbytes if self.qdy is not None else zeros
+        wt = self.qwt.nbytes if self.qwt is not None else zeros
+        xt = self.qxt.nbytes if self.qxt is not None else zeros
+        # forward and backward carve the same bytes: each call's buffers are dead once it
+        # has queued its GEMMs
+        self.fwd, fwd_end = _arena.carve([qx[0], qx[1], qw[0], qw[1],
+                                          _workspace(self.mm_fwd)])
+        self.bwd, bwd_end = _arena.carve(dy + [wt[2], wt[3], xt[2], xt[3], max(
+            _workspace(self.mm_dgrad), _workspace(self.mm_wgrad))])
+        self.need = max(fwd_end, bwd_end)
+        self.raw_stream = _arrays.torch_raw_stream()
+        self.default_stream = torch.cuda.default_stream(self.device).cuda_stream
+
+    def stream(self):
+        """The device's default stream (a raw handle) where this path serves the call: it is
+        current, on the plan's device, and not capturing; else None. Other streams take the
+        allocating path: inductor's CUDA-graph trees warm up on a stream of their own with
+        every allocation of the thread going to the graph's pool (no capture to detect), so
+        scratch memory made there would be a live untracked tensor in that pool."""
+        if _current_device() != self.index:
+            return None
+        stream = self.raw_stream(self.index)
+        if stream != self.default_stream or _capturing():
+            return None
+        return stream
+
+    def forward(self, x2d, weight, share, stream):
+        base = _arena.for_stream(self.index, stream).reserve(self.need, self.device)
+        xd, xs, wd, ws, work = (base + o for o in self.fwd)
+        empty, dev = torch.empty_strided, self.device
+        shape, strides, dtype = self.y
+        y = empty(shape, strides, dtype=dtype, device=dev)
+        ptr, qx = x2d.data_ptr(), self.qx
+        if share is not None:       # the scope's copies: allocated, as other layers read them
+            bufs = share("plan", qx, x2d, ptr)
+            xd, xs, saved = bufs[0].data_ptr(), bufs[1].data_ptr(), (bufs[2], bufs[3])
+        elif self.cols:
+            (s_d, st_d, t_d), (s_s, st_s, t_s) = self.xt
+            saved = (empty(s_d, st_d, dtype=t_d, device=dev),
+                     empty(s_s, st_s, dtype=t_s, device=dev))
+            qx.launch(qx.arguments(ptr, [xd, xs, saved[0].data_ptr(), saved[1].data_ptr()]),
+                      stream)
+        else:
+            saved = (None, None)
+            qx.launch(qx.arguments(ptr, [xd, xs, None, None]), stream)
+        qw = self.qw
+        qw.launch(qw.arguments(weight.data_ptr(), [wd, ws, None, None]), stream)
+        self.mm_fwd.run(xd, wd, xs, ws, y.data_ptr(), work, stream)
+        return y, saved
+
+    def backward(self, dy2d, xt_d, xt_s, weight, need_dgrad, need_wgrad, x2d, stream):
+        base = _arena.for_stream(self.index, stream).reserve(self.need, self.device)
+        gd, gs, gtd, gts, wtd, wts, xtd, xts, work = (base + o for o in self.bwd)
+        rows, cols = self.dy_dirs
+        qdy = self.qdy
+        qdy.launch(qdy.arguments(dy2d.data_ptr(), [gd if rows else None, gs if rows else None,
+                                                   gtd if cols else None,
+                                                   gts if cols else None]), stream)
+        empty, dev = torch.empty_strided, self.device
+        dx = dw = None
+        if need_dgrad:
+            qwt = self.qwt
+            qwt.launch(qwt.arguments(weight.data_ptr(), [None, None, wtd, wts]), stream)
+            shape, strides, dtype = self.dx
+            dx = empty(shape, strides, dtype=dtype, device=dev)
+            self.mm_dgrad.run(gd, wtd, gs, wts, dx.data_ptr(), work, stream)
+        if need_wgrad:
+            if x2d is not None:     # keep_input: x's columnwise copy made here, transient
+                qxt = self.qxt
+                qxt.launch(qxt.arguments(x2d.data_ptr(), [None, None, xtd, xts]), stream)
+            else:
+                xtd, xts = xt_d.data_ptr(), xt_s.data_ptr()
+            shape, strides, dtype = self.dw
+            dw = empty(shape, strides, dtype=dtype, device=dev)
+            self.mm_wgrad.run(gtd, xtd, gts, xts, dw.data_ptr(), work, stream)
+        return dx, dw
+
+
+def _workspace(mm):
+    return 0 if mm is None else mm.ws_size
+
+
+# torch's C functions behind torch.cuda.current_device() / is_current_stream_capturing()
+_current_device = getattr(torch._C, "_cuda_getDevice", None)
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
 
 
 def plan_for(x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad, keep_input=False):

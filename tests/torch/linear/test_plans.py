@@ -9,6 +9,7 @@ import torch
 
 import fp8blk as fb
 from fp8blk.torch import Float8BlockConfig, Float8BlockLinear
+from fp8blk.torch import _arena, _cublaslt
 from fp8blk.torch.linear import functional
 from fp8blk.torch.linear import plans as linear_plans
 
@@ -31,7 +32,7 @@ def _general(monkeypatch):
     monkeypatch.setattr(linear_plans, "plan_for", lambda *a: None)
 
 
-@pytest.mark.parametrize("case", [
+CASES = [
     dict(shape=(512, 1024), n=1536, dtype=torch.bfloat16, bias=True),
     dict(shape=(2, 512, 512), n=1024, dtype=torch.bfloat16, bias=False),
     dict(shape=(1024, 512), n=512, dtype=torch.float32, bias=True),
@@ -50,9 +51,10 @@ def _general(monkeypatch):
     dict(shape=(300, 512), n=512, dtype=torch.bfloat16, bias=True),
     dict(shape=(512, 200), n=272, dtype=torch.bfloat16, bias=True),
     dict(shape=(300, 640), n=272, dtype=torch.float16, bias=False),
-])
-def test_plan_steps_equal_the_general_path(case, rng, monkeypatch):
-    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+]
+
+
+def _case_layer(case, gen):
     shape, n, dtype = case["shape"], case["n"], case["dtype"]
     cfg = case.get("cfg", Float8BlockConfig())
     layer = Float8BlockLinear(shape[-1], n, bias=case["bias"], config=cfg, device="cuda",
@@ -62,6 +64,14 @@ def test_plan_steps_equal_the_general_path(case, rng, monkeypatch):
         if layer.bias is not None:
             layer.bias.copy_(spread(layer.bias.shape, gen, dtype))
     layer.weight.requires_grad_(case.get("w_grad", True))
+    return layer
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_plan_steps_equal_the_general_path(case, rng, monkeypatch):
+    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+    shape, n, dtype = case["shape"], case["n"], case["dtype"]
+    layer = _case_layer(case, gen)
     linear_plans.plans.clear()
     for i in range(3):                  # fresh data each step; the plan made on step 0
         x = spread(shape, gen, dtype).cuda().requires_grad_(case.get("x_grad", True))
@@ -72,6 +82,100 @@ def test_plan_steps_equal_the_general_path(case, rng, monkeypatch):
             _general(m)
             want = _step(layer, x, g)
         assert_same(got, want, (case, i))
+
+
+def _allocating_path(m):
+    """The plan's other path: every buffer from torch's allocator (as under capture)."""
+    m.setattr(linear_plans._Lean, "stream", lambda self: None)
+
+
+@pytest.mark.parametrize("case", CASES + [
+    dict(shape=(1024, 1024), n=1024, dtype=torch.bfloat16, bias=False, keep=True),
+    dict(shape=(1008, 640), n=384, dtype=torch.bfloat16, bias=True, keep=True, x_grad=False)])
+def test_lean_steps_equal_the_allocating_plan(case, rng, monkeypatch):
+    """The plan's lean path (transients in the stream's arena, raw launches, GEMMs on their
+    own descriptors) gives the bytes of its allocating path on every shape class above, over
+    steps whose scale pointers move (fresh saved copies) and with the arena regrown in
+    between by a larger layer; it serves every signature whose three GEMMs cuBLASLt takes."""
+    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+    shape, n, dtype = case["shape"], case["n"], case["dtype"]
+    layer = _case_layer(case, gen)
+    layer.keep_input = case.get("keep", False)
+    big = Float8BlockLinear(2048, 3072, bias=False, device="cuda", dtype=torch.bfloat16)
+    linear_plans.plans.clear()
+    _arena.release()
+    for i in range(3):
+        x = spread(shape, gen, dtype).cuda().requires_grad_(case.get("x_grad", True))
+        g = spread(shape[:-1] + (n,), gen, dtype).cuda()
+        got = _step(layer, x, g)
+        with monkeypatch.context() as m:
+            _allocating_path(m)
+            want = _step(layer, x, g)
+        assert_same(got, want, (case, i))
+        if i == 0:      # a larger layer regrows the arena between the steps
+            held = _arena.held()
+            _step(big, torch.ones(4096, 2048, device="cuda", dtype=torch.bfloat16),
+                  torch.ones(4096, 3072, device="cuda", dtype=torch.bfloat16))
+            assert _arena.held() > held
+    linear_plans.plans.clear()
+    _step(layer, x, g)
+    (plan,) = linear_plans.plans.values()
+    served = all(isinstance(mm, _cublaslt.ScaledMM) for mm in
+                 (plan.mm_fwd, plan.mm_dgrad, plan.mm_wgrad) if mm is not None)
+    assert (plan.lean is not None) == served, (case, served)
+
+
+def _allocations(fn):
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_stats()["allocation.all.allocated"] - before
+
+
+def test_lean_step_allocates_what_outlives_it(rng, monkeypatch):
+    """A warm lean step allocates y, x's saved columnwise copy (data, scales), dx and dW and
+    nothing else (its FP8 transients and cuBLASLt workspaces are the arena's); the
+    allocating path takes every buffer from torch's allocator."""
+    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+    layer = Float8BlockLinear(1024, 1536, bias=False, device="cuda", dtype=torch.bfloat16)
+    init_spread_(layer, gen)
+    x = spread((1024, 1024), gen, torch.bfloat16).cuda().requires_grad_()
+    g = spread((1024, 1536), gen, torch.bfloat16).cuda()
+
+    def step():
+        x.grad = layer.weight.grad = None
+        layer(x).backward(g)
+    step()
+    lean = _allocations(step)
+    with monkeypatch.context() as m:
+        _allocating_path(m)
+        step()
+        allocating = _allocations(step)
+    print(f"allocations per step: lean {lean}, allocating path {allocating}")
+    assert lean <= 6 and allocating >= lean + 8, (lean, allocating)
+
+
+def test_lean_path_runs_on_the_default_stream_only(rng):
+    """The lean path serves the device's default stream; on another stream (a side stream of
+    the caller's, or inductor's CUDA-graph warm-up stream, whose allocations go to the graph's
+    pool) the plan allocates: the same bytes, no arena made there."""
+    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+    layer = Float8BlockLinear(1024, 1536, device="cuda", dtype=torch.bfloat16)
+    init_spread_(layer, gen)
+    x = spread((1024, 1024), gen, torch.bfloat16).cuda().requires_grad_()
+    g = spread((1024, 1536), gen, torch.bfloat16).cuda()
+    _arena.release()
+    want = _step(layer, x, g)
+    one = _arena.held()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got = _step(layer, x, g)
+        side_allocs = _allocations(lambda: _step(layer, x, g))
+    torch.cuda.current_stream().wait_stream(side)
+    assert_same(got, want, "side stream")
+    assert one > 0 and _arena.held() == one and side_allocs >= 14, (one, side_allocs)
 
 
 def test_plan_path_skips_the_general_quantize(rng, monkeypatch):
@@ -263,6 +367,7 @@ def test_low_memory_forward_peak(rng):
         init_spread_(layer, gen)
         x = spread((m, k), gen, torch.bfloat16).cuda().requires_grad_()
         for _ in range(2):                  # the second call: plan made, nothing cached
+            _arena.release()                # the default's transients: the arena, made here
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             start = torch.cuda.memory_allocated()

@@ -1,0 +1,79 @@
+"""Scratch device memory per CUDA stream for the transient buffers of the eager hot paths.
+
+A Float8BlockLinear step makes FP8 copies that live for one GEMM only -- x's and W's rowwise
+copies in the forward pass, dY's two copies and W's columnwise copy in the backward pass --
+and cuBLASLt workspaces. Taking each from torch's caching allocator costs a Python call and
+an allocation per buffer on every step. An arena is one allocation per (device, stream) that
+a caller carves at fixed byte offsets instead: the buffers of one call are dead once that
+call's kernels are queued, and everything queued later on the same stream runs after them,
+so the next call may write the same bytes (the allocator's own rule for memory freed and
+reused on one stream). Its size is the largest call's need, kept until :func:`release`.
+
+What must not live here: anything that outlives the call (outputs, saved tensors, buffers
+handed to other layers by the sharing scope), and anything made during CUDA-graph capture
+(a graph replays its kernels on these addresses long after: the callers take torch's
+allocator there, i.e. the graph's private pool). One thread per stream at a time.
+
+    arena = for_stream(device_index, raw_stream)
+    base = arena.reserve(nbytes, device)   # the address of >= nbytes of scratch memory
+"""
+from __future__ import annotations
+
+import torch
+
+from .._bounded import BoundedCache
+
+_GRAIN = 2 << 20            # sizes rounded up to 2 MiB: fewer regrowths as plans appear
+ALIGN = 256                 # each carved buffer's alignment (cuBLASLt's and the kernels' need)
+
+
+class Arena:
+    """One stream's scratch allocation: ``reserve(nbytes, device) -> address``, grown (the
+    old allocation freed in the stream's order) when a call needs more than it holds."""
+
+    __slots__ = ("buffer", "ptr", "nbytes")
+
+    def __init__(self):
+        self.buffer, self.ptr, self.nbytes = None, 0, 0
+
+    def reserve(self, nbytes: int, device) -> int:
+        if nbytes > self.nbytes:
+            self.buffer = None      # freed first: its memory may serve the larger allocation
+            size = -(-nbytes // _GRAIN) * _GRAIN
+            self.buffer = torch.empty((size,), dtype=torch.uint8, device=device)
+            self.ptr, self.nbytes = self.buffer.data_ptr(), size
+        return self.ptr
+
+
+_arenas = BoundedCache(16)      # (device index, raw stream) -> Arena; dropped ones are freed
+
+
+def for_stream(index: int, stream: int) -> Arena:
+    """The arena of CUDA device `index`'s stream `stream` (a raw cudaStream_t as an int; the
+    legacy default stream is 0 on every device, hence the index in the key)."""
+    key = (index, stream)
+    arena = _arenas.get(key)
+    if arena is None:
+        arena = _arenas.put(key, Arena())
+    return arena
+
+
+def release():
+    """Free every arena (their memory returns to torch's caching allocator; the next call
+    allocates again)."""
+    _arenas.clear()
+
+
+def held() -> int:
+    """Bytes the arenas hold, all streams together."""
+    return sum(a.nbytes for a in _arenas.values())
+
+
+def carve(sizes):
+    """Byte offsets for buffers of `sizes` bytes laid one after another, each at a multiple
+    of :data:`ALIGN`; returns ``(offsets, total bytes)``. A size of 0 gets an offset too."""
+    offsets, end = [], 0
+    for size in sizes:
+        offsets.append(end)
+        end += -(-int(size) // ALIGN) * ALIGN
+    return offsets, end

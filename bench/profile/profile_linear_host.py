@@ -18,7 +18,7 @@ import time
 import torch
 
 from bench.bench_linear import fwd_bwd, host_us
-from fp8blk.torch import Float8BlockLinear
+from fp8blk.torch import Float8BlockConfig, Float8BlockLinear
 
 
 def layers(k, n, device):
@@ -136,6 +136,38 @@ def inside_plan(x, g, k, n, device):
     return out
 
 
+def floor_costs(m, k, n, device):
+    """Host us per call of what a lean step is made of, each alone behind a sleeping GPU: one
+    cuBLASLt block-scaled GEMM on fixed addresses (ScaledMM.run; a step has 3), one quantize
+    launch on fixed addresses (a step has 4), one torch.empty_strided (a step has 5), and
+    bf16's own GEMM call, torch.mm with its output allocation (nn.Linear's step has 3)."""
+    from fp8blk.torch import _arena
+    from fp8blk.torch.linear import plans
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+    plan = plans.plan_for(x, w, Float8BlockConfig(), torch.bfloat16, False, False)
+    lean = plan.lean
+    stream = lean.stream()
+    base = _arena.for_stream(lean.index, stream).reserve(lean.need, lean.device)
+    xd, xs, wd, ws, work = (base + o for o in lean.fwd)
+    y = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+    args = lean.qx.arguments(x.data_ptr(), [xd, xs, None, None])
+    calls = {
+        "cuBLASLt block-scaled GEMM (ScaledMM.run)": lambda: lean.mm_fwd.run(
+            xd, wd, xs, ws, y.data_ptr(), work, stream),
+        "quantize launch (raw, fixed addresses)": lambda: lean.qx.launch(args, stream),
+        "torch.empty_strided (M, N) bf16": lambda: torch.empty_strided(
+            (m, n), (n, 1), dtype=torch.bfloat16, device=device),
+        "bf16 torch.mm with its output": lambda: torch.mm(x, w.t()),
+    }
+    out = []
+    for name, fn in calls.items():
+        us = host_us(fn, n=100, repeats=9)
+        out.append(f"per call: {name:45s} {us:6.1f} us")
+        print(out[-1], flush=True)
+    return out
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="8192x4096x4096")
@@ -151,11 +183,11 @@ def main(argv=None):
     for threads in (True, False):
         torch.autograd.set_multithreading_enabled(threads)
         for name, layer in layers(k, n, device).items():
-            us = host_us(fwd_bwd(layer, x, g), n=10, repeats=15)
+            us = host_us(fwd_bwd(layer, x, g), n=50, repeats=9)
             lines.append(f"{name:7s} multithreading={threads!s:5s} host {us:7.1f} us per fwd+bwd")
             print(lines[-1], flush=True)
         with allocating_plans():
-            us = host_us(fwd_bwd(layers(k, n, device)["fp8blk"], x, g), n=10, repeats=15)
+            us = host_us(fwd_bwd(layers(k, n, device)["fp8blk"], x, g), n=50, repeats=9)
         lines.append(f"fp8blk, the plan's allocating path (no scratch arena, as under CUDA-graph "
                      f"capture) multithreading={threads!s:5s} host {us:7.1f} us per fwd+bwd")
         print(lines[-1], flush=True)
@@ -163,6 +195,7 @@ def main(argv=None):
                                       requires_grad=True),
                           torch.randn(m, k, device=device, dtype=torch.bfloat16))
     lines += inside_plan(x, g, k, n, device)
+    lines += floor_costs(m, k, n, device)
     torch.autograd.set_multithreading_enabled(False)
     for name, layer in layers(k, n, device).items():
         text = profile(fwd_bwd(layer, x, g), args.n, args.top)

@@ -216,10 +216,10 @@ class ScaledMM:
     def own(self):
         """A ScaledMM of the same signature and algorithm over new descriptors (no heuristic
         query): for a caller that runs it alone, so the scale pointers it sets stay set."""
-        k, a_dtype, b_dtype, b_blocks = self.sig
+        k, a_dtype, b_dtype, b_blocks, a_stride, b_stride = self.sig
         with _lock:
             owned = _descriptors(self.lib, self.m, self.n, k, a_dtype, b_dtype, b_blocks,
-                                 self.out_dtype, 0)
+                                 self.out_dtype, 0, a_stride, b_stride)
         return ScaledMM(self.lib, self.handle, owned, self.algo, self.ws_size, self.m,
                         self.n, self.device, self.out_dtype, self.sig)
 
@@ -263,16 +263,23 @@ class ScaledMM:
                                f"{self.n} on cuda:{self.index})")
 
 
-def make(m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, device):
+def make(m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, device, a_stride=None,
+         b_stride=None):
     """A :class:`ScaledMM` for out (m, n) = a (m, k) @ b (k, n) with these FP8 dtypes, b's
     blocks ``"128x128"`` or ``"1x128"`` (a's are 1x128), on CUDA `device`; None where it
-    cannot serve the signature (module docstring) -- the caller then uses torch._scaled_mm."""
+    cannot serve the signature (module docstring) -- the caller then uses torch._scaled_mm.
+    `a_stride` / `b_stride`: the row strides of a and of b's (n, k) bytes where they are not
+    k (a slice of columns of a wider buffer: the experts' weight gradients), multiples of 16
+    (the scale buffers stay packed: their strides are the module docstring's)."""
+    strides = [s for s in (a_stride, b_stride) if s is not None]
     if not enabled or out_dtype not in _OUT_TYPE or a_dtype not in _FP8_TYPE \
             or b_dtype not in _FP8_TYPE or b_blocks not in ("128x128", "1x128") \
-            or m % 16 or n % 16 or k % 16 or not (m and n and k):
+            or m % 16 or n % 16 or k % 16 or not (m and n and k) \
+            or any(s % 16 or s < k for s in strides):
         return None
     try:
-        return _make(m, n, k, a_dtype, b_dtype, b_blocks, device, out_dtype)
+        return _make(m, n, k, a_dtype, b_dtype, b_blocks, device, out_dtype, a_stride,
+                     b_stride)
     except RuntimeError as err:  # a cuBLASLt call refused the signature: torch's path serves it
         _refuse(str(err))
         return None
@@ -283,25 +290,30 @@ _made_lock = threading.Lock()
 _DECLINED = object()
 
 
-def for_signature(m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, device):
+def for_signature(m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, device, a_stride=None,
+                  b_stride=None):
     """:func:`make`'s answer for a signature, kept: the one ScaledMM (or None) that the
     Linear's plans and ``blockwise_scaled_mm`` share, so each signature asks cuBLASLt's
     heuristic once (per setting of :data:`enabled`; the 1024 signatures used last are kept,
     an evicted ScaledMM frees its descriptors once no plan holds it)."""
-    key = (m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, device, enabled)
+    key = (m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, device, enabled, a_stride, b_stride)
     with _made_lock:
         mm = _made.get(key)
     if mm is None:
-        mm = make(m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, device) or _DECLINED
+        mm = make(m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, device, a_stride,
+                  b_stride) or _DECLINED
         with _made_lock:
             _made.put(key, mm)
     return None if mm is _DECLINED else mm
 
 
-def _descriptors(lib, m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, placeholder):
+def _descriptors(lib, m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, placeholder,
+                 a_stride=None, b_stride=None):
     """A signature's matmul descriptor and three layouts (an owned :class:`_Descriptors`);
     the scale pointers set to `placeholder`'s address (block-scaled modes need them for the
-    heuristic query too: status 7 with null ones; each call sets the real ones)."""
+    heuristic query too: status 7 with null ones; each call sets the real ones). `a_stride`,
+    `b_stride`: the row strides (elements) of a (m, k) and of b's (n, k) bytes, k where
+    None."""
     owned = _Descriptors(lib)   # freed on return unless the ScaledMM keeps it
     desc = _VP()
     _check(lib.cublasLtMatmulDescCreate(C.byref(desc), _COMPUTE_32F, _R_32F),
@@ -315,13 +327,15 @@ def _descriptors(lib, m, n, k, a_dtype, b_dtype, b_blocks, out_dtype, placeholde
     _set(lib, desc, _DESC_B_SCALE_MODE, _SCALE_VEC128_32F, C.c_int32)
     _set(lib, desc, _DESC_A_SCALE_POINTER, placeholder, C.c_uint64)
     _set(lib, desc, _DESC_B_SCALE_POINTER, placeholder, C.c_uint64)
-    for dtype, rows, cols in ((_FP8_TYPE[b_dtype], k, n), (_FP8_TYPE[a_dtype], k, m),
-                              (_OUT_TYPE[out_dtype], n, m)):
-        owned.layouts.append(_layout(lib, dtype, rows, cols, rows))
+    for dtype, rows, cols, ld in ((_FP8_TYPE[b_dtype], k, n, b_stride or k),
+                                  (_FP8_TYPE[a_dtype], k, m, a_stride or k),
+                                  (_OUT_TYPE[out_dtype], n, m, n)):
+        owned.layouts.append(_layout(lib, dtype, rows, cols, ld))
     return owned
 
 
-def _make(m, n, k, a_dtype, b_dtype, b_blocks, device, out_dtype=torch.bfloat16):
+def _make(m, n, k, a_dtype, b_dtype, b_blocks, device, out_dtype=torch.bfloat16, a_stride=None,
+          b_stride=None):
     with _lock:
         lib = _library(device)
         if lib is None:
@@ -330,7 +344,7 @@ def _make(m, n, k, a_dtype, b_dtype, b_blocks, device, out_dtype=torch.bfloat16)
         handle = _handle(lib, device.index)
         placeholder = torch.empty(64, dtype=torch.float32, device=device)
         owned = _descriptors(lib, m, n, k, a_dtype, b_dtype, b_blocks, out_dtype,
-                             placeholder.data_ptr())
+                             placeholder.data_ptr(), a_stride, b_stride)
         desc = owned.desc
         la, lb, lc = owned.layouts
         pref = _VP()
@@ -351,4 +365,4 @@ def _make(m, n, k, a_dtype, b_dtype, b_blocks, device, out_dtype=torch.bfloat16)
         return None
     algo = (C.c_uint64 * 8)(*result.algo)
     return ScaledMM(lib, handle, owned, algo, result.workspace_size, m, n, device, out_dtype,
-                    (k, a_dtype, b_dtype, b_blocks))
+                    (k, a_dtype, b_dtype, b_blocks, a_stride, b_stride))

@@ -11,8 +11,10 @@ Operands: the padded rows are quantized as one tensor (``fb.quantize``'s buffers
 the bytes of its rows quantized alone, ``routing``); W (E, N, K) is quantized 128x128 per
 expert (one quantize of the stacked (E*N, K) when N is a multiple of 128, whose tiles never
 cross two experts), and W_e.T is its FP8 transpose (exact, as for a Block2D weight). The GEMMs
-run per expert through :func:`~fp8blk.torch.blockwise_scaled_mm` (cuBLASLt on CUDA, the
-emulation on the CPU): each expert's output is the dense ``Float8BlockLinear``'s on its rows.
+run per expert: on CUDA as cuBLASLt calls on addresses inside the grouped buffers (the direct
+loops below), elsewhere and where cuBLASLt declines a signature through
+:func:`~fp8blk.torch.blockwise_scaled_mm` (the emulation on the CPU); either way each expert's
+output is the dense ``Float8BlockLinear``'s on its rows.
 This path reads the segment table on the host once per routing (one device synchronization);
 under torch.compile the per-expert loops are custom ops (``torch.ops.fp8blk.grouped_mm_rows``,
 ``grouped_mm_weights``, ``grouped_row_sums``) that read it themselves, so a compiled layer
@@ -40,6 +42,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ... import _arrays
+from .. import _cublaslt
 from ..config import HIGH_DTYPES, Float8BlockConfig, config_or_default, fp8_dtype
 from ..linear.functional import add_bias, quantize_buffers
 from ..mlp import silu_gate_backward
@@ -49,6 +53,7 @@ from ...formats import recipe_kind
 from ...layout import all_layouts, cdiv
 
 _compiling = torch.compiler.is_compiling
+_raw_stream = _arrays.torch_raw_stream
 
 
 def check_experts_config(config: Float8BlockConfig, where: str):
@@ -97,21 +102,28 @@ def expert_weight_buffers(weight: torch.Tensor, recipe, transposed: bool, rows_f
     return data_t.view(fp8_dtype(recipe.fmt)), _scale_transposed(scale, recipe, r, c)
 
 
-def _rows_impl(a, a_scale, b, b_scale, host, out_dtype, bias):
-    out = torch.zeros((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
-    for e, (start, n, count) in enumerate(host):
-        if not n:
-            continue
-        rows = slice(start, start + n)
-        out[rows] = blockwise_scaled_mm(a[rows], a_scale[:, rows].contiguous(), b[e],
-                                        b_scale[e], "1x128", "128x128", out_dtype)
-        if bias is not None:
-            routed = slice(start, start + count)
-            out[routed] = add_bias(out[routed], bias[e])
+def _rows_impl(a, a_scale, b, b_scale, host, out_dtype, bias, table=None):
+    out = None if table is None else _direct_rows(a, a_scale, b, b_scale, host, table,
+                                                  out_dtype)
+    if out is None:
+        out = torch.zeros((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
+        for e, (start, n, _) in enumerate(host):
+            if n:
+                rows = slice(start, start + n)
+                out[rows] = blockwise_scaled_mm(a[rows], a_scale[:, rows].contiguous(), b[e],
+                                                b_scale[e], "1x128", "128x128", out_dtype)
+    if bias is not None:
+        for e, (start, _, count) in enumerate(host):
+            if count:
+                routed = slice(start, start + count)
+                out[routed] = add_bias(out[routed], bias[e])
     return out
 
 
 def _weights_impl(a_t, a_t_scale, b_t, b_t_scale, host, out_dtype):
+    out = _direct_weights(a_t, a_t_scale, b_t, b_t_scale, host, out_dtype)
+    if out is not None:
+        return out
     out = torch.empty((len(host), a_t.shape[0], b_t.shape[0]), dtype=out_dtype,
                       device=a_t.device)
     for e, (start, n, _) in enumerate(host):
@@ -122,6 +134,117 @@ def _weights_impl(a_t, a_t_scale, b_t, b_t_scale, host, out_dtype):
         out[e] = blockwise_scaled_mm(a_t[:, rows].contiguous(), a_t_scale[blocks],
                                      b_t[:, rows].contiguous(), b_t_scale[blocks], "1x128",
                                      "1x128", out_dtype)
+    return out
+
+
+# The per-expert loops on cuBLASLt directly (CUDA, every expert's signature served): each
+# expert's operands and output rows are addresses inside the grouped buffers -- no slices, no
+# copies, no per-expert allocation -- and its GEMM a ScaledMM.run on them, the same GEMM on
+# the same bytes as blockwise_scaled_mm's. The m-grouped GEMMs' 1x128 scales are the one
+# exception: cuBLASLt reads an operand's scales with that operand's row count as their
+# stride, and an expert's rows are a column range of the (kt, rows) scale buffer, so one
+# gather lays every expert's block out packed first. The k-grouped GEMMs read their
+# operands' columns in place (a row stride of all the rows) and their 128x1 scales are
+# whole rows of the scale buffers.
+
+def _on_device(*tensors):
+    """Whether the direct loops can run on these tensors: CUDA, contiguous, on the current
+    device."""
+    t = tensors[0]
+    return (t.is_cuda and torch.cuda.current_device() == t.device.index
+            and all(x.is_contiguous() for x in tensors))
+
+
+def _served(sigs, make):
+    """{key: ScaledMM} for every key of `sigs` (make(key) -> ScaledMM or None), or None when
+    cuBLASLt declines one of them."""
+    mms = {}
+    for key in sigs:
+        if key not in mms:
+            mm = make(key)
+            if mm is None:
+                return None
+            mms[key] = mm
+    return mms
+
+
+def _workspace(mms, device):
+    size = max(mm.ws_size for mm in mms.values())
+    ws = torch.empty((max(size, 1),), dtype=torch.uint8, device=device)
+    return ws, ws.data_ptr()
+
+
+def packed_row_scales(a_scale, table, end):
+    """A (kt, R) 1x128 scale buffer's columns per expert, packed: expert e's (kt, n_e) block
+    row-major at element kt * start_e (fp32, (kt * end,)); ``table`` the routing's (3, E)
+    device table (starts, padded lengths, counts), whose segments tile rows [0, end)."""
+    kt, stride = a_scale.shape[0], a_scale.stride(0)
+    starts, lengths = table[0], table[1]
+    p = torch.arange(kt * end, device=a_scale.device)
+    seg = torch.searchsorted(starts * kt, p, right=True) - 1   # an empty expert's start is
+    start, n = starts[seg], lengths[seg]                      # its successor's: the last wins
+    q = p - kt * start
+    return a_scale.reshape(-1)[q // n * stride + start + q % n]
+
+
+def _direct_rows(a, a_scale, b, b_scale, host, table, out_dtype):
+    """:func:`_rows_impl`'s GEMMs (without the bias) on cuBLASLt directly, or None where that
+    cannot serve them."""
+    if not _on_device(a, a_scale, b, b_scale):
+        return None
+    (rows, k), n_out, dev = a.shape, b.shape[1], a.device
+    segs = [(e, start, n) for e, (start, n, _) in enumerate(host) if n]
+    ends = [start + n for _, start, n in segs]
+    if segs and segs[0][1] or any(start != end for (_, start, _), end in zip(segs[1:], ends)):
+        return None                                 # segments not tiling the rows
+    mms = _served([n for _, _, n in segs], lambda n: _cublaslt.for_signature(
+        n, n_out, k, a.dtype, b.dtype, "128x128", out_dtype, dev))
+    if mms is None:
+        return None
+    out = torch.zeros((rows, n_out), dtype=out_dtype, device=dev)
+    if not segs:
+        return out
+    kt = a_scale.shape[0]
+    scales = packed_row_scales(a_scale, table, ends[-1])
+    ws, w_p = _workspace(mms, dev)
+    stream = _raw_stream()(dev.index)
+    a_p, b_p, s_p, bs_p, o_p = (t.data_ptr() for t in (a, b, scales, b_scale, out))
+    b_step, bs_step, o_row = b.stride(0), b_scale.stride(0) * 4, n_out * out.element_size()
+    for e, start, n in segs:
+        mms[n].run(a_p + start * k, b_p + e * b_step, s_p + 4 * kt * start, bs_p + e * bs_step,
+                   o_p + start * o_row, w_p, stream)
+    return out
+
+
+def _direct_weights(a_t, a_t_scale, b_t, b_t_scale, host, out_dtype):
+    """:func:`_weights_impl` on cuBLASLt directly, or None where that cannot serve it."""
+    if not _on_device(a_t, a_t_scale, b_t, b_t_scale):
+        return None
+    (n_a, rows), n_b, dev = a_t.shape, b_t.shape[0], a_t.device
+    segs = [(e, start, n) for e, (start, n, _) in enumerate(host) if n]
+    mms = _served([n for _, _, n in segs], lambda n: _cublaslt.for_signature(
+        n_a, n_b, n, a_t.dtype, b_t.dtype, "1x128", out_dtype, dev, a_stride=rows,
+        b_stride=rows))
+    if mms is None:
+        return None
+    out = torch.empty((len(host), n_a, n_b), dtype=out_dtype, device=dev)
+    empty = [e for e, (_, n, _) in enumerate(host) if not n]
+    if len(empty) > 4:
+        out.zero_()
+    else:
+        for e in empty:
+            out[e].zero_()
+    if not segs:
+        return out
+    ws, w_p = _workspace(mms, dev)
+    stream = _raw_stream()(dev.index)
+    a_p, as_p, b_p, bs_p, o_p = (t.data_ptr() for t in (a_t, a_t_scale, b_t, b_t_scale, out))
+    as_row, bs_row = a_t_scale.stride(0) * 4, b_t_scale.stride(0) * 4
+    o_step = n_a * n_b * out.element_size()
+    for e, start, n in segs:
+        block = start // ALIGN
+        mms[n].run(a_p + start, b_p + start, as_p + block * as_row, bs_p + block * bs_row,
+                   o_p + e * o_step, w_p, stream)
     return out
 
 
@@ -140,7 +263,7 @@ def _row_sums_impl(dy, host):
 def _rows_op(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
              table: torch.Tensor, out_dtype: torch.dtype,
              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return _rows_impl(a, a_scale, b, b_scale, host_table(table), out_dtype, bias)
+    return _rows_impl(a, a_scale, b, b_scale, host_table(table), out_dtype, bias, table)
 
 
 @_rows_op.register_fake
@@ -179,7 +302,7 @@ def grouped_mm_rows(a, a_scale, b, b_scale, routing: Routing, out_dtype, bias=No
     if _compiling():
         return torch.ops.fp8blk.grouped_mm_rows(a, a_scale, b, b_scale, routing.table,
                                                 out_dtype, bias)
-    return _rows_impl(a, a_scale, b, b_scale, routing.host(), out_dtype, bias)
+    return _rows_impl(a, a_scale, b, b_scale, routing.host(), out_dtype, bias, routing.table)
 
 
 def grouped_mm_weights(a_t, a_t_scale, b_t, b_t_scale, routing: Routing, out_dtype):

@@ -121,3 +121,26 @@ def test_bad_input():
         grouped_linear(x, torch.zeros(2, 128, 128), r, Float8BlockConfig.mxfp8())
     with pytest.raises(TypeError, match="dtype"):
         grouped_linear(x.to(torch.int32), torch.zeros(2, 128, 128), r)
+
+
+@pytest.mark.parametrize("kt,experts", [(3, 6), (1, 9), (16, 5)])
+def test_packed_row_scales_lay_each_expert_out_alone(kt, experts):
+    """The direct GEMM loop's scale layout (CUDA only; its bookkeeping is device-agnostic): in
+    the packed buffer expert e's block (kt, n_e), row-major at kt * start_e, is its column
+    range of the (kt, rows) scale buffer, empty experts first, between and last included."""
+    from fp8blk.torch.moe.grouped import packed_row_scales
+    gen = torch.Generator().manual_seed(kt)
+    ids = torch.randint(1, experts - 1, (300, 1), generator=gen)   # experts 0 and E-1 empty
+    ids[ids == 3] = 2                                              # and expert 3
+    r = route(ids, experts)
+    scales = torch.randn(kt, r.rows + 4, generator=gen)            # a padded row stride
+    host = r.host()
+    end = max(s + n for s, n, _ in host)
+    packed = packed_row_scales(scales, r.table, end)
+    assert packed.shape == (kt * end,)
+    empty = 0
+    for s, n, _ in host:
+        empty += n == 0
+        if n:
+            assert torch.equal(packed[kt * s:kt * (s + n)], scales[:, s:s + n].reshape(-1))
+    assert empty >= 3

@@ -72,6 +72,39 @@ def test_grouped_linear_bytes(kind, tokens, experts, top_k, k, n):
     assert seen_empty or kind != "skewed"
 
 
+@pytest.mark.parametrize("kind,tokens,experts,top_k", [
+    ("balanced", 2048, 64, 8), ("skewed", 1000, 8, 2), ("tiny", 9, 16, 4)])
+def test_direct_loops_equal_the_per_expert_calls(kind, tokens, experts, top_k, monkeypatch):
+    """The experts' GEMM loops on cuBLASLt directly (addresses into the grouped buffers, one
+    gather of the 1x128 scales) give the per-expert blockwise_scaled_mm loop's bytes -- y,
+    dx, dW, with empty experts -- and make no per-expert call."""
+    from fp8blk.torch.moe import grouped
+    idx = routing_ids(tokens, top_k, experts, kind, seed=7, device="cuda")
+    r = route(idx, experts)
+    h = _skewed_rows(tokens, 512, 2).to("cuda", torch.bfloat16)
+    w = (torch.randn(experts, 768, 512, device="cuda") * 0.05).to(torch.bfloat16)
+    dy = torch.randn(r.rows, 768, device="cuda", dtype=torch.bfloat16)
+    dy = dy * r.valid_rows().unsqueeze(-1)
+
+    def run():
+        x = permute(h, r).requires_grad_()
+        ww = w.clone().requires_grad_()
+        y = grouped_linear(x, ww, r)
+        y.backward(dy)
+        return y, x.grad, ww.grad
+    with monkeypatch.context() as m:
+        m.setattr(grouped, "_direct_rows", lambda *a: None)
+        m.setattr(grouped, "_direct_weights", lambda *a: None)
+        want = run()
+
+    def boom(*a, **k):
+        raise AssertionError("a per-expert blockwise_scaled_mm call")
+    monkeypatch.setattr(grouped, "blockwise_scaled_mm", boom)
+    got = run()
+    for name, a, b in zip(("y", "dx", "dW"), got, want):
+        assert torch.equal(a, b), (kind, name)
+
+
 @pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
 def test_tiny_model_equals_the_loop(name):
     from .test_experts import LOOP, _close_bf16

@@ -148,7 +148,7 @@ def floor_costs(m, k, n, device):
     plan = plans.plan_for(x, w, Float8BlockConfig(), torch.bfloat16, False, False)
     lean = plan.lean
     stream = lean.stream()
-    base = _arena.for_stream(lean.index, stream).reserve(lean.need, lean.device)
+    base = _arena.for_stream(lean.index, stream).reserve(lean.need_fwd, lean.device)
     xd, xs, wd, ws, work = (base + o for o in lean.fwd)
     y = torch.empty(m, n, device=device, dtype=torch.bfloat16)
     args = lean.qx.arguments(x.data_ptr(), [xd, xs, None, None])

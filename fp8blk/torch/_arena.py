@@ -1,23 +1,28 @@
-"""Scratch device memory per CUDA stream for the transient buffers of the eager hot paths.
+"""Scratch device memory per CUDA stream and thread for the transient buffers of the eager hot
+paths.
 
 A Float8BlockLinear step makes FP8 copies that live for one GEMM only -- x's and W's rowwise
 copies in the forward pass, dY's two copies and W's columnwise copy in the backward pass --
 and cuBLASLt workspaces. Taking each from torch's caching allocator costs a Python call and
-an allocation per buffer on every step. An arena is one allocation per (device, stream) that
-a caller carves at fixed byte offsets instead: the buffers of one call are dead once that
-call's kernels are queued, and everything queued later on the same stream runs after them,
-so the next call may write the same bytes (the allocator's own rule for memory freed and
-reused on one stream). Its size is the largest call's need, kept until :func:`release`.
+an allocation per buffer on every step. An arena is one allocation per (device, stream,
+thread) that a caller carves at fixed byte offsets instead: the buffers of one call are dead
+once that call's kernels are queued, and everything queued later on the same stream runs
+after them, so the next call may write the same bytes (the allocator's own rule for memory
+freed and reused on one stream). Two threads queuing on one stream would interleave their
+calls' launches, hence one arena per thread (autograd's device thread runs the backward
+passes: it has its own). Its size is the largest call's need, kept until :func:`release`.
 
 What must not live here: anything that outlives the call (outputs, saved tensors, buffers
 handed to other layers by the sharing scope), and anything made during CUDA-graph capture
 (a graph replays its kernels on these addresses long after: the callers take torch's
-allocator there, i.e. the graph's private pool). One thread per stream at a time.
+allocator there, i.e. the graph's private pool).
 
-    arena = for_stream(device_index, raw_stream)
+    arena = for_stream(device_index, raw_stream)     # this thread's
     base = arena.reserve(nbytes, device)   # the address of >= nbytes of scratch memory
 """
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -45,13 +50,14 @@ class Arena:
         return self.ptr
 
 
-_arenas = BoundedCache(16)      # (device index, raw stream) -> Arena; dropped ones are freed
+_arenas = BoundedCache(16)      # (device index, raw stream, thread) -> Arena; dropped ones
+_thread = threading.get_ident   # are freed (in their stream's order)
 
 
 def for_stream(index: int, stream: int) -> Arena:
-    """The arena of CUDA device `index`'s stream `stream` (a raw cudaStream_t as an int; the
-    legacy default stream is 0 on every device, hence the index in the key)."""
-    key = (index, stream)
+    """This thread's arena of CUDA device `index`'s stream `stream` (a raw cudaStream_t as an
+    int; the legacy default stream is 0 on every device, hence the index in the key)."""
+    key = (index, stream, _thread())
     arena = _arenas.get(key)
     if arena is None:
         arena = _arenas.put(key, Arena())

@@ -1,12 +1,14 @@
 """fp8blk/torch/_arena.py: the per-stream scratch memory of the Linear's lean hot path. Its
 bookkeeping runs on CPU tensors here; tests/torch/linear/test_plans.py checks the lean path's
 bytes, allocations and streams on the GPU."""
+import threading
 import weakref
 
 import pytest
-import torch
 
-from fp8blk.torch import _arena, release_scratch, scratch_bytes
+torch = pytest.importorskip("torch")
+
+from fp8blk.torch import _arena, release_scratch, scratch_bytes  # noqa: E402
 
 MIB = 1 << 20
 
@@ -37,6 +39,17 @@ def test_one_arena_per_device_and_stream():
     assert scratch_bytes() == 3 * 2 * MIB
     release_scratch()
     assert scratch_bytes() == 0 and _arena.for_stream(0, 0) is not a
+
+
+def test_one_arena_per_thread():
+    """Two threads queuing on one stream would interleave their calls' launches over the same
+    bytes: each thread has its own arena (autograd's device thread, say)."""
+    mine = _arena.for_stream(0, 0)
+    other = []
+    worker = threading.Thread(target=lambda: other.append(_arena.for_stream(0, 0)))
+    worker.start()
+    worker.join()
+    assert other[0] is not mine and _arena.for_stream(0, 0) is mine
 
 
 def test_arenas_of_many_streams_stay_bounded():

@@ -5,8 +5,8 @@ The room: ``module`` (the nn.Module and its DTensor weights), ``functional`` (th
 function, the general path, the operand choice of each GEMM), ``plans`` (the eager CUDA hot
 path: one plan per call signature), ``compiled`` (the plan as torch ops, for torch.compile).
 
-The eager hot path keeps each CUDA stream's transient FP8 copies and GEMM workspaces in one
-scratch allocation, the largest single call's need (fp8blk/torch/_arena.py):
+The eager hot path keeps its transient FP8 copies and GEMM workspaces in one scratch
+allocation per device, stream and thread, the largest call's need (fp8blk/torch/_arena.py):
 :func:`scratch_bytes` says how much is held, :func:`release_scratch` frees it (the next call
 allocates again).
 """

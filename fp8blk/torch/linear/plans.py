@@ -22,8 +22,8 @@ The bytes are the general path's: the same kernels on the same inputs, the same 
 same bytes (tests/torch/linear/test_plans.py compares them on the GPU).
 
 On the device's default stream a plan runs lean (:class:`_Lean`): its transient buffers in
-that stream's scratch arena (fp8blk/torch/_arena.py), the launches and GEMMs on raw
-addresses; elsewhere (side streams, CUDA-graph capture and warm-up) it allocates each buffer.
+the thread's scratch arena for that stream (fp8blk/torch/_arena.py), the launches and GEMMs
+on raw addresses; elsewhere (side streams, CUDA-graph capture and warm-up) it allocates.
 
 Plans are keyed by the signature (:func:`plan_for`); :data:`plans` keeps the 1024 used last.
 Under torch.compile the layer's two ops (``compiled``) hold no x in backward, so they key
@@ -246,14 +246,15 @@ class _Lean:
     launches and GEMMs on raw addresses (each GEMM on cuBLASLt descriptors of its own, whose
     scale pointers stay set while the arena stays put): a step allocates only what outlives
     it (y, the saved columnwise copy of x, dx, dW). The same kernels and GEMMs on the same
-    bytes as the plan's other path, which serves what this one does not: CUDA-graph capture
-    (its allocations belong to the graph's pool), a current device other than the plan's,
+    bytes as the plan's other path, which serves what this one does not: streams other than
+    the device's default (CUDA-graph capture and inductor's CUDA-graph warm-up among them:
+    their allocations belong to the graph's pool), a current device other than the plan's,
     GEMMs on ``torch._scaled_mm`` and ``low_memory_forward``. With a sharing scope the input's
     FP8 copies are the scope's (allocated: other layers read them later)."""
 
     __slots__ = ("index", "device", "qx", "qw", "qwt", "qdy", "qxt", "mm_fwd", "mm_dgrad",
-                 "mm_wgrad", "y", "dx", "dw", "xt", "cols", "dy_dirs", "fwd", "bwd", "need",
-                 "raw_stream", "default_stream")
+                 "mm_wgrad", "y", "dx", "dw", "xt", "cols", "dy_dirs", "fwd", "bwd", "need_fwd",
+                 "need_bwd", "raw_stream", "default_stream")
 
     def __init__(self, plan, x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad):
         (m, k), n = x2d.shape, weight.shape[0]
@@ -274,13 +275,13 @@ class _Lean:
         dy = self.qdy.nbytes if self.qdy is not None else zeros
         wt = self.qwt.nbytes if self.qwt is not None else zeros
         xt = self.qxt.nbytes if self.qxt is not None else zeros
-        # forward and backward carve the same bytes: each call's buffers are dead once it
-        # has queued its GEMMs
-        self.fwd, fwd_end = _arena.carve([qx[0], qx[1], qw[0], qw[1],
-                                          _workspace(self.mm_fwd)])
-        self.bwd, bwd_end = _arena.carve(dy + [wt[2], wt[3], xt[2], xt[3], max(
+        # each pass carves its arena from offset 0: a call's buffers are dead once it has
+        # queued its GEMMs (the passes run on different threads' arenas where autograd's
+        # device thread runs the backward pass)
+        self.fwd, self.need_fwd = _arena.carve([qx[0], qx[1], qw[0], qw[1],
+                                                _workspace(self.mm_fwd)])
+        self.bwd, self.need_bwd = _arena.carve(dy + [wt[2], wt[3], xt[2], xt[3], max(
             _workspace(self.mm_dgrad), _workspace(self.mm_wgrad))])
-        self.need = max(fwd_end, bwd_end)
         self.raw_stream = _arrays.torch_raw_stream()
         self.default_stream = torch.cuda.default_stream(self.device).cuda_stream
 
@@ -298,7 +299,7 @@ class _Lean:
         return stream
 
     def forward(self, x2d, weight, share, stream):
-        base = _arena.for_stream(self.index, stream).reserve(self.need, self.device)
+        base = _arena.for_stream(self.index, stream).reserve(self.need_fwd, self.device)
         xd, xs, wd, ws, work = (base + o for o in self.fwd)
         empty, dev = torch.empty_strided, self.device
         shape, strides, dtype = self.y
@@ -322,7 +323,7 @@ class _Lean:
         return y, saved
 
     def backward(self, dy2d, xt_d, xt_s, weight, need_dgrad, need_wgrad, x2d, stream):
-        base = _arena.for_stream(self.index, stream).reserve(self.need, self.device)
+        base = _arena.for_stream(self.index, stream).reserve(self.need_bwd, self.device)
         gd, gs, gtd, gts, wtd, wts, xtd, xts, work = (base + o for o in self.bwd)
         rows, cols = self.dy_dirs
         qdy = self.qdy

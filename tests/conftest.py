@@ -45,8 +45,8 @@ def pytest_collection_finish(session):
         return
     items[:] = [it for it in items if not sim_jobs.job_of(it.nodeid)] + sim
     if not os.environ.get("PYTEST_XDIST_WORKER"):
-        sim_jobs.JOBS.start({sim_jobs.job_of(it.nodeid) for it in sim
-                             if not it.get_closest_marker("skip")})
+        sim_jobs.JOBS.start(sim_jobs.to_start([it.nodeid for it in sim
+                                               if not it.get_closest_marker("skip")]))
 
 
 def pytest_sessionfinish(session):

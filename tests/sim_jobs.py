@@ -1,9 +1,12 @@
-"""The simulator jobs of the suite, run in the background while the other tests run.
+"""The simulator jobs of the suite, and the PTX job of its compile tests, run in the background
+while the other tests run.
 
 The Numba CUDA simulator runs every simulated thread as a Python thread: the kernels' byte
 checks under it take about 6.5 minutes of one core (sim_runner: all quantize / dequantize /
 transpose cases; sim_checks: the master kernels' amax, cast and fast-path checks), and each
-must run in a fresh process with NUMBA_ENABLE_CUDASIM=1. ``conftest.py`` starts the jobs the
+must run in a fresh process with NUMBA_ENABLE_CUDASIM=1. The compile tests' PTX (about 70
+kernel variants for sm_90, tests/kernels/_ptx.py) is made in one more job, on the real Numba
+target. ``conftest.py`` starts the jobs the
 session selected in one background thread as soon as collection ends (one subprocess at a
 time, the longest first) and moves their tests to the end of the session, so on CI's two
 cores they overlap with the rest of the suite. A test asks for its job's result with
@@ -21,9 +24,18 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SCRIPTS = {"kernels": ("-m", "tests.kernels.sim_runner"),
             "amax": ("-m", "tests.master.scripts.sim_checks", "amax"),
             "cast": ("-m", "tests.master.scripts.sim_checks", "cast"),
-            "fast": ("-m", "tests.master.scripts.sim_checks", "fast")}
-# seconds of one core each on a CI machine (2026-12-01): the order the background runs them
-_COST = {"fast": 149, "kernels": 200, "cast": 72, "amax": 20}
+            "fast": ("-m", "tests.master.scripts.sim_checks", "fast"),
+            "ptx": ("-m", "tests.kernels._ptx")}
+_SIMULATED = {"kernels", "amax", "cast", "fast"}   # run with NUMBA_ENABLE_CUDASIM=1
+# seconds of one core each on a CI machine: the order the background runs them
+_COST = {"fast": 149, "kernels": 200, "cast": 72, "amax": 20, "ptx": 75}
+# the compile tests whose PTX the "ptx" job makes (tests/kernels/_ptx.py)
+_PTX_TESTS = ("tests/kernels/test_quantize_compile.py::test_quantize_kernel_compiles_for_sm90",
+              "tests/kernels/test_dequantize_compile.py::"
+              "test_dequantize_kernel_compiles_for_sm90",
+              "tests/kernels/test_partial.py::test_amax_kernel_compiles_for_sm90",
+              "tests/kernels/test_partial.py::test_cast_kernel_compiles_for_sm90",
+              "tests/kernels/test_partial.py::test_scale_kernel_compiles_for_sm90")
 TIMEOUT = 600  # per job, from its own start
 
 
@@ -31,6 +43,8 @@ def job_of(nodeid: str):
     """The simulator job a test needs, by its node id (None for other tests)."""
     if nodeid.startswith("tests/kernels/test_sim.py::"):
         return "kernels"
+    if nodeid.startswith(_PTX_TESTS):
+        return "ptx"
     for name, test in (("amax", "test_partial_amax_matches_reference_in_simulator"),
                        ("cast", "test_device_path_matches_quantize_in_simulator"),
                        ("fast", "test_fast_paths_match_reference_in_simulator")):
@@ -47,6 +61,11 @@ class _Jobs:
         self._started = set()
         self._thread = None
         self.running = None     # the job's subprocess while one runs
+
+    def scheduled(self, name):
+        """Whether job `name` was queued or started in this process."""
+        with self._cond:
+            return name in self._started or name in self._queue
 
     def start(self, names):
         """Queue `names` (longest first) for the background thread; start it if needed."""
@@ -95,7 +114,9 @@ def _text(out):
 def _run(name):
     seed = int.from_bytes(os.urandom(4), "little")
     path = os.pathsep.join(p for p in (_REPO, os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONWARNINGS="ignore", PYTHONPATH=path)
+    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=path)
+    if name in _SIMULATED:
+        env["NUMBA_ENABLE_CUDASIM"] = "1"
     command = [sys.executable, *_SCRIPTS[name], str(seed)]
     proc = subprocess.Popen(command, cwd=_REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -125,3 +146,16 @@ JOBS = _Jobs()
 
 def result(name):
     return JOBS.result(name)
+
+
+def to_start(nodeids):
+    """The jobs a session selecting `nodeids` starts in the background: every job a test
+    needs, but the PTX job only for at least ``_ptx.MIN_FOR_JOB`` compile tests (fewer
+    compile in their own process)."""
+    names = [job_of(n) for n in nodeids]
+    from tests.kernels._ptx import MIN_FOR_JOB
+
+    out = {n for n in names if n}
+    if names.count("ptx") < MIN_FOR_JOB:
+        out.discard("ptx")
+    return out

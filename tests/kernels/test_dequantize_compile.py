@@ -11,7 +11,8 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
 
 from fp8blk.kernels import _dequantize_kernel as dk  # noqa: E402
 from fp8blk.kernels import _specs as dq  # noqa: E402
-from fp8blk.kernels._numba import compile_ptx_sm90  # noqa: E402
+
+from . import _ptx  # noqa: E402
 
 LOCAL = re.compile(r"\b(ld|st)\.local\b")
 
@@ -46,10 +47,18 @@ def _dq_id(spec):
             f"{'e4m3' if spec.e4m3 else 'e5m2'}-p{spec.piece}-a{int(spec.aligned)}")
 
 
+def _key(spec):
+    return "dequantize/" + _dq_id(spec)
+
+
+for _spec in _dequant_specs():
+    _ptx.case(_key(_spec), lambda s=_spec: (dk.make_kernel_pyfunc(s), dk.argtypes(s),
+                                            dq.dequantize_launch_bounds(s)))
+
+
 @pytest.mark.parametrize("spec", _dequant_specs(), ids=_dq_id)
 def test_dequantize_kernel_compiles_for_sm90(spec):
-    ptx = compile_ptx_sm90(dk.make_kernel_pyfunc(spec), dk.argtypes(spec),
-                           launch_bounds=dq.dequantize_launch_bounds(spec))
+    ptx = _ptx.ptx(_key(spec))       # compiled in the session's PTX job (tests/kernels/_ptx.py)
     assert ".target sm_90" in ptx
     assert not LOCAL.search(ptx), "registers spilled to local memory"
     assert "mul.ftz" not in ptx, "fp32 products must keep subnormals"

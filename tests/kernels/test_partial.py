@@ -16,6 +16,7 @@ from fp8blk.kernels import _partial_cast_kernel as pc
 from fp8blk.kernels import _specs as dev
 from fp8blk.kernels import partial
 from tests import sim_jobs
+from tests.kernels import _ptx
 from tests.master.scripts import cases
 
 needs_compiler = pytest.mark.skipif(_numba.SIM, reason="compile_ptx needs the real Numba CUDA "
@@ -29,14 +30,48 @@ def run_sim(what):
     assert code == 0 and f"OK {what}" in out, f"seed={seed}\n{out[-3000:]}\n{err[-6000:]}"
 
 
+# the kernels' PTX, made in the session's PTX job (tests/kernels/_ptx.py)
+AMAX_CASES = [(True, dev.BF16, False), (False, dev.BF16, True), (False, dev.F32, False)]
+CAST_CASES = [(True, dev.BF16, True, False),  # transposed Block2D storage: general path only
+              (True, dev.BF16, False, True),
+              (False, dev.BF16, True, False), (False, dev.BF16, True, True),
+              (False, dev.F16, False, False), (False, dev.F16, False, True)]
+
+
+def _amax_key(*args):
+    return "partial_amax/" + "-".join(map(str, args))
+
+
+def _cast_key(*args):
+    return "partial_cast/" + "-".join(map(str, args))
+
+
+def _scale_key(block2d):
+    return f"partial_scale/{block2d}"
+
+
+def _register():
+    for b2, model, col in AMAX_CASES:
+        for fast in (False, True):
+            _ptx.case(_amax_key(b2, model, col, fast), lambda a=(b2, model, col, fast): (
+                pak.amax_pyfunc(*a), pak.amax_argtypes(a[0]), None))
+    for b2, model, col, fast in CAST_CASES + [(False, m, True, f) for m in (dev.F16,)
+                                              for f in (False, True)]:
+        _ptx.case(_cast_key(b2, model, col, fast), lambda a=(b2, model, col, fast): (
+            pc.cast_pyfunc(*a), pc.cast_argtypes(a[0]), None))
+    for b2 in (True, False):
+        _ptx.case(_scale_key(b2), lambda b2=b2: (
+            pc.scale_pyfunc(b2, 3.3895313892515355e38), pc.scale_argtypes(b2), None))
+
+
+_register()
+
+
 @needs_compiler
 @pytest.mark.parametrize("fast_path", [False, True])
-@pytest.mark.parametrize("block2d,model,with_col", [(True, dev.BF16, False),
-                                                    (False, dev.BF16, True),
-                                                    (False, dev.F32, False)])
+@pytest.mark.parametrize("block2d,model,with_col", AMAX_CASES)
 def test_amax_kernel_compiles_for_sm90(block2d, model, with_col, fast_path):
-    ptx = _numba.compile_ptx_sm90(pak.amax_pyfunc(block2d, model, with_col, fast_path),
-                                  pak.amax_argtypes(block2d))
+    ptx = _ptx.ptx(_amax_key(block2d, model, with_col, fast_path))
     assert ".target sm_90" in ptx
     assert "ld.global.nc.v4.u32" in ptx       # 16-byte loads on the aligned path
     assert "shfl.sync.bfly" in ptx            # warp reductions, not shared-memory loops
@@ -133,14 +168,9 @@ def test_gpu_partial_amax_matches_reference(scale, rng):
 
 
 @needs_compiler
-@pytest.mark.parametrize("block2d,model,with_col,fast_path", [
-    (True, dev.BF16, True, False),  # transposed Block2D storage: general path only
-    (True, dev.BF16, False, True), (False, dev.BF16, True, False),
-    (False, dev.BF16, True, True), (False, dev.F16, False, False),
-    (False, dev.F16, False, True)])
+@pytest.mark.parametrize("block2d,model,with_col,fast_path", CAST_CASES)
 def test_cast_kernel_compiles_for_sm90(block2d, model, with_col, fast_path):
-    ptx = _numba.compile_ptx_sm90(pc.cast_pyfunc(block2d, model, with_col, fast_path),
-                                  pc.cast_argtypes(block2d))
+    ptx = _ptx.ptx(_cast_key(block2d, model, with_col, fast_path))
     assert ".target sm_90" in ptx
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "cvt.rn.satfinite.e5m2x2.f32" in ptx
     assert "ld.global.nc.v4.u32" in ptx       # 16-byte master loads
@@ -151,8 +181,7 @@ def test_cast_kernel_compiles_for_sm90(block2d, model, with_col, fast_path):
         # the row-only specialization has no columnwise code at all: no loads of column E8M0
         # code words and no more casts (whether LLVM also unswitches the with-columns loop on
         # the format, doubling its casts, depends on the loop's size)
-        with_col_ptx = _numba.compile_ptx_sm90(pc.cast_pyfunc(False, model, True, fast_path),
-                                               pc.cast_argtypes(False))
+        with_col_ptx = _ptx.ptx(_cast_key(False, model, True, fast_path))
         assert ptx.count("ld.global.u32") < with_col_ptx.count("ld.global.u32")
         assert ptx.count("cvt.rn.satfinite") <= with_col_ptx.count("cvt.rn.satfinite")
 
@@ -160,8 +189,7 @@ def test_cast_kernel_compiles_for_sm90(block2d, model, with_col, fast_path):
 @needs_compiler
 @pytest.mark.parametrize("block2d", [True, False])
 def test_scale_kernel_compiles_for_sm90(block2d):
-    ptx = _numba.compile_ptx_sm90(pc.scale_pyfunc(block2d, 3.3895313892515355e38),
-                                  pc.scale_argtypes(block2d))
+    ptx = _ptx.ptx(_scale_key(block2d))
     assert ".target sm_90" in ptx
     if block2d:
         assert "div.rn.f32" in ptx  # correctly rounded F / amax and 1 / scale

@@ -12,7 +12,8 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
 
 from fp8blk.kernels import _quantize_kernel as qk  # noqa: E402
 from fp8blk.kernels import _specs as sp  # noqa: E402
-from fp8blk.kernels._numba import compile_ptx_sm90  # noqa: E402
+
+from . import _ptx  # noqa: E402
 
 LOCAL = re.compile(r"\b(ld|st)\.local\b")
 
@@ -41,10 +42,17 @@ def _id(spec):
             f"-{'e4m3' if spec.e4m3 else 'e5m2'}-v{int(spec.vec)}{int(spec.col_vec)}")
 
 
+def _key(spec):
+    return "quantize/" + _id(spec)
+
+
+for _spec in QUANT_SPECS:
+    _ptx.case(_key(_spec), lambda s=_spec: (qk.make_kernel_pyfunc(s), qk.argtypes(s), s.threads))
+
+
 @pytest.mark.parametrize("spec", QUANT_SPECS, ids=_id)
 def test_quantize_kernel_compiles_for_sm90(spec):
-    ptx = compile_ptx_sm90(qk.make_kernel_pyfunc(spec), qk.argtypes(spec),
-                           launch_bounds=spec.threads)
+    ptx = _ptx.ptx(_key(spec))       # compiled in the session's PTX job (tests/kernels/_ptx.py)
     assert ".target sm_90" in ptx
     assert not LOCAL.search(ptx), "the tile spilled to local memory"
     fmt = "e4m3x2" if spec.e4m3 else "e5m2x2"

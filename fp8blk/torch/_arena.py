@@ -52,27 +52,31 @@ class Arena:
 
 _arenas = BoundedCache(16)      # (device index, raw stream, thread) -> Arena; dropped ones
 _thread = threading.get_ident   # are freed (in their stream's order)
+_lock = threading.Lock()        # the cache is shared by the threads
 
 
 def for_stream(index: int, stream: int) -> Arena:
     """This thread's arena of CUDA device `index`'s stream `stream` (a raw cudaStream_t as an
     int; the legacy default stream is 0 on every device, hence the index in the key)."""
     key = (index, stream, _thread())
-    arena = _arenas.get(key)
-    if arena is None:
-        arena = _arenas.put(key, Arena())
+    with _lock:
+        arena = _arenas.get(key)
+        if arena is None:
+            arena = _arenas.put(key, Arena())
     return arena
 
 
 def release():
     """Free every arena (their memory returns to torch's caching allocator; the next call
     allocates again)."""
-    _arenas.clear()
+    with _lock:
+        _arenas.clear()
 
 
 def held() -> int:
-    """Bytes the arenas hold, all streams together."""
-    return sum(a.nbytes for a in _arenas.values())
+    """Bytes the arenas hold, all streams and threads together."""
+    with _lock:
+        return sum(a.nbytes for a in _arenas.values())
 
 
 def carve(sizes):

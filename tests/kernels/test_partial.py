@@ -55,8 +55,9 @@ def _register():
         for fast in (False, True):
             _ptx.case(_amax_key(b2, model, col, fast), lambda a=(b2, model, col, fast): (
                 pak.amax_pyfunc(*a), pak.amax_argtypes(a[0]), None))
-    for b2, model, col, fast in CAST_CASES + [(False, m, True, f) for m in (dev.F16,)
-                                              for f in (False, True)]:
+    # and the with-columns kernel each row-only case is compared with
+    with_col = [(False, m, True, f) for b2, m, col, f in CAST_CASES if not b2 and not col]
+    for b2, model, col, fast in CAST_CASES + with_col:
         _ptx.case(_cast_key(b2, model, col, fast), lambda a=(b2, model, col, fast): (
             pc.cast_pyfunc(*a), pc.cast_argtypes(a[0]), None))
     for b2 in (True, False):

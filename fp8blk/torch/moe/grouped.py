@@ -229,11 +229,8 @@ def _direct_weights(a_t, a_t_scale, b_t, b_t_scale, host, out_dtype):
         return None
     out = torch.empty((len(host), n_a, n_b), dtype=out_dtype, device=dev)
     empty = [e for e, (_, n, _) in enumerate(host) if not n]
-    if len(empty) > 4:
-        out.zero_()
-    else:
-        for e in empty:
-            out[e].zero_()
+    if empty:                   # an expert without rows gets a zero gradient (one fill)
+        out[empty] = 0
     if not segs:
         return out
     ws, w_p = _workspace(mms, dev)

@@ -89,12 +89,12 @@ def thread_costs(x, g):
 
 
 def inside_plan(x, g, k, n, device):
-    """Host us spent inside LinearPlan.forward / .backward per step (perf_counter around
-    them), multithreading on and off: the backward's own time on autograd's device thread
-    against the calling thread."""
+    """Host us spent inside the plan's lean forward / backward per step (perf_counter around
+    ``plans._Lean.forward`` / ``.backward``), multithreading on and off: the backward's own
+    time on autograd's device thread against the calling thread."""
     from fp8blk.torch.linear import plans
     spent = {"forward": 0.0, "backward": 0.0}
-    originals = {name: getattr(plans.LinearPlan, name) for name in spent}
+    originals = {name: getattr(plans._Lean, name) for name in spent}
 
     def timed(name):
         inner = originals[name]
@@ -109,7 +109,7 @@ def inside_plan(x, g, k, n, device):
 
     out = []
     for name in spent:
-        setattr(plans.LinearPlan, name, timed(name))
+        setattr(plans._Lean, name, timed(name))
     try:
         for threads in (True, False):
             torch.autograd.set_multithreading_enabled(threads)
@@ -127,12 +127,12 @@ def inside_plan(x, g, k, n, device):
             total = (time.perf_counter() - t0) / reps * 1e6
             torch.cuda.synchronize()
             out.append(f"fp8blk multithreading={threads!s:5s} step {total:7.1f} us: inside "
-                       f"plan.forward {spent['forward'] / reps * 1e6:6.1f}, plan.backward "
+                       f"lean forward {spent['forward'] / reps * 1e6:6.1f}, lean backward "
                        f"{spent['backward'] / reps * 1e6:6.1f}")
             print(out[-1], flush=True)
     finally:
         for name, fn in originals.items():
-            setattr(plans.LinearPlan, name, fn)
+            setattr(plans._Lean, name, fn)
     return out
 
 
@@ -148,14 +148,23 @@ def floor_costs(m, k, n, device):
     plan = plans.plan_for(x, w, Float8BlockConfig(), torch.bfloat16, False, False)
     lean = plan.lean
     stream = lean.stream()
-    base = _arena.for_stream(lean.index, stream).reserve(lean.need_fwd, lean.device)
+    base = _arena.reserve(lean.index, stream, lean.need_fwd, lean.device)
     xd, xs, wd, ws, work = (base + o for o in lean.fwd)
     y = torch.empty(m, n, device=device, dtype=torch.bfloat16)
     args = lean.qx.arguments(x.data_ptr(), [xd, xs, None, None])
+    site = lean.sx
+    site.args[0], site.args[1], site.args[2] = x.data_ptr(), xd, xs
+    site.args[3] = site.args[4] = x.data_ptr()
+
+    def site_launch():
+        a = site.args
+        a[0], a[1], a[2] = x.data_ptr(), xd, xs
+        site.launch(stream)
     calls = {
         "cuBLASLt block-scaled GEMM (ScaledMM.run)": lambda: lean.mm_fwd.run(
             xd, wd, xs, ws, y.data_ptr(), work, stream),
-        "quantize launch (raw, fixed addresses)": lambda: lean.qx.launch(args, stream),
+        "quantize launch (argument list, raw_launch)": lambda: lean.qx.launch(args, stream),
+        "quantize launch (LaunchSite, 3 slots set)": site_launch,
         "torch.empty_strided (M, N) bf16": lambda: torch.empty_strided(
             (m, n), (n, 1), dtype=torch.bfloat16, device=device),
         "bf16 torch.mm with its output": lambda: torch.mm(x, w.t()),

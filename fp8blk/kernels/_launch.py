@@ -288,6 +288,62 @@ def launch_here(kernel, grid, block, args, stream, index):
         raw_launch(kernel, grid, block, args, stream)
 
 
+class LaunchSite:
+    """One call site's launch of one kernel, with a parameter block of its own: the caller
+    writes the call's arguments into :attr:`args` (ctypes uint64 slots: pointers and int64
+    scalars, in the kernel's order) and calls :meth:`launch`. A hot path that launches the
+    same kernel on every call builds no argument list and ctypes converts one value (the
+    stream). The caller serializes the calls of one site (the slots are shared)::
+
+        site = LaunchSite(kernel, grid, block, [0] * 5 + scalars, device_index)
+        site.args[0] = x_ptr
+        site.launch(stream)
+    """
+
+    __slots__ = ("args", "addresses", "head", "tail", "index", "kernel", "grid", "block")
+
+    def __init__(self, kernel, grid, block, args, index):
+        n = len(args)
+        self.args = (ctypes.c_uint64 * n)(*args)
+        base = ctypes.addressof(self.args)
+        self.addresses = (ctypes.c_void_p * n)(*[base + 8 * i for i in range(n)])
+        self.kernel, self.grid, self.block, self.index = kernel, grid, block, index
+        # cuLaunchKernel's arguments around the stream, ready for a call without argtypes
+        self.head = (ctypes.c_void_p(kernel.ptr),) + tuple(grid) + tuple(block) + (0,)
+        self.tail = (ctypes.c_void_p(ctypes.addressof(self.addresses)), None)
+
+    def launch(self, stream: int):
+        """Launch on raw stream `stream` of the site's device (the current device)."""
+        fn = _site_launch[0] if _site_launch else _bind_site_launch()
+        if fn is None:
+            driver = (_cuda or _cupy_cuda())[0]
+            g, b = self.grid, self.block
+            driver.launchKernel(self.kernel.ptr, g[0], g[1], g[2], b[0], b[1], b[2], 0,
+                                stream, ctypes.addressof(self.addresses), 0)
+            return
+        status = fn(*self.head, ctypes.c_void_p(stream), *self.tail)
+        if status:
+            if status != _INVALID_CONTEXT:
+                raise DriverError(status)
+            # autograd's device thread with no context bound yet (:func:`launch_here`)
+            (_cuda or _cupy_cuda())[1].setDevice(self.index)
+            status = fn(*self.head, ctypes.c_void_p(stream), *self.tail)
+            if status:
+                raise DriverError(status)
+
+
+_site_launch = []   # [cuLaunchKernel without argtypes (LaunchSite passes ctypes values)]
+
+
+def _bind_site_launch():
+    fn = None
+    if (_driver_launch[0] if _driver_launch else _bind_driver_launch()) is not None:
+        fn = ctypes.PyDLL("libcuda.so.1")["cuLaunchKernel"]   # a function object of its own
+        fn.restype = ctypes.c_int
+    _site_launch.append(fn)
+    return fn
+
+
 def contiguous_strides(shape):
     """C-contiguous strides, in elements, of `shape` (a tuple): what ``torch.empty_strided``
     takes, the cheapest of torch's allocating calls from Python."""

@@ -13,8 +13,8 @@ from ..formats import E4M3, MXFP8, check_mxfp8_shape, recipe_kind
 from ..layout import buffer_layouts, cdiv, round_up
 from . import _cache
 from . import _specs as sp
-from ._launch import (Tuning, adapter_of, cached_plan, contiguous_strides, kind_of, launch_here,
-                      plan_cache, scalars, torch_launch)
+from ._launch import (LaunchSite, Tuning, adapter_of, cached_plan, contiguous_strides, kind_of,
+                      launch_here, plan_cache, scalars, torch_launch)
 from ._specs import SIM
 
 _VMAX = {sp.F32: scaling.FLT_MAX, sp.BF16: scaling.dtype_max(BF16),
@@ -195,6 +195,14 @@ class _TorchCall:
         """Launch with :meth:`arguments`' list on raw stream `stream`; the current device
         must be the recorded one."""
         launch_here(self.kernel, self.grid, self.block, args, stream, self.index)
+
+    def site(self):
+        """A :class:`~fp8blk.kernels._launch.LaunchSite` of this call's kernel: its ``args``
+        slots are ``[x, out0, out1, out2, out3]`` (input and the four buffers' addresses; a
+        direction not asked for takes any valid pointer, e.g. x's) then the scalars, which
+        are set; the current device must be the recorded one when it launches."""
+        return LaunchSite(self.kernel, self.grid, self.block, [0] * 5 + self.scalars,
+                          self.index)
 
     @property
     def nbytes(self):

@@ -38,7 +38,16 @@ def test_one_arena_per_device_and_stream():
         arena.reserve(1, "cpu")
     assert scratch_bytes() == 3 * 2 * MIB
     release_scratch()
-    assert scratch_bytes() == 0 and _arena.for_stream(0, 0) is not a
+    assert scratch_bytes() == 0 and (a.buffer, a.ptr, a.nbytes) == (None, 0, 0)
+    assert _arena.reserve(0, 0, 10, "cpu") == a.buffer.data_ptr()   # grows again on use
+
+
+def test_reserve_is_for_stream_then_reserve():
+    base = _arena.reserve(3, 9, 100, "cpu")
+    arena = _arena.for_stream(3, 9)
+    assert base == arena.ptr and arena.nbytes == 2 * MIB
+    assert _arena.reserve(3, 9, 2 * MIB, "cpu") == base          # the fast path: no growth
+    assert _arena.reserve(3, 9, 2 * MIB + 1, "cpu") == arena.ptr and arena.nbytes == 4 * MIB
 
 
 def test_one_arena_per_thread():
@@ -50,6 +59,29 @@ def test_one_arena_per_thread():
     worker.start()
     worker.join()
     assert other[0] is not mine and _arena.for_stream(0, 0) is mine
+
+
+def test_release_frees_every_threads_arenas():
+    """release_scratch() from one thread empties the arenas other threads hold (autograd's
+    device thread keeps its arena between steps)."""
+    done, go = threading.Event(), threading.Event()
+    held = []
+
+    def worker():
+        held.append(_arena.for_stream(0, 0))
+        held[0].reserve(3 * MIB, "cpu")
+        done.set()
+        go.wait(10)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    assert done.wait(10)
+    _arena.for_stream(0, 0).reserve(1, "cpu")
+    assert scratch_bytes() == 4 * MIB + 2 * MIB
+    release_scratch()
+    assert scratch_bytes() == 0 and held[0].buffer is None
+    go.set()
+    t.join()
 
 
 def test_arenas_of_many_streams_stay_bounded():

@@ -95,6 +95,7 @@ def test_the_linear_plan_runs_its_gemms_on_it(rng, monkeypatch):
     cuBLASLt (on by default) and gives the bytes of the general path with cuBLASLt turned off
     (torch._scaled_mm)."""
     from fp8blk.torch import Float8BlockLinear
+    from fp8blk.torch.linear import hot as linear_hot
     from fp8blk.torch.linear import plans as linear_plans
     monkeypatch.setattr(_cublaslt, "enabled", True)
     gen = _cuda_gen(rng)
@@ -107,6 +108,7 @@ def test_the_linear_plan_runs_its_gemms_on_it(rng, monkeypatch):
         with monkeypatch.context() as m:
             if general:
                 m.setattr(linear_plans, "plan_for", lambda *a: None)
+                m.setattr(linear_hot.Hot, "__call__", lambda self, *a: None)   # its memo
                 m.setattr(_cublaslt, "enabled", False)
             else:
                 linear_plans.plans.clear()

@@ -130,6 +130,10 @@ def _fwd_mm(xd, xs, weight, cfg, x_dtype, out_dtype, need_dgrad, need_wgrad):
     (m, k), n = xd.shape, weight.shape[0]
     plan = plans.plan_for_shapes(m, k, n, x_dtype, weight.dtype, xd.device, _config(cfg),
                                  out_dtype, need_dgrad, need_wgrad)
+    if plan.lean is not None:   # W's FP8 copy and the workspace in the scratch arena
+        y = plan.lean.forward_mm(xd, xs, weight)
+        if y is not None:
+            return y
     wd, ws = plan.qw(weight, weight.data_ptr())[:2]
     return plan.mm_fwd(xd, wd, xs, ws)
 

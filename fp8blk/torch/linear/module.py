@@ -7,6 +7,9 @@ import torch
 from ...layout import c_strides
 from ..config import Float8BlockConfig, config_or_default
 from .functional import add_bias, check_features, float8_block_linear
+from .hot import memo as _memo
+
+_compiling = torch.compiler.is_compiling
 
 
 class Float8BlockLinear(torch.nn.Linear):
@@ -33,6 +36,7 @@ class Float8BlockLinear(torch.nn.Linear):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.config = config
         self._fp8blk_tp = None
+        self._hot = None        # the memo of the last plan-served call (``hot``)
         self.keep_input = False
 
     @property
@@ -61,8 +65,23 @@ class Float8BlockLinear(torch.nn.Linear):
         return new
 
     def forward(self, x):
-        if torch.compiler.is_compiling() and (self._fp8blk_tp is not None
-                                              or _fsdp_fp8_weight(self.weight)):
+        if not _compiling():
+            # eager: the memo of the last plan-served call (``hot``), else the general path
+            # and a new memo where a plan serves the call
+            if self._fp8blk_tp is None:
+                weight = self.weight
+                hot = self._hot
+                if hot is not None:
+                    y = hot(x, weight, self.bias, self.config, self._keep_input)
+                    if y is not None:
+                        return y
+                hot = self._hot = _memo(x, weight, self.config, self._keep_input)
+                if hot is not None:
+                    y = hot(x, weight, self.bias, self.config, self._keep_input)
+                    if y is not None:
+                        return y
+            return self._forward(x)
+        if self._fp8blk_tp is not None or _fsdp_fp8_weight(self.weight):
             return _forward_eagerly(self, x)
         return self._forward(x)
 
@@ -73,6 +92,16 @@ class Float8BlockLinear(torch.nn.Linear):
             return dtensor_forward(self, x)
         return float8_block_linear(x, self.weight, self.bias, self.config,
                                    keep_input=self._keep_input)
+
+    def __getstate__(self):
+        # the memo holds driver objects (descriptors, parameter blocks): a copy makes its own
+        state = self.__dict__.copy()
+        state["_hot"] = None
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.__dict__.setdefault("_hot", None)
 
     def extra_repr(self):
         keep = ", keep_input=True" if self._keep_input else ""

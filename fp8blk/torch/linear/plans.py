@@ -33,6 +33,7 @@ same way).
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
@@ -187,9 +188,9 @@ class LinearPlan:
     def forward(self, x2d, weight, share=None):
         lean = self.lean
         if lean is not None:
-            stream = lean.stream()
-            if stream is not None:
-                return lean.forward(x2d, weight, share, stream)
+            out = lean.forward(x2d, weight, share, lean.y)
+            if out is not None:
+                return out
         if self.halves is None:
             # share: the sharing scope's sharer of the layer's input (None: quantize here)
             xd, xs, xtd, xts = (self.qx(x2d, x2d.data_ptr()) if share is None
@@ -224,10 +225,9 @@ class LinearPlan:
             return dx, dw
         lean = self.lean
         if lean is not None:
-            stream = lean.stream()
-            if stream is not None:
-                return lean.backward(dy2d, xt_d, xt_s, weight, need_dgrad, need_wgrad, x2d,
-                                     stream)
+            out = lean.backward(dy2d, xt_d, xt_s, weight, need_dgrad, need_wgrad, x2d, lean.dx)
+            if out is not None:
+                return out
         if x2d is not None and need_wgrad:
             xt_d, xt_s = self.columnwise(x2d)
         gd, gs, gtd, gts = self.qdy(dy2d, dy2d.data_ptr())
@@ -243,24 +243,31 @@ class _Lean:
     """A plan's steps with every transient buffer in the default stream's scratch arena
     (fp8blk/torch/_arena.py: x's and W's rowwise FP8 copies, dY's copies, W's columnwise
     copy, a ``keep_input`` layer's columnwise copy of x, the cuBLASLt workspace) and the
-    launches and GEMMs on raw addresses (each GEMM on cuBLASLt descriptors of its own, whose
-    scale pointers stay set while the arena stays put): a step allocates only what outlives
-    it (y, the saved columnwise copy of x, dx, dW). The same kernels and GEMMs on the same
-    bytes as the plan's other path, which serves what this one does not: streams other than
-    the device's default (CUDA-graph capture and inductor's CUDA-graph warm-up among them:
-    their allocations belong to the graph's pool), a current device other than the plan's,
-    GEMMs on ``torch._scaled_mm`` and ``low_memory_forward``. With a sharing scope the input's
-    FP8 copies are the scope's (allocated: other layers read them later)."""
+    launches and GEMMs on raw addresses: each launch from a parameter block of its own
+    (``LaunchSite``), each GEMM on cuBLASLt descriptors of its own whose scale pointers stay
+    set while the arena stays put. A step allocates only what outlives it (y, the saved
+    columnwise copy of x, dx, dW) and makes no view: x and dY are read by address, so an
+    N-D x needs no 2-D view and y and dx are allocated in the caller's shapes (``y_spec``,
+    ``dx_spec``: shape, strides, dtype). The same kernels and GEMMs on the same bytes as the
+    plan's other path, which serves what this one does not (``forward`` and ``backward``
+    return None there): streams other than the device's default (CUDA-graph capture and
+    inductor's CUDA-graph warm-up among them: their allocations belong to the graph's pool),
+    a current device other than the plan's, GEMMs on ``torch._scaled_mm`` and
+    ``low_memory_forward``. With a sharing scope the input's FP8 copies are the scope's
+    (allocated: other layers read them later)."""
 
-    __slots__ = ("index", "device", "qx", "qw", "qwt", "qdy", "qxt", "mm_fwd", "mm_dgrad",
-                 "mm_wgrad", "y", "dx", "dw", "xt", "cols", "dy_dirs", "fwd", "bwd", "need_fwd",
-                 "need_bwd", "raw_stream", "default_stream")
+    __slots__ = ("index", "device", "qx", "sx", "sw", "swt", "sdy", "sxt", "mm_fwd",
+                 "mm_dgrad", "mm_wgrad", "y", "dx", "dw", "xt", "cols", "dy_dirs", "fwd", "bwd",
+                 "need_fwd", "need_bwd", "raw_stream", "default_stream", "fwd_at", "bwd_at",
+                 "fwd_lock", "bwd_lock")
 
     def __init__(self, plan, x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad):
         (m, k), n = x2d.shape, weight.shape[0]
         self.index, self.device = x2d.get_device(), x2d.device
-        self.qx, self.qw, self.qwt, self.qdy, self.qxt = (plan.qx, plan.qw, plan.qwt, plan.qdy,
-                                                          plan.qxt)
+        self.qx = plan.qx
+        self.sx, self.sw = plan.qx.site(), plan.qw.site()
+        self.swt, self.sdy, self.sxt = (None if q is None else q.site()
+                                        for q in (plan.qwt, plan.qdy, plan.qxt))
         self.mm_fwd, self.mm_dgrad, self.mm_wgrad = (
             None if mm is None else mm.own() for mm in (plan.mm_fwd, plan.mm_dgrad,
                                                         plan.mm_wgrad))
@@ -271,10 +278,10 @@ class _Lean:
         self.cols = need_wgrad and not plan.keep_input
         self.dy_dirs = (need_dgrad, need_wgrad)
         zeros = [0, 0, 0, 0]
-        qx, qw = self.qx.nbytes, self.qw.nbytes
-        dy = self.qdy.nbytes if self.qdy is not None else zeros
-        wt = self.qwt.nbytes if self.qwt is not None else zeros
-        xt = self.qxt.nbytes if self.qxt is not None else zeros
+        qx, qw = plan.qx.nbytes, plan.qw.nbytes
+        dy = plan.qdy.nbytes if plan.qdy is not None else zeros
+        wt = plan.qwt.nbytes if plan.qwt is not None else zeros
+        xt = plan.qxt.nbytes if plan.qxt is not None else zeros
         # each pass carves its arena from offset 0: a call's buffers are dead once it has
         # queued its GEMMs (the passes run on different threads' arenas where autograd's
         # device thread runs the backward pass)
@@ -282,6 +289,10 @@ class _Lean:
                                                 _workspace(self.mm_fwd)])
         self.bwd, self.need_bwd = _arena.carve(dy + [wt[2], wt[3], xt[2], xt[3], max(
             _workspace(self.mm_dgrad), _workspace(self.mm_wgrad))])
+        # (arena base, the buffers' addresses) last used by each pass
+        self.fwd_at = self.bwd_at = (None, ())
+        # the sites' slots are shared: one call of a pass at a time (threads may share a layer)
+        self.fwd_lock, self.bwd_lock = threading.Lock(), threading.Lock()
         self.raw_stream = _arrays.torch_raw_stream()
         self.default_stream = torch.cuda.default_stream(self.device).cuda_stream
 
@@ -291,62 +302,117 @@ class _Lean:
         allocating path: inductor's CUDA-graph trees warm up on a stream of their own with
         every allocation of the thread going to the graph's pool (no capture to detect), so
         scratch memory made there would be a live untracked tensor in that pool."""
-        if _current_device() != self.index:
+        index = self.index
+        if _current_device() != index or self.raw_stream(index) != self.default_stream \
+                or _capturing():
             return None
-        stream = self.raw_stream(self.index)
-        if stream != self.default_stream or _capturing():
-            return None
-        return stream
+        return self.default_stream
 
-    def forward(self, x2d, weight, share, stream):
-        base = _arena.for_stream(self.index, stream).reserve(self.need_fwd, self.device)
-        xd, xs, wd, ws, work = (base + o for o in self.fwd)
+    def forward(self, x, weight, share, y_spec):
+        """``(y, saved)`` of x (any shape, C-contiguous, the plan's (M, K) elements) and W,
+        y allocated as `y_spec`; None where this path does not serve the call."""
+        stream = self.stream()
+        if stream is None:
+            return None
+        xd, xs, wd, ws, work = self._forward_buffers(stream)
         empty, dev = torch.empty_strided, self.device
-        shape, strides, dtype = self.y
-        y = empty(shape, strides, dtype=dtype, device=dev)
-        ptr, qx = x2d.data_ptr(), self.qx
-        if share is not None:       # the scope's copies: allocated, as other layers read them
-            bufs = share("plan", qx, x2d, ptr)
-            xd, xs, saved = bufs[0].data_ptr(), bufs[1].data_ptr(), (bufs[2], bufs[3])
-        elif self.cols:
-            (s_d, st_d, t_d), (s_s, st_s, t_s) = self.xt
-            saved = (empty(s_d, st_d, dtype=t_d, device=dev),
-                     empty(s_s, st_s, dtype=t_s, device=dev))
-            qx.launch(qx.arguments(ptr, [xd, xs, saved[0].data_ptr(), saved[1].data_ptr()]),
-                      stream)
-        else:
-            saved = (None, None)
-            qx.launch(qx.arguments(ptr, [xd, xs, None, None]), stream)
-        qw = self.qw
-        qw.launch(qw.arguments(weight.data_ptr(), [wd, ws, None, None]), stream)
-        self.mm_fwd.run(xd, wd, xs, ws, y.data_ptr(), work, stream)
+        y = empty(y_spec[0], y_spec[1], dtype=y_spec[2], device=dev)
+        ptr = x.data_ptr()
+        with self.fwd_lock:
+            if share is not None:   # the scope's copies: allocated, other layers read them
+                bufs = share("plan", self.qx, x, ptr)
+                xd, xs, saved = bufs[0].data_ptr(), bufs[1].data_ptr(), (bufs[2], bufs[3])
+            else:
+                site = self.sx
+                a = site.args
+                a[0], a[1], a[2] = ptr, xd, xs
+                if self.cols:
+                    (s_d, st_d, t_d), (s_s, st_s, t_s) = self.xt
+                    saved = (empty(s_d, st_d, dtype=t_d, device=dev),
+                             empty(s_s, st_s, dtype=t_s, device=dev))
+                    a[3], a[4] = saved[0].data_ptr(), saved[1].data_ptr()
+                else:
+                    saved = (None, None)
+                    a[3] = a[4] = ptr
+                site.launch(stream)
+            self._weight_mm(weight, xd, xs, wd, ws, work, y, stream)
         return y, saved
 
-    def backward(self, dy2d, xt_d, xt_s, weight, need_dgrad, need_wgrad, x2d, stream):
-        base = _arena.for_stream(self.index, stream).reserve(self.need_bwd, self.device)
-        gd, gs, gtd, gts, wtd, wts, xtd, xts, work = (base + o for o in self.bwd)
+    def forward_mm(self, xd, xs, weight):
+        """y (M, N) from x's rowwise FP8 buffers `xd`, `xs` (the plan's views: the compiled
+        layer's first op made them) and W: W's rowwise copy and the GEMM's workspace in the
+        arena; None where this path does not serve the call."""
+        stream = self.stream()
+        if stream is None:
+            return None
+        wd, ws, work = self._forward_buffers(stream)[2:]
+        shape, strides, dtype = self.y
+        y = torch.empty_strided(shape, strides, dtype=dtype, device=self.device)
+        with self.fwd_lock:
+            self._weight_mm(weight, xd.data_ptr(), xs.data_ptr(), wd, ws, work, y, stream)
+        return y
+
+    def _forward_buffers(self, stream):
+        """The forward pass's transients (x's rowwise data and scales, W's, the workspace) as
+        addresses in this thread's arena for `stream`."""
+        base = _arena.reserve(self.index, stream, self.need_fwd, self.device)
+        at = self.fwd_at
+        if at[0] != base:
+            at = self.fwd_at = (base, tuple(base + o for o in self.fwd))
+        return at[1]
+
+    def _weight_mm(self, weight, xd, xs, wd, ws, work, y, stream):
+        site = self.sw
+        a = site.args
+        a[0] = a[3] = a[4] = weight.data_ptr()
+        a[1], a[2] = wd, ws
+        site.launch(stream)
+        self.mm_fwd.run(xd, wd, xs, ws, y.data_ptr(), work, stream)
+
+    def backward(self, dy, xt_d, xt_s, weight, need_dgrad, need_wgrad, x, dx_spec):
+        """``(dx, dw)`` from dY (any shape, C-contiguous, 16-byte aligned, (M, N) elements),
+        dx allocated as `dx_spec`; x's columnwise copy `xt_d`, `xt_s` as the forward pass
+        saved it, or (``keep_input`` plans) made here from `x`; None where this path does not
+        serve the call."""
+        stream = self.stream()
+        if stream is None:
+            return None
+        index = self.index
+        base = _arena.reserve(index, stream, self.need_bwd, self.device)
+        at = self.bwd_at
+        if at[0] != base:
+            at = self.bwd_at = (base, tuple(base + o for o in self.bwd))
+        gd, gs, gtd, gts, wtd, wts, xtd, xts, work = at[1]
         rows, cols = self.dy_dirs
-        qdy = self.qdy
-        qdy.launch(qdy.arguments(dy2d.data_ptr(), [gd if rows else None, gs if rows else None,
-                                                   gtd if cols else None,
-                                                   gts if cols else None]), stream)
         empty, dev = torch.empty_strided, self.device
         dx = dw = None
-        if need_dgrad:
-            qwt = self.qwt
-            qwt.launch(qwt.arguments(weight.data_ptr(), [None, None, wtd, wts]), stream)
-            shape, strides, dtype = self.dx
-            dx = empty(shape, strides, dtype=dtype, device=dev)
-            self.mm_dgrad.run(gd, wtd, gs, wts, dx.data_ptr(), work, stream)
-        if need_wgrad:
-            if x2d is not None:     # keep_input: x's columnwise copy made here, transient
-                qxt = self.qxt
-                qxt.launch(qxt.arguments(x2d.data_ptr(), [None, None, xtd, xts]), stream)
-            else:
-                xtd, xts = xt_d.data_ptr(), xt_s.data_ptr()
-            shape, strides, dtype = self.dw
-            dw = empty(shape, strides, dtype=dtype, device=dev)
-            self.mm_wgrad.run(gtd, xtd, gts, xts, dw.data_ptr(), work, stream)
+        with self.bwd_lock:
+            site = self.sdy
+            a = site.args
+            ptr = a[0] = dy.data_ptr()
+            a[1], a[2] = (gd, gs) if rows else (ptr, ptr)
+            a[3], a[4] = (gtd, gts) if cols else (ptr, ptr)
+            site.launch(stream)
+            if need_dgrad:
+                site = self.swt
+                a = site.args
+                a[0] = a[1] = a[2] = weight.data_ptr()
+                a[3], a[4] = wtd, wts
+                site.launch(stream)
+                dx = empty(dx_spec[0], dx_spec[1], dtype=dx_spec[2], device=dev)
+                self.mm_dgrad.run(gd, wtd, gs, wts, dx.data_ptr(), work, stream)
+            if need_wgrad:
+                if x is not None:   # keep_input: x's columnwise copy made here, transient
+                    site = self.sxt
+                    a = site.args
+                    a[0] = a[1] = a[2] = x.data_ptr()
+                    a[3], a[4] = xtd, xts
+                    site.launch(stream)
+                else:
+                    xtd, xts = xt_d.data_ptr(), xt_s.data_ptr()
+                shape, strides, dtype = self.dw
+                dw = empty(shape, strides, dtype=dtype, device=dev)
+                self.mm_wgrad.run(gtd, xtd, gts, xts, dw.data_ptr(), work, stream)
         return dx, dw
 
 

@@ -11,6 +11,7 @@ import fp8blk as fb
 from fp8blk.torch import Float8BlockConfig, Float8BlockLinear
 from fp8blk.torch import _arena, _cublaslt
 from fp8blk.torch.linear import functional
+from fp8blk.torch.linear import hot as linear_hot
 from fp8blk.torch.linear import plans as linear_plans
 
 from .._parity import assert_same, init_spread_, spread
@@ -29,7 +30,9 @@ def _step(layer, x, g):
 
 
 def _general(monkeypatch):
+    """Steps on the general path: no plan, and no layer memo (which holds one)."""
     monkeypatch.setattr(linear_plans, "plan_for", lambda *a: None)
+    monkeypatch.setattr(linear_hot.Hot, "__call__", lambda self, *a: None)
 
 
 CASES = [
@@ -118,6 +121,7 @@ def test_lean_steps_equal_the_allocating_plan(case, rng, monkeypatch):
                   torch.ones(4096, 3072, device="cuda", dtype=torch.bfloat16))
             assert _arena.held() > held
     linear_plans.plans.clear()
+    layer._hot = None               # the layer's memo holds the plan: a fresh one is made
     _step(layer, x, g)
     (plan,) = linear_plans.plans.values()
     served = all(isinstance(mm, _cublaslt.ScaledMM) for mm in

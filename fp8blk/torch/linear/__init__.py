@@ -3,7 +3,8 @@ memory it keeps, the FSDP2 weight interface and torch.compile: docs/torch.md, "T
 
 The room: ``module`` (the nn.Module and its DTensor weights), ``functional`` (the autograd
 function, the general path, the operand choice of each GEMM), ``plans`` (the eager CUDA hot
-path: one plan per call signature), ``compiled`` (the plan as torch ops, for torch.compile).
+path: one plan per call signature), ``hot`` (a layer's memo of its last plan-served call and
+the lean autograd Function it runs), ``compiled`` (the plan as torch ops, for torch.compile).
 
 The eager hot path keeps its transient FP8 copies and GEMM workspaces in one scratch
 allocation per device, stream and thread, the largest call's need (fp8blk/torch/_arena.py):

@@ -31,6 +31,8 @@
 #   linear        bench.bench_linear -> linear-<machine>.json (LINEAR_ARGS: more flags; the run
 #                 replaces its section: default, or --compile's, or --section S's)
 #   model         bench.bench_model -> model-<machine>.json (MODEL_ARGS, MODEL_TIMEOUT)
+#   moe           bench.bench_moe (grouped GEMMs, MoE blocks) -> moe-<machine>.json (MOE_ARGS,
+#                 MOE_TIMEOUT)
 #   norm          bench.bench_norm (RMSNorm: torch ops, compiled, fp8blk's kernels) -> norm-<machine>.json
 #   loss_parity   bench.loss_parity -> loss-parity-<machine>.{json,png}, its --arch's section
 #                 (LOSS_ARGS: "--arch qwen3_moe" for the MoE model; LOSS_TIMEOUT)
@@ -157,6 +159,8 @@ if has linear; then
 fi
 has model && step bench_model ${MODEL_TIMEOUT:-600} \
   python3 -m bench.bench_model --out "$OUT/model-$M.json" $MODEL_ARGS
+has moe && step bench_moe ${MOE_TIMEOUT:-400} \
+  python3 -m bench.bench_moe --out "$OUT/moe-$M.json" $MOE_ARGS
 has norm && step bench_norm ${NORM_TIMEOUT:-180} python3 -m bench.bench_norm --out "$OUT"
 has loss_parity && seed_result "loss-parity-$M.json" && step loss_parity ${LOSS_TIMEOUT:-600} \
   python3 -m bench.loss_parity --out "$OUT/loss-parity-$M.json" --plot "$OUT/loss-parity-$M.png" \

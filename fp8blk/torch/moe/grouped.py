@@ -82,12 +82,27 @@ def expert_weight_buffers(weight: torch.Tensor, recipe, transposed: bool, rows_f
     (E, cdiv(R,128), round4(cdiv(C,128))) fp32)``, each expert's bytes equal to
     ``fb.quantize(W_e, recipe)``'s. ``weight`` is (E, N, K) (``transposed=False``) or
     (E, K, N) (``transposed=True``, as gpt-oss stores it); ``rows_first`` asks for W_e (N, K)
-    (the forward operand), else W_e.T (K, N) (the input gradient's)."""
+    (the forward operand), else W_e.T (K, N) (the input gradient's). The data's rows are
+    contiguous (stride 1 along C); its experts and rows may be strided (the transpose of the
+    stored orientation, when the stored rows are a multiple of 128 or E is 1, is a view of
+    one columnwise quantize: row stride E*R)."""
     w = weight.detach()
     if w.dtype not in HIGH_DTYPES:
         raise TypeError(f"experts: weight dtype must be float32, bfloat16 or float16, got "
                         f"{w.dtype}")
     e, r, c = w.shape
+    if rows_first == transposed and (r % ALIGN == 0 or e == 1):
+        # the transpose asked for: one columnwise quantize of the stacked (E*R, C), read in
+        # place -- expert e's W_e.T is columns [e*R, (e+1)*R) of its (C, E*R) data, a (C, R)
+        # view with row stride E*R (cuBLASLt takes it as it is) -- instead of a rowwise
+        # quantize and a byte transpose of all E*R*C bytes
+        q = quantize_buffers(w.reshape(e * r, c).contiguous(), recipe, False, True)
+        rt = cdiv(r, ALIGN)
+        data = q[2].view(c, e, r).transpose(0, 1)
+        lay = all_layouts(recipe, r, c)[3]              # one expert's (ct, round4(rt))
+        scale = q[3].new_full((e, *lay.shape), lay.fill)
+        scale[:, :, :rt] = q[3][:, :e * rt].view(lay.shape[0], e, rt).transpose(0, 1)
+        return data.view(fp8_dtype(recipe.fmt)), scale
     if r % ALIGN == 0 or e == 1:
         q = quantize_buffers(w.reshape(e * r, c).contiguous(), recipe, True, False)
         data = q[0].view(e, r, c)
@@ -110,8 +125,9 @@ def _rows_impl(a, a_scale, b, b_scale, host, out_dtype, bias, table=None):
         for e, (start, n, _) in enumerate(host):
             if n:
                 rows = slice(start, start + n)
-                out[rows] = blockwise_scaled_mm(a[rows], a_scale[:, rows].contiguous(), b[e],
-                                                b_scale[e], "1x128", "128x128", out_dtype)
+                out[rows] = blockwise_scaled_mm(a[rows], a_scale[:, rows].contiguous(),
+                                                b[e].contiguous(), b_scale[e], "1x128",
+                                                "128x128", out_dtype)
     if bias is not None:
         for e, (start, _, count) in enumerate(host):
             if count:
@@ -190,15 +206,18 @@ def packed_row_scales(a_scale, table, end):
 def _direct_rows(a, a_scale, b, b_scale, host, table, out_dtype):
     """:func:`_rows_impl`'s GEMMs (without the bias) on cuBLASLt directly, or None where that
     cannot serve them."""
-    if not _on_device(a, a_scale, b, b_scale):
+    # b's rows may be strided (expert_weight_buffers' transposed view): cuBLASLt's b_stride
+    if not _on_device(a, a_scale, b_scale) or b.stride(2) != 1 \
+            or b.get_device() != a.get_device():
         return None
     (rows, k), n_out, dev = a.shape, b.shape[1], a.device
+    b_stride = None if b.stride(1) == k else b.stride(1)
     segs = [(e, start, n) for e, (start, n, _) in enumerate(host) if n]
     ends = [start + n for _, start, n in segs]
     if segs and segs[0][1] or any(start != end for (_, start, _), end in zip(segs[1:], ends)):
         return None                                 # segments not tiling the rows
     mms = _served([n for _, _, n in segs], lambda n: _cublaslt.for_signature(
-        n, n_out, k, a.dtype, b.dtype, "128x128", out_dtype, dev))
+        n, n_out, k, a.dtype, b.dtype, "128x128", out_dtype, dev, b_stride=b_stride))
     if mms is None:
         return None
     out = torch.zeros((rows, n_out), dtype=out_dtype, device=dev)

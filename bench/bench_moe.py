@@ -86,8 +86,8 @@ def gemm_case(name, skewed, quick):
     from fp8blk.torch.config import fp8_dtype
     from fp8blk.torch.linear.functional import quantize_buffers
     from fp8blk.torch.moe import grouped_linear, permute, route
-    from fp8blk.torch.moe.grouped import (expert_weight_buffers, grouped_mm_rows,
-                                          grouped_mm_weights)
+    from fp8blk.torch.moe.gemms import (expert_weight_buffers, grouped_mm_rows,
+                                        grouped_mm_weights)
 
     experts, top_k, tokens, k, n = SHAPES[name]
     if quick:

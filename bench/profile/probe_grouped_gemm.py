@@ -269,7 +269,7 @@ def operands(experts, top_k, tokens, k, n, kind, seed=0):
     from fp8blk.torch import Float8BlockConfig
     from fp8blk.torch.linear.functional import quantize_buffers
     from fp8blk.torch.moe import permute, route
-    from fp8blk.torch.moe.grouped import expert_weight_buffers
+    from fp8blk.torch.moe.gemms import expert_weight_buffers
     gen = torch.Generator().manual_seed(seed)
     scores = torch.rand(tokens, experts, generator=gen)
     if kind == "skewed":
@@ -289,7 +289,7 @@ def operands(experts, top_k, tokens, k, n, kind, seed=0):
 def check(experts, top_k, tokens, k, n, kind):
     import torch
 
-    from fp8blk.torch.moe.grouped import grouped_mm_rows
+    from fp8blk.torch.moe.gemms import grouped_mm_rows
     r, a, sa, b, sb, _, _ = operands(experts, top_k, tokens, k, n, kind)
     got = grouped_forward(a, sa, b, sb, tile_experts(r), experts)
     ref = grouped_mm_rows(a, sa, b, sb, r, torch.bfloat16)
@@ -310,7 +310,7 @@ def timing(name, experts, top_k, tokens, k, n, kind, modes=()):
     from bench.bench_linear import interleaved_ms
     from bench.bench_moe import bf16_grouped_mm, sorted_rows
     from fp8blk.torch.moe import permute
-    from fp8blk.torch.moe.grouped import grouped_mm_rows
+    from fp8blk.torch.moe.gemms import grouped_mm_rows
     r, a, sa, b, sb, x, w = operands(experts, top_k, tokens, k, n, kind)
     tiles = tile_experts(r)
     r.host()

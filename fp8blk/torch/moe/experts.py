@@ -12,7 +12,7 @@ marks the modules it converts (their ``fp8blk_config`` attribute) and sets the
 implementation on their config. A module sharing that config but left out by the filter
 runs the implementation the config had before. Under torch.compile a converted experts module
 traces without graph breaks (the per-expert GEMM loops are custom ops:
-``fp8blk.torch.moe.grouped``).
+``fp8blk.torch.moe.gemms``).
 
 Per call: the routing's padded layout (``routing``), the tokens permuted into it, the gate/up
 projection and the down projection as :func:`~fp8blk.torch.moe.grouped.grouped_linear`, the

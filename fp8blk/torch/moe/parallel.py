@@ -51,8 +51,8 @@ from ..config import HIGH_DTYPES, fp8_dtype
 from ..linear.functional import block_tensor_buffers, quantize_buffers
 from ..scaled_mm import dequantize_operand
 from .experts import expert_bias, gate, is_experts_module
-from .grouped import (expert_weight_buffers, grouped_mm_rows, grouped_mm_weights,
-                      grouped_row_sums)
+from .gemms import (expert_weight_buffers, grouped_mm_rows, grouped_mm_weights,
+                    grouped_row_sums)
 from .routing import ALIGN, Routing, weighted_sum
 
 # the per-call metadata row: CODE (0: fine, 1: this rank's arguments raised), EXPERTS, WIDTH,

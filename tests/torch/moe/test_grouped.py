@@ -13,7 +13,8 @@ torch = pytest.importorskip("torch")
 import fp8blk as fb  # noqa: E402
 from fp8blk.torch import Float8BlockConfig, float8_block_linear  # noqa: E402
 from fp8blk.torch.moe import combine, grouped_linear, permute, route  # noqa: E402
-from fp8blk.torch.moe.grouped import expert_weight_buffers, grouped_linear_combine  # noqa: E402,E501
+from fp8blk.torch.moe.gemms import expert_weight_buffers  # noqa: E402
+from fp8blk.torch.moe.grouped import grouped_linear_combine  # noqa: E402
 
 from ._reference import routing_ids  # noqa: E402
 
@@ -128,7 +129,7 @@ def test_packed_row_scales_lay_each_expert_out_alone(kt, experts):
     """The direct GEMM loop's scale layout (CUDA only; its bookkeeping is device-agnostic): in
     the packed buffer expert e's block (kt, n_e), row-major at kt * start_e, is its column
     range of the (kt, rows) scale buffer, empty experts first, between and last included."""
-    from fp8blk.torch.moe.grouped import packed_row_scales
+    from fp8blk.torch.moe.gemms import packed_row_scales
     gen = torch.Generator().manual_seed(kt)
     ids = torch.randint(1, experts - 1, (300, 1), generator=gen)   # experts 0 and E-1 empty
     ids[ids == 3] = 2                                              # and expert 3

@@ -78,7 +78,7 @@ def test_direct_loops_equal_the_per_expert_calls(kind, tokens, experts, top_k, m
     """The experts' GEMM loops on cuBLASLt directly (addresses into the grouped buffers, one
     gather of the 1x128 scales) give the per-expert blockwise_scaled_mm loop's bytes -- y,
     dx, dW, with empty experts -- and make no per-expert call."""
-    from fp8blk.torch.moe import grouped
+    from fp8blk.torch.moe import gemms
     idx = routing_ids(tokens, top_k, experts, kind, seed=7, device="cuda")
     r = route(idx, experts)
     h = _skewed_rows(tokens, 512, 2).to("cuda", torch.bfloat16)
@@ -93,13 +93,13 @@ def test_direct_loops_equal_the_per_expert_calls(kind, tokens, experts, top_k, m
         y.backward(dy)
         return y, x.grad, ww.grad
     with monkeypatch.context() as m:
-        m.setattr(grouped, "_direct_rows", lambda *a: None)
-        m.setattr(grouped, "_direct_weights", lambda *a: None)
+        m.setattr(gemms, "_direct_rows", lambda *a: None)
+        m.setattr(gemms, "_direct_weights", lambda *a: None)
         want = run()
 
     def boom(*a, **k):
         raise AssertionError("a per-expert blockwise_scaled_mm call")
-    monkeypatch.setattr(grouped, "blockwise_scaled_mm", boom)
+    monkeypatch.setattr(gemms, "blockwise_scaled_mm", boom)
     got = run()
     for name, a, b in zip(("y", "dx", "dW"), got, want):
         assert torch.equal(a, b), (kind, name)

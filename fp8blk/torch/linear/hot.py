@@ -9,8 +9,9 @@ call matches it -- the same weight object still of the dtype, shape, device, con
 alignment the plan was made for; x a plain tensor of the same shape, dtype, device and
 ``requires_grad``, C-contiguous and 16-byte aligned; the same grad mode, autocast state,
 config and ``keep_input``; eager -- the call goes straight to :class:`_HotFn` with the plan's
-lean path (``plans._Lean``) and no view of x, y, dY or dx. Anything else takes the general
-path, which makes a new memo where a plan serves it.
+lean path (``plans._Lean``) and no view of x, y, dY or dx (the plan's other path, with 2-D
+views, where the lean one does not serve the call or the plan has none). Anything else takes
+the general path, which makes a new memo where a plan serves it.
 
 The bytes are the general path's: the same plan, the same buffers, the same GEMMs; the bias
 added with ``functional.add_bias`` and its gradient summed over the 2-D dY as there
@@ -65,8 +66,8 @@ class Hot:
 
 def memo(x, weight, cfg, keep_input):
     """A :class:`Hot` for this call of a layer (weight `weight`, config `cfg`), or None where
-    the lean path does not serve it (CPU, MXFP8, FSDP2 FP8 or DTensor weights, tensor
-    subclasses, non-contiguous or unaligned operands, empty inputs, ...)."""
+    no plan serves it (CPU, MXFP8, FSDP2 FP8 or DTensor weights, tensor subclasses,
+    non-contiguous or unaligned operands, empty inputs, ...)."""
     if type(x) is not _Tensor or type(weight) not in _WEIGHTS or not x.is_cuda \
             or x.dim() == 0 or not x.is_contiguous() or weight.dim() != 2 \
             or x.shape[-1] != weight.shape[-1]:
@@ -79,7 +80,7 @@ def memo(x, weight, cfg, keep_input):
     keep = bool(keep_input) and need_wgrad
     x2d = x.view(-1, x.shape[-1])
     plan = plans.plan_for(x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad, keep)
-    if plan is None or plan.lean is None:
+    if plan is None:
         return None
     hot = Hot()
     hot.weight, hot.w_shape, hot.w_dtype = weight, weight.shape, weight.dtype
@@ -97,13 +98,15 @@ def memo(x, weight, cfg, keep_input):
 
 class _HotFn(torch.autograd.Function):
     """``functional._Float8BlockLinearFn`` for a call a :class:`Hot` serves: x, W, bias and
-    the memo in, y out; in between what the plan's lean path does (its allocating path where
-    the lean one does not serve the stream)."""
+    the memo in, y out; in between what the plan's lean path does (its other path where the
+    lean one does not serve the call or the plan has none: ``low_memory_forward``, GEMMs on
+    ``torch._scaled_mm``)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, hot):
         share = sharing.for_input(x, hot.cfg, hot.cols)
-        out = hot.lean.forward(x, weight, share, hot.y_spec)
+        lean = hot.lean
+        out = None if lean is None else lean.forward(x, weight, share, hot.y_spec)
         if out is None:
             y, saved = hot.plan.forward(x.view(hot.x2d_shape), weight, share)
             y = y.view(hot.y_spec[0])
@@ -138,7 +141,9 @@ def _backward(ctx, dy):
     if hot.keep:                        # xt_d holds x itself
         x, xt_d = xt_d, None
     if need_dgrad or need_wgrad:
-        out = hot.lean.backward(dy, xt_d, xt_s, weight, need_dgrad, need_wgrad, x, hot.dx_spec)
+        lean = hot.lean
+        out = None if lean is None else lean.backward(dy, xt_d, xt_s, weight, need_dgrad,
+                                                      need_wgrad, x, hot.dx_spec)
         if out is None:
             m = hot.x2d_shape[0]
             dx, dw = hot.plan.backward(dy.view(m, hot.n), xt_d, xt_s, weight, need_dgrad,

@@ -69,17 +69,14 @@ class Float8BlockLinear(torch.nn.Linear):
             # eager: the memo of the last plan-served call (``hot``), else the general path
             # and a new memo where a plan serves the call
             if self._fp8blk_tp is None:
-                weight = self.weight
+                weight, bias, cfg, keep = self.weight, self.bias, self.config, self._keep_input
                 hot = self._hot
-                if hot is not None:
-                    y = hot(x, weight, self.bias, self.config, self._keep_input)
-                    if y is not None:
-                        return y
-                hot = self._hot = _memo(x, weight, self.config, self._keep_input)
-                if hot is not None:
-                    y = hot(x, weight, self.bias, self.config, self._keep_input)
-                    if y is not None:
-                        return y
+                y = None if hot is None else hot(x, weight, bias, cfg, keep)
+                if y is None:
+                    hot = self._hot = _memo(x, weight, cfg, keep)
+                    y = None if hot is None else hot(x, weight, bias, cfg, keep)
+                if y is not None:
+                    return y
             return self._forward(x)
         if self._fp8blk_tp is not None or _fsdp_fp8_weight(self.weight):
             return _forward_eagerly(self, x)

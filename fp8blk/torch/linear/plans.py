@@ -258,7 +258,7 @@ class _Lean:
 
     __slots__ = ("index", "device", "qx", "sx", "sw", "swt", "sdy", "sxt", "mm_fwd",
                  "mm_dgrad", "mm_wgrad", "y", "dx", "dw", "xt", "cols", "dy_dirs", "fwd", "bwd",
-                 "need_fwd", "need_bwd", "raw_stream", "default_stream", "fwd_at", "bwd_at",
+                 "need_fwd", "need_bwd", "raw_stream", "default_stream", "at",
                  "fwd_lock", "bwd_lock")
 
     def __init__(self, plan, x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad):
@@ -289,8 +289,8 @@ class _Lean:
                                                 _workspace(self.mm_fwd)])
         self.bwd, self.need_bwd = _arena.carve(dy + [wt[2], wt[3], xt[2], xt[3], max(
             _workspace(self.mm_dgrad), _workspace(self.mm_wgrad))])
-        # (arena base, the buffers' addresses) last used by each pass
-        self.fwd_at = self.bwd_at = (None, ())
+        # (arena base, the buffers' addresses) last used by each pass: [forward, backward]
+        self.at = [(None, ()), (None, ())]
         # the sites' slots are shared: one call of a pass at a time (threads may share a layer)
         self.fwd_lock, self.bwd_lock = threading.Lock(), threading.Lock()
         self.raw_stream = _arrays.torch_raw_stream()
@@ -314,7 +314,7 @@ class _Lean:
         stream = self.stream()
         if stream is None:
             return None
-        xd, xs, wd, ws, work = self._forward_buffers(stream)
+        xd, xs, wd, ws, work = self._buffers(stream, False)
         empty, dev = torch.empty_strided, self.device
         y = empty(y_spec[0], y_spec[1], dtype=y_spec[2], device=dev)
         ptr = x.data_ptr()
@@ -345,20 +345,23 @@ class _Lean:
         stream = self.stream()
         if stream is None:
             return None
-        wd, ws, work = self._forward_buffers(stream)[2:]
+        wd, ws, work = self._buffers(stream, False)[2:]
         shape, strides, dtype = self.y
         y = torch.empty_strided(shape, strides, dtype=dtype, device=self.device)
         with self.fwd_lock:
             self._weight_mm(weight, xd.data_ptr(), xs.data_ptr(), wd, ws, work, y, stream)
         return y
 
-    def _forward_buffers(self, stream):
-        """The forward pass's transients (x's rowwise data and scales, W's, the workspace) as
-        addresses in this thread's arena for `stream`."""
-        base = _arena.reserve(self.index, stream, self.need_fwd, self.device)
-        at = self.fwd_at
+    def _buffers(self, stream, backward):
+        """A pass's transients as addresses in this thread's arena for `stream`: the forward
+        pass's (x's rowwise data and scales, W's, the workspace) or the backward pass's (dY's
+        four buffers, W's columnwise data and scales, x's, the workspace). The addresses are
+        worked out again only when the arena moved."""
+        need, offsets = (self.need_bwd, self.bwd) if backward else (self.need_fwd, self.fwd)
+        base = _arena.reserve(self.index, stream, need, self.device)
+        at = self.at[backward]
         if at[0] != base:
-            at = self.fwd_at = (base, tuple(base + o for o in self.fwd))
+            at = self.at[backward] = (base, tuple(base + o for o in offsets))
         return at[1]
 
     def _weight_mm(self, weight, xd, xs, wd, ws, work, y, stream):
@@ -377,12 +380,7 @@ class _Lean:
         stream = self.stream()
         if stream is None:
             return None
-        index = self.index
-        base = _arena.reserve(index, stream, self.need_bwd, self.device)
-        at = self.bwd_at
-        if at[0] != base:
-            at = self.bwd_at = (base, tuple(base + o for o in self.bwd))
-        gd, gs, gtd, gts, wtd, wts, xtd, xts, work = at[1]
+        gd, gs, gtd, gts, wtd, wts, xtd, xts, work = self._buffers(stream, True)
         rows, cols = self.dy_dirs
         empty, dev = torch.empty_strided, self.device
         dx = dw = None

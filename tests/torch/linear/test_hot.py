@@ -78,6 +78,39 @@ def test_a_matching_call_runs_the_memo():
     assert torch.equal(layer.bias.grad, torch.ones(16, 128, dtype=torch.bfloat16).sum(0))
 
 
+class _Plan:
+    """A stand-in for a plan without a lean path (``low_memory_forward``, GEMMs on
+    torch._scaled_mm): its 2-D calls, recorded."""
+
+    def __init__(self, n, k):
+        self.calls = []
+        self.n, self.k = n, k
+
+    def forward(self, x2d, weight, share=None):
+        self.calls.append(("forward", tuple(x2d.shape)))
+        return (torch.zeros(x2d.shape[0], self.n, dtype=torch.bfloat16),
+                (torch.zeros(self.k, 4, dtype=torch.uint8), torch.zeros(1, 4)))
+
+    def backward(self, dy2d, xt_d, xt_s, weight, need_dgrad, need_wgrad, x2d=None):
+        self.calls.append(("backward", tuple(dy2d.shape)))
+        return (torch.zeros(dy2d.shape[0], self.k, dtype=torch.bfloat16),
+                torch.zeros(self.n, self.k, dtype=torch.bfloat16))
+
+
+def test_a_plan_without_a_lean_path_runs_on_2d_views():
+    """A memo whose plan has no lean path runs the plan's own calls on 2-D views of x and
+    dY and gives y and dx in the caller's shapes."""
+    layer = _layer()
+    x = _x(layer)
+    h = _cpu_hot(layer, x)
+    h.lean, h.plan = None, _Plan(128, 256)
+    y = h(x, layer.weight, layer.bias, layer.config, False)
+    assert y.shape == (2, 8, 128)
+    y.backward(torch.ones_like(y))
+    assert h.plan.calls == [("forward", (16, 256)), ("backward", (16, 128))]
+    assert x.grad.shape == x.shape and layer.weight.grad.shape == (128, 256)
+
+
 def _changes():
     """(name, change(layer, x) -> (x, weight, config, keep_input)): each must miss."""
     def x_only(f):

@@ -114,11 +114,11 @@ def scalars(*values):
 _U16 = np.dtype(np.uint16)
 
 
-_MAX_ARGS = 16
+_MAX_ARGS = 48      # the grouped GEMMs pass their two tensor maps as 32 words
 
 
 class _Params(threading.local):
-    """A kernel parameter block of this thread: 16 uint64 slots and the array of their
+    """A kernel parameter block of this thread: _MAX_ARGS uint64 slots and the array of their
     addresses that cuLaunchKernel reads."""
 
     def __init__(self):
@@ -169,21 +169,22 @@ def _bind_driver_launch():
     return fn
 
 
-def raw_launch(kernel, grid, block, args, stream_ptr):
+def raw_launch(kernel, grid, block, args, stream_ptr, shared_mem=0):
     """Launch compiled `kernel` (a CuPy Function) with `args`, a list of ints (pointers and
-    int64 scalars, each passed as 8 bytes), on the stream `stream_ptr`."""
+    int64 scalars, each passed as 8 bytes), on the stream `stream_ptr`, with `shared_mem`
+    bytes of dynamic shared memory."""
     params = _params
     params.slots[:len(args)] = args
     launch = _driver_launch[0] if _driver_launch else _bind_driver_launch()
     if launch is not None:
         status = launch(kernel.ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                        0, stream_ptr, params.address, None)
+                        shared_mem, stream_ptr, params.address, None)
         if status:
             raise DriverError(status)
         return
     driver = (_cuda or _cupy_cuda())[0]
     driver.launchKernel(kernel.ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                        0, stream_ptr, params.address, 0)
+                        shared_mem, stream_ptr, params.address, 0)
 
 
 class _Launches:
@@ -259,33 +260,33 @@ class _Torch(TorchFamily):
         torch_launch(kernel, grid, block, args, like.get_device())
 
 
-def torch_launch(kernel, grid, block, args, index):
+def torch_launch(kernel, grid, block, args, index, shared_mem=0):
     """Launch `kernel` with `args` (ints: pointers and int64 scalars) on torch's current stream
     of CUDA device `index` (what ``_Torch.launch`` does; the torch hot paths call it with the
     device index they keyed their plan by)."""
     runtime = (_cuda or _cupy_cuda())[1]
     stream = torch_raw_stream()(index)
     if runtime.getDevice() == index:
-        launch_here(kernel, grid, block, args, stream, index)
+        launch_here(kernel, grid, block, args, stream, index, shared_mem)
     else:
         import cupy
 
         with cupy.cuda.Device(index):
-            raw_launch(kernel, grid, block, args, stream)
+            raw_launch(kernel, grid, block, args, stream, shared_mem)
 
 
-def launch_here(kernel, grid, block, args, stream, index):
+def launch_here(kernel, grid, block, args, stream, index, shared_mem=0):
     """:func:`raw_launch` for a caller on CUDA device `index` already (the current device),
     binding the device's primary context to this thread where no CUDA runtime call has:
     autograd's worker thread for GPU 0 (torch skips cudaSetDevice when the runtime already
     reports device 0)."""
     try:
-        raw_launch(kernel, grid, block, args, stream)
+        raw_launch(kernel, grid, block, args, stream, shared_mem)
     except Exception as exc:
         if getattr(exc, "status", None) != _INVALID_CONTEXT:
             raise
         (_cuda or _cupy_cuda())[1].setDevice(index)
-        raw_launch(kernel, grid, block, args, stream)
+        raw_launch(kernel, grid, block, args, stream, shared_mem)
 
 
 class LaunchSite:

@@ -10,7 +10,11 @@ quantized 128x128 per expert (one quantize of the stacked (E*N, K) when N is a m
 128, whose tiles never cross two experts), and W_e.T from one columnwise quantize of that
 stack, read in place (expert e's (K, N) is a column range of the (K, E*N) bytes).
 
-The GEMMs run per expert: on CUDA as cuBLASLt calls on addresses inside the grouped buffers
+On a Hopper GPU each grouped GEMM runs in one launch for all experts when it can and the
+policy wants it (``fp8blk.kernels.grouped_gemm``: bf16 out, K and N multiples of 128, no bias
+for the m-grouped one; by default with 17 experts or more, or under CUDA-graph capture),
+reading the segments on the device -- no host synchronization. Otherwise the GEMMs run per
+expert: on CUDA as cuBLASLt calls on addresses inside the grouped buffers
 (the direct loops below), elsewhere and where cuBLASLt declines a signature through
 :func:`~fp8blk.torch.blockwise_scaled_mm` (the emulation on the CPU); either way each expert's
 output is the dense ``Float8BlockLinear``'s on its rows. Eager calls read the segment table
@@ -37,11 +41,12 @@ from typing import Optional
 import torch
 
 from ... import _arrays
+from ...kernels import grouped_gemm
 from .. import _cublaslt
 from ..config import HIGH_DTYPES, fp8_dtype
 from ..linear.functional import add_bias, quantize_buffers
 from ..scaled_mm import blockwise_scaled_mm
-from .routing import ALIGN, Routing, host_table
+from .routing import ALIGN, Routing, host_table, tile_experts
 from ...layout import all_layouts, cdiv
 
 _compiling = torch.compiler.is_compiling
@@ -99,6 +104,15 @@ def expert_weight_buffers(weight: torch.Tensor, recipe, transposed: bool, rows_f
     return data_t.view(fp8_dtype(recipe.fmt)), _scale_transposed(scale, recipe, r, c)
 
 
+def _one_launch(a, a_scale, b, b_scale, tiles, out_dtype, bias):
+    """:func:`grouped_mm_rows` in one kernel launch (``fp8blk.kernels.grouped_gemm``: Hopper,
+    bf16 out, K and N multiples of 128, no bias), or None where that does not serve it.
+    ``tiles()`` gives the row tiles' experts on the device."""
+    if bias is not None or not grouped_gemm.serves(a, a_scale, b, b_scale, out_dtype):
+        return None
+    return grouped_gemm.forward_rows(a, a_scale, b, b_scale, tiles())
+
+
 def _rows_impl(a, a_scale, b, b_scale, host, out_dtype, bias, table=None):
     out = None if table is None else _direct_rows(a, a_scale, b, b_scale, host, table,
                                                   out_dtype)
@@ -116,6 +130,15 @@ def _rows_impl(a, a_scale, b, b_scale, host, out_dtype, bias, table=None):
                 routed = slice(start, start + count)
                 out[routed] = add_bias(out[routed], bias[e])
     return out
+
+
+def _one_launch_weights(a_t, a_t_scale, b_t, b_t_scale, table, out_dtype):
+    """:func:`grouped_mm_weights` in one kernel launch (Hopper, bf16 out, N and K multiples of
+    128), or None where that does not serve it."""
+    if not grouped_gemm.serves_weights(a_t, a_t_scale, b_t, b_t_scale, out_dtype,
+                                       table.shape[1]):
+        return None
+    return grouped_gemm.weights(a_t, a_t_scale, b_t, b_t_scale, table)
 
 
 def _weights_impl(a_t, a_t_scale, b_t, b_t_scale, host, out_dtype):
@@ -261,6 +284,10 @@ def _row_sums_impl(dy, host):
 def _rows_op(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
              table: torch.Tensor, out_dtype: torch.dtype,
              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    out = _one_launch(a, a_scale, b, b_scale, lambda: tile_experts(table[1], a.shape[0]),
+                      out_dtype, bias)
+    if out is not None:
+        return out
     return _rows_impl(a, a_scale, b, b_scale, host_table(table), out_dtype, bias, table)
 
 
@@ -273,6 +300,9 @@ def _rows_fake(a, a_scale, b, b_scale, table, out_dtype, bias=None):
 def _weights_op(a_t: torch.Tensor, a_t_scale: torch.Tensor, b_t: torch.Tensor,
                 b_t_scale: torch.Tensor, table: torch.Tensor,
                 out_dtype: torch.dtype) -> torch.Tensor:
+    out = _one_launch_weights(a_t, a_t_scale, b_t, b_t_scale, table, out_dtype)
+    if out is not None:
+        return out
     return _weights_impl(a_t, a_t_scale, b_t, b_t_scale, host_table(table), out_dtype)
 
 
@@ -300,6 +330,9 @@ def grouped_mm_rows(a, a_scale, b, b_scale, routing: Routing, out_dtype, bias=No
     if _compiling():
         return torch.ops.fp8blk.grouped_mm_rows(a, a_scale, b, b_scale, routing.table,
                                                 out_dtype, bias)
+    out = _one_launch(a, a_scale, b, b_scale, routing.tile_experts, out_dtype, bias)
+    if out is not None:
+        return out
     return _rows_impl(a, a_scale, b, b_scale, routing.host(), out_dtype, bias, routing.table)
 
 
@@ -310,6 +343,9 @@ def grouped_mm_weights(a_t, a_t_scale, b_t, b_t_scale, routing: Routing, out_dty
     if _compiling():
         return torch.ops.fp8blk.grouped_mm_weights(a_t, a_t_scale, b_t, b_t_scale,
                                                    routing.table, out_dtype)
+    out = _one_launch_weights(a_t, a_t_scale, b_t, b_t_scale, routing.table, out_dtype)
+    if out is not None:
+        return out
     return _weights_impl(a_t, a_t_scale, b_t, b_t_scale, routing.host(), out_dtype)
 
 

@@ -43,7 +43,8 @@ class Routing:
     routed row count; ``padded`` (E,) its segment length (counts rounded up to 128);
     ``table`` (3, E) int64: starts, padded and counts stacked (what the per-expert ops read);
     ``rows``: the padded row count (:func:`padded_rows`); ``tokens``, ``top_k``,
-    ``num_experts``. :meth:`host` gives the segments as Python lists (one device
+    ``num_experts``. :meth:`tile_experts` gives each 128-row tile's expert on the device;
+    :meth:`host` gives the segments as Python lists (one device
     synchronization, then cached) for the per-expert GEMM loop; ``host``, when the caller
     knows the segments already (the expert-parallel layout, built from host counts), sets
     them."""
@@ -56,6 +57,7 @@ class Routing:
         self.table = torch.stack([starts, padded, counts])
         self._host = host
         self._valid = None
+        self._tiles = None
 
     def host(self):
         """``[(start, padded_length, count), ...]`` per expert, as Python ints."""
@@ -67,8 +69,26 @@ class Routing:
         """(rows,) bool: whether each padded row holds a routed pair (padding rows: False)."""
         if self._valid is None:
             self._valid = torch.zeros(self.rows, dtype=torch.bool, device=self.dest.device)
-            self._valid[self.dest] = True
+            # index_fill_, not ``[dest] = True``: that indexed store synchronizes on CUDA
+            self._valid.index_fill_(0, self.dest, True)
         return self._valid
+
+
+    def tile_experts(self):
+        """(rows/128,) int32 on the device: each 128-row tile's expert (:func:`tile_experts`),
+        computed once per routing."""
+        if self._tiles is None:
+            self._tiles = tile_experts(self.padded, self.rows)
+        return self._tiles
+
+
+def tile_experts(padded: torch.Tensor, rows: int) -> torch.Tensor:
+    """(rows/128,) int32: the expert of each 128-row tile of the padded layout whose segment
+    lengths are ``padded`` (E,) (multiples of 128), E for a tile past the last segment; on
+    the device, no synchronization (the one-launch grouped GEMM reads it)."""
+    ends = torch.cumsum(padded, 0) // ALIGN
+    tiles = torch.arange(rows // ALIGN, device=padded.device)
+    return torch.searchsorted(ends, tiles, right=True).to(torch.int32)
 
 
 def host_table(table: torch.Tensor) -> list:
@@ -156,5 +176,5 @@ def weighted_sum(picked: torch.Tensor, top_k_weights: torch.Tensor, dtype):
     return weighted.view(tokens, top_k, picked.shape[-1]).sum(1).to(dtype)
 
 
-__all__ = ["ALIGN", "Routing", "route", "padded_rows", "host_table", "permute", "combine",
+__all__ = ["ALIGN", "Routing", "route", "padded_rows", "host_table", "tile_experts", "permute", "combine",
            "weighted_sum"]

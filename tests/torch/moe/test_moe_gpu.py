@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from fp8blk.kernels import grouped_gemm
 from fp8blk.torch import Float8BlockConfig, blockwise_scaled_mm, float8_block_linear
 from fp8blk.torch.linear.functional import quantize_buffers
 from fp8blk.torch.moe import convert_experts, grouped_linear, permute, route
@@ -19,6 +20,15 @@ from fp8blk.torch.moe import convert_experts, grouped_linear, permute, route
 from ._reference import routing_ids, tiny_model
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def loops_only():
+    """The per-expert loops, the one-launch kernels off (tests/kernels/test_grouped_gemm_gpu.py
+    holds the kernels to these loops' bytes)."""
+    prev = grouped_gemm.set_policy("never")
+    yield
+    grouped_gemm.set_policy(prev)
 
 
 def _skewed_rows(tokens, k, seed):
@@ -30,7 +40,7 @@ def _skewed_rows(tokens, k, seed):
 @pytest.mark.parametrize("kind,tokens,experts,top_k,k,n", [
     ("balanced", 1000, 8, 2, 512, 768), ("skewed", 1000, 8, 2, 512, 768),
     ("tiny", 9, 16, 4, 256, 384), ("skewed", 700, 6, 3, 640, 200)])
-def test_grouped_linear_bytes(kind, tokens, experts, top_k, k, n):
+def test_grouped_linear_bytes(kind, tokens, experts, top_k, k, n, loops_only):
     idx = routing_ids(tokens, top_k, experts, kind, seed=5, device="cuda")
     r = route(idx, experts)
     h = _skewed_rows(tokens, k, 1).to("cuda", torch.bfloat16)
@@ -74,7 +84,8 @@ def test_grouped_linear_bytes(kind, tokens, experts, top_k, k, n):
 
 @pytest.mark.parametrize("kind,tokens,experts,top_k", [
     ("balanced", 2048, 64, 8), ("skewed", 1000, 8, 2), ("tiny", 9, 16, 4)])
-def test_direct_loops_equal_the_per_expert_calls(kind, tokens, experts, top_k, monkeypatch):
+def test_direct_loops_equal_the_per_expert_calls(kind, tokens, experts, top_k, monkeypatch,
+                                                loops_only):
     """The experts' GEMM loops on cuBLASLt directly (addresses into the grouped buffers, one
     gather of the 1x128 scales) give the per-expert blockwise_scaled_mm loop's bytes -- y,
     dx, dW, with empty experts -- and make no per-expert call."""

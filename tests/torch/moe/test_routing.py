@@ -1,5 +1,5 @@
 """The padded token layout (fp8blk/torch/moe/routing.py): segments on 128-row boundaries in
-token order, the permutation and its gradient, the combine, and the operand bytes: the
+token order, the permutation and its gradient, the combine, each row tile's expert, and the operand bytes: the
 columnwise quantize of the padded rows is, per expert, fb.quantize of its rows alone."""
 from __future__ import annotations
 
@@ -31,6 +31,12 @@ def test_layout(kind, tokens, experts, top_k):
     assert end <= r.rows
     assert len(set(r.dest.tolist())) == tokens * top_k
     assert int(r.valid_rows().sum()) == tokens * top_k
+    # each 128-row tile's expert (what the one-launch grouped GEMMs read), E past the end
+    want = [experts] * (r.rows // 128)
+    for e, (start, padded, _) in enumerate(host):
+        want[start // 128:(start + padded) // 128] = [e] * (padded // 128)
+    tiles = r.tile_experts()
+    assert tiles.dtype == torch.int32 and tiles.tolist() == want
 
 
 def test_permute_combine_and_gradient():

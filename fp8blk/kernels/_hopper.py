@@ -1,0 +1,284 @@
+"""Hopper (sm_90a) device primitives as Numba ``@intrinsic`` inline PTX, for the grouped GEMM
+kernel (``_grouped_gemm_kernel``): shared-memory barriers (``mbarrier``), the copy engine
+(``cp.async.bulk``, 2-D tensor copies from a tensor map in global memory), warpgroup matrix
+multiply-accumulate (``wgmma`` m64n128k32 e4m3, fp32 accumulators as 64-tuples of float32 per
+thread), the register split between warpgroups (``setmaxnreg``), and the staged epilogue
+(``stmatrix``, 16-byte copies out). GPU only: imported when the kernel is first built, never
+under the simulator (these instructions have none). PTX semantics: the PTX ISA, sections
+"mbarrier", "cp.async.bulk.tensor", "wgmma", "stmatrix", "setmaxnreg".
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba.cuda.extending import intrinsic
+
+from ._numba import types
+
+_I32 = ir.IntType(32)
+_I64 = ir.IntType(64)
+_F32 = ir.FloatType()
+
+
+def _asm(builder, ret, args, text, constraints):
+    fnty = ir.FunctionType(ret, [a.type for a in args])
+    return builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=True), args)
+
+
+def _u32(builder, v):
+    if v.type.width == 32:
+        return v
+    return builder.trunc(v, _I32) if v.type.width > 32 else builder.zext(v, _I32)
+
+
+def _u64(builder, v):
+    return v if v.type.width == 64 else builder.zext(v, _I64)
+
+
+def _void(text):
+    @intrinsic
+    def op(typingctx):
+        def codegen(context, builder, sig, args):
+            _asm(builder, ir.VoidType(), [], text, "~{memory}")
+            return context.get_dummy_value()
+        return types.void(), codegen
+    return op
+
+
+fence_mbarrier_init = _void("fence.mbarrier_init.release.cluster;")
+wgmma_fence = _void("wgmma.fence.sync.aligned;")
+wgmma_commit = _void("wgmma.commit_group.sync.aligned;")
+
+
+@intrinsic
+def mbar_init(typingctx, addr, count):
+    def codegen(context, builder, sig, args):
+        _asm(builder, ir.VoidType(), [_u32(builder, args[0]), _u32(builder, args[1])],
+             "mbarrier.init.shared::cta.b64 [$0], $1;", "r,r,~{memory}")
+        return context.get_dummy_value()
+    return types.void(addr, count), codegen
+
+
+@intrinsic
+def mbar_arrive(typingctx, addr):
+    def codegen(context, builder, sig, args):
+        _asm(builder, ir.VoidType(), [_u32(builder, args[0])],
+             "mbarrier.arrive.shared::cta.b64 _, [$0];", "r,~{memory}")
+        return context.get_dummy_value()
+    return types.void(addr), codegen
+
+
+@intrinsic
+def mbar_arrive_tx(typingctx, addr, nbytes):
+    """Arrive and add `nbytes` to the phase's expected transaction count."""
+    def codegen(context, builder, sig, args):
+        _asm(builder, ir.VoidType(), [_u32(builder, args[0]), _u32(builder, args[1])],
+             "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "r,r,~{memory}")
+        return context.get_dummy_value()
+    return types.void(addr, nbytes), codegen
+
+
+@intrinsic
+def mbar_try_wait(typingctx, addr, parity):
+    """1 once the barrier's phase of parity `parity` has completed, else 0 (after a bounded
+    hardware wait)."""
+    def codegen(context, builder, sig, args):
+        return _asm(builder, _I32, [_u32(builder, args[0]), _u32(builder, args[1])],
+                    "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2; "
+                    "selp.u32 $0, 1, 0, p; }", "=r,r,r,~{memory}")
+    return types.uint32(addr, parity), codegen
+
+
+@intrinsic
+def tma_load_2d(typingctx, dst, tmap, at, c0, c1, mbar):
+    """Bulk tensor copy of the box at (c0 inner, c1 outer) of the tensor map at tmap + at
+    (elements; global memory, 64-byte aligned) to shared address `dst`, completing on barrier
+    `mbar`."""
+    def codegen(context, builder, sig, args):
+        tm = builder.ptrtoint(builder.gep(args[1], [args[2]]), _I64)
+        _asm(builder, ir.VoidType(), [_u32(builder, args[0]), tm, _u32(builder, args[3]),
+                                      _u32(builder, args[4]), _u32(builder, args[5])],
+             "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+             " [$0], [$1, {$2, $3}], [$4];", "r,l,r,r,r,~{memory}")
+        return context.get_dummy_value()
+    return types.void(dst, tmap, at, c0, c1, mbar), codegen
+
+
+@intrinsic
+def bulk_load(typingctx, dst, src, offset, nbytes, mbar):
+    """Bulk copy of `nbytes` (a multiple of 16) from src + offset (elements) to shared address
+    `dst`, completing on barrier `mbar`."""
+    def codegen(context, builder, sig, args):
+        g = builder.ptrtoint(builder.gep(args[1], [args[2]]), _I64)
+        _asm(builder, ir.VoidType(), [_u32(builder, args[0]), g, _u32(builder, args[3]),
+                                      _u32(builder, args[4])],
+             "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+             " [$0], [$1], $2, [$3];", "r,l,r,r,~{memory}")
+        return context.get_dummy_value()
+    return types.void(dst, src, offset, nbytes, mbar), codegen
+
+
+@intrinsic
+def ld_shared_f32(typingctx, addr):
+    def codegen(context, builder, sig, args):
+        return _asm(builder, _F32, [_u32(builder, args[0])], "ld.shared.f32 $0, [$1];",
+                    "=f,r,~{memory}")
+    return types.float32(addr), codegen
+
+
+tensormap_release = _void("fence.proxy.tensormap::generic.release.gpu;")
+
+
+@intrinsic
+def tensormap_acquire(typingctx, tmap, at):
+    """Order this thread's later tensor-map reads of tmap + at (elements) after the generic
+    writes released before them (``tensormap_release``)."""
+    def codegen(context, builder, sig, args):
+        _asm(builder, ir.VoidType(), [builder.ptrtoint(builder.gep(args[0], [args[1]]), _I64)],
+             "fence.proxy.tensormap::generic.acquire.gpu [$0], 128;", "l,~{memory}")
+        return context.get_dummy_value()
+    return types.void(tmap, at), codegen
+
+
+@intrinsic
+def shared_base(typingctx, arr):
+    """The 32-bit shared-memory address of a shared array's first element."""
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        p = builder.ptrtoint(data, _I64)
+        return _asm(builder, _I32, [p], "{ .reg .u64 t; cvta.to.shared.u64 t, $1; "
+                    "cvt.u32.u64 $0, t; }", "=r,l")
+    return types.uint32(arr), codegen
+
+
+N_ACC = 64                                   # 64 x 128 fp32 tile over 128 threads
+ACC = types.UniTuple(types.float32, N_ACC)
+
+
+def _unpack(builder, tup):
+    return [builder.extract_value(tup, i) for i in range(N_ACC)]
+
+
+@intrinsic
+def acc_zeros(typingctx):
+    def codegen(context, builder, sig, args):
+        return context.make_tuple(builder, ACC, [ir.Constant(_F32, 0.0)] * N_ACC)
+    return ACC(), codegen
+
+
+@intrinsic
+def wgmma_wait0(typingctx, acc):
+    outs = ",".join(["=f"] * N_ACC)
+    ties = ",".join(str(i) for i in range(N_ACC))
+
+    def codegen(context, builder, sig, args):
+        st = ir.LiteralStructType([_F32] * N_ACC)
+        r = _asm(builder, st, _unpack(builder, args[0]), "wgmma.wait_group.sync.aligned 0;",
+                 f"{outs},{ties},~{{memory}}")
+        return context.make_tuple(builder, ACC, [builder.extract_value(r, i)
+                                                 for i in range(N_ACC)])
+    return ACC(acc), codegen
+
+
+@intrinsic
+def mma_block(typingctx, acc, desc_a, desc_b):
+    """A fresh partial product of one 128-deep block: four wgmma m64n128k32 (e4m3 x e4m3,
+    fp32), the first overwriting acc, each k32 step 32 bytes on (2 descriptor units) inside
+    the 128-byte swizzled rows."""
+    regs = ", ".join(f"${i}" for i in range(N_ACC))
+
+    def codegen(context, builder, sig, args):
+        st = ir.LiteralStructType([_F32] * N_ACC)
+        vals = _unpack(builder, args[0])
+        da, db = _u64(builder, args[1]), _u64(builder, args[2])
+        for step in range(4):
+            scale_d = "0" if step == 0 else "1"
+            text = (f"wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+                    "{" + regs + "}, $" + str(N_ACC) + ", $" + str(N_ACC + 1) +
+                    f", {scale_d}, 1, 1;")
+            cons = ",".join(["=f"] * N_ACC) + ",l,l," + ",".join(
+                str(i) for i in range(N_ACC)) + ",~{memory}"
+            off = ir.Constant(_I64, 2 * step)
+            r = _asm(builder, st, [builder.add(da, off), builder.add(db, off)] + vals, text,
+                     cons)
+            vals = [builder.extract_value(r, i) for i in range(N_ACC)]
+        return context.make_tuple(builder, ACC, vals)
+    return ACC(acc, desc_a, desc_b), codegen
+
+
+@intrinsic
+def promote_rows(typingctx, final, part, s0, s1):
+    """final + part * s[row]: the thread's elements 4j, 4j+1 sit in its row r0, 4j+2, 4j+3 in
+    row r0 + 8 (the wgmma fp32 accumulator layout)."""
+    def codegen(context, builder, sig, args):
+        f, p = _unpack(builder, args[0]), _unpack(builder, args[1])
+        out = [builder.fadd(f[i], builder.fmul(p[i], args[2] if (i % 4) < 2 else args[3]))
+               for i in range(N_ACC)]
+        return context.make_tuple(builder, ACC, out)
+    return ACC(final, part, types.float32, types.float32), codegen
+
+
+@intrinsic
+def promote_rows_cols(typingctx, final, part, s0, s1, cols_addr):
+    """final + part * (s[row] * t[col]): the 1x128 x 1x128 (weight-gradient) promotion. s0 / s1
+    are the thread's two rows' scales; its columns' scales are read from shared memory, fp32
+    at cols_addr + 4 (8j + e) for its columns col + 8j + e (cols_addr already at col)."""
+    def codegen(context, builder, sig, args):
+        f, p = _unpack(builder, args[0]), _unpack(builder, args[1])
+        a = _u32(builder, args[4])
+        pair = ir.LiteralStructType([_F32, _F32])
+        out = list(f)
+        for j in range(N_ACC // 4):
+            r = _asm(builder, pair, [builder.add(a, ir.Constant(_I32, 32 * j))],
+                     "ld.shared.v2.f32 {$0, $1}, [$2];", "=f,=f,r,~{memory}")
+            cs = (builder.extract_value(r, 0), builder.extract_value(r, 1))
+            for e in range(4):
+                i = 4 * j + e
+                sr = args[2] if e < 2 else args[3]
+                out[i] = builder.fadd(f[i], builder.fmul(p[i], builder.fmul(sr, cs[e % 2])))
+        return context.make_tuple(builder, ACC, out)
+    return ACC(final, part, types.float32, types.float32, cols_addr), codegen
+
+
+@intrinsic
+def stmatrix_tile(typingctx, addr, acc):
+    """The warp's 16 x 128 slice of the accumulator as bf16 into shared memory, 272 bytes per
+    row, with eight stmatrix.x4: instruction g stores the 8 x 8 matrices (row half h, column
+    block j) = (0, 2g), (1, 2g), (0, 2g + 1), (1, 2g + 1); `addr` is this lane's row address
+    for its matrix (lane // 8) at column block 0 (row L % 8 + 8 ((L // 8) % 2), column
+    8 (L // 16))."""
+    def codegen(context, builder, sig, args):
+        a = _u32(builder, args[0])
+        vals = _unpack(builder, args[1])
+
+        def word(h, j):
+            lo, hi = vals[4 * j + 2 * h], vals[4 * j + 2 * h + 1]
+            return _asm(builder, _I32, [hi, lo], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
+        for g in range(8):
+            regs = [word(0, 2 * g), word(1, 2 * g), word(0, 2 * g + 1), word(1, 2 * g + 1)]
+            _asm(builder, ir.VoidType(), [builder.add(a, ir.Constant(_I32, 32 * g))] + regs,
+                 "stmatrix.sync.aligned.m8n8.x4.shared.b16 [$0], {$1, $2, $3, $4};",
+                 "r,r,r,r,r,~{memory}")
+        return context.get_dummy_value()
+    return types.void(addr, ACC), codegen
+
+
+@intrinsic
+def copy16_out(typingctx, saddr, c, offset):
+    """16 bytes from shared address saddr to c + offset (bytes)."""
+    def codegen(context, builder, sig, args):
+        g = builder.ptrtoint(builder.gep(args[1], [args[2]]), _I64)
+        _asm(builder, ir.VoidType(), [_u32(builder, args[0]), g],
+             "{ .reg .b32 a, b, c, d; ld.shared.v4.b32 {a, b, c, d}, [$0]; "
+             "st.global.v4.b32 [$1], {a, b, c, d}; }", "r,l,~{memory}")
+        return context.get_dummy_value()
+    return types.void(saddr, c, offset), codegen
+
+
+# named barriers of one math warpgroup (0 is __syncthreads'); immediates, so that ptxas
+# reserves only these
+bar_sync_wg1 = _void("bar.sync 1, 128;")
+bar_sync_wg2 = _void("bar.sync 2, 128;")
+# the register split of warp-specialized Hopper GEMMs (DeepGEMM's, CUTLASS's): 40 for the
+# producer warpgroup, 232 for each of two math warpgroups (128 x 40 + 256 x 232 <= 65536)
+setmaxnreg_producer = _void("setmaxnreg.dec.sync.aligned.u32 40;")
+setmaxnreg_math = _void("setmaxnreg.inc.sync.aligned.u32 232;")

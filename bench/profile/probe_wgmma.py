@@ -60,31 +60,16 @@ cuda, types = nb.cuda, nb.types
 if nb.SIM:
     sys.exit("probe_wgmma needs a GPU (NUMBA_ENABLE_CUDASIM is set)")
 
-from llvmlite import ir  # noqa: E402
-from numba.cuda.extending import intrinsic  # noqa: E402
+from fp8blk.kernels._hopper import (shared_base, void_asm, wgmma_commit,  # noqa: E402
+                                    wgmma_fence)
 
+intrinsic, ir = nb.intrinsic, nb.ir
 _F32 = ir.FloatType()
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
 
 
-def inline_asm(builder, ret, args, text, constraints):
-    fnty = ir.FunctionType(ret, [a.type for a in args])
-    return builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=True), args)
-
-
-def void_asm(text):
-    @intrinsic
-    def op(typingctx):
-        def codegen(context, builder, sig, args):
-            inline_asm(builder, ir.VoidType(), [], text, "~{memory}")
-            return context.get_dummy_value()
-        return types.void(), codegen
-    return op
-
-
-wgmma_fence = void_asm("wgmma.fence.sync.aligned;")
-wgmma_commit = void_asm("wgmma.commit_group.sync.aligned;")
+inline_asm = functools.partial(nb.inline_asm, side_effect=True)
 fence_proxy_async = void_asm("fence.proxy.async.shared::cta;")
 
 
@@ -212,20 +197,10 @@ def wgmma_ops(n):
         return types.void(c, start, row0, col, ld, acc), codegen
 
 
-    @intrinsic
-    def shared_addr(typingctx, arr):
-        """The 32-bit shared-memory address of a shared array's first element."""
-        def codegen(context, builder, sig, args):
-            data = context.make_array(sig.args[0])(context, builder, args[0]).data
-            p = builder.ptrtoint(data, _I64)
-            return inline_asm(builder, _I32, [p], "{ .reg .u64 t; cvta.to.shared.u64 t, $1; "
-                        "cvt.u32.u64 $0, t; }", "=r,l")
-        return types.uint32(arr), codegen
-
     return SimpleNamespace(mma=mma, zeros=zeros, wait0=_wait(0), wait1=_wait(1),
                            load_col_scales=load_col_scales,
                            promote_regs=promote_regs, promote_rows=promote_rows,
-                           store_acc=store_acc, shared_addr=shared_addr)
+                           store_acc=store_acc, shared_addr=shared_base)
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,10 +9,7 @@ under the simulator (these instructions have none). PTX semantics: the PTX ISA, 
 """
 from __future__ import annotations
 
-from llvmlite import ir
-from numba.cuda.extending import intrinsic
-
-from ._numba import types
+from ._numba import inline_asm, intrinsic, ir, types
 
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
@@ -20,8 +17,9 @@ _F32 = ir.FloatType()
 
 
 def _asm(builder, ret, args, text, constraints):
-    fnty = ir.FunctionType(ret, [a.type for a in args])
-    return builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=True), args)
+    """Inline PTX kept where it stands (every instruction here has effects the compiler does
+    not see: barriers, asynchronous copies, tensor-core state)."""
+    return inline_asm(builder, ret, args, text, constraints, side_effect=True)
 
 
 def _u32(builder, v):
@@ -34,7 +32,8 @@ def _u64(builder, v):
     return v if v.type.width == 64 else builder.zext(v, _I64)
 
 
-def _void(text):
+def void_asm(text):
+    """An intrinsic ``op()`` that emits the PTX `text` (no operands; a memory clobber)."""
     @intrinsic
     def op(typingctx):
         def codegen(context, builder, sig, args):
@@ -44,9 +43,9 @@ def _void(text):
     return op
 
 
-fence_mbarrier_init = _void("fence.mbarrier_init.release.cluster;")
-wgmma_fence = _void("wgmma.fence.sync.aligned;")
-wgmma_commit = _void("wgmma.commit_group.sync.aligned;")
+fence_mbarrier_init = void_asm("fence.mbarrier_init.release.cluster;")
+wgmma_fence = void_asm("wgmma.fence.sync.aligned;")
+wgmma_commit = void_asm("wgmma.commit_group.sync.aligned;")
 
 
 @intrinsic
@@ -125,7 +124,7 @@ def ld_shared_f32(typingctx, addr):
     return types.float32(addr), codegen
 
 
-tensormap_release = _void("fence.proxy.tensormap::generic.release.gpu;")
+tensormap_release = void_asm("fence.proxy.tensormap::generic.release.gpu;")
 
 
 @intrinsic
@@ -276,9 +275,9 @@ def copy16_out(typingctx, saddr, c, offset):
 
 # named barriers of one math warpgroup (0 is __syncthreads'); immediates, so that ptxas
 # reserves only these
-bar_sync_wg1 = _void("bar.sync 1, 128;")
-bar_sync_wg2 = _void("bar.sync 2, 128;")
+bar_sync_wg1 = void_asm("bar.sync 1, 128;")
+bar_sync_wg2 = void_asm("bar.sync 2, 128;")
 # the register split of warp-specialized Hopper GEMMs (DeepGEMM's, CUTLASS's): 40 for the
 # producer warpgroup, 232 for each of two math warpgroups (128 x 40 + 256 x 232 <= 65536)
-setmaxnreg_producer = _void("setmaxnreg.dec.sync.aligned.u32 40;")
-setmaxnreg_math = _void("setmaxnreg.inc.sync.aligned.u32 232;")
+setmaxnreg_producer = void_asm("setmaxnreg.dec.sync.aligned.u32 40;")
+setmaxnreg_math = void_asm("setmaxnreg.inc.sync.aligned.u32 232;")

@@ -187,6 +187,10 @@ else:
         fnty = ir.FunctionType(ret, [a.type for a in args])
         return builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=side_effect), args)
 
+    # for the intrinsics of other kernel modules (``_hopper``): the one inline-PTX emitter, and
+    # llvmlite / Numba's intrinsic decorator without a second import of numba.cuda
+    inline_asm = _asm
+
     @intrinsic
     def f32_bits(typingctx, x):
         """float32 -> its uint32 bit pattern."""

@@ -44,7 +44,7 @@ from ._specs import SIM
 _lock = threading.Lock()
 _kernels = {}                        # (device index, kernel name) -> the compiled kernel
 _maps = BoundedCache(256)            # a tensor map's arguments -> its 16 words
-_capable = {}                        # device index -> whether it is a compute capability 9.0
+_devices = {}                        # device index -> (compute capability 9.0?, multiprocessors)
 POLICIES = ("auto", "always", "never")
 AUTO_MIN_EXPERTS = 17
 _policy = ["auto"]
@@ -71,11 +71,17 @@ def _wanted(experts) -> bool:
     return policy == "always"
 
 
+def _device(index):
+    info = _devices.get(index)
+    if info is None:
+        props = torch_module().cuda.get_device_properties(index)
+        info = _devices[index] = ((props.major, props.minor) == (9, 0),
+                                  props.multi_processor_count)
+    return info
+
+
 def _hopper(index) -> bool:
-    ok = _capable.get(index)
-    if ok is None:
-        ok = _capable[index] = torch_module().cuda.get_device_capability(index) == (9, 0)
-    return ok
+    return _device(index)[0]
 
 
 def serves(a, a_scale, b, b_scale, out_dtype) -> bool:
@@ -155,7 +161,7 @@ def weights(a_t, a_t_scale, b_t, b_t_scale, table):
 
 def _grid(index, tiles):
     """Persistent CTAs: one per multiprocessor, at most one per tile."""
-    return min(torch_module().cuda.get_device_properties(index).multi_processor_count, tiles)
+    return min(_device(index)[1], tiles)
 
 
 def _b_layout(b):

@@ -24,7 +24,7 @@ from fp8blk.torch.linear.functional import quantize_buffers  # noqa: E402
 from fp8blk.torch.moe import grouped_linear, permute, route  # noqa: E402
 from fp8blk.torch.moe.gemms import (expert_weight_buffers, grouped_mm_rows,  # noqa: E402
                                     grouped_mm_weights)
-from tests.torch.moe._reference import routing_ids  # noqa: E402
+from tests.torch.moe._reference import captured, routing_ids  # noqa: E402
 
 CFG = Float8BlockConfig()
 E4M3 = torch.float8_e4m3fn
@@ -173,18 +173,12 @@ def test_layer_without_host_synchronization_and_in_a_cuda_graph():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     want = (w1.grad.clone(), w2.grad.clone(), hidden.grad.clone())
+
     # a CUDA graph of the same step, replayed on new routing and inputs of the same shapes
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            w1.grad = w2.grad = hidden.grad = None
-            step(ids, hidden, dy)
-    torch.cuda.current_stream().wait_stream(s)
-    w1.grad = w2.grad = hidden.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_static = step(ids, hidden, dy)
+    def fresh_step():
+        w1.grad = w2.grad = hidden.grad = None
+        return step(ids, hidden, dy)
+    graph, y_static = captured(fresh_step)
     ids2 = routing_ids(tokens, top_k, experts, "balanced", seed=12, device="cuda")
     hidden2, dy2 = _rows(tokens, k, 13), _rows(rows, k, 14)
     ids.copy_(ids2)

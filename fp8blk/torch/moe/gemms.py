@@ -104,18 +104,14 @@ def expert_weight_buffers(weight: torch.Tensor, recipe, transposed: bool, rows_f
     return data_t.view(fp8_dtype(recipe.fmt)), _scale_transposed(scale, recipe, r, c)
 
 
-def _one_launch(a, a_scale, b, b_scale, tiles, out_dtype, bias):
-    """:func:`grouped_mm_rows` in one kernel launch (``fp8blk.kernels.grouped_gemm``: Hopper,
-    bf16 out, K and N multiples of 128, no bias), or None where that does not serve it.
-    ``tiles()`` gives the row tiles' experts on the device."""
-    if bias is not None or not grouped_gemm.serves(a, a_scale, b, b_scale, out_dtype):
-        return None
-    return grouped_gemm.forward_rows(a, a_scale, b, b_scale, tiles())
-
-
-def _rows_impl(a, a_scale, b, b_scale, host, out_dtype, bias, table=None):
-    out = None if table is None else _direct_rows(a, a_scale, b, b_scale, host, table,
-                                                  out_dtype)
+def _rows_impl(a, a_scale, b, b_scale, out_dtype, bias, table, host, tiles):
+    """:func:`grouped_mm_rows` on the routing ``table`` (3, E): in one kernel launch where
+    ``fp8blk.kernels.grouped_gemm`` serves it (no bias), ``tiles()`` giving the row tiles'
+    experts on the device; else per expert on the segments ``host()`` (read on first need)."""
+    if bias is None and grouped_gemm.serves(a, a_scale, b, b_scale, out_dtype):
+        return grouped_gemm.forward_rows(a, a_scale, b, b_scale, tiles())
+    host = host()
+    out = _direct_rows(a, a_scale, b, b_scale, host, table, out_dtype)
     if out is None:
         out = torch.zeros((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
         for e, (start, n, _) in enumerate(host):
@@ -132,16 +128,12 @@ def _rows_impl(a, a_scale, b, b_scale, host, out_dtype, bias, table=None):
     return out
 
 
-def _one_launch_weights(a_t, a_t_scale, b_t, b_t_scale, table, out_dtype):
-    """:func:`grouped_mm_weights` in one kernel launch (Hopper, bf16 out, N and K multiples of
-    128), or None where that does not serve it."""
-    if not grouped_gemm.serves_weights(a_t, a_t_scale, b_t, b_t_scale, out_dtype,
-                                       table.shape[1]):
-        return None
-    return grouped_gemm.weights(a_t, a_t_scale, b_t, b_t_scale, table)
-
-
-def _weights_impl(a_t, a_t_scale, b_t, b_t_scale, host, out_dtype):
+def _weights_impl(a_t, a_t_scale, b_t, b_t_scale, out_dtype, table, host):
+    """:func:`grouped_mm_weights` on the routing ``table`` (3, E): in one kernel launch where
+    ``fp8blk.kernels.grouped_gemm`` serves it, else per expert on the segments ``host()``."""
+    if grouped_gemm.serves_weights(a_t, a_t_scale, b_t, b_t_scale, out_dtype, table.shape[1]):
+        return grouped_gemm.weights(a_t, a_t_scale, b_t, b_t_scale, table)
+    host = host()
     out = _direct_weights(a_t, a_t_scale, b_t, b_t_scale, host, out_dtype)
     if out is not None:
         return out
@@ -284,11 +276,8 @@ def _row_sums_impl(dy, host):
 def _rows_op(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
              table: torch.Tensor, out_dtype: torch.dtype,
              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    out = _one_launch(a, a_scale, b, b_scale, lambda: tile_experts(table[1], a.shape[0]),
-                      out_dtype, bias)
-    if out is not None:
-        return out
-    return _rows_impl(a, a_scale, b, b_scale, host_table(table), out_dtype, bias, table)
+    return _rows_impl(a, a_scale, b, b_scale, out_dtype, bias, table, lambda: host_table(table),
+                      lambda: tile_experts(table[1], a.shape[0]))
 
 
 @_rows_op.register_fake
@@ -300,10 +289,8 @@ def _rows_fake(a, a_scale, b, b_scale, table, out_dtype, bias=None):
 def _weights_op(a_t: torch.Tensor, a_t_scale: torch.Tensor, b_t: torch.Tensor,
                 b_t_scale: torch.Tensor, table: torch.Tensor,
                 out_dtype: torch.dtype) -> torch.Tensor:
-    out = _one_launch_weights(a_t, a_t_scale, b_t, b_t_scale, table, out_dtype)
-    if out is not None:
-        return out
-    return _weights_impl(a_t, a_t_scale, b_t, b_t_scale, host_table(table), out_dtype)
+    return _weights_impl(a_t, a_t_scale, b_t, b_t_scale, out_dtype, table,
+                         lambda: host_table(table))
 
 
 @_weights_op.register_fake
@@ -330,10 +317,8 @@ def grouped_mm_rows(a, a_scale, b, b_scale, routing: Routing, out_dtype, bias=No
     if _compiling():
         return torch.ops.fp8blk.grouped_mm_rows(a, a_scale, b, b_scale, routing.table,
                                                 out_dtype, bias)
-    out = _one_launch(a, a_scale, b, b_scale, routing.tile_experts, out_dtype, bias)
-    if out is not None:
-        return out
-    return _rows_impl(a, a_scale, b, b_scale, routing.host(), out_dtype, bias, routing.table)
+    return _rows_impl(a, a_scale, b, b_scale, out_dtype, bias, routing.table, routing.host,
+                      routing.tile_experts)
 
 
 def grouped_mm_weights(a_t, a_t_scale, b_t, b_t_scale, routing: Routing, out_dtype):
@@ -343,10 +328,7 @@ def grouped_mm_weights(a_t, a_t_scale, b_t, b_t_scale, routing: Routing, out_dty
     if _compiling():
         return torch.ops.fp8blk.grouped_mm_weights(a_t, a_t_scale, b_t, b_t_scale,
                                                    routing.table, out_dtype)
-    out = _one_launch_weights(a_t, a_t_scale, b_t, b_t_scale, routing.table, out_dtype)
-    if out is not None:
-        return out
-    return _weights_impl(a_t, a_t_scale, b_t, b_t_scale, routing.host(), out_dtype)
+    return _weights_impl(a_t, a_t_scale, b_t, b_t_scale, out_dtype, routing.table, routing.host)
 
 
 def grouped_row_sums(dy, routing: Routing):

@@ -1,6 +1,7 @@
 """References the MoE tests share: routings (balanced, skewed, with empty and sub-128 experts),
-tiny transformers MoE configs, and the per-expert loop the grouped path must equal: each
-expert's routed rows through the dense float8_block_linear, combined as transformers does."""
+tiny transformers MoE configs, the per-expert loop the grouped path must equal (each expert's
+routed rows through the dense float8_block_linear, combined as transformers does), and a
+step captured in a CUDA graph."""
 from __future__ import annotations
 
 import torch
@@ -100,3 +101,18 @@ def two_node_experts(module, hidden, idx, weights):
     if getattr(module, "has_post_expert_norm", False):
         y = module.post_expert_norm(y)
     return combine(y, routing, weights, hidden.dtype)
+
+
+def captured(step):
+    """``step()`` captured in a CUDA graph after two warm-up runs on a side stream (torch's
+    recipe): (the graph, what the captured run returned: its static outputs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out

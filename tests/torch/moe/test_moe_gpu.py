@@ -18,7 +18,7 @@ from fp8blk.torch import Float8BlockConfig, blockwise_scaled_mm, float8_block_li
 from fp8blk.torch.linear.functional import quantize_buffers
 from fp8blk.torch.moe import convert_experts, grouped_linear, permute, route
 
-from ._reference import routing_ids, tiny_model
+from ._reference import captured, routing_ids, tiny_model
 
 pytestmark = pytest.mark.gpu
 
@@ -180,15 +180,7 @@ def test_converted_block_in_a_cuda_graph():
             y = y[0] if isinstance(y, tuple) else y
             y.backward(g)
             return y
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y_static = step()
+        graph, y_static = captured(step)
         x.data.copy_(torch.randn_like(x) * 3)
         g.copy_(torch.randn_like(g))
         graph.replay()

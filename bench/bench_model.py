@@ -31,16 +31,17 @@ Variants (every ``nn.Linear`` but ``lm_head`` converted):
   ``fp8blk.torch.norm.Float8BlockRMSNorm`` (what the norm alone buys, in bf16);
   ``bf16_opt``: also its MLPs for ``fp8blk.torch.mlp.Float8BlockGatedMLP``;
 * ``fp8blk``: ``convert_to_float8_block`` with the default config and every option off (the
-  Linear swap alone; the converter's default, all four on, is ``fp8blk_opt``);
+  Linear swap alone; the converter's default, all four on, is ``fp8blk_opt``, and with a MoE
+  model's experts ``fp8blk_experts``);
 * ``fp8blk_share``: ``share_quantize=True`` (quantize once per activation,
   ``fp8blk.torch.linear.sharing``); ``fp8blk_norm``: ``norms=True``; ``fp8blk_mlp``:
   ``gated_mlps=True``; ``fp8blk_norm_mlp``: both; ``fp8blk_nokeep``: all three;
   ``fp8blk_opt``: these and ``keep_inputs=True`` (layers keep their input where it is kept
   anyway: ``Float8BlockLinear.keep_input``) -- the bytes of ``fp8blk_norm_mlp``; of
   ``fp8blk`` but for the norms' gradients, which differ by rounding: ``fp8blk.torch.norm``;
-* ``fp8blk_experts``: the converter's default and ``experts=True`` (a MoE model's experts
-  through ``fp8blk.torch.moe``; the other variants leave them in bf16, transformers'
-  ``grouped_mm``);
+* ``fp8blk_experts``: the converter's default, its experts included (a MoE model's experts
+  through ``fp8blk.torch.moe``; the other fp8blk variants pass ``experts=False`` and leave
+  them in bf16, transformers' ``grouped_mm``);
 * ``torchao``: ``torchao.prototype.blockwise_fp8_training.linear.Float8BlockwiseLinear``
   (torchao 0.18.0 wheel, ``torchao/prototype/blockwise_fp8_training/linear.py``:
   ``from_float(mod)`` asserts no bias and in/out features multiples of 128, the constructor
@@ -212,14 +213,14 @@ def convert(model, variant):
                                            f"{err}") from None
         return model
     if variant == "fp8blk_experts":
-        return convert_to_float8_block(model, module_filter_fn=not_lm_head, experts=True)
+        return convert_to_float8_block(model, module_filter_fn=not_lm_head)
     on = {"fp8blk": (), "fp8blk_share": ("share_quantize",), "fp8blk_norm": ("norms",),
           "fp8blk_mlp": ("gated_mlps",), "fp8blk_norm_mlp": ("norms", "gated_mlps"),
           "fp8blk_nokeep": ("share_quantize", "norms", "gated_mlps"),
           "fp8blk_opt": ("share_quantize", "norms", "gated_mlps", "keep_inputs")}[variant]
     # every option named: the converter's defaults are all four on
     opts = {o: o in on for o in ("share_quantize", "norms", "gated_mlps", "keep_inputs")}
-    return convert_to_float8_block(model, module_filter_fn=not_lm_head, **opts)
+    return convert_to_float8_block(model, module_filter_fn=not_lm_head, experts=False, **opts)
 
 
 def compile_model(model, scope="layers", mode=None):

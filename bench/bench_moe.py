@@ -14,7 +14,8 @@
 2. One MoE block forward+backward (transformers' ``Qwen3MoeSparseMoeBlock`` /
    ``MixtralSparseMoeBlock`` built from a config with those widths, router included), bf16
    with transformers' ``grouped_mm`` experts against the same block converted by
-   ``fp8blk.torch.moe.convert_experts``, balanced routing from the block's own router.
+   ``fp8blk.torch.moe.convert_experts``, balanced routing from the block's own router; the
+   parameters' gradients set to None after each step, as a training step's zero_grad does.
 
 GPU time: CUDA events around back-to-back calls, the variants interleaved
 (``bench.bench_linear.interleaved_ms``). Host time: wall time per call of the issuing loop
@@ -146,7 +147,11 @@ def gemm_case(name, skewed, quick):
     return rows
 
 
-def block_case(name, quick):
+def build_block(name, variant, quick=False):
+    """(model, block, step) for MoE block `name` of BLOCKS: the one-layer model it lives in
+    (bf16 on the GPU, the experts converted for ``variant`` "fp8blk"), the block, and one
+    forward+backward of it on fixed inputs that sets the parameters' gradients to None after
+    (``zero_grad(set_to_none=True)``, as a training step)."""
     import transformers
 
     from fp8blk.torch.moe import convert_experts
@@ -157,26 +162,34 @@ def block_case(name, quick):
         tokens //= 4
     cfg = transformers.AutoConfig.for_model(model, num_hidden_layers=1, num_attention_heads=16,
                                             num_key_value_heads=4, vocab_size=1024, **spec)
+    torch.manual_seed(0)
+    full = transformers.AutoModelForCausalLM.from_config(cfg).to("cuda", torch.bfloat16)
+    block = full.model.layers[0].mlp
+    if variant == "fp8blk":
+        convert_experts(full)
+    x = torch.randn(1, tokens, cfg.hidden_size, device="cuda", dtype=torch.bfloat16,
+                    requires_grad=True)
+    g = torch.randn_like(x)
+    params = list(block.parameters())
+
+    def step(fn=block):
+        y = fn(x)
+        y = y[0] if isinstance(y, tuple) else y
+        y.backward(g)
+        for p in params:
+            p.grad = None
+    return full, block, step
+
+
+def block_case(name, quick):
     out = {}
+    tokens = BLOCKS[name]["tokens"] // (4 if quick else 1)
     for variant in ("bf16", "fp8blk"):
-        torch.manual_seed(0)
-        full = transformers.AutoModelForCausalLM.from_config(cfg).to("cuda", torch.bfloat16)
-        block = full.model.layers[0].mlp
-        if variant == "fp8blk":
-            convert_experts(full)
-        x = torch.randn(1, tokens, cfg.hidden_size, device="cuda", dtype=torch.bfloat16,
-                        requires_grad=True)
-        g = torch.randn_like(x)
-
-        def step():
-            y = block(x)
-            y = y[0] if isinstance(y, tuple) else y
-            y.backward(g)
-
+        full, block, step = build_block(name, variant, quick)
         host = {}
         out[variant] = interleaved_ms({variant: step}, inner=3, repeats=5, warmup=2,
                                       host_out=host)[variant], host[variant]
-        step = full = block = x = g = None
+        step = full = block = None
         gc.collect()
         torch.cuda.empty_cache()
     (b, bh), (f, fh) = out["bf16"], out["fp8blk"]

@@ -167,6 +167,11 @@ class HostFamily:
         return arr.ctypes.data
 
     @staticmethod
+    def byte_strides(arr) -> tuple:
+        """The array's strides in bytes."""
+        return tuple(arr.strides)
+
+    @staticmethod
     def device_index(arr):
         """The CUDA device index, or None for host memory."""
         return None
@@ -201,6 +206,11 @@ class TorchFamily:
     @staticmethod
     def ptr(arr) -> int:
         return arr.data_ptr()
+
+    @staticmethod
+    def byte_strides(arr) -> tuple:
+        size = arr.element_size()
+        return tuple(s * size for s in arr.stride())
 
     @staticmethod
     def device_index(arr):

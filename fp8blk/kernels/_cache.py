@@ -288,6 +288,8 @@ FAMILIES = {
     "partial_cast": ("_partial_cast_kernel", "build_cast",
                      ("_partial_cast_kernel", "_partial_amax_kernel") + _COMMON),
     "rms_norm": ("_rms_norm_kernel", "build", ("_rms_norm_kernel",) + _COMMON),
+    "silu_gate": ("_silu_gate_kernel", "build", ("_silu_gate_kernel",) + _COMMON),
+    "weighted_rows": ("_weighted_rows_kernel", "build", ("_weighted_rows_kernel",) + _COMMON),
 }
 
 _loaded = {}                # (family, spec, device id) -> launchable

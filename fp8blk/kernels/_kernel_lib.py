@@ -14,10 +14,21 @@ from functools import lru_cache
 
 import numpy as np
 
-from ._numba import (addr_of, bf16x2_f32, bits_f32, device, f16x2_f32, f32_bits, ld_v4_at,
-                     prmt, st8_u8, st8_u16, st8_u32, st_v2_at, st_v4_at, types)
+from ._numba import (addr_of, bf16x2_f32, bits_f32, cuda, device, f16x2_f32, f32_bits,
+                     ld_v4_at, prmt, st8_u8, st8_u16, st8_u32, st_v2_at, st_v4_at, types)
 
 from ._specs import BF16, F32
+
+
+@device
+def chunk_of(it, iters, threads, rows, per_row):
+    """(inside, row, column chunk) of this thread's `it`-th 16-byte chunk of a (rows, per_row
+    chunks) array, chunks walked CTA-strided: chunk ``(blockIdx * iters + it) * threads +
+    threadIdx`` (a warp's loads coalesce); elementwise kernels (``_silu_gate_kernel``,
+    ``_weighted_rows_kernel``) loop over ``it < iters``."""
+    c = (cuda.blockIdx.x * iters + it) * threads + cuda.threadIdx.x
+    row = c // per_row
+    return c < rows * per_row, row, c - row * per_row
 
 
 @device

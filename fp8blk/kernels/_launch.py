@@ -32,6 +32,16 @@ def kind_of(stored, dtype):
     return kind
 
 
+def kind_among(ad, arr, dtype, kinds):
+    """The input kind of `arr` (adapter `ad`, logical ``dtype`` as :func:`kind_of`) if it is
+    one of `kinds`, else None (other dtypes too)."""
+    try:
+        kind = kind_of(ad.dtype(arr), dtype)
+    except TypeError:
+        return None
+    return kind if kind in kinds else None
+
+
 def _kind_slow(stored, dtype):
     logical = np.dtype(dtype) if dtype is not None else stored
     if logical == BF16:

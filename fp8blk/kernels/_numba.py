@@ -46,7 +46,7 @@ __all__ = ["cuda", "types", "SIM", "device", "f32_bits", "bits_f32", "ld_v4",
            "fmax32", "pack4_e4m3", "pack4_e5m2", "pack4_fp8", "bf16x2_f32", "f16x2_f32",
            "f32_bf16_bits", "f32_f16_bits", "group_fmax", "ptr", "compile_kernel",
            "compile_ptx_sm90", "compile_cubin", "cubin_entries", "sim_kernel", "FULL_MASK",
-           "prmt", "rsqrt_f32"]
+           "prmt", "rsqrt_f32", "exp_f32", "fma_f32"]
 
 FULL_MASK = 0xFFFFFFFF
 
@@ -538,6 +538,32 @@ else:
 
 
 # ------------------------------------------------------------------------------------------
+# exp_f32(v): e**v as CUDA's expf computes it (libdevice ``__nv_expf``, what torch's float
+# opmath ``::exp`` runs; within 2 ulp of the exact value); fma_f32(a, b, c): a * b + c rounded
+# once (``fma.rn.f32``, what nvcc's default contraction makes of ``c + a * b``). The simulator
+# twins round the float64 result once.
+
+if SIM:
+    def exp_f32(v):
+        with np.errstate(over="ignore"):
+            return np.float32(np.exp(np.float64(np.float32(v))))
+
+    def fma_f32(a, b, c):
+        return np.float32(np.float64(np.float32(a)) * np.float64(np.float32(b))
+                          + np.float64(np.float32(c)))
+else:
+    import math as _math
+
+    @device
+    def exp_f32(v):
+        return _math.exp(v)
+
+    @device
+    def fma_f32(a, b, c):
+        return cuda.fma(a, b, c)
+
+
+# ------------------------------------------------------------------------------------------
 # Single warp shuffles of float32 values with simulator twins (the simulator has no warp
 # shuffles: there the exchange goes through a shared-memory `scratch` of >= blockDim.x floats,
 # and every thread of the block must call, as on the GPU every lane of the warp must).
@@ -621,17 +647,21 @@ if SIM:
         """Per-half max of |a| and |b| (fp16 halves; NaN-ignoring)."""
         return _max16x2(int(a) & 0x7FFF7FFF, int(b) & 0x7FFF7FFF, False, 0x7FFF)
 else:
-    def _packed16x2_intrinsic(instruction):
-        """uint32 op(uint32 a, uint32 b) running PTX `instruction` on two packed halves."""
+    def _word_of_two(text, argtype, constraint):
+        """uint32 f(a, b) of two `argtype` operands running the PTX `text` ($0 the result, $1
+        a, $2 b; `constraint` the operands' register class)."""
         @intrinsic
-        def op16x2(typingctx, a, b):
-            sig = types.uint32(types.uint32, types.uint32)
+        def op(typingctx, a, b):
+            sig = types.uint32(argtype, argtype)
 
             def codegen(context, builder, sig, args):
-                return _asm(builder, _I32, list(args), f"{instruction} $0, $1, $2;",
-                            "=r,r,r")
+                return _asm(builder, _I32, list(args), text, f"=r,{constraint},{constraint}")
             return sig, codegen
-        return op16x2
+        return op
+
+    def _packed16x2_intrinsic(instruction):
+        """uint32 op(uint32 a, uint32 b) running PTX `instruction` on two packed halves."""
+        return _word_of_two(f"{instruction} $0, $1, $2;", types.uint32, "r")
 
     max_bf16x2 = _packed16x2_intrinsic("max.bf16x2")
     max_f16x2 = _packed16x2_intrinsic("max.f16x2")
@@ -726,6 +756,19 @@ if SIM:
         """fp16 bits of a (low half) and b (high half); NaN -> 0x7E00."""
         return _U32(int(f32_f16_bits(a)) | (int(f32_f16_bits(b)) << 16))
 
+    def _cvt_nan(bits, x):
+        return 0x7FFF if np.float32(x) != np.float32(x) else int(bits)
+
+    def bf16x2_cvt(a, b):
+        """bf16 bits of a (low half) and b (high half) as CUDA's conversion writes them (torch's
+        CUDA kernels): NaN -> 0x7FFF."""
+        return _U32(_cvt_nan(f32_bf16_bits(a), a) | (_cvt_nan(f32_bf16_bits(b), b) << 16))
+
+    def f16x2_cvt(a, b):
+        """fp16 bits of a (low half) and b (high half) as CUDA's conversion writes them: NaN ->
+        0x7FFF."""
+        return _U32(_cvt_nan(f32_f16_bits(a), a) | (_cvt_nan(f32_f16_bits(b), b) << 16))
+
     def ld_u32_at(p, off):
         """One uint32 word at byte offset `off` (4-byte aligned) of pointer p."""
         return _U32(_words_at(p, off, 1)[0])
@@ -784,6 +827,10 @@ else:
     bf16x2_pack = _pack16x2_qnan_intrinsic("bf16", "0x7FC07FC0")
     f16x2_pack = _pack16x2_qnan_intrinsic("f16", "0x7E007E00")
 
+    # cvt.rn.<kind>x2.f32 d, hi, lo as it is: a NaN becomes 0x7FFF (torch's CUDA bytes)
+    bf16x2_cvt = _word_of_two("cvt.rn.bf16x2.f32 $0, $2, $1;", types.float32, "f")
+    f16x2_cvt = _word_of_two("cvt.rn.f16x2.f32 $0, $2, $1;", types.float32, "f")
+
     def _ld_at_intrinsic(n):
         if n == 1:
             text, constraints = "ld.global.nc.u32 $0, [$1];", "=r,l"
@@ -814,7 +861,8 @@ def fp8x4_f32(fmt_is_e4m3):
     return e4m3x4_f32 if fmt_is_e4m3 else e5m2x4_f32
 
 
-__all__ += ["e4m3x4_f32", "e5m2x4_f32", "fp8x4_f32", "bf16x2_pack", "f16x2_pack", "ld_u32_at",
+__all__ += ["e4m3x4_f32", "e5m2x4_f32", "fp8x4_f32", "bf16x2_pack", "f16x2_pack", "bf16x2_cvt",
+            "f16x2_cvt", "ld_u32_at",
             "ld_v2_at"]
 
 

@@ -227,6 +227,33 @@ def rms_norm_spec(kind, width, backward):
                        row_threads=row_threads)
 
 
+# ---- SiLU gate -----------------------------------------------------------------------------
+SILU_THREADS = 256      # threads per CTA
+SILU_ITERS = 4          # 16-byte chunks per thread (CTA-strided: a warp's loads coalesce)
+
+
+@dataclass(frozen=True)
+class SiluGateSpec:
+    """One variant of the SiLU-gate kernels (``_silu_gate_kernel``): ``silu(g) * u`` forward,
+    or its two input gradients, on 2-byte float rows (BF16 | F16: every operand alike)."""
+
+    kind: int
+    backward: bool
+
+
+# ---- weighted rows (the experts' combine, backward) --------------------------------------------
+ROWS_THREADS = 256      # threads per CTA
+ROWS_ITERS = 4          # 16-byte chunks per thread (CTA-strided)
+
+
+@dataclass(frozen=True)
+class WeightedRowsSpec:
+    """One variant of the weighted-rows kernel (``_weighted_rows_kernel``): token rows of a
+    2-byte float kind (BF16 | F16), scaled by fp32 weights into the padded rows, same kind."""
+
+    kind: int
+
+
 # ---- master-weight kernels: batch table fields and specs ---------------------------------------
 F_H, F_W, F_O, F_N = 0, 1, 2, 3
 F_MOFF = 4      # master offset from the base, in elements of the master's dtype

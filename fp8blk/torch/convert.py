@@ -19,7 +19,7 @@ def convert_to_float8_block(model: torch.nn.Module, config: Float8BlockConfig = 
                             module_filter_fn=None, *, share_quantize: bool = True,
                             norms: bool = True, gated_mlps: bool = True,
                             keep_inputs: bool = True, adapters: bool = False,
-                            experts: bool = False) -> torch.nn.Module:
+                            experts: bool = True) -> torch.nn.Module:
     """Swap every ``nn.Linear`` inside ``model`` for a Float8BlockLinear sharing its
     parameters, in place, and return ``model``; by default also the memory-saving parts
     below, each switched off by its keyword (``norms=False``; all four False: the Linear swap
@@ -43,8 +43,7 @@ def convert_to_float8_block(model: torch.nn.Module, config: Float8BlockConfig = 
     as they are unless True; their frozen base layers are converted (``fp8blk.torch.report``).
     ``experts``: transformers' mixture-of-experts experts modules (3-D expert weights) run
     their GEMMs in block-scaled FP8 (``fp8blk.torch.moe.convert_experts``, chosen by
-    ``module_filter_fn`` too); off by default because that path is still slower than bf16's
-    ``grouped_mm`` on the GPU (docs/torch.md, "Mixture of experts"). Routers stay in high
+    ``module_filter_fn`` too; docs/torch.md, "Mixture of experts"). Routers stay in high
     precision either way.
 
     What was converted and what was left, and why, is logged at INFO on the logger

@@ -53,9 +53,13 @@ runs on the CPU.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from ..kernels import silu_gate as silu_gate_kernels
 
 from .recompute import probe_twin, recomputed_grads, saved_as_formula, swap_children
 
@@ -77,15 +81,55 @@ class _RecomputedGate(torch.autograd.Function):
         return dg, du, None
 
 
+# eager on CUDA, the gate runs on fp8blk's one-pass kernels (fp8blk.kernels.silu_gate: torch's
+# bytes, one kernel per direction against 2 forward and 4 backward torch kernels, which read
+# the experts' strided halves element by element); FP8BLK_GATE_KERNELS=0, or this set False,
+# keeps torch's ops
+KERNELS = os.environ.get("FP8BLK_GATE_KERNELS", "1") != "0"
+
+
+def _rows(x):
+    """x (..., I) as an (M, I) view, or None where no view is (a copy would cost the pass)."""
+    if x.dim() == 2:
+        return x
+    try:
+        return x.view(-1, x.shape[-1])
+    except RuntimeError:
+        return None
+
+
+def _kernels_serve(*tensors):
+    """The (M, I) views of `tensors` (plain CUDA tensors, eager) when the one-pass kernels
+    take them, else None."""
+    if not KERNELS or _compiling() or not tensors[0].is_cuda \
+            or any(type(t) is not torch.Tensor for t in tensors):
+        return None
+    rows = [_rows(t) for t in tensors]
+    if any(r is None for r in rows) or not silu_gate_kernels.serves(*rows):
+        return None
+    return rows
+
+
+def silu_gate_forward(g, u):
+    """``F.silu(g) * u`` (no autograd): one kernel where it serves, else torch's two; the
+    same bytes either way."""
+    rows = _kernels_serve(g, u)
+    if rows is None:
+        return F.silu(g) * u
+    p = torch.empty(g.shape, dtype=g.dtype, device=g.device)   # a tensor of its own: not a
+    silu_gate_kernels.forward(*rows, out=_rows(p))             # view (saved_as_formula)
+    return p
+
+
 class _SiluGate(torch.autograd.Function):
     """``silu(g) * u`` with autograd's backward kernels called directly (MulBackward0's two
-    products, SiluBackward0's ``silu_backward``): the same bytes, the product not recomputed,
-    no second graph."""
+    products, SiluBackward0's ``silu_backward``), or fp8blk's one-pass kernels giving their
+    bytes: the same bytes, the product not recomputed, no second graph."""
 
     @staticmethod
     def forward(ctx, g, u):
         ctx.save_for_backward(g, u)
-        return F.silu(g) * u
+        return silu_gate_forward(g, u)
 
     @staticmethod
     def backward(ctx, dp):
@@ -98,15 +142,35 @@ class _SiluGate(torch.autograd.Function):
 
 def silu_gate_backward(g, u, dp, need_g=True, need_u=True):
     """(dg, du) of ``F.silu(g) * u`` for the output gradient ``dp``, as autograd's kernels
-    compute them (MulBackward0's two products, SiluBackward0's ``silu_backward``); None where
-    not needed. Not differentiable (first order)."""
+    compute them (MulBackward0's two products, SiluBackward0's ``silu_backward``), in one
+    kernel where it serves; None where not needed. Not differentiable (first order)."""
+    if need_g and need_u and _kernels_serve(g, u, dp) is not None:
+        dg = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+        du = torch.empty(u.shape, dtype=u.dtype, device=u.device)
+        silu_gate_kernels.backward(*_kernels_serve(g, u, dp, dg, du))
+        return dg, du
     du = dp * F.silu(g) if need_u else None
     dg = torch.ops.aten.silu_backward(dp * u, g) if need_g else None
     return dg, du
 
 
+def silu_gate_backward_cat(h, dp):
+    """d h (M, 2I) of ``silu_gate(*h.chunk(2, -1))`` for the output gradient ``dp`` (M, I):
+    :func:`silu_gate_backward`'s halves side by side (the chunk's backward), written in place
+    by the kernel where it serves, else ``torch.cat`` of them."""
+    half = h.shape[-1] // 2
+    g, u = h[..., :half], h[..., half:]
+    if _kernels_serve(g, u, dp) is not None:
+        dh = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+        rows = _kernels_serve(g, u, dp, dh[..., :half], dh[..., half:])
+        if rows is not None:
+            silu_gate_kernels.backward(*rows)
+            return dh
+    return torch.cat(silu_gate_backward(g, u, dp), dim=-1)
+
+
 def _silu_product(g, u):
-    return F.silu(g) * u
+    return silu_gate_forward(g, u)
 
 
 def silu_gate(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -246,4 +310,5 @@ def convert_gated_mlps(model: torch.nn.Module, module_filter_fn=None) -> int:
                          module_filter_fn)
 
 
-__all__ = ["silu_gate", "is_silu", "Float8BlockGatedMLP", "convert_gated_mlps", "why_not"]
+__all__ = ["silu_gate", "silu_gate_forward", "silu_gate_backward", "silu_gate_backward_cat",
+           "is_silu", "Float8BlockGatedMLP", "convert_gated_mlps", "why_not"]

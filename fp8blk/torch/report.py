@@ -220,7 +220,7 @@ _NOT_YET = "not converted yet"
 # first match wins: a router that is an nn.Linear is reported as a router
 KINDS = (
     Kind("experts", _experts_converted, _holds_experts,
-         lambda m: _experts_left(m), option="experts", filtered=True, default=False),
+         lambda m: _experts_left(m), option="experts", filtered=True, default=True),
     Kind("router", _is_router, _router_candidate, lambda m: "kept in high precision"),
     Kind("mlp", _is_mlp, _mlp_candidate, _mlp_left, option="gated_mlps"),
     Kind("norm", _is_norm, _norm_candidate, _norm_left, option="norms"),

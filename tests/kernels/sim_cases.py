@@ -67,6 +67,13 @@ TRANSPOSE_CASES = [(130, 136), (129, 141), (256, 128), (201, 128), (146, 48)]
 # simulator costs seconds: the GPU tests cover many CTAs)
 RMS_NORM_CASES = [(5, 2056, "bf16"), (70, 128, "bf16"), (9, 24, "f32"), (6, 40, "f16")]
 
+# SiLU gate (M, I, dtype), forward then backward against the NumPy formula (the runner plants
+# infinities, NaN, signed zeros and exp's overflow range in g): one CTA; two CTAs of fp16
+SILU_GATE_CASES = [(5, 24, "bf16"), (130, 64, "f16")]
+# weighted rows (T, k, H, R, dtype): padding rows between and after the routed ones, a zero
+# and a negative weight, a row with +-0, inf and NaN; one CTA, and three
+WEIGHTED_ROWS_CASES = [(7, 3, 24, 40, "bf16"), (130, 8, 16, 1100, "bf16")]
+
 
 def names():
     """Case names, as sim_runner reports them."""
@@ -74,4 +81,6 @@ def names():
              for r, d, rw, cw, s in QUANTIZE_CASES]
             + [f"dequantize-{r}-c{int(cw)}-{o}-{s[0]}x{s[1]}" for r, cw, o, s in DEQUANT_CASES]
             + [f"transpose-{s[0]}x{s[1]}" for s in TRANSPOSE_CASES]
-            + [f"rms_norm-{d}-{m}x{k}" for m, k, d in RMS_NORM_CASES])
+            + [f"rms_norm-{d}-{m}x{k}" for m, k, d in RMS_NORM_CASES]
+            + [f"silu_gate-{d}-{m}x{i}" for m, i, d in SILU_GATE_CASES]
+            + [f"weighted_rows-{d}-{t}x{k}x{h}-{r}" for t, k, h, r, d in WEIGHTED_ROWS_CASES])

@@ -26,10 +26,14 @@ from fp8blk.kernels.dequantize import dequantize as kdq  # noqa: E402
 from fp8blk.kernels.transpose import block2d_columnwise_from_rowwise as ktr  # noqa: E402
 from tests._same import same_bytes  # noqa: E402
 from tests.kernels._cases import DTYPES, RECIPES, make_input, plant_fp8_specials  # noqa: E402
-from fp8blk.kernels import rms_norm  # noqa: E402
+from fp8blk.kernels import rms_norm, silu_gate  # noqa: E402
+from fp8blk.kernels.weighted_rows import weighted_rows  # noqa: E402
+from tests.kernels._silu_gate_checks import gate_reference, gate_rows  # noqa: E402
+from tests.kernels._weighted_rows_checks import rows_case, rows_reference  # noqa: E402
 from tests.kernels._rms_norm_checks import check_backward, check_forward, make_rows  # noqa: E402
 from tests.kernels.sim_cases import (DEQUANT_CASES, QUANTIZE_CASES,  # noqa: E402
-                                     RMS_NORM_CASES, TRANSPOSE_CASES)
+                                     RMS_NORM_CASES, SILU_GATE_CASES, TRANSPOSE_CASES,
+                                     WEIGHTED_ROWS_CASES)
 
 def run(seed):
     warnings.simplefilter("ignore")
@@ -92,6 +96,28 @@ def run(seed):
             err = check_backward(x, w, dy, r, dx.view(dt), dw_part)
             return err and "backward: " + err
         case(f"rms_norm-{dname}-{m}x{d}", norm)
+
+    for m, i, dname in SILU_GATE_CASES:
+        def gate(m=m, i=i, dname=dname):
+            dt = DTYPES[dname]
+            g, u, dp = gate_rows(rng, m, i, dt)
+            want = gate_reference(g, u, dp, lambda v: np.exp(v.astype(np.float64)))
+            st = [a.view(np.uint16) for a in (g, u, dp)]
+            got = [silu_gate.forward(st[0], st[1], dtype=dt)]
+            dg, du = np.empty_like(st[0]), np.empty_like(st[0])
+            silu_gate.backward(*st, dg, du, dtype=dt)
+            errs = [f"{n}: {e}" for n, a, w in zip(("p", "dg", "du"), got + [dg, du], want)
+                    if (e := same_bytes(a.view(dt), w))]
+            return "; ".join(errs) or None
+        case(f"silu_gate-{dname}-{m}x{i}", gate)
+
+    for t, k, h, r, dname in WEIGHTED_ROWS_CASES:
+        def rows(t=t, k=k, h=h, r=r, dname=dname):
+            dt = DTYPES[dname]
+            src, w, pairs = rows_case(rng, t, k, h, r, dt)
+            got = weighted_rows(src.view(np.uint16), w, pairs, k, dtype=dt)
+            return same_bytes(got.view(dt), rows_reference(src, w, pairs, k))
+        case(f"weighted_rows-{dname}-{t}x{k}x{h}-{r}", rows)
     return results
 
 

@@ -29,6 +29,8 @@ SPECS = {
     "partial_scale": sp.PartialScaleSpec(True, 65504.0),
     "partial_cast": sp.partial_cast_spec(True, sp.F16, False, True),
     "rms_norm": sp.rms_norm_spec(sp.BF16, 4096, True),
+    "silu_gate": sp.SiluGateSpec(sp.F16, True),
+    "weighted_rows": sp.WeightedRowsSpec(sp.F16),
 }
 
 

@@ -29,15 +29,21 @@ in the backward pass.
 """
 from __future__ import annotations
 
+import os
+
 import torch
-import torch.nn.functional as F
 
 from ..config import HIGH_DTYPES, Float8BlockConfig, config_or_default, fp8_dtype
 from ..linear.functional import quantize_buffers
-from ..mlp import silu_gate_backward
+from ..mlp import silu_gate_backward_cat, silu_gate_forward
 from .gemms import expert_weight_buffers, grouped_mm_rows, grouped_mm_weights, grouped_row_sums
 from .routing import Routing, combine
 from ...formats import recipe_kind
+from ...kernels.weighted_rows import serves as weighted_rows_serves, weighted_rows
+
+# eager on CUDA the combine's row gradients come from one kernel (fp8blk.kernels.weighted_rows,
+# the same bytes); FP8BLK_MOE_KERNELS=0, or this set False, keeps torch's ops
+KERNELS = os.environ.get("FP8BLK_MOE_KERNELS", "1") != "0"
 
 
 def check_experts_config(config: Float8BlockConfig, where: str):
@@ -106,8 +112,7 @@ class _GroupedLinearFn(torch.autograd.Function):
 def _silu_gate(h):
     """transformers' default gating with SiLU, ``silu(g) * u`` of ``g, u = h.chunk(2, -1)``, as
     ``fp8blk.torch.mlp.silu_gate`` computes it."""
-    g, u = h.chunk(2, dim=-1)
-    return F.silu(g) * u
+    return silu_gate_forward(*h.chunk(2, dim=-1))
 
 
 class _LinearCombineFn(torch.autograd.Function):
@@ -179,9 +184,22 @@ def _linear_combine_backward(dout, saved, weight, bias, w, routing, cfg, transpo
         dy, xt_d, xt_s, weight, routing, cfg, transposed, x_dtype, grads, bias is not None)
     if h is not None and dx is not None:
         # the gating's backward as autograd runs it: silu_gate's, then the chunk's (a cat)
-        dg, du = silu_gate_backward(*h.chunk(2, dim=-1), dx)
-        dx = torch.cat([dg, du], dim=-1)
+        dx = silu_gate_backward_cat(h, dx)
     return dx, dw, dbias, dw_router
+
+
+def _kernel_rows(dout, w, routing, y_dtype):
+    """The combine's row gradients from one kernel (``fp8blk.kernels.weighted_rows``: the
+    bytes of the torch ops below), or None where it does not serve: eager on CUDA, dout in
+    y's dtype (bf16 or fp16; the product is then rounded once from fp32 whichever dtype the
+    weights' promotion gives)."""
+    if not (KERNELS and dout.is_cuda and dout.dtype == y_dtype and type(dout) is torch.Tensor
+            and w.dtype in (torch.float32, y_dtype) and not torch.compiler.is_compiling()):
+        return None
+    wf, pairs = w.reshape(-1).float(), routing.pairs()
+    if not weighted_rows_serves(dout, wf, pairs):
+        return None
+    return weighted_rows(dout, wf, pairs, routing.top_k)
 
 
 def _combine_backward(dout, y, w, routing, y_dtype, need_rows):
@@ -190,16 +208,23 @@ def _combine_backward(dout, y, w, routing, y_dtype, need_rows):
     (d y (rows, N) in y's dtype or None, d w (T, k) in w's dtype or None; y None: no d w)."""
     tokens, top_k = routing.tokens, routing.top_k
     width = dout.shape[-1]
-    g = dout.to(torch.promote_types(y_dtype, w.dtype))
-    g = g.unsqueeze(1).expand(tokens, top_k, width).reshape(tokens * top_k, width)
+    # (T, 1, H) against (T, k, 1) / (T, k, H): the broadcast products autograd computes on the
+    # expanded (T*k, H) gradient, without materializing it
+    g = dout.to(torch.promote_types(y_dtype, w.dtype)).unsqueeze(1)
     dy = dw = None
     if need_rows:
-        d_picked = (g * w.reshape(-1).unsqueeze(-1)).to(y_dtype)
-        # the index's backward as autograd runs it: an accumulating put into zeros
+        # one pass where it serves: each padded row its token's gradient times its weight
+        dy = _kernel_rows(dout, w, routing, y_dtype)
+    if need_rows and dy is None:
+        # the product rounded once to y's dtype on store (the fp32 product, then the cast),
+        # plus +0: the index's backward as autograd runs it is an accumulating put into zeros,
+        # which turns a -0 into +0; the rows are distinct, so a plain copy does the rest
+        d_picked = torch.empty((tokens, top_k, width), dtype=y_dtype, device=dout.device)
+        torch.addcmul(g.new_zeros(()), g, w.unsqueeze(-1), out=d_picked)
         dy = d_picked.new_zeros((routing.rows, width))
-        dy.index_put_((routing.dest,), d_picked, accumulate=True)
+        dy.index_copy_(0, routing.dest, d_picked.view(tokens * top_k, width))
     if y is not None:
-        dw = (g * y[routing.dest]).sum(1, keepdim=True).to(w.dtype).view(tokens, top_k)
+        dw = (g * y[routing.dest].view(tokens, top_k, width)).sum(-1).to(w.dtype)
     return dy, dw
 
 

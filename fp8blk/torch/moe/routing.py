@@ -43,7 +43,8 @@ class Routing:
     routed row count; ``padded`` (E,) its segment length (counts rounded up to 128);
     ``table`` (3, E) int64: starts, padded and counts stacked (what the per-expert ops read);
     ``rows``: the padded row count (:func:`padded_rows`); ``tokens``, ``top_k``,
-    ``num_experts``. :meth:`tile_experts` gives each 128-row tile's expert on the device;
+    ``num_experts``. :meth:`pairs` / :meth:`sources` give each padded row's pair / token and
+    :meth:`tile_experts` gives each 128-row tile's expert on the device;
     :meth:`host` gives the segments as Python lists (one device
     synchronization, then cached) for the per-expert GEMM loop; ``host``, when the caller
     knows the segments already (the expert-parallel layout, built from host counts), sets
@@ -58,6 +59,8 @@ class Routing:
         self._host = host
         self._valid = None
         self._tiles = None
+        self._sources = None
+        self._pairs = None
 
     def host(self):
         """``[(start, padded_length, count), ...]`` per expert, as Python ints."""
@@ -73,6 +76,24 @@ class Routing:
             self._valid.index_fill_(0, self.dest, True)
         return self._valid
 
+
+    def pairs(self):
+        """(rows,) int64 on the device: the routed pair ``t*k + j`` each padded row holds,
+        ``tokens * top_k`` for a padding row (the inverse of ``dest``), computed once per
+        routing."""
+        if self._pairs is None:
+            n = self.tokens * self.top_k
+            pairs = torch.full((self.rows,), n, dtype=torch.int64, device=self.dest.device)
+            self._pairs = pairs.index_copy_(0, self.dest,
+                                            torch.arange(n, device=self.dest.device))
+        return self._pairs
+
+    def sources(self):
+        """(rows,) int64 on the device: the token each padded row holds, ``tokens`` for a
+        padding row (:func:`permute` gathers through it), computed once per routing."""
+        if self._sources is None:
+            self._sources = self.pairs() // self.top_k
+        return self._sources
 
     def tile_experts(self):
         """(rows/128,) int32 on the device: each 128-row tile's expert (:func:`tile_experts`),
@@ -129,10 +150,11 @@ def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
 
 class _Permute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, dest, top_k, rows):
+    def forward(ctx, hidden, dest, sources, top_k):
         tokens, width = hidden.shape
-        out = hidden.new_zeros(rows, width)
-        out[dest] = hidden.unsqueeze(1).expand(tokens, top_k, width).reshape(-1, width)
+        # one gather writes every padded row (a padding row reads the appended zero row),
+        # instead of zeroing the rows, copying each token k times and scattering the copies
+        out = torch.cat([hidden, hidden.new_zeros(1, width)])[sources]
         ctx.save_for_backward(dest)
         ctx.shape = (tokens, top_k, width)
         return out
@@ -153,7 +175,7 @@ def permute(hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
     if hidden.dim() != 2 or hidden.shape[0] != routing.tokens:
         raise ValueError(f"permute: hidden must be ({routing.tokens}, H), got shape "
                          f"{tuple(hidden.shape)}")
-    return _Permute.apply(hidden, routing.dest, routing.top_k, routing.rows)
+    return _Permute.apply(hidden, routing.dest, routing.sources(), routing.top_k)
 
 
 def combine(rows: torch.Tensor, routing: Routing, top_k_weights: torch.Tensor, dtype):

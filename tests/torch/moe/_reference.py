@@ -34,10 +34,10 @@ CONFIGS = {
 }
 
 
-def tiny_model(name, dtype=torch.bfloat16, device="cpu", seed=0):
+def tiny_model(name, dtype=torch.bfloat16, device="cpu", seed=0, **overrides):
     import transformers
     torch.manual_seed(seed)
-    cfg = transformers.AutoConfig.for_model(name, **CONFIGS[name])
+    cfg = transformers.AutoConfig.for_model(name, **{**CONFIGS[name], **overrides})
     # dtype at construction, as from_pretrained does (a .to(dtype) would cast the rotary
     # buffers too)
     return transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device)

@@ -161,11 +161,16 @@ def test_compiled_block_has_no_graph_break(name):
 def test_convert_to_float8_block_experts_option_and_report():
     from fp8blk.torch import conversion_report, convert_to_float8_block
     model = tiny_model("qwen3_moe")
-    convert_to_float8_block(model)                  # experts are opt-in
+    convert_to_float8_block(model)                  # experts converted by default
     report = conversion_report(model)
+    assert report["experts"].converted == [f"model.layers.{i}.mlp.experts" for i in (0, 1)]
+    assert not report["experts"].left
+    assert report["router"].left and not report["router"].converted
+    model = tiny_model("qwen3_moe")
+    convert_to_float8_block(model, experts=False)   # switched off
+    report = conversion_report(model, experts=False)
     assert not report["experts"].converted
     assert {x.reason for x in report["experts"].left} == {"experts=False"}
-    assert report["router"].left and not report["router"].converted
     model = tiny_model("qwen3_moe")
     head = lambda m, fqn: ".1." not in fqn           # noqa: E731  layer 1 left out
     convert_to_float8_block(model, module_filter_fn=head, experts=True)

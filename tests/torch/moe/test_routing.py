@@ -37,6 +37,12 @@ def test_layout(kind, tokens, experts, top_k):
         want[start // 128:(start + padded) // 128] = [e] * (padded // 128)
     tiles = r.tile_experts()
     assert tiles.dtype == torch.int32 and tiles.tolist() == want
+    # each padded row's pair and token (the permutation's gather), the pair count past the
+    # routed rows
+    pairs, sources = r.pairs(), r.sources()
+    want = torch.full((r.rows,), tokens * top_k, dtype=torch.int64)
+    want[r.dest] = torch.arange(tokens * top_k)
+    assert torch.equal(pairs, want) and torch.equal(sources, want // top_k)
 
 
 def test_permute_combine_and_gradient():

@@ -34,6 +34,7 @@ import torch
 
 from ..config import Float8BlockConfig, config_or_default
 from ..mlp import is_silu, silu_gate
+from . import grouped
 from .grouped import check_experts_config, grouped_linear, grouped_linear_combine
 from .routing import combine, permute, route
 
@@ -130,18 +131,19 @@ def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tens
     x = permute(hidden_states, routing)
     h = _project(x, module, "gate_up_proj" if module.has_gate else "up_proj", routing, cfg)
     post_norm = getattr(module, "has_post_expert_norm", False)
+    silu = module.fp8blk_silu_gate
     # compiled, the experts run as separate nodes (the gating, the down projection, the
-    # combine): under inductor on CUDA the recomputing node's output came out zero
-    # (tests/torch/moe/test_moe_gpu.py::test_compiled_block_on_cuda), so eager mode only; a
-    # norm between the down projection and the combine keeps the nodes apart too
-    if post_norm or torch.compiler.is_compiling():
+    # combine), or with grouped.COMPILED_RECOMPUTE and SiLU gating as one custom op keeping h
+    # (fp8blk.torch.moe.grouped); a norm between the down projection and the combine keeps
+    # the nodes apart too
+    if post_norm or (torch.compiler.is_compiling()
+                     and not (silu and grouped.COMPILED_RECOMPUTE)):
         y = _project(gate(module, h, routing), module, "down_proj", routing, cfg)
         if post_norm:
             y = module.post_expert_norm(y)
         return combine(y, routing, top_k_weights, hidden_states.dtype)
     # with SiLU gating the gating runs inside the last node: h kept, the gated rows made again
     # in the backward pass
-    silu = module.fp8blk_silu_gate
     return grouped_linear_combine(h if silu else gate(module, h, routing), module.down_proj,
                                   routing, top_k_weights, hidden_states.dtype, cfg,
                                   bias=expert_bias(module, "down_proj"),

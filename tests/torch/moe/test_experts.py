@@ -285,3 +285,44 @@ def test_a_norm_after_the_experts_keeps_the_two_nodes():
         got.append([out, h.grad, w.grad, module.post_expert_norm.weight.grad])
     for a, b in zip(*got):
         assert _same_bytes(a, b)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_recompute_node(monkeypatch, backend):
+    """Compiled with grouped.COMPILED_RECOMPUTE, the SiLU-gated down projection and combine run
+    as one custom op keeping h (fp8blk::experts_down_combine): fullgraph traces, and output,
+    input and parameter gradients equal eager's (byte for byte under aot_eager; inductor
+    fuses the router's and permutation's ops, so dx within a bf16 step's share)."""
+    from fp8blk.torch.moe import grouped
+    monkeypatch.setattr(grouped, "COMPILED_RECOMPUTE", True)
+    model = tiny_model("qwen3_moe")
+    convert_experts(model)
+    block = model.model.layers[0].mlp
+    x = torch.randn(1, 300, 256, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+    outs = []
+    for fn in (block, torch.compile(block, fullgraph=True, backend=backend)):
+        xx = x.clone().requires_grad_()
+        y = fn(xx)
+        y = y[0] if isinstance(y, tuple) else y
+        y.backward(torch.ones_like(y))
+        outs.append([y, xx.grad] + [p.grad for p in block.parameters()])
+        for p in block.parameters():
+            p.grad = None
+    for i, (a, b) in enumerate(zip(*outs)):
+        if backend == "aot_eager" or i != 1:
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), i
+        else:
+            assert torch.linalg.norm((a - b).float()) <= 2.0 ** -6 * torch.linalg.norm(b.float())
+
+
+def test_combine_node_refuses_tracing_without_the_op():
+    from fp8blk.torch.moe import permute, route
+    from fp8blk.torch.moe.grouped import grouped_linear_combine
+    r = route(torch.randint(0, 4, (16, 2), generator=torch.Generator().manual_seed(0)), 4)
+    x = permute(torch.randn(16, 256), r)
+    w = torch.randn(4, 128, 256)
+
+    def f(x, w, tw):
+        return grouped_linear_combine(x, w, r, tw, torch.float32)
+    with pytest.raises(Exception, match="separate nodes"):
+        torch.compile(f, fullgraph=True, backend="aot_eager")(x, w, torch.rand(16, 2))

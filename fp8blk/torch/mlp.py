@@ -18,7 +18,8 @@ the activation once more, the product not; for any other activation it runs ``ac
 again with grad and returns ``torch.autograd.grad`` of it. Either way the same kernels on the
 same values as autograd's, so every output and gradient equals the unconverted module's byte
 for byte. Cost: the activation once more per step (one read of g, one write; for other
-activations the product too).
+activations the product too). Eager on CUDA the SiLU form's forward and backward each run as
+one fp8blk kernel with those bytes (``fp8blk.kernels.silu_gate``; ``KERNELS`` below).
 
 Under ``torch.compile`` the SiLU form runs the same autograd function (plain tensor ops both
 ways: the compiled graph holds g and u); other activations run the plain formula (dynamo does
@@ -60,7 +61,6 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..kernels import silu_gate as silu_gate_kernels
-
 from .recompute import probe_twin, recomputed_grads, saved_as_formula, swap_children
 
 _compiling = torch.compiler.is_compiling

@@ -198,7 +198,7 @@ def _linear_combine_backward(dout, saved, weight, bias, w, routing, cfg, transpo
 def _kernel_rows(dout, w, routing, y_dtype):
     """The combine's row gradients from one kernel (``fp8blk.kernels.weighted_rows``: the
     bytes of the torch ops below), or None where it does not serve: eager on CUDA, dout in
-    y's dtype (bf16 or fp16; the product is then rounded once from fp32 whichever dtype the
+    y's dtype and bf16 (the product is then rounded once from fp32 whichever dtype the
     weights' promotion gives)."""
     if not (KERNELS and dout.is_cuda and dout.dtype == y_dtype and type(dout) is torch.Tensor
             and w.dtype in (torch.float32, y_dtype) and not torch.compiler.is_compiling()):

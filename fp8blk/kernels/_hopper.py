@@ -32,48 +32,39 @@ def _u64(builder, v):
     return v if v.type.width == 64 else builder.zext(v, _I64)
 
 
-def void_asm(text):
-    """An intrinsic ``op()`` that emits the PTX `text` (no operands; a memory clobber)."""
-    @intrinsic
-    def op(typingctx):
-        def codegen(context, builder, sig, args):
-            _asm(builder, ir.VoidType(), [], text, "~{memory}")
-            return context.get_dummy_value()
-        return types.void(), codegen
+def void_asm(text, operands=0):
+    """An intrinsic ``op(a, b, ...)`` that emits the PTX `text` on `operands` (0 to 2) 32-bit
+    register operands $0, $1 (shared-memory addresses, counts; wider integers truncated),
+    with a memory clobber."""
+    constraints = ",".join(["r"] * operands + ["~{memory}"])
+
+    def codegen(context, builder, sig, args):
+        _asm(builder, ir.VoidType(), [_u32(builder, a) for a in args], text, constraints)
+        return context.get_dummy_value()
+
+    if operands == 0:
+        @intrinsic
+        def op(typingctx):
+            return types.void(), codegen
+    elif operands == 1:
+        @intrinsic
+        def op(typingctx, a):
+            return types.void(a), codegen
+    else:
+        @intrinsic
+        def op(typingctx, a, b):
+            return types.void(a, b), codegen
     return op
 
 
 fence_mbarrier_init = void_asm("fence.mbarrier_init.release.cluster;")
 wgmma_fence = void_asm("wgmma.fence.sync.aligned;")
 wgmma_commit = void_asm("wgmma.commit_group.sync.aligned;")
-
-
-@intrinsic
-def mbar_init(typingctx, addr, count):
-    def codegen(context, builder, sig, args):
-        _asm(builder, ir.VoidType(), [_u32(builder, args[0]), _u32(builder, args[1])],
-             "mbarrier.init.shared::cta.b64 [$0], $1;", "r,r,~{memory}")
-        return context.get_dummy_value()
-    return types.void(addr, count), codegen
-
-
-@intrinsic
-def mbar_arrive(typingctx, addr):
-    def codegen(context, builder, sig, args):
-        _asm(builder, ir.VoidType(), [_u32(builder, args[0])],
-             "mbarrier.arrive.shared::cta.b64 _, [$0];", "r,~{memory}")
-        return context.get_dummy_value()
-    return types.void(addr), codegen
-
-
-@intrinsic
-def mbar_arrive_tx(typingctx, addr, nbytes):
-    """Arrive and add `nbytes` to the phase's expected transaction count."""
-    def codegen(context, builder, sig, args):
-        _asm(builder, ir.VoidType(), [_u32(builder, args[0]), _u32(builder, args[1])],
-             "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "r,r,~{memory}")
-        return context.get_dummy_value()
-    return types.void(addr, nbytes), codegen
+# mbar_init(addr, count); mbar_arrive(addr); mbar_arrive_tx(addr, nbytes): arrive and add
+# nbytes to the phase's expected transaction count
+mbar_init = void_asm("mbarrier.init.shared::cta.b64 [$0], $1;", 2)
+mbar_arrive = void_asm("mbarrier.arrive.shared::cta.b64 _, [$0];", 1)
+mbar_arrive_tx = void_asm("mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", 2)
 
 
 @intrinsic

@@ -144,10 +144,12 @@ def silu_gate_backward(g, u, dp, need_g=True, need_u=True):
     """(dg, du) of ``F.silu(g) * u`` for the output gradient ``dp``, as autograd's kernels
     compute them (MulBackward0's two products, SiluBackward0's ``silu_backward``), in one
     kernel where it serves; None where not needed. Not differentiable (first order)."""
-    if need_g and need_u and _kernels_serve(g, u, dp) is not None:
+    rows = _kernels_serve(g, u, dp) if need_g and need_u else None
+    if rows is not None:
+        # fresh outputs of g's shape and dtype: the kernels take their rows as they come
         dg = torch.empty(g.shape, dtype=g.dtype, device=g.device)
         du = torch.empty(u.shape, dtype=u.dtype, device=u.device)
-        silu_gate_kernels.backward(*_kernels_serve(g, u, dp, dg, du))
+        silu_gate_kernels.backward(*rows, _rows(dg), _rows(du))
         return dg, du
     du = dp * F.silu(g) if need_u else None
     dg = torch.ops.aten.silu_backward(dp * u, g) if need_g else None
@@ -160,12 +162,12 @@ def silu_gate_backward_cat(h, dp):
     by the kernel where it serves, else ``torch.cat`` of them."""
     half = h.shape[-1] // 2
     g, u = h[..., :half], h[..., half:]
-    if _kernels_serve(g, u, dp) is not None:
+    rows = _kernels_serve(g, u, dp)
+    if rows is not None:
+        # a fresh dh of h's shape: its halves have g's and u's row stride and alignment
         dh = torch.empty(h.shape, dtype=h.dtype, device=h.device)
-        rows = _kernels_serve(g, u, dp, dh[..., :half], dh[..., half:])
-        if rows is not None:
-            silu_gate_kernels.backward(*rows)
-            return dh
+        silu_gate_kernels.backward(*rows, _rows(dh[..., :half]), _rows(dh[..., half:]))
+        return dh
     return torch.cat(silu_gate_backward(g, u, dp), dim=-1)
 
 

@@ -94,11 +94,16 @@ class Float8BlockConfig:
         return 32 if self.is_mxfp8 else 1
 
 
+_DEFAULT = Float8BlockConfig()
+
+
 def config_or_default(config, where: str) -> Float8BlockConfig:
     """`config` itself, or the default Float8BlockConfig when it is None; a TypeError naming
     `where` (the caller and argument) for anything else, e.g. a bare recipe or a dict."""
     if config is None:
-        return Float8BlockConfig()
+        # one shared (frozen) instance: nothing is constructed inside a torch.compile trace,
+        # where torch 2.11's dynamo cannot trace the recipes' hashing
+        return _DEFAULT
     if not isinstance(config, Float8BlockConfig):
         hint = (" (a recipe is one operand's: wrap it, e.g. Float8BlockConfig(activation=..., "
                 "weight=..., grad=...))" if isinstance(config, (Block1D, Block2D, MXFP8)) else "")

@@ -64,6 +64,33 @@ def _scale_transposed(scale, recipe, rows, cols):
     return out
 
 
+def _checked_weight(weight):
+    w = weight.detach()
+    if w.dtype not in HIGH_DTYPES:
+        raise TypeError(f"experts: weight dtype must be float32, bfloat16 or float16, got "
+                        f"{w.dtype}")
+    return w
+
+
+def _stored(q, recipe, e, r):
+    """The stacked (E*R, C) quantize's rowwise buffers as (E, R, C) data and per-expert
+    scales: the stored orientation."""
+    return (q[0].view(e, r, q[0].shape[1]).view(fp8_dtype(recipe.fmt)),
+            q[1].view(e, -1, q[1].shape[1]))
+
+
+def _stored_transposed(q, recipe, e, r, c):
+    """The stacked (E*R, C) quantize's columnwise buffers read in place as every expert's
+    transpose (C, R): expert e's is columns [e*R, (e+1)*R) of the (C, E*R) data, a view with
+    row stride E*R (cuBLASLt and the kernels take it as it is), with its own scales."""
+    rt = cdiv(r, ALIGN)
+    data = q[2].view(c, e, r).transpose(0, 1)
+    lay = all_layouts(recipe, r, c)[3]              # one expert's (ct, round4(rt))
+    scale = q[3].new_full((e, *lay.shape), lay.fill)
+    scale[:, :, :rt] = q[3][:, :e * rt].view(lay.shape[0], e, rt).transpose(0, 1)
+    return data.view(fp8_dtype(recipe.fmt)), scale
+
+
 def expert_weight_buffers(weight: torch.Tensor, recipe, transposed: bool, rows_first: bool):
     """A 3-D expert weight's Block2D buffers, per expert: ``(data (E, R, C) float8, scale_inv
     (E, cdiv(R,128), round4(cdiv(C,128))) fp32)``, each expert's bytes equal to
@@ -73,35 +100,37 @@ def expert_weight_buffers(weight: torch.Tensor, recipe, transposed: bool, rows_f
     contiguous (stride 1 along C); its experts and rows may be strided (the transpose of the
     stored orientation, when the stored rows are a multiple of 128 or E is 1, is a view of
     one columnwise quantize: row stride E*R)."""
-    w = weight.detach()
-    if w.dtype not in HIGH_DTYPES:
-        raise TypeError(f"experts: weight dtype must be float32, bfloat16 or float16, got "
-                        f"{w.dtype}")
+    w = _checked_weight(weight)
     e, r, c = w.shape
-    if rows_first == transposed and (r % ALIGN == 0 or e == 1):
-        # the transpose asked for: one columnwise quantize of the stacked (E*R, C), read in
-        # place -- expert e's W_e.T is columns [e*R, (e+1)*R) of its (C, E*R) data, a (C, R)
-        # view with row stride E*R (cuBLASLt takes it as it is) -- instead of a rowwise
-        # quantize and a byte transpose of all E*R*C bytes
-        q = quantize_buffers(w.reshape(e * r, c).contiguous(), recipe, False, True)
-        rt = cdiv(r, ALIGN)
-        data = q[2].view(c, e, r).transpose(0, 1)
-        lay = all_layouts(recipe, r, c)[3]              # one expert's (ct, round4(rt))
-        scale = q[3].new_full((e, *lay.shape), lay.fill)
-        scale[:, :, :rt] = q[3][:, :e * rt].view(lay.shape[0], e, rt).transpose(0, 1)
-        return data.view(fp8_dtype(recipe.fmt)), scale
+    stored = rows_first == (not transposed)     # the stored orientation is the one asked for
     if r % ALIGN == 0 or e == 1:
-        q = quantize_buffers(w.reshape(e * r, c).contiguous(), recipe, True, False)
-        data = q[0].view(e, r, c)
-        scale = q[1].view(e, -1, q[1].shape[1])
-    else:
-        qs = [quantize_buffers(w[i].contiguous(), recipe, True, False) for i in range(e)]
-        data = torch.stack([q[0] for q in qs])
-        scale = torch.stack([q[1] for q in qs])
-    if rows_first == (not transposed):          # the stored orientation is the one asked for
+        # one quantize of the stacked (E*R, C); the transpose from its columnwise buffers read
+        # in place, instead of a rowwise quantize and a byte transpose of all E*R*C bytes
+        q = quantize_buffers(w.reshape(e * r, c).contiguous(), recipe, stored, not stored)
+        return _stored(q, recipe, e, r) if stored else _stored_transposed(q, recipe, e, r, c)
+    qs = [quantize_buffers(w[i].contiguous(), recipe, True, False) for i in range(e)]
+    data = torch.stack([q[0] for q in qs])
+    scale = torch.stack([q[1] for q in qs])
+    if stored:
         return data.view(fp8_dtype(recipe.fmt)), scale
     data_t = data.transpose(1, 2).contiguous()
     return data_t.view(fp8_dtype(recipe.fmt)), _scale_transposed(scale, recipe, r, c)
+
+
+def expert_weight_both(weight: torch.Tensor, recipe, transposed: bool):
+    """``(expert_weight_buffers(weight, recipe, transposed, True), expert_weight_buffers(
+    weight, recipe, transposed, False))``, the same bytes, from one quantize of the stacked
+    weight writing both directions where the stored rows are a multiple of 128 (or E is 1):
+    W read once instead of twice (the fused node's backward pass needs W_e for the
+    recomputation and W_e.T for the input gradient)."""
+    w = _checked_weight(weight)
+    e, r, c = w.shape
+    if not (r % ALIGN == 0 or e == 1):
+        return (expert_weight_buffers(weight, recipe, transposed, True),
+                expert_weight_buffers(weight, recipe, transposed, False))
+    q = quantize_buffers(w.reshape(e * r, c).contiguous(), recipe, True, True)
+    pair = (_stored(q, recipe, e, r), _stored_transposed(q, recipe, e, r, c))
+    return pair[::-1] if transposed else pair
 
 
 def _rows_impl(a, a_scale, b, b_scale, out_dtype, bias, table, host, tiles):
@@ -339,5 +368,5 @@ def grouped_row_sums(dy, routing: Routing):
     return _row_sums_impl(dy, routing.host())
 
 
-__all__ = ["expert_weight_buffers", "grouped_mm_rows", "grouped_mm_weights", "grouped_row_sums",
-           "packed_row_scales"]
+__all__ = ["expert_weight_buffers", "expert_weight_both", "grouped_mm_rows", "grouped_mm_weights",
+           "grouped_row_sums", "packed_row_scales"]

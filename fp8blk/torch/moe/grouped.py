@@ -16,8 +16,9 @@ The experts' last projection and the combine run as one node (:func:`grouped_lin
 the router weights' gradient reads the projection's output, which a two-node graph keeps
 ((T*k, N), 2N bytes a routed pair in bf16); here the projection's rowwise FP8 input is kept
 instead (K bytes a padded row, and its scales) and the same GEMM on the same bytes runs again
-in the backward pass. Compiled, it runs as one custom op (``fp8blk::experts_down_combine``)
-when ``COMPILED_RECOMPUTE`` is set, else the experts run it as separate nodes.
+in the backward pass. Compiled, the SiLU-gated node runs as one custom op
+(``fp8blk::experts_down_combine``) when ``COMPILED_RECOMPUTE`` is set, else it is traced
+through (the experts then run separate nodes instead, which keep as much).
 
     import torch
     from fp8blk.torch import Float8BlockConfig
@@ -38,7 +39,8 @@ import torch
 from ..config import HIGH_DTYPES, Float8BlockConfig, config_or_default, fp8_dtype
 from ..linear.functional import quantize_buffers
 from ..mlp import silu_gate_backward_cat, silu_gate_forward
-from .gemms import expert_weight_buffers, grouped_mm_rows, grouped_mm_weights, grouped_row_sums
+from .gemms import (expert_weight_both, expert_weight_buffers, grouped_mm_rows, grouped_mm_weights,
+                    grouped_row_sums)
 from .routing import Routing, combine
 from ...formats import recipe_from_key, recipe_key, recipe_kind
 from ...kernels.weighted_rows import serves as weighted_rows_serves, weighted_rows
@@ -72,9 +74,11 @@ def _forward(x, weight, bias, routing, cfg, transposed, out_dtype, columns):
     return grouped_mm_rows(qx[0].view(act), qx[1], wd, ws, routing, out_dtype, bias), qx
 
 
-def _backward(dy, xt_d, xt_s, weight, routing, cfg, transposed, x_dtype, needs, has_bias):
+def _backward(dy, xt_d, xt_s, weight, routing, cfg, transposed, x_dtype, needs, has_bias,
+              w_t=None):
     """(dx, dW, dbias) of the experts' linear layer from dy (rows, N); ``needs``: whether x,
-    W and the bias want their gradients; xt_d, xt_s: x's columnwise buffers (for dW)."""
+    W and the bias want their gradients; xt_d, xt_s: x's columnwise buffers (for dW); w_t:
+    W's transposed operand when the caller has it."""
     need_dgrad, need_wgrad, need_dbias = needs
     dx = dw = dbias = None
     dy = dy.contiguous()
@@ -85,7 +89,7 @@ def _backward(dy, xt_d, xt_s, weight, routing, cfg, transposed, x_dtype, needs, 
     qdy = quantize_buffers(dy, cfg.grad, need_dgrad, need_wgrad)
     g = fp8_dtype(cfg.grad.fmt)
     if need_dgrad:
-        wd, ws = expert_weight_buffers(weight, cfg.weight, transposed, False)
+        wd, ws = w_t or expert_weight_buffers(weight, cfg.weight, transposed, False)
         dx = grouped_mm_rows(qdy[0].view(g), qdy[1], wd, ws, routing, x_dtype)
     if need_wgrad:
         dw = grouped_mm_weights(qdy[2].view(g), qdy[3], xt_d.view(fp8_dtype(cfg.activation.fmt)),
@@ -179,16 +183,20 @@ def _linear_combine_backward(dout, saved, weight, bias, w, routing, cfg, transpo
         if need_router or need_wgrad:
             x_d, x_s, xt_d, xt_s = quantize_buffers(_silu_gate(h).contiguous(),
                                                     cfg.activation, need_router, need_wgrad)
-    y = None
+    y = w_t = None
     if need_router:
-        wd, ws = expert_weight_buffers(weight, cfg.weight, transposed, True)
+        # W_e for y again and, when the input gradient follows, W_e.T from the same pass
+        if need_h:
+            (wd, ws), w_t = expert_weight_both(weight, cfg.weight, transposed)
+        else:
+            wd, ws = expert_weight_buffers(weight, cfg.weight, transposed, True)
         y = grouped_mm_rows(x_d.view(fp8_dtype(cfg.activation.fmt)), x_s, wd, ws, routing,
                             y_dtype, bias)
     grads = (need_h, need_wgrad, need_dbias)
     dy, dw_router = _combine_backward(dout, y, w, routing, y_dtype, any(grads))
-    y = x_d = x_s = None
+    y = x_d = x_s = wd = ws = None
     dx, dw, dbias = (None, None, None) if dy is None else _backward(
-        dy, xt_d, xt_s, weight, routing, cfg, transposed, x_dtype, grads, bias is not None)
+        dy, xt_d, xt_s, weight, routing, cfg, transposed, x_dtype, grads, bias is not None, w_t)
     if h is not None and dx is not None:
         # the gating's backward as autograd runs it: silu_gate's, then the chunk's (a cat)
         dx = silu_gate_backward_cat(h, dx)
@@ -298,12 +306,7 @@ def grouped_linear_combine(x: torch.Tensor, weight: torch.Tensor, routing: Routi
     gated = x[:, :x.shape[1] // 2] if silu_gated else x    # the shape the projection takes
     config, out_dtype = _checked(gated, weight, routing, config, bias, transposed,
                                  "grouped_linear_combine")
-    if torch.compiler.is_compiling():
-        if not (silu_gated and COMPILED_RECOMPUTE):
-            # traced through, this node's gradients came out zero on CUDA (below)
-            raise RuntimeError("grouped_linear_combine: under torch.compile only SiLU-gated "
-                               "with fp8blk.torch.moe.grouped.COMPILED_RECOMPUTE; else run "
-                               "grouped_linear and routing.combine as separate nodes")
+    if torch.compiler.is_compiling() and silu_gated and COMPILED_RECOMPUTE:
         return torch.ops.fp8blk.experts_down_combine(
             x, weight, bias, top_k_weights, routing.dest, routing.table, routing.rows,
             routing.tokens, routing.top_k, *_config_keys(config), bool(transposed), out_dtype,
@@ -316,9 +319,9 @@ def grouped_linear_combine(x: torch.Tensor, weight: torch.Tensor, routing: Routi
 # Compiled with COMPILED_RECOMPUTE, the SiLU-gated last node is one torch custom op with its
 # autograd formula (the eager node's functions run inside it, eagerly): dynamo and
 # AOTAutograd see an opaque op that keeps h, so the compiled block keeps what the eager one
-# keeps. Traced through instead (the autograd.Function above), the node's gradients came out
-# zero on CUDA under AOTAutograd (``aot_eager`` and inductor alike; right on the CPU), and the
-# partitioner would run its recomputation in the forward pass and keep what it makes.
+# keeps. Traced through instead (the autograd.Function above: the same bytes), the node keeps
+# no less than separate nodes do: its recomputation reads saved tensors alone, so
+# AOTAutograd's partitioner runs it in the forward pass and keeps what it makes.
 
 def _config_keys(config):
     return recipe_key(config.activation), recipe_key(config.grad), recipe_key(config.weight)

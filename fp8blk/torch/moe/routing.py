@@ -202,7 +202,12 @@ def weighted_sum(picked: torch.Tensor, top_k_weights: torch.Tensor, dtype):
     (the expert-parallel combine)."""
     tokens, top_k = top_k_weights.shape
     weighted = picked * top_k_weights.reshape(-1).unsqueeze(-1)
-    return weighted.view(tokens, top_k, picked.shape[-1]).sum(1).to(dtype)
+    out = weighted.view(tokens, top_k, picked.shape[-1]).sum(1)
+    # no `.to` when the dtype is already right: a no-op `.to` returns the same tensor, and an
+    # autograd.Function returning it (grouped_linear_combine's node) got all-zero gradients
+    # under torch.compile in torch 2.11 (its dynamo also returned the aliased intermediate
+    # as a graph output, and AOTAutograd handed the real tangent to that one)
+    return out if out.dtype == dtype else out.to(dtype)
 
 
 __all__ = ["ALIGN", "Routing", "route", "padded_rows", "host_table", "tile_experts", "permute", "combine",

@@ -116,3 +116,28 @@ def captured(step):
     with torch.cuda.graph(graph):
         out = step()
     return graph, out
+
+
+def traced_combine_node(device, silu):
+    """grouped_linear_combine (the fused node, traced through as an autograd function) eager
+    and under torch.compile (aot_eager): [out, dx, dW, d top_k_weights] of each."""
+    from fp8blk.torch.moe import permute, route
+    from fp8blk.torch.moe.grouped import grouped_linear_combine
+    gen = torch.Generator().manual_seed(0)
+    tokens, k, h, n = 300, 2, 256, 384
+    r = route(routing_ids(tokens, k, 8, "skewed").to(device), 8)
+    x0 = permute(torch.randn(tokens, 2 * h if silu else h, generator=gen).to(
+        device, torch.bfloat16), r)
+    w0 = (torch.randn(8, n, h, generator=gen) * h ** -0.5).to(device, torch.bfloat16)
+    tw0 = torch.rand(tokens, k, generator=gen).to(device, torch.bfloat16)
+    dout = torch.randn(tokens, n, generator=gen).to(device, torch.bfloat16)
+
+    def f(x, w, tw):
+        return grouped_linear_combine(x, w, r, tw, torch.bfloat16, silu_gated=silu)
+    got = []
+    for fn in (f, torch.compile(f, fullgraph=True, backend="aot_eager")):
+        x, w, tw = (t.clone().requires_grad_() for t in (x0, w0, tw0))
+        out = fn(x, w, tw)
+        out.backward(dout)
+        got.append([out.detach(), x.grad, w.grad, tw.grad])
+    return got

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 import fp8blk as fb  # noqa: E402
 from fp8blk.torch import Float8BlockConfig, float8_block_linear  # noqa: E402
 from fp8blk.torch.moe import combine, grouped_linear, permute, route  # noqa: E402
-from fp8blk.torch.moe.gemms import expert_weight_buffers  # noqa: E402
+from fp8blk.torch.moe.gemms import expert_weight_both, expert_weight_buffers  # noqa: E402
 from fp8blk.torch.moe.grouped import grouped_linear_combine  # noqa: E402
 
 from ._reference import routing_ids  # noqa: E402
@@ -100,8 +100,11 @@ def test_linear_combine_equals_the_two_nodes(transposed, bias, n, w_dtype):
 def test_weight_buffers_are_quantize_of_each_expert(transposed, rows):
     w = torch.randn(3, rows, 320) * torch.logspace(-3, 3, 3).view(3, 1, 1)
     recipe = Float8BlockConfig().weight
+    both = expert_weight_both(w, recipe, transposed)     # one pass, the same bytes
     for rows_first in (True, False):
         d, s = expert_weight_buffers(w, recipe, transposed, rows_first)
+        d2, s2 = both[0 if rows_first else 1]
+        assert torch.equal(d.view(torch.uint8), d2.view(torch.uint8)) and torch.equal(s, s2)
         for e in range(3):
             we = w[e].numpy() if rows_first != transposed else w[e].numpy().T
             q = fb.quantize(np.ascontiguousarray(we), recipe)

@@ -18,7 +18,7 @@ from fp8blk.torch import Float8BlockConfig, blockwise_scaled_mm, float8_block_li
 from fp8blk.torch.linear.functional import quantize_buffers
 from fp8blk.torch.moe import convert_experts, grouped_linear, permute, route
 
-from ._reference import captured, routing_ids, tiny_model
+from ._reference import captured, routing_ids, tiny_model, traced_combine_node
 
 pytestmark = pytest.mark.gpu
 
@@ -187,6 +187,20 @@ def test_compiled_block_on_cuda(monkeypatch, recompute):
         outs.append((y.float(), xx.grad.float()))
     for a, b in zip(*outs):
         assert torch.linalg.norm(a - b) <= 2.0 ** -6 * torch.linalg.norm(b)
+
+
+@pytest.mark.parametrize("silu", [False, True])
+def test_combine_node_traced_on_cuda(silu):
+    """The fused node traced through under torch.compile on CUDA (the one-launch kernels and
+    the torch version of the GPU image) gives eager's bytes, gradients included and not zero."""
+    grouped_gemm.set_policy("always")
+    try:
+        got = traced_combine_node("cuda", silu)
+    finally:
+        grouped_gemm.set_policy("auto")
+    for i, (a, b) in enumerate(zip(*got)):
+        assert a.any(), i
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), i
 
 
 def test_converted_block_in_a_cuda_graph():

@@ -25,9 +25,11 @@ tiles the running CTAs read stay in L2).
   are its bytes where it sums as it does. The two warpgroups run unsynchronized: one's
   promotion overlaps the other's tensor-core work.
 - Epilogue: each math warpgroup packs its tile to bf16 (round to nearest even), stores it to
-  shared memory with ``stmatrix`` (rows padded to 272 bytes: no bank conflicts) and copies it
-  out in 16-byte row pieces; the producer is already loading the next tile. A tile past the
-  last segment (``tile_expert >= E``) is written as zeros.
+  shared memory with ``stmatrix`` in two 64-row boxes of 128-byte rows, in the copy engine's
+  128-byte swizzle (no bank conflicts), and its leader issues two bulk tensor stores through
+  C's tensor map without waiting for them: the warpgroup goes on to its next tile while they
+  run, and waits only before writing its boxes again. The producer is already loading the
+  next tile. A tile past the last segment (``tile_expert >= E``) is written as zeros.
 
 B is addressed through one tensor map over all experts: ``b_by_columns = 0`` for (E, N, K)
 weights stacked along rows (expert e's tile at row e*N + n0), 1 for the transposed weights
@@ -48,16 +50,16 @@ MATH_WARPS = 8
 TILE_BYTES = 16384          # 128 rows x 128 bytes
 STAGE_BYTES = 2 * TILE_BYTES
 SCALE_BYTES = 512           # the A tile's 128 row scales of one block
-STAGE_ROW = 272             # bytes per staged output row: 256 + 16, no bank conflicts
-STAGE_OUT = 64 * STAGE_ROW  # one math warpgroup's staged 64 x 128 bf16
+STAGE_OUT = 16384           # one math warpgroup's staged 64 x 128 bf16: two 64 x 128-byte boxes
 SMEM_BYTES = STAGES * (STAGE_BYTES + SCALE_BYTES) + 1024 + 2 * STAGES * 8 + 2 * STAGE_OUT
 # descriptor high bits: stride byte offset 1024 (8 swizzled rows of 128 bytes), leading byte
 # offset unused in K-major swizzled mode (1), layout type 1 = 128-byte swizzle
 _DESC_HI = (1 << 16) | ((1024 >> 4) << 32) | (1 << 62)
 
-MAP_WORDS = types.UniTuple(types.uint64, 32)   # A's and B's CUtensorMap, 16 words each
+MAP_WORDS = types.UniTuple(types.uint64, 48)   # A's, B's and C's CUtensorMap, 16 words each
+WS_WORDS = 64               # per CTA: A's and B's maps, then C's once per math warpgroup
 ARGTYPES = [ptr(types.uint64), MAP_WORDS, ptr(types.float32), ptr(types.float32),
-            ptr(types.uint8), ptr(types.int32)] + [types.int64] * 8
+            ptr(types.int32)] + [types.int64] * 8
 
 
 @device
@@ -74,15 +76,27 @@ def _init_barriers(bars, tid):
 
 @device
 def _maps_here(ws, words):
-    """The producer thread's copy of the two tensor maps (kernel arguments, so a launch needs
-    no host-to-device copy and a CUDA graph captures them by value) in this CTA's 256 bytes of
-    the global workspace ``ws``, made visible to the copy engine's tensor-map reads."""
-    at = np.int64(cuda.blockIdx.x) * 32
+    """The producer thread's copy of A's and B's tensor maps (kernel arguments, so a launch
+    needs no host-to-device copy and a CUDA graph captures them by value) in this CTA's words
+    of the global workspace ``ws``, made visible to the copy engine's tensor-map reads."""
+    at = np.int64(cuda.blockIdx.x) * WS_WORDS
     for i in range(32):
         ws[at + i] = words[i]
     hp.tensormap_release()
     hp.tensormap_acquire(ws, at)
     hp.tensormap_acquire(ws, at + 16)
+    return at
+
+
+@device
+def _out_map_here(ws, words, mw):
+    """A math warpgroup leader's copy of C's tensor map (its bulk stores read it), as
+    :func:`_maps_here`; returns its word offset in ``ws``."""
+    at = np.int64(cuda.blockIdx.x) * WS_WORDS + 32 + 16 * mw
+    for i in range(16):
+        ws[at + i] = words[32 + i]
+    hp.tensormap_release()
+    hp.tensormap_acquire(ws, at)
     return at
 
 
@@ -119,14 +133,13 @@ def _fill_begin(bars, s, phase, tx_bytes):
 @device
 def _math_lane(tid, staging):
     """A math thread's place: (warpgroup 0/1, thread in it, lane, its first accumulator row,
-    its stmatrix row address, its warpgroup's staging rows)."""
+    its stmatrix row address in the first staging box, its warpgroup's staging boxes)."""
     mw = tid // 128 - 1
     t = tid % 128
     lane = t % 32
     mine = staging + mw * STAGE_OUT
     st_row = (t // 32) * 16 + lane % 8 + 8 * ((lane // 8) % 2)   # stmatrix's row address
-    return (mw, t, lane, (t // 32) * 16 + lane // 4,
-            np.uint32(mine + st_row * STAGE_ROW + 16 * (lane // 16)), mine)
+    return (mw, t, lane, (t // 32) * 16 + lane // 4, np.uint32(mine + st_row * 128), mine)
 
 
 @device
@@ -146,38 +159,45 @@ def _mma_begin(part, bars, base, s, phase, mw):
 
 
 @device
-def _store_tile(final, mw, t, st_addr, mine, c, out0, ld):
-    """A math warpgroup's 64 x 128 tile to c (bf16, as bytes) at element out0, ld elements per
-    row: bf16 into its staging rows (stmatrix), then 16-byte row pieces out."""
-    if mw == 0:                          # the last tile's staged rows have been read
-        hp.bar_sync_wg1()
-    else:
-        hp.bar_sync_wg2()
-    hp.stmatrix_tile(st_addr, final)
+def _wg_sync(mw):
     if mw == 0:
         hp.bar_sync_wg1()
     else:
         hp.bar_sync_wg2()
-    for i in range(8):
-        chunk = t + 128 * i
-        r = chunk // 16
-        c16 = chunk % 16
-        hp.copy16_out(np.uint32(mine + r * STAGE_ROW + c16 * 16), c,
-                      (out0 + r * ld) * 2 + c16 * 16)
 
 
-def kernel_fn(ws, map_words, sa, sb, c, tile_expert, rows, n, k, experts, sa_stride,
+@device
+def _store_tile(final, mw, t, lane, st_addr, mine, ws, c_at, row, col_bytes):
+    """A math warpgroup's 64 x 128 tile to C's rows [row, row + 64), bytes [col_bytes,
+    col_bytes + 256): bf16 into its two staging boxes (stmatrix, swizzled), then two bulk
+    tensor stores that the leader issues and does not wait for -- they run while the
+    warpgroup computes its next tile; the leader waits only before the boxes are written
+    again."""
+    if t == 0:                           # the last tile's boxes have been read
+        hp.bulk_wait_read()
+    _wg_sync(mw)
+    hp.stmatrix_swizzled(st_addr, lane % 8, lane // 16, final)
+    hp.fence_proxy_async()               # stmatrix's writes, visible to the copy engine
+    _wg_sync(mw)
+    if t == 0:
+        hp.tma_store_2d(np.uint32(mine), ws, c_at, col_bytes, row)
+        hp.tma_store_2d(np.uint32(mine + 8192), ws, c_at, col_bytes + 128, row)
+        hp.bulk_commit()
+
+
+def kernel_fn(ws, map_words, sa, sb, tile_expert, rows, n, k, experts, sa_stride,
               sb_expert, sb_tile, b_by_columns):
-    """ws: 256 bytes of global workspace per CTA; map_words: the operands' tensor maps; sa (K/128
-    rows of sa_stride) fp32: a's 1x128 scales; sb fp32: expert e's scale of (row tile t,
-    block kb) at e * sb_expert + t * sb_tile + kb; c (rows, n) bf16 as bytes."""
+    """ws: WS_WORDS words of global workspace per CTA; map_words: the tensor maps of a, b and
+    the output c ((rows, n) bf16 as bytes, 64-row boxes); sa (K/128 rows of sa_stride) fp32:
+    a's 1x128 scales; sb fp32: expert e's scale of (row tile t, block kb) at
+    e * sb_expert + t * sb_tile + kb."""
     smem = cuda.shared.array(0, types.uint8)
     tid = cuda.threadIdx.x
     raw = np.int64(hp.shared_base(smem))
     base = ((raw + 1023) // 1024) * 1024         # the swizzle pattern repeats every 1024 bytes
-    scales = base + STAGES * STAGE_BYTES
+    staging = base + STAGES * STAGE_BYTES        # 1024-aligned: the swizzled boxes
+    scales = staging + 2 * STAGE_OUT
     bars = scales + STAGES * SCALE_BYTES          # full[s] at +8 s, empty[s] at +8 (STAGES + s)
-    staging = bars + 2 * STAGES * 8
     _init_barriers(bars, tid)
     n_tiles = n // 128
     m_tiles = rows // 128
@@ -207,6 +227,7 @@ def kernel_fn(ws, map_words, sa, sb, c, tile_expert, rows, n, k, experts, sa_str
     else:
         hp.setmaxnreg_math()
         mw, t, lane, row0, st_addr, mine = _math_lane(tid, staging)
+        c_at = _out_map_here(ws, map_words, mw) if t == 0 else np.int64(0)
         for pid in range(cuda.blockIdx.x, n_tiles * m_tiles, cuda.gridDim.x):
             mt, nt = _raster(pid, m_tiles, n_tiles)
             e = np.int64(tile_expert[mt])
@@ -227,8 +248,10 @@ def kernel_fn(ws, map_words, sa, sb, c, tile_expert, rows, n, k, experts, sa_str
                         hp.mbar_arrive(np.uint32(bars + 8 * (STAGES + s)))
                     final = hp.promote_rows(final, part, r0, r1)
                     s, phase = _next(s, phase)
-            _store_tile(final, mw, t, st_addr, mine, c, (np.int64(mt) * 128 + mw * 64) * n
-                        + nt * 128, n)
+            _store_tile(final, mw, t, lane, st_addr, mine, ws, c_at, mt * 128 + mw * 64,
+                        nt * 256)
+        if t == 0:                               # the stores complete before the kernel ends
+            hp.bulk_wait()
 
 
 # ---- the k-grouped GEMM: the experts' weight gradients ----------------------------------------
@@ -236,23 +259,23 @@ def kernel_fn(ws, map_words, sa, sb, c, tile_expert, rows, n, k, experts, sa_str
 W_SCALE_BYTES = 1024        # a block's 128 row scales of A and 128 of B
 W_SMEM_BYTES = STAGES * (STAGE_BYTES + W_SCALE_BYTES) + 1024 + 2 * STAGES * 8 + 2 * STAGE_OUT
 W_ARGTYPES = [ptr(types.uint64), MAP_WORDS, ptr(types.float32), ptr(types.float32),
-              ptr(types.uint8), ptr(types.int64), ptr(types.int64)] + [types.int64] * 5
+              ptr(types.int64), ptr(types.int64)] + [types.int64] * 5
 
 
-def weights_kernel_fn(ws, map_words, sa, sb, c, starts, padded, n, k, experts, sa_stride,
+def weights_kernel_fn(ws, map_words, sa, sb, starts, padded, n, k, experts, sa_stride,
                       sb_stride):
     """out[e] (n, k) = a_t[:, seg_e] @ b_t[:, seg_e].T for every expert: a_t (n, rows) and b_t
     (k, rows) e4m3 through their tensor maps (tokens contiguous), their 128x1 scales sa (rows/128
     rows of sa_stride) and sb (of sb_stride) fp32; starts / padded (E,) int64 each segment's
-    first row and length (multiples of 128) on the device; c (E, n, k) bf16 as bytes, zeros for
-    an empty expert. Per 128-token block: final += part * (sa[row] * sb[col])."""
+    first row and length (multiples of 128) on the device; the output c (E, n, k) bf16 through
+    the third tensor map (an (E*n, 2k)-byte matrix), zeros for an empty expert. Per 128-token block: final += part * (sa[row] * sb[col])."""
     smem = cuda.shared.array(0, types.uint8)
     tid = cuda.threadIdx.x
     raw = np.int64(hp.shared_base(smem))
     base = ((raw + 1023) // 1024) * 1024
-    scales = base + STAGES * STAGE_BYTES
+    staging = base + STAGES * STAGE_BYTES
+    scales = staging + 2 * STAGE_OUT
     bars = scales + STAGES * W_SCALE_BYTES
-    staging = bars + 2 * STAGES * 8
     _init_barriers(bars, tid)
     n_tiles = n // 128
     k_tiles = k // 128
@@ -283,6 +306,7 @@ def weights_kernel_fn(ws, map_words, sa, sb, c, starts, padded, n, k, experts, s
     else:
         hp.setmaxnreg_math()
         mw, t, lane, row0, st_addr, mine = _math_lane(tid, staging)
+        c_at = _out_map_here(ws, map_words, mw) if t == 0 else np.int64(0)
         col = 2 * (lane % 4)
         for pid in range(cuda.blockIdx.x, experts * per_expert, cuda.gridDim.x):
             e = pid // per_expert
@@ -300,5 +324,7 @@ def weights_kernel_fn(ws, map_words, sa, sb, c, starts, padded, n, k, experts, s
                 if lane == 0:                    # the column scales are read: release
                     hp.mbar_arrive(np.uint32(bars + 8 * (STAGES + s)))
                 s, phase = _next(s, phase)
-            _store_tile(final, mw, t, st_addr, mine, c,
-                        (np.int64(e) * n + nt * 128 + mw * 64) * k + ct * 128, k)
+            _store_tile(final, mw, t, lane, st_addr, mine, ws, c_at,
+                        e * n + nt * 128 + mw * 64, ct * 256)
+        if t == 0:
+            hp.bulk_wait()

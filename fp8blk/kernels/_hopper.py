@@ -3,7 +3,7 @@ kernel (``_grouped_gemm_kernel``): shared-memory barriers (``mbarrier``), the co
 (``cp.async.bulk``, 2-D tensor copies from a tensor map in global memory), warpgroup matrix
 multiply-accumulate (``wgmma`` m64n128k32 e4m3, fp32 accumulators as 64-tuples of float32 per
 thread), the register split between warpgroups (``setmaxnreg``), and the staged epilogue
-(``stmatrix``, 16-byte copies out). GPU only: imported when the kernel is first built, never
+(``stmatrix`` into swizzled boxes, bulk tensor stores out). GPU only: imported when the kernel is first built, never
 under the simulator (these instructions have none). PTX semantics: the PTX ISA, sections
 "mbarrier", "cp.async.bulk.tensor", "wgmma", "stmatrix", "setmaxnreg".
 """
@@ -230,38 +230,55 @@ def promote_rows_cols(typingctx, final, part, s0, s1, cols_addr):
 
 
 @intrinsic
-def stmatrix_tile(typingctx, addr, acc):
-    """The warp's 16 x 128 slice of the accumulator as bf16 into shared memory, 272 bytes per
-    row, with eight stmatrix.x4: instruction g stores the 8 x 8 matrices (row half h, column
-    block j) = (0, 2g), (1, 2g), (0, 2g + 1), (1, 2g + 1); `addr` is this lane's row address
-    for its matrix (lane // 8) at column block 0 (row L % 8 + 8 ((L // 8) % 2), column
-    8 (L // 16))."""
+def stmatrix_swizzled(typingctx, row_addr, sw, half, acc):
+    """The warp's 16 x 128 slice of the accumulator as bf16 into two 64-row boxes of 128-byte
+    rows (columns 0-63 at box 0, 64-127 at box 0 + 8192 bytes), in the copy engine's 128-byte
+    swizzle: the 16-byte chunk j of row r at chunk j ^ (r % 8). Eight stmatrix.x4:
+    instruction g stores the 8 x 8 matrices (row half h, column block j) = (0, 2g), (1, 2g),
+    (0, 2g + 1), (1, 2g + 1); `row_addr` is box 0's address of this lane's row for its matrix
+    (lane L: row L % 8 + 8 ((L // 8) % 2)), `sw` that row % 8, `half` = L // 16 (its
+    matrix's column block within the pair)."""
     def codegen(context, builder, sig, args):
-        a = _u32(builder, args[0])
-        vals = _unpack(builder, args[1])
+        a, sw, half = (_u32(builder, v) for v in args[:3])
+        vals = _unpack(builder, args[3])
 
         def word(h, j):
             lo, hi = vals[4 * j + 2 * h], vals[4 * j + 2 * h + 1]
             return _asm(builder, _I32, [hi, lo], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
         for g in range(8):
+            chunk = builder.xor(builder.add(half, ir.Constant(_I32, 2 * (g % 4))), sw)
+            at = builder.add(a, builder.add(builder.shl(chunk, ir.Constant(_I32, 4)),
+                                            ir.Constant(_I32, 8192 * (g // 4))))
             regs = [word(0, 2 * g), word(1, 2 * g), word(0, 2 * g + 1), word(1, 2 * g + 1)]
-            _asm(builder, ir.VoidType(), [builder.add(a, ir.Constant(_I32, 32 * g))] + regs,
+            _asm(builder, ir.VoidType(), [at] + regs,
                  "stmatrix.sync.aligned.m8n8.x4.shared.b16 [$0], {$1, $2, $3, $4};",
                  "r,r,r,r,r,~{memory}")
         return context.get_dummy_value()
-    return types.void(addr, ACC), codegen
+    return types.void(row_addr, sw, half, ACC), codegen
 
 
 @intrinsic
-def copy16_out(typingctx, saddr, c, offset):
-    """16 bytes from shared address saddr to c + offset (bytes)."""
+def tma_store_2d(typingctx, src, tmap, at, c0, c1):
+    """Bulk tensor copy of shared address `src` to the box at (c0 inner, c1 outer) of the
+    tensor map at tmap + at, in this thread's bulk group (commit, then wait before `src` is
+    written again)."""
     def codegen(context, builder, sig, args):
-        g = builder.ptrtoint(builder.gep(args[1], [args[2]]), _I64)
-        _asm(builder, ir.VoidType(), [_u32(builder, args[0]), g],
-             "{ .reg .b32 a, b, c, d; ld.shared.v4.b32 {a, b, c, d}, [$0]; "
-             "st.global.v4.b32 [$1], {a, b, c, d}; }", "r,l,~{memory}")
+        tm = builder.ptrtoint(builder.gep(args[1], [args[2]]), _I64)
+        _asm(builder, ir.VoidType(), [tm, _u32(builder, args[3]), _u32(builder, args[4]),
+                                      _u32(builder, args[0])],
+             "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [$0, {$1, $2}], [$3];",
+             "l,r,r,r,~{memory}")
         return context.get_dummy_value()
-    return types.void(saddr, c, offset), codegen
+    return types.void(src, tmap, at, c0, c1), codegen
+
+
+# the bulk stores' groups: commit; wait until their shared sources have been read (the staging
+# may be written again) or until they are complete (before the kernel ends); and the fence that
+# makes generic-proxy shared writes (stmatrix) visible to the copy engine
+bulk_commit = void_asm("cp.async.bulk.commit_group;")
+bulk_wait_read = void_asm("cp.async.bulk.wait_group.read 0;")
+bulk_wait = void_asm("cp.async.bulk.wait_group 0;")
+fence_proxy_async = void_asm("fence.proxy.async.shared::cta;")
 
 
 # named barriers of one math warpgroup (0 is __syncthreads'); immediates, so that ptxas

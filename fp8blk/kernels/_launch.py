@@ -124,7 +124,7 @@ def scalars(*values):
 _U16 = np.dtype(np.uint16)
 
 
-_MAX_ARGS = 48      # the grouped GEMMs pass their two tensor maps as 32 words
+_MAX_ARGS = 64      # the grouped GEMMs pass their three tensor maps as 48 words
 
 
 class _Params(threading.local):

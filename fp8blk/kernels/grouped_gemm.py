@@ -54,7 +54,7 @@ def set_policy(policy: str) -> str:
     """When the experts' GEMMs take the one-launch kernels, for the whole process; returns the
     previous policy. ``"auto"`` (the default): with AUTO_MIN_EXPERTS experts or more, or while
     the current stream captures a CUDA graph; with fewer experts the per-expert cuBLASLt loop
-    is faster on the H200 (its GEMMs run 15-25% faster on segments of thousands of rows,
+    is faster on the H200 (its GEMMs run 3-30% faster on segments of thousands of rows,
     ``bench/profile/results/probe-grouped-tma-h200.json``) at the cost of one host
     synchronization per routing. ``"always"`` / ``"never"``: wherever they serve / nowhere."""
     if policy not in POLICIES:
@@ -143,15 +143,16 @@ def weights(a_t, a_t_scale, b_t, b_t_scale, table):
     experts = table.shape[1]
     index = a_t.get_device()
     table = table.contiguous()
-    words = _map_words(a_t.data_ptr(), n, rows, a_t.stride(0)) + _map_words(
-        b_t.data_ptr(), k, rows, b_t.stride(0))
     out = torch.empty((experts, n, k), dtype=torch.bfloat16, device=a_t.device)
     if experts == 0:
         return out
+    words = (_map_words(a_t.data_ptr(), n, rows, a_t.stride(0))
+             + _map_words(b_t.data_ptr(), k, rows, b_t.stride(0))
+             + _map_words(out.data_ptr(), experts * n, 2 * k, 2 * k, OUT_BOX_ROWS))
     from . import _grouped_gemm_kernel as gk
     grid = _grid(index, experts * (n // 128) * (k // 128))
-    ws = torch.empty((grid, 32), dtype=torch.int64, device=a_t.device)
-    args = [ws.data_ptr(), *words, a_t_scale.data_ptr(), b_t_scale.data_ptr(), out.data_ptr(),
+    ws = torch.empty((grid, gk.WS_WORDS), dtype=torch.int64, device=a_t.device)
+    args = [ws.data_ptr(), *words, a_t_scale.data_ptr(), b_t_scale.data_ptr(),
             table[0].data_ptr(), table[1].data_ptr(), n, k, experts, a_t_scale.stride(0),
             b_t_scale.stride(0)]
     torch_launch(_kernel(index, "weights_kernel_fn"), (grid, 1, 1), (gk.THREADS, 1, 1), args,
@@ -186,13 +187,14 @@ def forward_rows(a, a_scale, b, b_scale, tile_expert):
     experts, n, _ = b.shape
     index = a.get_device()
     by_columns, b_rows, b_bytes, b_stride = _b_layout(b)
-    words = _map_words(a.data_ptr(), rows, k, k) + _map_words(b.data_ptr(), b_rows, b_bytes,
-                                                                 b_stride)
     out = torch.empty((rows, n), dtype=torch.bfloat16, device=a.device)
+    words = (_map_words(a.data_ptr(), rows, k, k)
+             + _map_words(b.data_ptr(), b_rows, b_bytes, b_stride)
+             + _map_words(out.data_ptr(), rows, 2 * n, 2 * n, OUT_BOX_ROWS))
     from . import _grouped_gemm_kernel as gk
     grid = _grid(index, (rows // 128) * (n // 128))
-    ws = torch.empty((grid, 32), dtype=torch.int64, device=a.device)
-    args = [ws.data_ptr(), *words, a_scale.data_ptr(), b_scale.data_ptr(), out.data_ptr(),
+    ws = torch.empty((grid, gk.WS_WORDS), dtype=torch.int64, device=a.device)
+    args = [ws.data_ptr(), *words, a_scale.data_ptr(), b_scale.data_ptr(),
             tile_expert.data_ptr(), rows, n, k, experts, a_scale.stride(0), b_scale.stride(0),
             b_scale.stride(1), by_columns]
     torch_launch(_kernel(index, "kernel_fn"), (grid, 1, 1), (gk.THREADS, 1, 1), args, index,
@@ -226,10 +228,13 @@ def _kernel(index, name):
 
 # ---- tensor maps ------------------------------------------------------------------------------
 # cuTensorMapEncodeTiled (CUDA driver API): the kernels' copy engine reads A's and B's 128 x
-# 128-byte boxes through them. A launch passes both maps' 32 words as kernel arguments and each
-# CTA copies them into its 256 bytes of a workspace (the copy engine reads maps from global
-# memory): no host-to-device copy, nothing to keep alive, and a CUDA graph holds them by value.
-# The words of a map depend only on (address, rows, row bytes, row stride): cached.
+# 128-byte boxes through them and writes the output's 64 x 128-byte boxes. A launch passes the
+# three maps' 48 words as kernel arguments and each CTA copies them into its words of a
+# workspace (the copy engine reads maps from global memory): no host-to-device copy, nothing
+# to keep alive, and a CUDA graph holds them by value.
+# The words of a map depend only on (address, rows, row bytes, row stride, box rows): cached.
+
+OUT_BOX_ROWS = 64            # a math warpgroup's 64 output rows per bulk store
 
 _encode = []
 
@@ -246,14 +251,14 @@ def _encoder():
     return _encode[0]
 
 
-def tensor_map(address, rows, row_bytes, stride) -> bytes:
+def tensor_map(address, rows, row_bytes, stride, box_rows=128) -> bytes:
     """The 128-byte CUtensorMap of a (rows, row_bytes) uint8 matrix at `address` with `stride`
-    bytes between rows: 128 x 128-byte boxes, 128-byte swizzle, zeros outside."""
+    bytes between rows: box_rows x 128-byte boxes, 128-byte swizzle, zeros outside."""
     buf = ctypes.create_string_buffer(256)
     at = (ctypes.addressof(buf) + 63) // 64 * 64             # CUtensorMap is 64-byte aligned
     dims = (ctypes.c_uint64 * 2)(row_bytes, rows)
     strides = (ctypes.c_uint64 * 1)(stride)
-    box = (ctypes.c_uint32 * 2)(128, 128)
+    box = (ctypes.c_uint32 * 2)(128, box_rows)
     step = (ctypes.c_uint32 * 2)(1, 1)
     # data type UINT8 (0), no interleave (0), 128-byte swizzle (3), L2 promotion 256 bytes (3),
     # out-of-bounds elements read as zeros (0)
@@ -264,8 +269,8 @@ def tensor_map(address, rows, row_bytes, stride) -> bytes:
     return ctypes.string_at(at, 128)
 
 
-def _map_words(address, rows, row_bytes, stride):
-    key = (address, rows, row_bytes, stride)
+def _map_words(address, rows, row_bytes, stride, box_rows=128):
+    key = (address, rows, row_bytes, stride, box_rows)
     with _lock:
         words = _maps.get(key)
     if words is None:

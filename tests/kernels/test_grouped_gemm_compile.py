@@ -1,7 +1,7 @@
 """The one-launch grouped GEMM kernels (fp8blk/kernels/_grouped_gemm_kernel.py) compile to PTX
 for compute capability 9.0 without a GPU, with the Hopper instructions they are built on:
 wgmma m64n128k32 e4m3 (four per 128-deep block), 2-D tensor copies and bulk copies completing
-on mbarriers, the register split, the staged epilogue; and, where ptxas is installed, assemble
+on mbarriers, the register split, the staged epilogue (stmatrix, bulk tensor stores); and, where ptxas is installed, assemble
 for sm_90a without spilling (the accumulators stay in registers). The kernels themselves run
 in tests/kernels/test_grouped_gemm_gpu.py (WGMMA and TMA have no simulator)."""
 import os
@@ -33,7 +33,9 @@ def test_hopper_instructions(ptx):
                "mbarrier.try_wait.parity", "mbarrier.arrive.expect_tx",
                "setmaxnreg.dec.sync.aligned.u32 40", "setmaxnreg.inc.sync.aligned.u32 232",
                "stmatrix.sync.aligned.m8n8.x4", "fence.proxy.tensormap::generic.acquire",
-               "st.global.v4.b32"):
+               "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group",
+               "cp.async.bulk.commit_group", "cp.async.bulk.wait_group.read 0",
+               "cp.async.bulk.wait_group 0", "fence.proxy.async.shared::cta"):
         assert op in ptx, op
     assert not LOCAL.search(ptx)
 

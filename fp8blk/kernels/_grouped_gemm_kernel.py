@@ -268,7 +268,8 @@ def weights_kernel_fn(ws, map_words, sa, sb, starts, padded, n, k, experts, sa_s
     (k, rows) e4m3 through their tensor maps (tokens contiguous), their 128x1 scales sa (rows/128
     rows of sa_stride) and sb (of sb_stride) fp32; starts / padded (E,) int64 each segment's
     first row and length (multiples of 128) on the device; the output c (E, n, k) bf16 through
-    the third tensor map (an (E*n, 2k)-byte matrix), zeros for an empty expert. Per 128-token block: final += part * (sa[row] * sb[col])."""
+    the third tensor map (an (E*n, 2k)-byte matrix), zeros for an empty expert. Per 128-token
+    block: final += part * (sa[row] * sb[col])."""
     smem = cuda.shared.array(0, types.uint8)
     tid = cuda.threadIdx.x
     raw = np.int64(hp.shared_base(smem))

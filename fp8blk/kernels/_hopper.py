@@ -3,9 +3,9 @@ kernel (``_grouped_gemm_kernel``): shared-memory barriers (``mbarrier``), the co
 (``cp.async.bulk``, 2-D tensor copies from a tensor map in global memory), warpgroup matrix
 multiply-accumulate (``wgmma`` m64n128k32 e4m3, fp32 accumulators as 64-tuples of float32 per
 thread), the register split between warpgroups (``setmaxnreg``), and the staged epilogue
-(``stmatrix`` into swizzled boxes, bulk tensor stores out). GPU only: imported when the kernel is first built, never
-under the simulator (these instructions have none). PTX semantics: the PTX ISA, sections
-"mbarrier", "cp.async.bulk.tensor", "wgmma", "stmatrix", "setmaxnreg".
+(``stmatrix`` into swizzled boxes, bulk tensor stores out). GPU only: imported when the kernel
+is first built, never under the simulator (these instructions have none). PTX semantics: the
+PTX ISA, sections "mbarrier", "cp.async.bulk.tensor", "wgmma", "stmatrix", "setmaxnreg".
 """
 from __future__ import annotations
 

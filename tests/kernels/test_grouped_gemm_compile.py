@@ -1,9 +1,10 @@
-"""The one-launch grouped GEMM kernels (fp8blk/kernels/_grouped_gemm_kernel.py) compile to PTX
-for compute capability 9.0 without a GPU, with the Hopper instructions they are built on:
-wgmma m64n128k32 e4m3 (four per 128-deep block), 2-D tensor copies and bulk copies completing
-on mbarriers, the register split, the staged epilogue (stmatrix, bulk tensor stores); and, where ptxas is installed, assemble
-for sm_90a without spilling (the accumulators stay in registers). The kernels themselves run
-in tests/kernels/test_grouped_gemm_gpu.py (WGMMA and TMA have no simulator)."""
+"""The one-launch grouped GEMM kernels (fp8blk/kernels/_grouped_gemm_kernel.py) compile to PTX for
+compute capability 9.0 without a GPU, with the Hopper instructions they are built on: wgmma
+m64n128k32 e4m3 (four per 128-deep block), 2-D tensor copies and bulk copies completing on
+mbarriers, the register split, the staged epilogue (stmatrix, bulk tensor stores); and, where
+ptxas is installed, assemble for sm_90a without spilling (the accumulators stay in registers).
+The kernels themselves run in tests/kernels/test_grouped_gemm_gpu.py (WGMMA and TMA have no
+simulator)."""
 import os
 import re
 import shutil

@@ -210,5 +210,5 @@ def weighted_sum(picked: torch.Tensor, top_k_weights: torch.Tensor, dtype):
     return out if out.dtype == dtype else out.to(dtype)
 
 
-__all__ = ["ALIGN", "Routing", "route", "padded_rows", "host_table", "tile_experts", "permute", "combine",
-           "weighted_sum"]
+__all__ = ["ALIGN", "Routing", "route", "padded_rows", "host_table", "tile_experts", "permute",
+           "combine", "weighted_sum"]

@@ -637,10 +637,17 @@ def combine(paths, out):
             for key in [k for k in c if k.startswith("speedup_vs_") or k.endswith("_vs_bf16")]:
                 del c[key]
             cases[(c["arch"], c["variant"], c["mode"], c.get("layers"))] = c
+    def flat(command):     # a combined file's command is already a list of its runs'
+        return ([c for part in command for c in flat(part)] if isinstance(command, list)
+                else [command])
+
+    def run_entries(r):    # a combined file brings its runs, a run's file itself
+        if "runs" in r and isinstance(r["command"], list):
+            return [dict(e, command=" ; ".join(flat(e["command"]))) for e in r["runs"]]
+        return [{"date": r["date"], "command": r["command"], "wall_s": r.get("wall_s")}]
     result = {"machine": runs[0]["machine"], "date": runs[-1]["date"],
-              "command": [r["command"] for r in runs], "runs": [
-                  {"date": r["date"], "command": r["command"], "wall_s": r.get("wall_s")}
-                  for r in runs],
+              "command": [c for r in runs for c in flat(r["command"])],
+              "runs": [e for r in runs for e in run_entries(r)],
               "cases": ratios(list(cases.values()))}
     print_table(result["cases"])
     if out:

@@ -14,10 +14,18 @@ from functools import lru_cache
 
 import numpy as np
 
-from ._numba import (addr_of, bf16x2_f32, bits_f32, cuda, device, f16x2_f32, f32_bits,
-                     ld_v4_at, prmt, st8_u8, st8_u16, st8_u32, st_v2_at, st_v4_at, types)
+from ._numba import (addr_of, bf16x2_cvt, bf16x2_f32, bits_f32, cuda, device, f16x2_cvt,
+                     f16x2_f32, f32_bits, ld_v4_at, prmt, st8_u8, st8_u16, st8_u32, st_v2_at,
+                     st_v4_at, types)
 
 from ._specs import BF16, F32
+
+
+def torch_pair_codec(kind):
+    """(unpack, pack) of a uint32 word holding two bf16 (``kind`` BF16) or fp16 values: to two
+    float32, and from two float32 rounded to nearest even, a NaN written as torch's CUDA
+    conversions write it (0x7FFF), for kernels whose bytes must be torch's."""
+    return (bf16x2_f32, bf16x2_cvt) if kind == BF16 else (f16x2_f32, f16x2_cvt)
 
 
 @device

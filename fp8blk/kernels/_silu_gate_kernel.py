@@ -26,20 +26,14 @@ chunks per row. Grid: cdiv(M * C, T * ITERS) CTAs of T threads.
 from __future__ import annotations
 
 from . import _specs as sp
-from ._kernel_lib import chunk_of
-from ._numba import (bf16x2_cvt, bf16x2_f32, cuda, exp_f32, f16x2_cvt, f16x2_f32, fma_f32,
-                     ld_v4_at, ptr, st_v4_at, types)
+from ._kernel_lib import chunk_of, torch_pair_codec
+from ._numba import cuda, exp_f32, fma_f32, ld_v4_at, ptr, st_v4_at, types
 
 T, ITERS = sp.SILU_THREADS, sp.SILU_ITERS
 
 
-def _codec(kind):
-    # NaN written as torch's CUDA conversions write it (0x7FFF), not NumPy's quiet NaN
-    return (bf16x2_f32, bf16x2_cvt) if kind == sp.BF16 else (f16x2_f32, f16x2_cvt)
-
-
 def make_forward(spec):
-    unpack, pack = _codec(spec.kind)
+    unpack, pack = torch_pair_codec(spec.kind)
     float32, uint32 = types.float32, types.uint32
 
     def kernel(g, u, p, M, C, gs, us, ps):
@@ -63,7 +57,7 @@ def make_forward(spec):
 
 
 def make_backward(spec):
-    unpack, pack = _codec(spec.kind)
+    unpack, pack = torch_pair_codec(spec.kind)
     float32, uint32 = types.float32, types.uint32
 
     def kernel(g, u, dp, dg, du, M, C, gs, us, dps, dgs, dus):

@@ -18,16 +18,14 @@ ITERS) CTAs of T threads.
 from __future__ import annotations
 
 from . import _specs as sp
-from ._kernel_lib import chunk_of
-from ._numba import (bf16x2_cvt, bf16x2_f32, cuda, f16x2_cvt, f16x2_f32, ld_v4_at, ptr,
-                     st_v4_at, types)
+from ._kernel_lib import chunk_of, torch_pair_codec
+from ._numba import cuda, ld_v4_at, ptr, st_v4_at, types
 
 T, ITERS = sp.ROWS_THREADS, sp.ROWS_ITERS
 
 
 def make_kernel(spec):
-    unpack, pack = ((bf16x2_f32, bf16x2_cvt) if spec.kind == sp.BF16
-                    else (f16x2_f32, f16x2_cvt))
+    unpack, pack = torch_pair_codec(spec.kind)
     float32, uint32 = types.float32, types.uint32
 
     def kernel(src, w, pairs, out, R, C, k, P):

@@ -17,7 +17,9 @@
 #   cold_start    bench.cold_start -> cold-start-<machine>.json
 #   host          bench.bench_host (host cost per call from torch and CuPy) -> host-<machine>.json
 #   linear_host   bench/profile/profile_linear_host.py: a Linear step's host time beside bf16's,
-#                 where it goes -> profile-linear-host-<machine>.txt (bench/profile/results/)
+#                 where it goes, eager and compiled -> profile-linear-host{,-compiled}-<M>.txt;
+#                 profile_host_threads.py: forward and backward apart, autograd's device thread
+#                 and idle threads -> profile-host-threads-<M>.txt (bench/profile/results/)
 #   ncu_fused     Nsight Compute profile of the fused quantize kernels -> ncu_fused.txt
 #   profile       bench/profile/profile_all.sh: Nsight Compute over profile_fused.py,
 #                 profile_master.py, profile_unaligned.py -> ncu_*.txt
@@ -101,8 +103,14 @@ fi
 has cold_start && step cold_start ${COLD_TIMEOUT:-300} \
   python3 -m bench.cold_start --out "$OUT/cold-start-$M.json"
 has host && TAIL=30 step bench_host 200 python3 -m bench.bench_host --out "$OUT/host-$M.json"
-has linear_host && TAIL=16 step linear_host ${HOST_TIMEOUT:-300} \
-  python3 -m bench.profile.profile_linear_host --out "$OUT/profile-linear-host-$M.txt"
+if has linear_host; then
+  TAIL=16 step linear_host ${HOST_TIMEOUT:-300} \
+    python3 -m bench.profile.profile_linear_host --out "$OUT/profile-linear-host-$M.txt"
+  TAIL=8 step linear_host_compiled ${HOST_TIMEOUT:-300} python3 -m \
+    bench.profile.profile_linear_host --compiled --out "$OUT/profile-linear-host-compiled-$M.txt"
+  TAIL=60 step host_threads ${HOST_TIMEOUT:-300} \
+    python3 -m bench.profile.profile_host_threads --out "$OUT/profile-host-threads-$M.txt"
+fi
 if has ncu_fused && command -v ncu >/dev/null; then
   TAIL=60 step ncu_fused 150 ncu --clock-control none --kernel-name regex:^kernel \
     --launch-skip 2 --launch-count 2 --section SpeedOfLight --section Occupancy \

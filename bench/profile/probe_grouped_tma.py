@@ -15,6 +15,15 @@ instead of 4-byte words; ``setmaxnreg`` 40/232 to hold the staging without spill
 656-908 in that run. The same kernel's figures moved by up to 12% between runs; the results
 file's run (the library kernel, all three GEMMs) is the reference.
 
+Wider output tiles do not pay. Nsight Compute on the forward kernel at Mixtral's gate/up
+shape (the library kernel, 128 x 128 tiles): L2 throughput 79%, SM throughput 64%, issue
+slots 43%, 0.56 eligible warps per scheduler (9 resident). A 128 x 192 variant (wgmma
+m64n192k32, 18% fewer L2 bytes per FLOP, a 4-stage ring of 40 KB stages, the tile's columns
+straddling two 128-column weight-scale blocks; ptxas spilled 40 bytes at 232 registers), the
+same bytes as the loop, against the library kernel in the same two runs, TFLOP/s: Mixtral
+gate/up fwd 906-911 vs 927-953, dgrad 895-908 vs 954-975; down fwd 912-924 vs 973-990;
+Qwen3 gate/up fwd 862-872 vs 844-854, down fwd 673-686 vs 641-670. Not kept.
+
     python3 -m bench.profile.probe_grouped_tma [--out F.json] [--shapes S,..] [--checks-only]
 """
 from __future__ import annotations

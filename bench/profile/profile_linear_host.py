@@ -1,10 +1,14 @@
 """Where a Float8BlockLinear step's host time goes, beside bf16 nn.Linear's: the host us per
 fwd+bwd (issued behind a sleeping GPU: ``bench.bench_linear.host_us``), with autograd's
 multithreading on and off, then cProfile's top functions (own time) over the same loop.
+``--compiled``: each layer under torch.compile (inductor) instead, cProfile's functions sorted
+by own and by cumulative time (the compiled ops' Python inside the generated code).
 
     python3 -m bench.profile.profile_linear_host [--shape 8192x4096x4096] [--n 200] [--top 40]
+        [--compiled]
 
-Writes ``bench/profile/results/profile-linear-host-h200.txt`` with ``--out``.
+Writes ``bench/profile/results/profile-linear-host-h200.txt`` (``--compiled``:
+``profile-linear-host-compiled-h200.txt``) with ``--out``.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ def layers(k, n, device):
     return {"bf16": bf16, "fp8blk": fp8}
 
 
-def profile(step, n, top):
+def profile(step, n, top, sort=("tottime",)):
     for _ in range(5):
         step()
     torch.cuda.synchronize()
@@ -41,7 +45,8 @@ def profile(step, n, top):
     prof.disable()
     torch.cuda.synchronize()
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    for key in sort:
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(top)
     return out.getvalue()
 
 
@@ -177,17 +182,29 @@ def floor_costs(m, k, n, device):
     return out
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", default="8192x4096x4096")
-    parser.add_argument("--n", type=int, default=100)
-    parser.add_argument("--top", type=int, default=40)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args(argv)
-    m, k, n = (int(v) for v in args.shape.split("x"))
-    device = torch.device("cuda")
-    x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
-    g = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+def compiled_costs(x, g, k, n, device, args):
+    """Host us per fwd+bwd of each layer under torch.compile, multithreading on and off, then
+    cProfile by own and by cumulative time (multithreading off)."""
+    compiled = {name: torch.compile(layer) for name, layer in layers(k, n, device).items()}
+    lines = []
+    for threads in (True, False):
+        torch.autograd.set_multithreading_enabled(threads)
+        for name, layer in compiled.items():
+            us = host_us(fwd_bwd(layer, x, g), n=50, repeats=9)
+            lines.append(f"{name:7s} compiled multithreading={threads!s:5s} host {us:7.1f} us "
+                         f"per fwd+bwd")
+            print(lines[-1], flush=True)
+    torch.autograd.set_multithreading_enabled(False)
+    for name, layer in compiled.items():
+        text = profile(fwd_bwd(layer, x, g), args.n, args.top, ("tottime", "cumulative"))
+        lines.append(f"\n==== {name} compiled: cProfile over {args.n} steps (multithreading "
+                     f"off)\n{text}")
+        print(lines[-1], flush=True)
+    torch.autograd.set_multithreading_enabled(True)
+    return lines
+
+
+def eager_costs(x, g, m, k, n, device, args):
     lines = []
     for threads in (True, False):
         torch.autograd.set_multithreading_enabled(threads)
@@ -210,6 +227,25 @@ def main(argv=None):
         text = profile(fwd_bwd(layer, x, g), args.n, args.top)
         lines.append(f"\n==== {name}: cProfile over {args.n} steps (multithreading off)\n{text}")
         print(lines[-1], flush=True)
+    torch.autograd.set_multithreading_enabled(True)
+    return lines
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="8192x4096x4096")
+    parser.add_argument("--n", type=int, default=100)
+    parser.add_argument("--top", type=int, default=40)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--compiled", action="store_true",
+                        help="each layer under torch.compile (inductor)")
+    args = parser.parse_args(argv)
+    m, k, n = (int(v) for v in args.shape.split("x"))
+    device = torch.device("cuda")
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+    lines = compiled_costs(x, g, k, n, device, args) if args.compiled else eager_costs(
+        x, g, m, k, n, device, args)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

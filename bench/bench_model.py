@@ -63,6 +63,10 @@ Per case:
 * ``peak_bytes``: ``torch.cuda.max_memory_allocated`` over the timed steps (reset after the
   warm-up, when the optimizer state exists), less what was allocated before the case's model
   was built (``start_bytes``, 0 unless an earlier case leaked);
+* ``state_bytes``: the parameters, their gradients (as many bytes as the parameters) and the
+  optimizer's state: all three are alive at the optimizer step, so no variant's peak goes
+  below it; ``peak_floor_vs_bf16``: it over bf16's ``peak_bytes``, the lowest
+  ``peak_bytes_vs_bf16`` any variant could show;
 * ``saved_bytes``: the bytes autograd keeps between the passes, counted in
   ``torch.autograd.graph.saved_tensors_hooks``: every saved tensor's storage once (parameters
   excluded: they are held anyway), for one forward pass; None where the hooks cannot run.
@@ -503,6 +507,15 @@ def record_snapshot(step, path):
 
 # -- one case -----------------------------------------------------------------------------
 
+def state_bytes(params, opt):
+    """Bytes of `params`, of gradients of the same sizes and of `opt`'s state tensors."""
+    def nbytes(t):
+        return t.numel() * t.element_size()
+    return (2 * sum(nbytes(p) for p in params)
+            + sum(nbytes(v) for st in opt.state.values() for v in st.values()
+                  if torch.is_tensor(v)))
+
+
 def run_case(arch, variant, mode, args, device):
     layers = args.layers or LAYERS.get(arch, 8)
     case = {"arch": arch, "variant": variant, "mode": mode, "layers": layers,
@@ -561,6 +574,7 @@ def run_case(arch, variant, mode, args, device):
     case["step_ms"] = statistics.median(ms)
     case["tokens_per_s"] = case["tokens"] / case["step_ms"] * 1e3
     case["cpu_ms"] = cpu
+    case["state_bytes"] = state_bytes(params, opt)
     if device.type == "cuda":
         case["peak_bytes"] = torch.cuda.max_memory_allocated() - base
         sleep = 1.5 * case["step_ms"] + 50
@@ -582,8 +596,8 @@ def run_case(arch, variant, mode, args, device):
 
 
 def ratios(cases):
-    """Each case's tokens/s, peak, saved bytes over bf16's (and tokens/s over torchao's) of
-    the same arch, mode and layer count."""
+    """Each case's tokens/s, peak, saved bytes and peak floor (``state_bytes``) over bf16's
+    (and tokens/s over torchao's) of the same arch, mode and layer count."""
     by = {(c["arch"], c["mode"], c.get("layers"), c["variant"]): c for c in cases
           if "error" not in c}
     for c in cases:
@@ -598,13 +612,16 @@ def ratios(cases):
                 for key in ("peak_bytes", "saved_bytes", "held_bytes"):
                     if c.get(key) is not None and r.get(key):
                         c[f"{key}_vs_bf16"] = c[key] / r[key]
+        r = by.get((c["arch"], c["mode"], c.get("layers"), "bf16"))
+        if r is not None and c.get("state_bytes") and r.get("peak_bytes"):
+            c["peak_floor_vs_bf16"] = c["state_bytes"] / r["peak_bytes"]
     return cases
 
 
 def print_table(cases):
     gib = 2 ** 30
     print(f"{'arch':6} {'mode':8} {'variant':13} {'step ms':>8} {'tok/s':>9} {'xbf16':>6} "
-          f"{'xtao':>5} {'peak GiB':>8} {'xbf16':>6} {'saved GiB':>9} {'xbf16':>6} "
+          f"{'xtao':>5} {'peak GiB':>8} {'xbf16':>6} {'floor':>5} {'saved GiB':>9} {'xbf16':>6} "
           f"{'host ms':>7} {'cpu ms':>7}")
     for c in cases:
         if "error" in c:
@@ -617,6 +634,7 @@ def print_table(cases):
         print(f"{c['arch']:6} {c['mode']:8} {c['variant']:13} {c['step_ms']:8.1f} "
               f"{c['tokens_per_s']:9.0f} {f('speedup_vs_bf16'):>6} {f('speedup_vs_torchao'):>5} "
               f"{f('peak_bytes', gib):>8} {f('peak_bytes_vs_bf16'):>6} "
+              f"{f('peak_floor_vs_bf16'):>5} "
               f"{f('saved_bytes', gib, '{:.3f}'):>9} {f('saved_bytes_vs_bf16'):>6} "
               f"{f('host_ms', 1, '{:.1f}'):>7} {c['cpu_ms']:7.1f}")
         if "breakdown" in c:

@@ -516,6 +516,14 @@ def state_bytes(params, opt):
                   if torch.is_tensor(v)))
 
 
+def default_out(device, tiny):
+    """Where a run without ``--out`` writes: the committed results file for a full run on the
+    GPU; nowhere for a CPU run or a ``--tiny`` smoke run (it must not replace real figures)."""
+    if device.type != "cuda" or tiny:
+        return None
+    return os.path.join(ROOT, "bench", "results", "model-h200.json")
+
+
 def run_case(arch, variant, mode, args, device):
     layers = args.layers or LAYERS.get(arch, 8)
     case = {"arch": arch, "variant": variant, "mode": mode, "layers": layers,
@@ -701,7 +709,8 @@ def main(argv=None):
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--out", default=None,
-                        help="JSON path (default bench/results/model-h200.json on CUDA)")
+                        help="JSON path (default bench/results/model-h200.json on CUDA, "
+                             "none with --tiny)")
     args = parser.parse_args(argv)
     if args.summarize:
         sums = [summarize_snapshot(p, top=10_000) for p in args.summarize]
@@ -728,8 +737,7 @@ def main(argv=None):
     for v in variants:
         if v not in VARIANTS:
             parser.error(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
-    out = args.out or (os.path.join(ROOT, "bench", "results", "model-h200.json")
-                       if device.type == "cuda" else None)
+    out = args.out or default_out(device, args.tiny)
     machine = {"host": platform.node(), "torch": torch.__version__,
                "python": platform.python_version(), "device": str(device)}
     try:

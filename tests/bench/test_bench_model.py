@@ -1,7 +1,8 @@
 """bench/bench_model.py on the CPU: ``--combine`` (a combined file combined again with a new
 run keeps one flat list of commands, one run entry per run, and the later case of the same
 arch, variant, mode and layer count, with the ratios against bf16 recomputed, the peak floor
-among them), and ``state_bytes`` (parameters, gradients and AdamW's state, counted)."""
+among them), ``state_bytes`` (parameters, gradients and AdamW's state, counted), and where a
+run without ``--out`` writes."""
 from __future__ import annotations
 
 import json
@@ -56,3 +57,11 @@ def test_state_bytes_counts_parameters_gradients_and_adamw_state():
     # the parameters and their gradients; AdamW's two moments in the parameters' dtype and
     # its step count, a float32 scalar per parameter
     assert bench_model.state_bytes(params, opt) == 4 * p_bytes + 4 * len(params)
+
+
+def test_a_tiny_or_cpu_run_does_not_replace_the_results_file():
+    import torch
+    assert bench_model.default_out(torch.device("cuda"), tiny=True) is None
+    assert bench_model.default_out(torch.device("cpu"), tiny=False) is None
+    assert bench_model.default_out(torch.device("cuda"), tiny=False).endswith(
+        "bench/results/model-h200.json")

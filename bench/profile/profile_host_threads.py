@@ -26,23 +26,18 @@ import time
 
 import torch
 
-from bench.profile.profile_linear_host import layers
+from bench.profile.profile_linear_host import layers, wrap_timed
 
 _spent = {}     # (piece, on the calling thread) -> [us per call]
 
 
 def _timed(owner, name, label):
-    """Wrap ``owner.name`` so that each call's host time lands in :data:`_spent`."""
-    inner = getattr(owner, name)
-
-    def call(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            key = (label, threading.current_thread() is threading.main_thread())
-            _spent.setdefault(key, []).append((time.perf_counter() - t0) * 1e6)
-    setattr(owner, name, call)
+    """Wrap ``owner.name`` so that each call's host time lands in :data:`_spent`, by the
+    thread that ran it."""
+    def record(seconds):
+        key = (label, threading.current_thread() is threading.main_thread())
+        _spent.setdefault(key, []).append(seconds * 1e6)
+    wrap_timed(owner, name, record)
 
 
 def _instrument():

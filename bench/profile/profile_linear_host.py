@@ -93,28 +93,35 @@ def thread_costs(x, g):
     return out
 
 
+def wrap_timed(owner, name, record):
+    """Replace ``owner.name`` by a wrapper that calls ``record(seconds)`` with each call's
+    host time (perf_counter around it); returns the original, to set back."""
+    inner = getattr(owner, name)
+
+    def call(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            record(time.perf_counter() - t0)
+    setattr(owner, name, call)
+    return inner
+
+
 def inside_plan(x, g, k, n, device):
     """Host us spent inside the plan's lean forward / backward per step (perf_counter around
     ``plans._Lean.forward`` / ``.backward``), multithreading on and off: the backward's own
     time on autograd's device thread against the calling thread."""
     from fp8blk.torch.linear import plans
     spent = {"forward": 0.0, "backward": 0.0}
-    originals = {name: getattr(plans._Lean, name) for name in spent}
 
-    def timed(name):
-        inner = originals[name]
-
-        def call(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                spent[name] += time.perf_counter() - t0
-        return call
+    def adder(name):
+        def add(seconds):
+            spent[name] += seconds
+        return add
 
     out = []
-    for name in spent:
-        setattr(plans._Lean, name, timed(name))
+    originals = {name: wrap_timed(plans._Lean, name, adder(name)) for name in spent}
     try:
         for threads in (True, False):
             torch.autograd.set_multithreading_enabled(threads)

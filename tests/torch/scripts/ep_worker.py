@@ -15,9 +15,10 @@ single-rank references itself.
     source rank, then token);
   - ``fp8_dispatch=True``: the same against the module made expert-parallel on one rank (the
     same FP8 math), but the down projection's bias gradient, whose fp32 partial sums depend
-    on the group's size (within that order's bound and one bf16 rounding); against the single-rank module without the FP8 dispatch, output and
-    input/router gradients byte for byte, the weight gradients within FP8's rounding (their
-    128x1 operands are made from the FP8 rows: printed, bounded below);
+    on the group's size (within that order's bound and one bf16 rounding); against the
+    single-rank module without the FP8 dispatch, output and input/router gradients byte for
+    byte, the weight gradients within FP8's rounding (their 128x1 operands are made from the
+    FP8 rows: printed, bounded below);
 * a tiny Qwen3-MoE model at P=4: logits, loss and the experts' gradients against the
   single-rank model on the four ranks' sequences (fp8 and bf16 dispatch), and with activation
   checkpointing against without;

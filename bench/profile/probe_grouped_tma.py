@@ -52,15 +52,6 @@ def _kernel(fn, *args):
     return _with("always", fn, *args)
 
 
-def _single(fn, *args):
-    from fp8blk.kernels import grouped_gemm
-    prev = grouped_gemm.set_pairs(False)
-    try:
-        return _kernel(fn, *args)
-    finally:
-        grouped_gemm.set_pairs(prev)
-
-
 def operands(experts, top_k, tokens, k, n, kind, seed=0):
     """The routing and the quantized operands of the three GEMMs (bench.bench_moe's data)."""
     import torch
@@ -99,8 +90,6 @@ def check(experts, top_k, tokens, k, n, kind):
     for gemm, fn in (("fwd", grouped_mm_rows), ("dgrad", grouped_mm_rows),
                      ("wgrad", grouped_mm_weights)):
         got, want = _kernel(fn, *ops[gemm]), _loop(fn, *ops[gemm])
-        if gemm != "wgrad":
-            out[gemm + "_single_equal"] = bool(torch.equal(_single(fn, *ops[gemm]), got))
         g, f = got.float(), want.float()
         tol = torch.maximum(g.abs(), f.abs()) * 2.0 ** -7 + f.abs().max() * 2.0 ** -14
         out[gemm] = dict(equal_fraction=round(float((got == want).float().mean()), 6),
@@ -126,8 +115,6 @@ def timing(name, experts, top_k, tokens, k, n, kind):
                      ("wgrad", grouped_mm_weights)):
         fns[f"kernel_{gemm}"] = lambda fn=fn, a=ops[gemm]: _kernel(fn, *a)
         fns[f"loop_{gemm}"] = lambda fn=fn, a=ops[gemm]: _loop(fn, *a)
-        if gemm != "wgrad":     # the m-grouped kernel without its clusters of two
-            fns[f"single_{gemm}"] = lambda fn=fn, a=ops[gemm]: _single(fn, *a)
     ms = interleaved_ms(fns, inner=5, repeats=5, warmup=2)
     flop = 2.0 * tokens * top_k * k * n
     return dict(shape=name, routing=kind, **{f"{v}_tflops": round(flop / t / 1e9, 1)

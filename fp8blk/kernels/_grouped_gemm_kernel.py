@@ -63,19 +63,15 @@ ARGTYPES = [ptr(types.uint64), MAP_WORDS, ptr(types.float32), ptr(types.float32)
 
 
 @device
-def _init_barriers(bars, tid, cluster):
+def _init_barriers(bars, tid):
     """full[s] at bars + 8 s (one arrival: the producer's, plus the copies' bytes), empty[s]
-    at bars + 8 (STAGES + s) (one arrival per math warp of each of the `cluster` CTAs whose
-    copies fill the stage), initialized before any thread of the cluster uses them."""
+    at bars + 8 (STAGES + s) (one arrival per math warp)."""
     if tid == 0:
         for s in range(STAGES):
             hp.mbar_init(np.uint32(bars + 8 * s), np.uint32(1))
-            hp.mbar_init(np.uint32(bars + 8 * (STAGES + s)), np.uint32(MATH_WARPS * cluster))
+            hp.mbar_init(np.uint32(bars + 8 * (STAGES + s)), np.uint32(MATH_WARPS))
         hp.fence_mbarrier_init()
-    if cluster > 1:
-        hp.cluster_sync()
-    else:
-        cuda.syncthreads()
+    cuda.syncthreads()
 
 
 @device
@@ -189,112 +185,73 @@ def _store_tile(final, mw, t, lane, st_addr, mine, ws, c_at, row, col_bytes):
         hp.bulk_commit()
 
 
-def _rows_kernel(cluster):
-    """The m-grouped kernel for clusters of `cluster` CTAs (1 or 2). With 2, the CTAs of a
-    cluster compute the two column tiles (mt, 2j) and (mt, 2j + 1) of one row tile side by
-    side: each producer copies half of the A tile (64 rows, A's map has 64-row boxes) into
-    both CTAs' stage at once (a multicast copy), so L2 serves each A tile once per pair; a
-    stage is refilled once the math warps of both CTAs have released it (each warp arrives
-    on its own CTA's empty barrier and on its peer's), and a producer leaves only when both
-    have released every stage (the peer's last arrivals land in this CTA's memory, as
-    CUTLASS's producer tail). Needs an even number of column tiles."""
-    PAIRED = cluster == 2
-    A_BYTES = TILE_BYTES // cluster              # the A rows one producer copies per block
-
-    def kernel(ws, map_words, sa, sb, tile_expert, rows, n, k, experts, sa_stride,
-               sb_expert, sb_tile, b_by_columns):
-        """ws: WS_WORDS words of global workspace per CTA; map_words: the tensor maps of a, b
-        and the output c ((rows, n) bf16 as bytes, 64-row boxes); sa (K/128 rows of
-        sa_stride) fp32: a's 1x128 scales; sb fp32: expert e's scale of (row tile t, block
-        kb) at e * sb_expert + t * sb_tile + kb."""
-        smem = cuda.shared.array(0, types.uint8)
-        tid = cuda.threadIdx.x
-        raw = np.int64(hp.shared_base(smem))
-        base = ((raw + 1023) // 1024) * 1024     # the swizzle pattern repeats every 1024 bytes
-        staging = base + STAGES * STAGE_BYTES    # 1024-aligned: the swizzled boxes
-        scales = staging + 2 * STAGE_OUT
-        bars = scales + STAGES * SCALE_BYTES      # full[s] at +8 s, empty[s] at +8 (STAGES + s)
-        _init_barriers(bars, tid, cluster)
-        rank = np.int64(hp.cluster_rank()) if PAIRED else np.int64(0)
-        unit = cuda.blockIdx.x // cluster
-        units = cuda.gridDim.x // cluster
-        n_units = n // (128 * cluster)           # column tiles per cluster step
-        m_tiles = rows // 128
-        kb_count = k // 128
-        s = 0
-        phase = 0
-        if tid < 128:
-            hp.setmaxnreg_producer()
-            if tid == 0:
-                at = _maps_here(ws, map_words)  # A's map at ws + at, B's at ws + at + 16
-                for pid in range(unit, n_units * m_tiles, units):
-                    mt, nu = _raster(pid, m_tiles, n_units)
-                    e = np.int64(tile_expert[mt])
-                    if e >= experts:
-                        continue
-                    nt = nu * cluster + rank
-                    b_col = b_by_columns * e * k
-                    b_row = nt * 128 + (1 - b_by_columns) * e * n
-                    for kb in range(kb_count):
-                        full = _fill_begin(bars, s, phase, STAGE_BYTES + SCALE_BYTES)
-                        dst = base + s * STAGE_BYTES
-                        if PAIRED:
-                            hp.tma_load_2d_multicast(np.uint32(dst + rank * A_BYTES), ws, at,
-                                                     kb * 128, mt * 128 + rank * 64, full,
-                                                     np.uint32(3))
-                        else:
-                            hp.tma_load_2d(np.uint32(dst), ws, at, kb * 128, mt * 128, full)
-                        hp.tma_load_2d(np.uint32(dst + TILE_BYTES), ws, at + 16,
-                                       b_col + kb * 128, b_row, full)
-                        hp.bulk_load(np.uint32(scales + s * SCALE_BYTES), sa,
-                                     np.int64(kb) * sa_stride + mt * 128,
-                                     np.uint32(SCALE_BYTES), full)
-                        s, phase = _next(s, phase)
-                if PAIRED:  # the CTA stays until both CTAs' math warps have released every
-                    for _ in range(STAGES):     # stage: the peer's arrivals land in its memory
-                        while hp.mbar_try_wait(np.uint32(bars + 8 * (STAGES + s)),
-                                               phase ^ 1) == 0:
-                            pass
-                        s, phase = _next(s, phase)
-        else:
-            hp.setmaxnreg_math()
-            mw, t, lane, row0, st_addr, mine = _math_lane(tid, staging)
-            c_at = _out_map_here(ws, map_words, mw) if t == 0 else np.int64(0)
-            for pid in range(unit, n_units * m_tiles, units):
-                mt, nu = _raster(pid, m_tiles, n_units)
-                nt = nu * cluster + rank
+def kernel_fn(ws, map_words, sa, sb, tile_expert, rows, n, k, experts, sa_stride,
+              sb_expert, sb_tile, b_by_columns):
+    """ws: WS_WORDS words of global workspace per CTA; map_words: the tensor maps of a, b and
+    the output c ((rows, n) bf16 as bytes, 64-row boxes); sa (K/128 rows of sa_stride) fp32:
+    a's 1x128 scales; sb fp32: expert e's scale of (row tile t, block kb) at
+    e * sb_expert + t * sb_tile + kb."""
+    smem = cuda.shared.array(0, types.uint8)
+    tid = cuda.threadIdx.x
+    raw = np.int64(hp.shared_base(smem))
+    base = ((raw + 1023) // 1024) * 1024         # the swizzle pattern repeats every 1024 bytes
+    staging = base + STAGES * STAGE_BYTES        # 1024-aligned: the swizzled boxes
+    scales = staging + 2 * STAGE_OUT
+    bars = scales + STAGES * SCALE_BYTES          # full[s] at +8 s, empty[s] at +8 (STAGES + s)
+    _init_barriers(bars, tid)
+    n_tiles = n // 128
+    m_tiles = rows // 128
+    kb_count = k // 128
+    s = 0
+    phase = 0
+    if tid < 128:
+        hp.setmaxnreg_producer()
+        if tid == 0:
+            at = _maps_here(ws, map_words)      # A's map at ws + at, B's at ws + at + 16
+            for pid in range(cuda.blockIdx.x, n_tiles * m_tiles, cuda.gridDim.x):
+                mt, nt = _raster(pid, m_tiles, n_tiles)
                 e = np.int64(tile_expert[mt])
-                final = hp.acc_zeros()
-                if e < experts:
-                    part = hp.acc_zeros()
-                    sb_row = e * sb_expert + nt * sb_tile
-                    sbk = sb[sb_row]
-                    for kb in range(kb_count):
-                        part = _mma_begin(part, bars, base, s, phase, mw)
-                        srow = scales + s * SCALE_BYTES + (mw * 64 + row0) * 4
-                        r0 = hp.ld_shared_f32(np.uint32(srow)) * sbk
-                        r1 = hp.ld_shared_f32(np.uint32(srow + 32)) * sbk
-                        if kb + 1 < kb_count:            # the next block's B scale, early
-                            sbk = sb[sb_row + kb + 1]
-                        part = hp.wgmma_wait0(part)
-                        if PAIRED:      # lane r releases the stage in CTA r: both copy to it
-                            if lane < 2:
-                                hp.mbar_arrive_cluster(np.uint32(bars + 8 * (STAGES + s)),
-                                                       np.uint32(lane))
-                        elif lane == 0:
-                            hp.mbar_arrive(np.uint32(bars + 8 * (STAGES + s)))
-                        final = hp.promote_rows(final, part, r0, r1)
-                        s, phase = _next(s, phase)
-                _store_tile(final, mw, t, lane, st_addr, mine, ws, c_at, mt * 128 + mw * 64,
-                            nt * 256)
-            if t == 0:                           # the stores complete before the kernel ends
-                hp.bulk_wait()
-
-    return kernel
-
-
-kernel_fn = _rows_kernel(1)
-paired_kernel_fn = _rows_kernel(2)
+                if e >= experts:
+                    continue
+                b_col = b_by_columns * e * k
+                b_row = nt * 128 + (1 - b_by_columns) * e * n
+                for kb in range(kb_count):
+                    full = _fill_begin(bars, s, phase, STAGE_BYTES + SCALE_BYTES)
+                    dst = base + s * STAGE_BYTES
+                    hp.tma_load_2d(np.uint32(dst), ws, at, kb * 128, mt * 128, full)
+                    hp.tma_load_2d(np.uint32(dst + TILE_BYTES), ws, at + 16, b_col + kb * 128,
+                                   b_row, full)
+                    hp.bulk_load(np.uint32(scales + s * SCALE_BYTES), sa,
+                                 np.int64(kb) * sa_stride + mt * 128, np.uint32(SCALE_BYTES), full)
+                    s, phase = _next(s, phase)
+    else:
+        hp.setmaxnreg_math()
+        mw, t, lane, row0, st_addr, mine = _math_lane(tid, staging)
+        c_at = _out_map_here(ws, map_words, mw) if t == 0 else np.int64(0)
+        for pid in range(cuda.blockIdx.x, n_tiles * m_tiles, cuda.gridDim.x):
+            mt, nt = _raster(pid, m_tiles, n_tiles)
+            e = np.int64(tile_expert[mt])
+            final = hp.acc_zeros()
+            if e < experts:
+                part = hp.acc_zeros()
+                sb_row = e * sb_expert + nt * sb_tile
+                sbk = sb[sb_row]
+                for kb in range(kb_count):
+                    part = _mma_begin(part, bars, base, s, phase, mw)
+                    srow = scales + s * SCALE_BYTES + (mw * 64 + row0) * 4
+                    r0 = hp.ld_shared_f32(np.uint32(srow)) * sbk
+                    r1 = hp.ld_shared_f32(np.uint32(srow + 32)) * sbk
+                    if kb + 1 < kb_count:                # the next block's B scale, early
+                        sbk = sb[sb_row + kb + 1]
+                    part = hp.wgmma_wait0(part)
+                    if lane == 0:
+                        hp.mbar_arrive(np.uint32(bars + 8 * (STAGES + s)))
+                    final = hp.promote_rows(final, part, r0, r1)
+                    s, phase = _next(s, phase)
+            _store_tile(final, mw, t, lane, st_addr, mine, ws, c_at, mt * 128 + mw * 64,
+                        nt * 256)
+        if t == 0:                               # the stores complete before the kernel ends
+            hp.bulk_wait()
 
 
 # ---- the k-grouped GEMM: the experts' weight gradients ----------------------------------------
@@ -320,7 +277,7 @@ def weights_kernel_fn(ws, map_words, sa, sb, starts, padded, n, k, experts, sa_s
     staging = base + STAGES * STAGE_BYTES
     scales = staging + 2 * STAGE_OUT
     bars = scales + STAGES * W_SCALE_BYTES
-    _init_barriers(bars, tid, 1)
+    _init_barriers(bars, tid)
     n_tiles = n // 128
     k_tiles = k // 128
     per_expert = n_tiles * k_tiles

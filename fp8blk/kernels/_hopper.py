@@ -94,42 +94,6 @@ def tma_load_2d(typingctx, dst, tmap, at, c0, c1, mbar):
 
 
 @intrinsic
-def tma_load_2d_multicast(typingctx, dst, tmap, at, c0, c1, mbar, mask):
-    """:func:`tma_load_2d` into the same shared offset `dst` of every CTA of the cluster named
-    in the 16-bit `mask` (bit r: CTA rank r), each completing on its own barrier at `mbar`."""
-    def codegen(context, builder, sig, args):
-        tm = builder.ptrtoint(builder.gep(args[1], [args[2]]), _I64)
-        mask16 = builder.trunc(_u32(builder, args[6]), ir.IntType(16))
-        _asm(builder, ir.VoidType(), [_u32(builder, args[0]), tm, _u32(builder, args[3]),
-                                      _u32(builder, args[4]), _u32(builder, args[5]), mask16],
-             "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-             ".multicast::cluster [$0], [$1, {$2, $3}], [$4], $5;", "r,l,r,r,r,h,~{memory}")
-        return context.get_dummy_value()
-    return types.void(dst, tmap, at, c0, c1, mbar, mask), codegen
-
-
-@intrinsic
-def cluster_rank(typingctx):
-    """This CTA's rank in its cluster."""
-    def codegen(context, builder, sig, args):
-        return _asm(builder, _I32, [], "mov.u32 $0, %cluster_ctarank;", "=r")
-    return types.uint32(), codegen
-
-
-# every thread of the cluster's CTAs meets here: its earlier shared-memory writes (barrier
-# initialization, last remote arrivals) are visible cluster-wide after it
-cluster_sync = void_asm("barrier.cluster.arrive.release; barrier.cluster.wait.acquire;")
-# arrive on the barrier at the same shared offset `addr` of the cluster's CTA `rank`, with the
-# default (CTA-scope) release as CUTLASS's ClusterBarrier::arrive: what the arrival publishes
-# is that this CTA's wgmma reads of the stage are done (wgmma.wait_group), and a cluster-scope
-# release would first wait for every memory access of the thread in flight (the next block's
-# B scale load among them)
-mbar_arrive_cluster = void_asm(
-    "{ .reg .b32 ra; mapa.shared::cluster.u32 ra, $0, $1; "
-    "mbarrier.arrive.shared::cluster.b64 _, [ra]; }", 2)
-
-
-@intrinsic
 def bulk_load(typingctx, dst, src, offset, nbytes, mbar):
     """Bulk copy of `nbytes` (a multiple of 16) from src + offset (elements) to shared address
     `dst`, completing on barrier `mbar`."""

@@ -36,7 +36,7 @@ import ctypes
 import struct
 import threading
 
-from .._arrays import torch_module, torch_raw_stream
+from .._arrays import torch_module
 from .._bounded import BoundedCache
 from ._launch import torch_launch
 from ._specs import SIM
@@ -45,7 +45,6 @@ _lock = threading.Lock()
 _kernels = {}                        # (device index, kernel name) -> the compiled kernel
 _maps = BoundedCache(256)            # a tensor map's arguments -> its 16 words
 _devices = {}                        # device index -> (compute capability 9.0?, multiprocessors)
-_cluster_counts = {}                 # device index -> clusters of two the paired kernel runs at once
 POLICIES = ("auto", "always", "never")
 AUTO_MIN_EXPERTS = 17
 _policy = ["auto"]
@@ -193,116 +192,14 @@ def forward_rows(a, a_scale, b, b_scale, tile_expert):
              + _map_words(b.data_ptr(), b_rows, b_bytes, b_stride)
              + _map_words(out.data_ptr(), rows, 2 * n, 2 * n, OUT_BOX_ROWS))
     from . import _grouped_gemm_kernel as gk
-    paired = _pairs[0] and n % 256 == 0
-    if paired:      # clusters of two CTAs sharing each A tile: A's map copies 64-row halves
-        words = _map_words(a.data_ptr(), rows, k, k, 64) + words[16:]
-        kernel = _kernel(index, "paired_kernel_fn")
-        grid = 2 * min(_clusters(index, kernel), (rows // 128) * (n // 256))
-    else:
-        kernel = _kernel(index, "kernel_fn")
-        grid = _grid(index, (rows // 128) * (n // 128))
+    grid = _grid(index, (rows // 128) * (n // 128))
     ws = torch.empty((grid, gk.WS_WORDS), dtype=torch.int64, device=a.device)
     args = [ws.data_ptr(), *words, a_scale.data_ptr(), b_scale.data_ptr(),
             tile_expert.data_ptr(), rows, n, k, experts, a_scale.stride(0), b_scale.stride(0),
             b_scale.stride(1), by_columns]
-    if paired:
-        _cluster_launch(kernel, grid, args, index)
-    else:
-        torch_launch(kernel, (grid, 1, 1), (gk.THREADS, 1, 1), args, index, gk.SMEM_BYTES)
+    torch_launch(_kernel(index, "kernel_fn"), (grid, 1, 1), (gk.THREADS, 1, 1), args, index,
+                 gk.SMEM_BYTES)
     return out
-
-
-def set_pairs(on: bool) -> bool:
-    """Whether :func:`forward_rows` runs its clusters of two CTAs (each A tile read from L2
-    once per two column tiles) where N is a multiple of 256, for the whole process; returns
-    the previous setting. Both forms give the same bytes."""
-    prev = _pairs[0]
-    _pairs[0] = bool(on)
-    return prev
-
-
-_pairs = [True]
-
-
-# ---- cluster launches (cuLaunchKernelEx): the paired kernel's CTAs run as clusters of two ----
-
-class _Attribute(ctypes.Structure):          # CUlaunchAttribute: id, a 64-byte value union
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4),
-                ("value", ctypes.c_uint32 * 16)]
-
-
-class _Config(ctypes.Structure):             # CUlaunchConfig
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
-                ("smem", ctypes.c_uint), ("stream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(_Attribute)), ("n_attrs", ctypes.c_uint)]
-
-
-_CLUSTER_DIMENSION = 4                        # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-_driver = []
-
-
-def _driver_fns():
-    """(cuLaunchKernelEx, cuOccupancyMaxActiveClusters) of the process's driver library;
-    PyDLL keeps the GIL through the call (it only queues work)."""
-    if not _driver:
-        lib = ctypes.PyDLL("libcuda.so.1")
-        launch, occupancy = lib.cuLaunchKernelEx, lib.cuOccupancyMaxActiveClusters
-        launch.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p, ctypes.c_void_p,
-                           ctypes.c_void_p]
-        occupancy.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
-                              ctypes.POINTER(_Config)]
-        launch.restype = occupancy.restype = ctypes.c_int
-        _driver.extend((launch, occupancy))
-    return _driver
-
-
-def _config(grid, smem, stream, attr):
-    from . import _grouped_gemm_kernel as gk
-    attr.id = _CLUSTER_DIMENSION
-    attr.value[0], attr.value[1], attr.value[2] = 2, 1, 1
-    return _Config((grid, 1, 1), (gk.THREADS, 1, 1), smem, stream, ctypes.pointer(attr), 1)
-
-
-def _clusters(index, kernel):
-    """How many clusters of two of `kernel` the device runs at once (the persistent grid)."""
-    info = _cluster_counts.get(index)
-    if info is None:
-        from . import _grouped_gemm_kernel as gk
-        attr = _Attribute()
-        count = ctypes.c_int(0)
-        status = _driver_fns()[1](ctypes.byref(count), ctypes.c_void_p(kernel.ptr),
-                                  ctypes.byref(_config(2, gk.SMEM_BYTES, None, attr)))
-        if status or count.value <= 0:
-            raise RuntimeError(f"cuOccupancyMaxActiveClusters failed: CUDA driver error "
-                               f"{status} (clusters {count.value})")
-        info = _cluster_counts[index] = count.value
-    return info
-
-
-def _cluster_launch(kernel, grid, args, index):
-    """Launch the paired kernel as grid / 2 clusters of two CTAs on torch's current stream of
-    device `index` (the current device: the experts' modules run there)."""
-    import cupy
-
-    from . import _grouped_gemm_kernel as gk
-    slots = (ctypes.c_uint64 * len(args))(*args)
-    base = ctypes.addressof(slots)
-    params = (ctypes.c_void_p * len(args))(*[base + 8 * i for i in range(len(args))])
-    attr = _Attribute()
-    config = _config(grid, gk.SMEM_BYTES, torch_raw_stream()(index), attr)
-    launch = _driver_fns()[0]
-    with cupy.cuda.Device(index):
-        status = launch(ctypes.byref(config), ctypes.c_void_p(kernel.ptr),
-                        ctypes.cast(params, ctypes.c_void_p), None)
-        if status == _INVALID_CONTEXT:  # autograd's device thread, no context bound yet
-            cupy.cuda.runtime.setDevice(index)
-            status = launch(ctypes.byref(config), ctypes.c_void_p(kernel.ptr),
-                            ctypes.cast(params, ctypes.c_void_p), None)
-    if status:
-        raise RuntimeError(f"cuLaunchKernelEx failed: CUDA driver error {status}")
-
-
-_INVALID_CONTEXT = 201                        # CUDA_ERROR_INVALID_CONTEXT
 
 
 def _kernel(index, name):
@@ -317,8 +214,8 @@ def _kernel(index, name):
 
                 from . import _grouped_gemm_kernel as gk
                 from ._numba import compile_kernel
-                argtypes, smem = ((gk.W_ARGTYPES, gk.W_SMEM_BYTES) if name == "weights_kernel_fn"
-                                  else (gk.ARGTYPES, gk.SMEM_BYTES))
+                argtypes, smem = ((gk.ARGTYPES, gk.SMEM_BYTES) if name == "kernel_fn"
+                                  else (gk.W_ARGTYPES, gk.W_SMEM_BYTES))
                 with cupy.cuda.Device(index):
                     kernel = compile_kernel(getattr(gk, name), argtypes,
                                             launch_bounds=(gk.THREADS, 1))
@@ -384,4 +281,4 @@ def _map_words(address, rows, row_bytes, stride, box_rows=128):
 
 
 __all__ = ["AUTO_MIN_EXPERTS", "POLICIES", "forward_rows", "serves", "serves_weights",
-           "set_pairs", "set_policy", "tensor_map", "weights"]
+           "set_policy", "tensor_map", "weights"]

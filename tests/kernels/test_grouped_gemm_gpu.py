@@ -69,16 +69,8 @@ CASES = [("balanced", 1000, 8, 2, 512, 768), ("skewed", 1000, 8, 2, 512, 768),
          ("balanced", 2048, 128, 8, 768, 1536)]
 
 
-@pytest.fixture(params=[True, False], ids=["pairs", "single"])
-def pairs(request):
-    """The m-grouped kernel in clusters of two CTAs (where N is a multiple of 256) or alone."""
-    prev = grouped_gemm.set_pairs(request.param)
-    yield request.param
-    grouped_gemm.set_pairs(prev)
-
-
 @pytest.mark.parametrize("kind,tokens,experts,top_k,k,n", CASES)
-def test_rows_equal_the_loop(kind, tokens, experts, top_k, k, n, pairs):
+def test_rows_equal_the_loop(kind, tokens, experts, top_k, k, n):
     r = route(routing_ids(tokens, top_k, experts, kind, seed=3, device="cuda"), experts)
     x = permute(_rows(tokens, k, 1), r)
     w = (torch.randn(experts, n, k, device="cuda") * k ** -0.5).to(torch.bfloat16)

@@ -24,6 +24,16 @@ same bytes as the loop, against the library kernel in the same two runs, TFLOP/s
 gate/up fwd 906-911 vs 927-953, dgrad 895-908 vs 954-975; down fwd 912-924 vs 973-990;
 Qwen3 gate/up fwd 862-872 vs 844-854, down fwd 673-686 vs 641-670. Not kept.
 
+Nor does sharing A across a cluster (commit 1bcb5fc, reverted): clusters of two CTAs on the
+column tiles (mt, 2j) and (mt, 2j + 1), each producer multicasting a 64-row half of the A tile
+into both CTAs, a stage refilled once both CTAs' math warps released it. The same bytes as
+the loop; forward TFLOP/s in one run, paired vs the library kernel interleaved: Mixtral
+gate/up 886-906 vs 861-951, Qwen3 gate/up 804-812 vs 835-840. Under Nsight Compute (1.36 GHz)
+L2 throughput fell from 79% to 54% while SM throughput stayed at 61-64%: the math
+warpgroups' wait-then-promote loop bounds the kernel, not L2. Two details cost 2x before
+they were fixed there: a cluster-scope release on the remote arrival (it waits for the
+thread's in-flight B-scale load) and idle producer lanes parked at an exit cluster barrier.
+
     python3 -m bench.profile.probe_grouped_tma [--out F.json] [--shapes S,..] [--checks-only]
 """
 from __future__ import annotations

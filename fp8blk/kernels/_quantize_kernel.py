@@ -26,6 +26,15 @@ directly (MXFP8, same layout as rowwise) or transposed through a shared-memory t
 Arguments (raw pointers; unused ones may be any pointer): x, row_data, row_sinv, col_data,
 col_sinv, M, K. Grid: (cdiv(M, TM), cdiv(K, TK)). Scale padding is written by all CTAs
 (grid-stride over the padding entries).
+
+Group (``_specs.QuantizeGroupSpec``, launcher: ``quantize.quantize_group`` / ``group_site``):
+the work of 2 or 3 variants, each on its own input and outputs, in one launch. The tile's
+work is one device function (:func:`make_body`) that takes its tile and its share of the
+padding instead of reading blockIdx / gridDim; the group kernel gives CTA b of a 1-D grid
+the tile its part's single kernel gives CTA (b % gx, b // gx), b counted from the part's
+first CTA, and the padding strided over that part's CTAs. A block's bytes and scale depend
+on its values alone and the padding on the shape alone, so each output is byte for byte the
+single kernel's. Arguments: each part's five pointers in turn, then each part's M, K.
 """
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ signature worked out once: each quantize launcher (``fp8blk.ops.quantize_launche
 allocates its outputs directly in the dtype and strides the GEMM takes (FP8 data as float8,
 scale buffers transposed: the same bytes as docs/layouts.md, seen another way), so a step is
 four quantize launches, three GEMM calls and the autograd bookkeeping (``low_memory_forward``:
-five and four, its forward pass in halves; :class:`LinearPlan`).
+five and four, its forward pass in halves; :class:`LinearPlan`); the lean path below runs the
+four quantizes in two launches.
 
 Signatures a plan serves (everything else takes the general path): plain CUDA tensors (x a
 ``torch.Tensor``, the weight a ``torch.Tensor`` or ``nn.Parameter``, so not the FSDP2 FP8

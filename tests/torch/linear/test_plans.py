@@ -471,15 +471,18 @@ def test_lean_step_groups_its_quantize_launches(keep, compiled, rng, monkeypatch
     one per operand, three with keep_input; the bytes are the general path's."""
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
-    layer = Float8BlockLinear(640, 272, device="cuda", dtype=torch.bfloat16)
+    # cuBLASLt serves every GEMM (dims multiples of 16), so the plans run lean; edge blocks
+    layer = Float8BlockLinear(640, 384, device="cuda", dtype=torch.bfloat16)
     init_spread_(layer, gen)
     layer.keep_input = keep
     run = torch.compile(layer, fullgraph=True) if compiled else layer
-    x = spread((1000, 640), gen, torch.bfloat16).cuda().requires_grad_()
-    g = spread((1000, 272), gen, torch.bfloat16).cuda()
+    x = spread((1008, 640), gen, torch.bfloat16).cuda().requires_grad_()
+    g = spread((1008, 384), gen, torch.bfloat16).cuda()
     linear_plans.plans.clear()
     linear_plans.shape_plans.clear()
     _step(run, x, g)                    # plans, kernels and arena made
+    made = list(linear_plans.plans.values()) + list(linear_plans.shape_plans.values())
+    assert made and all(p.lean is not None for p in made), made
     with monkeypatch.context() as m:
         launches = _count_quantize_launches(m)
         x.grad = layer.weight.grad = layer.bias.grad = None

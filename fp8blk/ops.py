@@ -164,3 +164,13 @@ def quantize_launcher(x2d, recipe, rowwise, columnwise, views):
     from .kernels.quantize import torch_call
 
     return torch_call(x2d, recipe, rowwise, columnwise, _arrays.numpy_dtype(x2d.dtype), views)
+
+
+def quantize_group_site(launchers):
+    """One launch site (``fp8blk.kernels._launch.LaunchSite``) doing the work of 2 or 3
+    :func:`quantize_launcher` launchers of one device in one kernel launch, byte for byte:
+    its ``args`` are each launcher's five pointer slots in turn (input, then its four
+    buffers; a buffer not asked for takes any valid pointer), then the scalars (set)."""
+    from .kernels.quantize import group_site
+
+    return group_site(launchers)

@@ -23,7 +23,8 @@ a GPU, so that fresh processes (every rank of an mpiexec job) load them in well 
 millisecond instead of compiling each for 1-4 s. The variants: quantize for every recipe
 (Block1D, Block2D, MXFP8) x E4M3 / E5M2 x fp32 / bf16 / fp16 input x rowwise / columnwise /
 both on aligned inputs; dequantize of those buffers to fp32 / bf16 / fp16; the Block2D
-transpose. Other variants compile on first use, once per cache folder.
+transpose; the grouped quantize launches of a default Float8BlockLinear. Other variants
+compile on first use, once per cache folder.
 
 The kernels need compute capability 8.9 or newer (sm_89, sm_90, sm_100, sm_120).
 

@@ -129,6 +129,10 @@ def _plain(v):
         return v
     if isinstance(v, float):
         return float.hex(v)  # exact, and 0.0 != -0.0
+    if isinstance(v, tuple):  # a group's part specs
+        return [_plain(e) for e in v]
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {"spec_type": type(v).__name__, "spec": spec_fields(v)}
     raise TypeError(f"spec field value {v!r} ({type(v).__name__}) has no exact key form")
 
 
@@ -280,6 +284,7 @@ _store_of = store  # for :func:`entry`, whose `store` argument hides the functio
 _COMMON = ("_numba", "_kernel_lib", "_specs")
 FAMILIES = {
     "quantize": ("_quantize_kernel", "build", ("_quantize_kernel",) + _COMMON),
+    "quantize_group": ("_quantize_kernel", "build_group", ("_quantize_kernel",) + _COMMON),
     "dequantize": ("_dequantize_kernel", "build", ("_dequantize_kernel",) + _COMMON),
     "transpose": ("_transpose_kernel", "build", ("_transpose_kernel",) + _COMMON),
     "partial_amax": ("_partial_amax_kernel", "build", ("_partial_amax_kernel",) + _COMMON),

@@ -26,6 +26,15 @@ directly (MXFP8, same layout as rowwise) or transposed through a shared-memory t
 Arguments (raw pointers; unused ones may be any pointer): x, row_data, row_sinv, col_data,
 col_sinv, M, K. Grid: (cdiv(M, TM), cdiv(K, TK)). Scale padding is written by all CTAs
 (grid-stride over the padding entries).
+
+Group (``_specs.QuantizeGroupSpec``, launcher: ``quantize.quantize_group`` / ``group_site``):
+the work of 2 or 3 variants, each on its own input and outputs, in one launch. The tile's
+work is one device function (:func:`make_body`) that takes its tile and its share of the
+padding instead of reading blockIdx / gridDim; the group kernel gives CTA b of a 1-D grid
+the tile its part's single kernel gives CTA (b % gx, b // gx), b counted from the part's
+first CTA, and the padding strided over that part's CTAs. A block's bytes and scale depend
+on its values alone and the padding on the shape alone, so each output is byte for byte the
+single kernel's. Arguments: each part's five pointers in turn, then each part's M, K.
 """
 from __future__ import annotations
 
@@ -50,8 +59,9 @@ def argtypes(spec):
             types.int64)
 
 
-def make_kernel_pyfunc(spec):
-    """The Python kernel function for `spec` (compile it with :func:`argtypes`)."""
+def make_body(spec):
+    """The kernel's work for one tile, a device function (the single kernel and the group
+    kernel map their CTAs onto tiles and call it)."""
     VE = sp.ELEMS_PER_CHUNK[spec.kind]
     KIND = spec.kind
     NT = spec.threads
@@ -78,8 +88,6 @@ def make_kernel_pyfunc(spec):
     SCATTER = ROWRED and spec.row_scatter and NJ <= G
     COLRED = COL and not IS_2D                   # per-column amax over the tile's rows
     TRANS = COL and not IS_MX                    # (K, M) transposed columnwise output
-    TKT, TMW = (TK, TM // 4 + 1) if TRANS else (1, 1)   # +1 word: conflict-free 16B reads
-    TKC = TK if COLRED else 1
     NAN_WORD = np.uint32(sp.NAN_WORD[KIND])
     NAN_HALF = sp.NAN_HALF.get(KIND, 0)
     ONE = np.float32(1.0)
@@ -149,12 +157,15 @@ def make_kernel_pyfunc(spec):
                 if row_ok and kc + e < K:
                     out[eidx + e] = (words[e // 4] >> (8 * (e % 4))) & 0xFF
 
-    def kernel(x, rdata, rsinv, cdata, csinv, M, K):
+    @device
+    def body(x, rdata, rsinv, cdata, csinv, M, K, bm, bk, gtid, gsize, red, wred, colred,
+             colscale, tb):
+        """Tile (bm, bk) of the (M, K) input; this thread is `gtid` of the `gsize` threads
+        that share the scale padding's fill; the shared arrays are :func:`shared_shapes`'
+        (or larger)."""
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
-        bm = cuda.blockIdx.x
-        bk = cuda.blockIdx.y
         m0 = bm * TM
         k0 = bk * TK
         c = tid % CPR
@@ -162,15 +173,8 @@ def make_kernel_pyfunc(spec):
         kc = k0 + c * VE
         r0 = m0 + 4 * s                 # row of chunk 0; chunk j is row r0 + roff(j)
         e0 = r0 * K + kc                # flat element index of chunk 0
-        red = cuda.shared.array(NT, float32)        # simulator shuffle scratch
-        wred = cuda.shared.array(NW, float32)
-        colred = cuda.shared.array((NW, TKC), float32)
-        colscale = cuda.shared.array(TKC, float32)
-        tb = cuda.shared.array((TKT, TMW), uint32)
 
         # ---- scale padding (docs/layouts.md), spread over all CTAs
-        gtid = (bk * cuda.gridDim.x + bm) * NT + tid
-        gsize = cuda.gridDim.x * cuda.gridDim.y * NT
         if IS_MX:
             if ROW:
                 fill_padding(rsinv, M, K // 32, (M + 127) // 128 * 128, (K // 32 + 3) // 4 * 4,
@@ -372,6 +376,46 @@ def make_kernel_pyfunc(spec):
             # partial chunks at the row ends with 1/2/4/8-byte stores
             store_tile(tb, cdata, k0, m0, K, M, tid)
 
+    return body
+
+
+def shared_shapes(spec):
+    """Shapes of the body's shared arrays for `spec`: red (NT,) and wred (NW,) float32,
+    colred (NW, TKC) and colscale (TKC,) float32, tb (TKT, TMW) uint32 (size-1 dims where
+    the variant does not use an array)."""
+    NT = spec.threads
+    TM, TK = tile_shape(spec)
+    COLRED = spec.columnwise and spec.recipe != BLOCK2D
+    TRANS = spec.columnwise and spec.recipe != MXFP8
+    TKC = TK if COLRED else 1
+    TKT, TMW = (TK, TM // 4 + 1) if TRANS else (1, 1)   # +1 word: conflict-free 16B reads
+    return {"red": NT, "wred": NT // 32, "colred": (NT // 32, TKC), "colscale": TKC,
+            "tb": (TKT, TMW)}
+
+
+def make_kernel_pyfunc(spec):
+    """The Python kernel function for `spec` (compile it with :func:`argtypes`): grid
+    (cdiv(M, TM), cdiv(K, TK)), one tile per CTA, the padding strided over all CTAs."""
+    body = make_body(spec)
+    NT = spec.threads
+    shp = shared_shapes(spec)
+    RED, WRED, COLRED, COLSCALE, TB = (shp[k] for k in ("red", "wred", "colred", "colscale",
+                                                         "tb"))
+    float32, uint32 = types.float32, types.uint32
+
+    def kernel(x, rdata, rsinv, cdata, csinv, M, K):
+        bm = cuda.blockIdx.x
+        bk = cuda.blockIdx.y
+        red = cuda.shared.array(RED, float32)        # simulator shuffle scratch
+        wred = cuda.shared.array(WRED, float32)
+        colred = cuda.shared.array(COLRED, float32)
+        colscale = cuda.shared.array(COLSCALE, float32)
+        tb = cuda.shared.array(TB, uint32)
+        gtid = (bk * cuda.gridDim.x + bm) * NT + cuda.threadIdx.x
+        gsize = cuda.gridDim.x * cuda.gridDim.y * NT
+        body(x, rdata, rsinv, cdata, csinv, M, K, bm, bk, gtid, gsize, red, wred, colred,
+             colscale, tb)
+
     return kernel
 
 
@@ -384,3 +428,97 @@ def launch_bounds(spec):
 def build(spec):
     """(pyfunc, argtypes, launch_bounds) of the kernel for `spec` (``_cache`` compiles it)."""
     return make_kernel_pyfunc(spec), argtypes(spec), launch_bounds(spec)
+
+
+# ---- group: several quantize variants' work in one launch ----------------------------------
+
+
+def group_argtypes(gspec):
+    """Numba argument types of the group kernel for `gspec` (a ``QuantizeGroupSpec``): each
+    part's five pointers in :func:`argtypes`' order (x, row_data, row_sinv, col_data,
+    col_sinv), part after part, then each part's (M, K)."""
+    each = [argtypes(p) for p in gspec.parts]
+    return tuple(t for a in each for t in a[:5]) + tuple(t for a in each for t in a[5:])
+
+
+def part_runner(spec):
+    """``run(x, rdata, rsinv, cdata, csinv, M, K, b, red, wred, colred, colscale, tb) ->
+    b - n``: a part of a group, n = its CTA count (its single kernel's grid, cdiv(M, TM) x
+    cdiv(K, TK)). CTA b, when 0 <= b < n, does the tile its single kernel's CTA (b % gx,
+    b // gx) does, gx = cdiv(M, TM), and its share of the padding fill strided over the
+    part's n CTAs; any other b does nothing. The result numbers the CTA in the next part."""
+    body = make_body(spec)
+    NT = spec.threads
+    TM, TK = tile_shape(spec)
+    u32, i32, i64 = types.uint32, types.int32, types.int64
+
+    @device
+    def run(x, rdata, rsinv, cdata, csinv, M, K, b, red, wred, colred, colscale, tb):
+        gx = i64((M + (TM - 1)) // TM)
+        n = gx * i64((K + (TK - 1)) // TK)
+        if b >= 0 and b < n:
+            # 32-bit division: a 64-bit one is a subroutine call, which would cap the whole
+            # kernel's registers at the call ABI's 64 (_kernel_lib.fill_padding)
+            ub, ugx = u32(b), u32(gx)
+            body(x, rdata, rsinv, cdata, csinv, M, K, i32(ub % ugx), i32(ub // ugx),
+                 b * NT + cuda.threadIdx.x, n * NT, red, wred, colred, colscale, tb)
+        return b - n
+
+    return run
+
+
+def make_group_kernel_pyfunc(gspec):
+    """The group kernel for `gspec` (compile it with :func:`group_argtypes`): a 1-D grid of
+    the parts' CTA counts summed, NT = the parts' common ``threads``. A CTA runs one part's
+    body, so the parts share one set of shared arrays, each the largest any part needs."""
+    parts = gspec.parts
+    NT = parts[0].threads
+    assert all(p.threads == NT for p in parts) and len(parts) in sp.GROUP_SIZES
+    shp = [shared_shapes(p) for p in parts]
+    RED, WRED = NT, NT // 32
+    TKC = max(s["colscale"] for s in shp)
+    COLRED = (WRED, TKC)
+    TB = (max(s["tb"][0] for s in shp), max(s["tb"][1] for s in shp))
+    float32, uint32 = types.float32, types.uint32
+    run0, run1 = part_runner(parts[0]), part_runner(parts[1])
+
+    if len(parts) == 2:
+        def kernel(x0, rd0, rs0, cd0, cs0, x1, rd1, rs1, cd1, cs1, M0, K0, M1, K1):
+            red = cuda.shared.array(RED, float32)        # simulator shuffle scratch
+            wred = cuda.shared.array(WRED, float32)
+            colred = cuda.shared.array(COLRED, float32)
+            colscale = cuda.shared.array(TKC, float32)
+            tb = cuda.shared.array(TB, uint32)
+            b = run0(x0, rd0, rs0, cd0, cs0, M0, K0, cuda.blockIdx.x, red, wred, colred,
+                     colscale, tb)
+            run1(x1, rd1, rs1, cd1, cs1, M1, K1, b, red, wred, colred, colscale, tb)
+
+        return kernel
+
+    run2 = part_runner(parts[2])
+
+    def kernel3(x0, rd0, rs0, cd0, cs0, x1, rd1, rs1, cd1, cs1, x2, rd2, rs2, cd2, cs2, M0,
+                K0, M1, K1, M2, K2):
+        red = cuda.shared.array(RED, float32)
+        wred = cuda.shared.array(WRED, float32)
+        colred = cuda.shared.array(COLRED, float32)
+        colscale = cuda.shared.array(TKC, float32)
+        tb = cuda.shared.array(TB, uint32)
+        b = run0(x0, rd0, rs0, cd0, cs0, M0, K0, cuda.blockIdx.x, red, wred, colred,
+                 colscale, tb)
+        b = run1(x1, rd1, rs1, cd1, cs1, M1, K1, b, red, wred, colred, colscale, tb)
+        run2(x2, rd2, rs2, cd2, cs2, M2, K2, b, red, wred, colred, colscale, tb)
+
+    return kernel3
+
+
+def group_launch_bounds(gspec):
+    """Launch bounds of the group kernel: the parts' CTA size, and the group's min CTAs per
+    SM where it caps registers."""
+    nt = gspec.parts[0].threads
+    return nt if gspec.min_blocks is None else (nt, gspec.min_blocks)
+
+
+def build_group(gspec):
+    """(pyfunc, argtypes, launch_bounds) of the group kernel for `gspec`."""
+    return make_group_kernel_pyfunc(gspec), group_argtypes(gspec), group_launch_bounds(gspec)

@@ -8,7 +8,7 @@ the module-level constants are structural (the kernels' index arithmetic assumes
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 
@@ -129,6 +129,37 @@ def quantize_tile(spec):
     if spec.columnwise:  # MXFP8 with 32x1 blocks: the tile is one block tall
         return 32, (256 if ve == 8 else 128)
     return (64 if ve == 8 else 32), 128
+
+
+
+@dataclass(frozen=True)
+class QuantizeGroupSpec:
+    """One launch of the work of 2 or 3 quantize variants, each on its own input and outputs
+    (``_quantize_kernel.make_group_kernel_pyfunc``): the parts' tiles on one 1-D grid, part
+    i's CTAs after part i - 1's. The parts share the CTA size; their own launch bounds are
+    folded into the group's (`min_blocks`)."""
+
+    parts: tuple            # QuantizeSpec each: one `threads`, min_blocks None
+    min_blocks: Optional[int] = None
+
+
+GROUP_SIZES = (2, 3)
+
+
+def quantize_group_spec(specs):
+    """The QuantizeGroupSpec of quantize variants `specs` (2 or 3 QuantizeSpecs). A byte of a
+    quantize output depends on its block's values alone, never on the CTA size, so parts of
+    different `threads` run at 256 (a size every tile takes). The group asks the register
+    allocator for the most resident threads any part asks for (min_blocks x threads)."""
+    specs = tuple(specs)
+    if len(specs) not in GROUP_SIZES:
+        raise ValueError(f"a quantize group has {GROUP_SIZES} parts, got {len(specs)}")
+    sizes = {s.threads for s in specs}
+    threads = sizes.pop() if len(sizes) == 1 else 256
+    resident = [s.min_blocks * s.threads for s in specs if s.min_blocks is not None]
+    min_blocks = max(1, max(resident) // threads) if resident else None
+    return QuantizeGroupSpec(parts=tuple(replace(s, threads=threads, min_blocks=None)
+                                         for s in specs), min_blocks=min_blocks)
 
 
 # ---- dequantize -------------------------------------------------------------------------------

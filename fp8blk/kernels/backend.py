@@ -62,7 +62,9 @@ def common_variants():
     code): quantize for every recipe (default options) x E4M3 / E5M2 x fp32 / bf16 / fp16 input
     x rowwise / columnwise / both, on aligned inputs (K a multiple of 8, M of 16, 16-byte
     aligned data); dequantize of each of those buffers to fp32 / bf16 / fp16; the Block2D
-    transpose. Other variants (unaligned shapes, other recipe options, the master-weight and
+    transpose; the quantize groups of a default-config Float8BlockLinear's lean step per input
+    dtype (x 1x128 rowwise [+ columnwise] with W 128x128 rowwise; dY 1x128 rowwise [+
+    columnwise] with W 128x128 columnwise [+ x 1x128 columnwise]). Other variants (unaligned shapes, other recipe options, the master-weight and
     RMSNorm kernels) compile on first use, once per cache folder."""
     recipes = [r(fmt) for r in (Block1D, Block2D, MXFP8) for fmt in (E4M3, E5M2)]
     out = []
@@ -79,6 +81,16 @@ def common_variants():
                 # aligned 1024 x 1024 buffers: scale rows of 128 entries, addresses % 16 == 0
                 out.append(("dequantize", choose_path(spec, 1024, 1024, 128, 0, 0)))
     out.append(("transpose", sp.TransposeSpec(True, True)))
+    act, wgt = Block1D(E4M3), Block2D(E4M3)
+    for kind in (sp.F32, sp.BF16, sp.F16):
+        def q(recipe, rw, cw, kind=kind):
+            return spec_for(recipe, kind, rw, cw, True, True, settings=sp.QuantizeSettings())
+        for parts in ([q(act, True, True), q(wgt, True, False)],
+                      [q(act, True, False), q(wgt, True, False)],
+                      [q(act, True, True), q(wgt, False, True)],
+                      [q(act, True, True), q(wgt, False, True), q(act, False, True)],
+                      [q(act, True, False), q(wgt, False, True)]):
+            out.append(("quantize_group", sp.quantize_group_spec(parts)))
     return out
 
 

@@ -29,7 +29,10 @@ _plans = plan_cache()  # call signature -> _Plan
 # key skips the checks, the plan lookup and the adapters: on the GPU its host time is the
 # allocations and the launch.
 repeat_calls = plan_cache()
-_tuning = Tuning(sp.QuantizeSettings(), (_kernels, _plans, repeat_calls))
+# (part specs, device) -> (group kernel, QuantizeGroupSpec): the kernels of :func:`group_site`
+# and :func:`quantize_group`
+_groups = {}
+_tuning = Tuning(sp.QuantizeSettings(), (_kernels, _plans, repeat_calls, _groups))
 use_settings = _tuning.use  # (a backend.QuantizeSettings) -> the previous settings
 
 
@@ -67,12 +70,13 @@ class _Plan:
     of the outputs inside one allocation. Built once per key, so a call does one dict lookup,
     one allocation and one launch."""
 
-    __slots__ = ("kernel", "grid", "block", "shapes", "offsets", "nbytes", "scalars",
+    __slots__ = ("kernel", "spec", "grid", "block", "shapes", "offsets", "nbytes", "scalars",
                  "arg_dtypes")
 
     def __init__(self, recipe, kind, rows, cols, rowwise, columnwise, vec, device):
         self.kernel, spec = _kernel_for(recipe, kind, rowwise, columnwise, vec, rows % 16 == 0,
                                         device)
+        self.spec = spec
         tm, tk = sp.quantize_tile(spec)
         self.grid = (cdiv(rows, tm), cdiv(cols, tk), 1)
         self.block = (spec.threads, 1, 1)
@@ -148,6 +152,87 @@ def quantize(x2d, recipe, rowwise=True, columnwise=False, dtype=None, out=None):
     return out
 
 
+# -- groups: 2 or 3 quantizes in one launch (``_quantize_kernel.make_group_kernel_pyfunc``) ----
+
+
+def _group_kernel(specs, device):
+    """(launchable group kernel, its ``QuantizeGroupSpec``) of the quantize variants `specs`
+    on CUDA device `device` (None under the simulator)."""
+    key = (tuple(specs), device)
+    hit = _groups.get(key)
+    if hit is None:
+        gspec = sp.quantize_group_spec(specs)
+        hit = _groups[key] = (_cache.kernel("quantize_group", gspec, device), gspec)
+    return hit
+
+
+def _group_shape(kernel_spec, plans):
+    """(grid, block) of a group launch of `plans` (launch plans or launchers with ``grid``):
+    each part's single-kernel CTAs on one 1-D grid, the group's CTA size."""
+    return ((sum(p.grid[0] * p.grid[1] for p in plans), 1, 1),
+            (kernel_spec.parts[0].threads, 1, 1))
+
+
+def quantize_group(parts):
+    """Quantize 2 or 3 C-contiguous 2-D device arrays of one family and device in one kernel
+    launch: `parts` holds ``(x2d, recipe, rowwise, columnwise, dtype)`` per array, as
+    :func:`quantize` takes them. Returns one ``(row_data, row_sinv, col_data, col_sinv)`` per
+    part: the bytes :func:`quantize` gives for it (a block's bytes and scale depend on that
+    block's values alone, and the scale padding on the shape alone, so which CTA of which
+    launch does the work changes nothing). A part with no elements takes no CTA; with one
+    part left it runs alone."""
+    ad = adapter_of(parts[0][0])
+    results, launched = [], []
+    for x2d, recipe, rowwise, columnwise, dtype in parts:
+        if adapter_of(x2d) is not ad:
+            raise TypeError("quantize_group: the arrays must be of one family")
+        kind = kind_of(ad.dtype(x2d), dtype)
+        rows, cols = x2d.shape
+        check_mxfp8_shape(recipe, rows, cols, "x2d")
+        if rows == 0 or cols == 0:
+            results.append(tuple(None if s is None else ad.empty(s.shape, s.dtype, x2d)
+                                 for s in buffer_layouts(recipe, rows, cols, rowwise,
+                                                         columnwise)))
+            continue
+        plan = _call_plan(ad, x2d, recipe, rowwise, columnwise, kind)[0]
+        out = ad.alloc(x2d, plan.nbytes, plan.shapes, plan.offsets)
+        results.append(out)
+        launched.append((plan, x2d, out))
+    if len({ad.device_index(x) for _, x, _ in launched}) > 1:
+        raise ValueError("quantize_group: the arrays must be on one device")
+    if len(launched) == 1:
+        plan, x2d, out = launched[0]
+        ad.launch(plan.kernel, plan.grid, plan.block,
+                  ad.args((x2d,) + tuple(out), plan.arg_dtypes, plan.scalars), x2d)
+    elif launched:
+        plans = [p for p, _, _ in launched]
+        like = launched[0][1]
+        kernel, gspec = _group_kernel([p.spec for p in plans], ad.device_index(like))
+        grid, block = _group_shape(gspec, plans)
+        # pointers part after part, then the scalars (``group_argtypes``); an output a part
+        # does not write gets any valid pointer
+        arrays = [a for _, x, out in launched for a in (x,) + tuple(out)]
+        args = ad.args(arrays, [t for p in plans for t in p.arg_dtypes],
+                       tuple(v for p in plans for v in p.scalars))
+        ad.launch(kernel, grid, block, args, like)
+    return results
+
+
+def group_site(calls):
+    """A :class:`~fp8blk.kernels._launch.LaunchSite` of one launch doing the work of the
+    launchers `calls` (2 or 3 :class:`_TorchCall` of one device, from :func:`torch_call`):
+    its ``args`` slots are each call's ``[x, out0, out1, out2, out3]`` in turn (5 per call,
+    as :meth:`_TorchCall.site` has them), then the scalars, which are set. The buffers it
+    writes are byte for byte the calls' own (:func:`quantize_group`)."""
+    index = calls[0].index
+    if any(c.index != index for c in calls):
+        raise ValueError("group_site: the launchers must be of one device")
+    kernel, gspec = _group_kernel([c.spec for c in calls], index)
+    grid, block = _group_shape(gspec, calls)
+    return LaunchSite(kernel, grid, block,
+                      [0] * (5 * len(calls)) + [v for c in calls for v in c.scalars], index)
+
+
 # -- repeated calls (:data:`repeat_calls`) ----------------------------------------------------
 
 
@@ -157,13 +242,14 @@ class _TorchCall:
     from the caching allocator, the kernel launched on torch's current stream. ``shape``
     and ``dtype`` are the logical shape (a tuple) and dtype the BlockTensor records."""
 
-    __slots__ = ("kernel", "grid", "block", "outs", "scalars", "index", "device", "shape",
-                 "dtype", "empty")
+    __slots__ = ("kernel", "spec", "grid", "block", "outs", "scalars", "index", "device",
+                 "shape", "dtype", "empty")
 
     def __init__(self, plan, x, dtype, views=None):
         import torch
 
-        self.kernel, self.grid, self.block = plan.kernel, plan.grid, plan.block
+        self.kernel, self.spec, self.grid, self.block = (plan.kernel, plan.spec, plan.grid,
+                                                         plan.block)
         self.outs = [None if s is None else (s[0], contiguous_strides(s[0]),
                                              numpy_to_torch_dtype(np.dtype(s[1])))
                      for s in plan.shapes]

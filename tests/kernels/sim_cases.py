@@ -24,6 +24,17 @@ QUANTIZE_CASES = [
     ("b2d", "bf16", True, True, (142, 96)),        # 128 + 14 bytes; rows k >= K skipped
     ("b1d-e5m2-nopow2", "f16", False, True, (148, 64)),  # M % 16 == 4: rows start on words
 ]
+# Group launches (fp8blk.kernels.quantize.quantize_group): parts of (recipe, dtype, rowwise,
+# columnwise, shape), one launch, each part's bytes against the reference (the single kernel's
+# bytes, the cases above). A Linear's forward pair (x 1x128 rowwise + columnwise, W 128x128
+# rowwise; one CTA each), and its backward with a keep_input layer's x (dY 1x128 both ways and
+# W 128x128 both ways, two CTAs each: tiles mapped off a part's first CTA, the later parts'
+# CTAs offset; x 1x128 rowwise in fp32, one CTA); edge blocks and scale padding in each
+GROUP_CASES = [
+    (("b1d", "bf16", True, True, (37, 40)), ("b2d", "bf16", True, False, (40, 40))),
+    (("b1d", "bf16", True, True, (37, 141)), ("b2d-e5m2-nopow2", "bf16", True, True, (141, 37)),
+     ("b1d-eps", "f32", True, False, (9, 100))),
+]
 # (recipe, columnwise, out dtype, shape). Paths (fp8blk.kernels.dequantize): "rows" for (M, K)
 # sources with K % E == 0 (E = 4 fp32 / 8 bf16, fp16 elements per lane; 16-bit outputs also
 # K % 8 == 4 with 4-element pieces), CTA = 32 rows x 32 lanes (fewer lanes per row, more rows
@@ -79,8 +90,14 @@ def names():
     """Case names, as sim_runner reports them."""
     return ([f"quantize-{r}-{d}-r{int(rw)}c{int(cw)}-{s[0]}x{s[1]}"
              for r, d, rw, cw, s in QUANTIZE_CASES]
+            + [group_name(parts) for parts in GROUP_CASES]
             + [f"dequantize-{r}-c{int(cw)}-{o}-{s[0]}x{s[1]}" for r, cw, o, s in DEQUANT_CASES]
             + [f"transpose-{s[0]}x{s[1]}" for s in TRANSPOSE_CASES]
             + [f"rms_norm-{d}-{m}x{k}" for m, k, d in RMS_NORM_CASES]
             + [f"silu_gate-{d}-{m}x{i}" for m, i, d in SILU_GATE_CASES]
             + [f"weighted_rows-{d}-{t}x{k}x{h}-{r}" for t, k, h, r, d in WEIGHTED_ROWS_CASES])
+
+
+def group_name(parts):
+    return "quantize_group-" + "+".join(f"{r}-{d}-r{int(rw)}c{int(cw)}-{sh[0]}x{sh[1]}"
+                                        for r, d, rw, cw, sh in parts)

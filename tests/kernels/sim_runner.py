@@ -22,6 +22,7 @@ import numpy as np  # noqa: E402
 
 from fp8blk import reference as ref  # noqa: E402
 from fp8blk.kernels.quantize import quantize as kquantize  # noqa: E402
+from fp8blk.kernels.quantize import quantize_group  # noqa: E402
 from fp8blk.kernels.dequantize import dequantize as kdq  # noqa: E402
 from fp8blk.kernels.transpose import block2d_columnwise_from_rowwise as ktr  # noqa: E402
 from tests._same import same_bytes  # noqa: E402
@@ -31,9 +32,9 @@ from fp8blk.kernels.weighted_rows import weighted_rows  # noqa: E402
 from tests.kernels._silu_gate_checks import gate_reference, gate_rows  # noqa: E402
 from tests.kernels._weighted_rows_checks import rows_case, rows_reference  # noqa: E402
 from tests.kernels._rms_norm_checks import check_backward, check_forward, make_rows  # noqa: E402
-from tests.kernels.sim_cases import (DEQUANT_CASES, QUANTIZE_CASES,  # noqa: E402
-                                     RMS_NORM_CASES, SILU_GATE_CASES, TRANSPOSE_CASES,
-                                     WEIGHTED_ROWS_CASES)
+from tests.kernels.sim_cases import (DEQUANT_CASES, GROUP_CASES,  # noqa: E402
+                                     QUANTIZE_CASES, RMS_NORM_CASES, SILU_GATE_CASES,
+                                     TRANSPOSE_CASES, WEIGHTED_ROWS_CASES, group_name)
 
 def run(seed):
     warnings.simplefilter("ignore")
@@ -56,6 +57,18 @@ def run(seed):
             errs = [f"buffer {i}: {e}" for i, e in enumerate(errs) if e]
             return "; ".join(errs) or None
         case(f"quantize-{rname}-{dname}-r{int(rw)}c{int(cw)}-{shape[0]}x{shape[1]}", q)
+
+    for parts in GROUP_CASES:
+        def grp(parts=parts):
+            xs = [make_input(rng, sh, DTYPES[d]) for _, d, _, _, sh in parts]
+            got = quantize_group([(x.view(np.uint16) if d == "bf16" else x, RECIPES[r], rw, cw,
+                                   DTYPES[d]) for x, (r, d, rw, cw, _) in zip(xs, parts)])
+            errs = [f"part {p} buffer {i}: {e}"
+                    for p, (x, (r, _, rw, cw, _), bufs) in enumerate(zip(xs, parts, got))
+                    for i, (g, w) in enumerate(zip(bufs, ref.quantize(x, RECIPES[r], rw, cw)))
+                    if (e := same_bytes(g, w))]
+            return "; ".join(errs) or None
+        case(group_name(parts), grp)
 
     for rname, cw, oname, shape in DEQUANT_CASES:
         def dq(rname=rname, cw=cw, oname=oname, shape=shape):

@@ -50,6 +50,8 @@ def test_common_variants_and_cli_arguments():
     # 3 recipes x 2 formats x 3 input dtypes x 3 directions; 3 x 2 x 2 directions x 3 outputs
     assert families.count("quantize") == 54 and families.count("dequantize") == 36
     assert families.count("transpose") == 1
+    # a default Linear's groups: 3 input dtypes x (2 forward + 3 backward)
+    assert families.count("quantize_group") == 15
     assert len({_cache.key(f, s, (9, 0))[0] for f, s in variants}) == len(variants)
     assert all(s.vec and s.col_vec for f, s in variants if f == "quantize")
     assert all(s.path != sp.SCALAR and s.piece == 0 for f, s in variants if f == "dequantize")

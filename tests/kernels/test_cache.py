@@ -23,6 +23,10 @@ _KERNELS = os.path.join(_REPO, "fp8blk", "kernels")
 SPECS = {
     "quantize": sp.quantize_spec(sp.BLOCK1D, sp.BF16, True, True, True, True, 0.0,
                                  3.3895313892515355e38, True, True),
+    "quantize_group": sp.quantize_group_spec([
+        sp.quantize_spec(sp.BLOCK1D, sp.BF16, True, True, True, True, 0.0, 3.0e38, True, True),
+        sp.quantize_spec(sp.BLOCK2D, sp.F32, True, False, False, True, 0.0, 3.0e38, True,
+                         False)]),
     "dequantize": sp.DequantizeSpec(sp.BLOCK2D, True, False, sp.BF16_OUT, sp.TILES, 4, False),
     "transpose": sp.TransposeSpec(True, False),
     "partial_amax": sp.partial_amax_spec(False, sp.BF16, True, True),
@@ -46,6 +50,8 @@ def _other(value):
         return value * 2 + 1
     if isinstance(value, str):
         return value + "x"
+    if isinstance(value, tuple):    # a group's parts, in another order
+        return value[::-1]
     raise TypeError(value)
 
 

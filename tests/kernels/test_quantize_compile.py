@@ -61,3 +61,42 @@ def test_quantize_kernel_compiles_for_sm90(spec):
         assert "ld.global.nc.v4.u32" in ptx
     if spec.columnwise and spec.recipe != sp.MXFP8 and spec.col_vec:
         assert "st.global.v4.u32" in ptx
+
+
+# A Linear's groups (fp8blk/torch/linear/plans.py): forward x + W, backward dY + W's
+# columnwise copy + a keep_input layer's x (the pair's kernel and the triple's)
+GROUP_SPECS = [
+    sp.quantize_group_spec([quant_spec(sp.BLOCK1D, sp.BF16, True, True),
+                            quant_spec(sp.BLOCK2D, sp.BF16, True, False)]),
+    sp.quantize_group_spec([quant_spec(sp.BLOCK1D, sp.BF16, True, True, e4m3=False),
+                            quant_spec(sp.BLOCK2D, sp.BF16, False, True),
+                            quant_spec(sp.BLOCK1D, sp.BF16, False, True, col_vec=False)]),
+]
+
+
+def _group_key(gspec):
+    return "quantize_group/" + "+".join(_id(p) for p in gspec.parts)
+
+
+for _g in GROUP_SPECS:
+    _ptx.case(_group_key(_g), lambda g=_g: qk.build_group(g))
+
+
+@pytest.mark.parametrize("gspec", GROUP_SPECS, ids=_group_key)
+def test_quantize_group_kernel_compiles_for_sm90(gspec):
+    """The group kernel compiles with its parts' tiles in registers, no subroutine call (a
+    64-bit division would cap its registers at the call ABI's 64) and one set of shared
+    arrays (the largest part's), not one per part."""
+    ptx = _ptx.ptx(_group_key(gspec))
+    assert ".target sm_90" in ptx
+    assert not LOCAL.search(ptx), "the tile spilled to local memory"
+    assert not re.search(r"\bcall(\.uni)?\b", re.sub(r"//.*", "", ptx)), "a subroutine call"
+    shared = sum(int(n) for n in re.findall(r"\.shared \.align \d+ \.b8 \w+\[(\d+)\]", ptx))
+    assert shared == max(_shared_bytes(p) for p in gspec.parts), shared
+
+
+def _shared_bytes(spec):
+    sizes = qk.shared_shapes(spec)
+    words = [sizes["red"], sizes["wred"], sizes["colred"][0] * sizes["colred"][1],
+             sizes["colscale"], sizes["tb"][0] * sizes["tb"][1]]
+    return 4 * sum(words)

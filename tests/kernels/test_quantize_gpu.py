@@ -148,3 +148,61 @@ def test_settings_through_the_tuning_door(rng):
         assert specs and all(spec.min_blocks == 2 for spec in specs), specs
     finally:
         kq.use_settings(saved)
+
+
+# A Linear's groups (fp8blk/torch/linear/plans.py): forward x (1x128 rowwise [+ columnwise])
+# and W (128x128 rowwise); backward dY (1x128 both ways), W (128x128 columnwise) and a
+# keep_input layer's x (1x128 columnwise). Shapes (M, K, N): aligned, unaligned everywhere,
+# a part of one block, parts of very different CTA counts.
+GROUP_SHAPES = [(1024, 1024, 1536), (1000, 1100, 272), (8191, 640, 4100), (3, 17, 129),
+                (4096, 128, 16)]
+
+
+def _group_parts(rng, m, k, n, dname, keep, backward):
+    dt = DTYPES[dname]
+    x, w = make_input(rng, (m, k), dt), make_input(rng, (n, k), dt)
+    if backward:
+        parts = [(make_input(rng, (m, n), dt), RECIPES["b1d-e5m2-nopow2"], True, True),
+                 (w, RECIPES["b2d"], False, True)]
+        return parts + ([(x, RECIPES["b1d"], False, True)] if keep else [])
+    return [(x, RECIPES["b1d"], True, not keep), (w, RECIPES["b2d"], True, False)]
+
+
+@pytest.mark.parametrize("m,k,n", GROUP_SHAPES)
+@pytest.mark.parametrize("dname", ["bf16", "f32", "f16"])
+@pytest.mark.parametrize("keep", [False, True], ids=["saved", "keep_input"])
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
+def test_quantize_group_equals_separate_launches(rng, m, k, n, dname, keep, backward):
+    """One group launch gives each part the bytes of its own quantize launch (and of the
+    reference), data spanning orders of magnitude with NaN, inf and zero blocks."""
+    from fp8blk.kernels.quantize import quantize_group
+
+    parts = _group_parts(rng, m, k, n, dname, keep, backward)
+    dev = [(_to_device(x), r, rw, cw, x.dtype) for x, r, rw, cw in parts]
+    got = quantize_group(dev)
+    host = lambda bufs: [None if b is None else b.get() for b in bufs]  # noqa: E731
+    errs = []
+    for p, ((x, r, rw, cw), (xd, *_), bufs) in enumerate(zip(parts, dev, got)):
+        alone = host(kernels.quantize(xd, r, rw, cw, dtype=x.dtype))
+        for i, (g, a, w) in enumerate(zip(host(bufs), alone, ref.quantize(x, r, rw, cw))):
+            e = same_bytes(g, a) or same_bytes(a, w)
+            if e:
+                errs.append(f"part {p} buffer {i}: {e}")
+    assert not errs, "; ".join(errs)
+
+
+def test_quantize_group_threads_of_other_settings(rng):
+    """Parts whose own kernels run at different CTA sizes (a 512-thread setting) run at 256 in
+    the group, with the same bytes."""
+    from fp8blk.kernels import quantize as kq
+
+    prev = kq.use_settings(kernels.QuantizeSettings(fused_block1d_threads=512))
+    try:
+        parts = _group_parts(rng, 1000, 1100, 272, "bf16", True, True)
+        dev = [(_to_device(x), r, rw, cw, x.dtype) for x, r, rw, cw in parts]
+        for (x, r, rw, cw), bufs in zip(parts, kq.quantize_group(dev)):
+            errs = [same_bytes(None if g is None else g.get(), w)
+                    for g, w in zip(bufs, ref.quantize(x, r, rw, cw))]
+            assert not any(errs), errs
+    finally:
+        kq.use_settings(prev)

@@ -152,14 +152,14 @@ def _bwd(dy, xt_d, xt_s, weight, cfg, x_dtype, need_dgrad, need_wgrad):
 
 
 def _bwd_x(dy, x, weight, cfg, x_dtype, need_dgrad, need_wgrad):
-    x = _ready(x)
-    xt_d = xt_s = None
-    if need_wgrad:          # the keep_input plan's columnwise-only launcher
-        (m, k), n = x.shape, weight.shape[0]
-        xt_d, xt_s = plans.plan_for_shapes(m, k, n, x_dtype, weight.dtype, x.device,
-                                           _config(cfg), dy.dtype, need_dgrad, need_wgrad,
-                                           keep_input=True).columnwise(x)
-    return _bwd(dy, xt_d, xt_s, weight, cfg, x_dtype, need_dgrad, need_wgrad)
+    # the keep_input plan makes x's columnwise copy from x (its lean path in the launch of
+    # dY's and W's copies)
+    x, weight = _ready(x), _ready(weight)
+    (m, k), n = x.shape, weight.shape[0]
+    plan = plans.plan_for_shapes(m, k, n, x_dtype, weight.dtype, x.device, _config(cfg),
+                                 dy.dtype, need_dgrad, need_wgrad, keep_input=True)
+    dx, dw = plan.backward(dy, None, None, weight, need_dgrad, need_wgrad, x)
+    return (_none(dy.device) if dx is None else dx), (_none(dy.device) if dw is None else dw)
 
 
 def _bwd_x_fake(dy, x, weight, cfg, x_dtype, need_dgrad, need_wgrad):

@@ -7,7 +7,8 @@ signature worked out once: each quantize launcher (``fp8blk.ops.quantize_launche
 allocates its outputs directly in the dtype and strides the GEMM takes (FP8 data as float8,
 scale buffers transposed: the same bytes as docs/layouts.md, seen another way), so a step is
 four quantize launches, three GEMM calls and the autograd bookkeeping (``low_memory_forward``:
-five and four, its forward pass in halves; :class:`LinearPlan`).
+five and four, its forward pass in halves; :class:`LinearPlan`); the lean path below runs the
+four quantizes in two launches.
 
 Signatures a plan serves (everything else takes the general path): plain CUDA tensors (x a
 ``torch.Tensor``, the weight a ``torch.Tensor`` or ``nn.Parameter``, so not the FSDP2 FP8
@@ -41,7 +42,7 @@ from ... import _arrays
 from ..._bounded import BoundedCache
 from ...formats import MXFP8
 from ...layout import cdiv, round_up
-from ...ops import quantize_launcher
+from ...ops import quantize_group_site, quantize_launcher
 from .. import _arena, _cublaslt
 from ..config import HIGH_DTYPES, fp8_dtype
 from ..scaled_mm import cuda_scaled_mm
@@ -244,8 +245,11 @@ class _Lean:
     (fp8blk/torch/_arena.py: x's and W's rowwise FP8 copies, dY's copies, W's columnwise
     copy, a ``keep_input`` layer's columnwise copy of x, the cuBLASLt workspace) and the
     launches and GEMMs on raw addresses: each launch from a parameter block of its own
-    (``LaunchSite``), each GEMM on cuBLASLt descriptors of its own whose scale pointers stay
-    set while the arena stays put. A step allocates only what outlives it (y, the saved
+    (``LaunchSite``), the quantizes that meet in a pass in one launch
+    (``quantize_group_site``: x and W forward unless a sharing scope makes x's copies; dY and
+    W's columnwise copy backward, with a ``keep_input`` layer's columnwise copy of x), each
+    GEMM on cuBLASLt descriptors of its own whose scale pointers stay set while the arena
+    stays put. A step allocates only what outlives it (y, the saved
     columnwise copy of x, dx, dW) and makes no view: x and dY are read by address, so an
     N-D x needs no 2-D view and y and dx are allocated in the caller's shapes (``y_spec``,
     ``dx_spec``: shape, strides, dtype). The same kernels and GEMMs on the same bytes as the
@@ -256,18 +260,29 @@ class _Lean:
     ``low_memory_forward``. With a sharing scope the input's FP8 copies are the scope's
     (allocated: other layers read them later)."""
 
-    __slots__ = ("index", "device", "qx", "sx", "sw", "swt", "sdy", "sxt", "mm_fwd",
-                 "mm_dgrad", "mm_wgrad", "y", "dx", "dw", "xt", "cols", "dy_dirs", "fwd", "bwd",
-                 "need_fwd", "need_bwd", "raw_stream", "default_stream", "at",
+    __slots__ = ("index", "device", "qx", "sw", "sdy", "sxt", "sxw", "sdyw", "sdywx",
+                 "mm_fwd", "mm_dgrad", "mm_wgrad", "y", "dx", "dw", "xt", "cols", "dy_dirs",
+                 "fwd", "bwd", "need_fwd", "need_bwd", "raw_stream", "default_stream", "at",
                  "fwd_lock", "bwd_lock")
 
     def __init__(self, plan, x2d, weight, cfg, out_dtype, need_dgrad, need_wgrad):
         (m, k), n = x2d.shape, weight.shape[0]
         self.index, self.device = x2d.get_device(), x2d.device
         self.qx = plan.qx
-        self.sx, self.sw = plan.qx.site(), plan.qw.site()
-        self.swt, self.sdy, self.sxt = (None if q is None else q.site()
-                                        for q in (plan.qwt, plan.qdy, plan.qxt))
+        # single launches: W where a sharing scope makes x's copies (and the compiled
+        # layer's forward_mm), dY without dgrad, x's columnwise copy without dgrad
+        self.sw = plan.qw.site()
+        self.sdy, self.sxt = (None if q is None else q.site() for q in (plan.qdy, plan.qxt))
+        # the same kernels' work in one launch each (the same bytes: a block's quantization
+        # reads that block alone), slots [x, 4 buffers] per launcher in turn: x and W
+        # forward; dY and W's columnwise copy, and x's columnwise copy after them where the
+        # backward pass makes it (keep_input)
+        self.sxw = quantize_group_site([plan.qx, plan.qw])
+        self.sdyw = self.sdywx = None
+        if plan.qwt is not None and plan.qdy is not None:
+            self.sdyw = quantize_group_site([plan.qdy, plan.qwt])
+            if plan.qxt is not None:
+                self.sdywx = quantize_group_site([plan.qdy, plan.qwt, plan.qxt])
         self.mm_fwd, self.mm_dgrad, self.mm_wgrad = (
             None if mm is None else mm.own() for mm in (plan.mm_fwd, plan.mm_dgrad,
                                                         plan.mm_wgrad))
@@ -322,20 +337,23 @@ class _Lean:
             if share is not None:   # the scope's copies: allocated, other layers read them
                 bufs = share("plan", self.qx, x, ptr)
                 xd, xs, saved = bufs[0].data_ptr(), bufs[1].data_ptr(), (bufs[2], bufs[3])
+                self._weight_mm(weight, xd, xs, wd, ws, work, y, stream)
+                return y, saved
+            site = self.sxw         # x's copies and W's rowwise copy in one launch
+            a = site.args
+            a[0], a[1], a[2] = ptr, xd, xs
+            if self.cols:
+                (s_d, st_d, t_d), (s_s, st_s, t_s) = self.xt
+                saved = (empty(s_d, st_d, dtype=t_d, device=dev),
+                         empty(s_s, st_s, dtype=t_s, device=dev))
+                a[3], a[4] = saved[0].data_ptr(), saved[1].data_ptr()
             else:
-                site = self.sx
-                a = site.args
-                a[0], a[1], a[2] = ptr, xd, xs
-                if self.cols:
-                    (s_d, st_d, t_d), (s_s, st_s, t_s) = self.xt
-                    saved = (empty(s_d, st_d, dtype=t_d, device=dev),
-                             empty(s_s, st_s, dtype=t_s, device=dev))
-                    a[3], a[4] = saved[0].data_ptr(), saved[1].data_ptr()
-                else:
-                    saved = (None, None)
-                    a[3] = a[4] = ptr
-                site.launch(stream)
-            self._weight_mm(weight, xd, xs, wd, ws, work, y, stream)
+                saved = (None, None)
+                a[3] = a[4] = ptr
+            a[5] = a[8] = a[9] = weight.data_ptr()
+            a[6], a[7] = wd, ws
+            site.launch(stream)
+            self.mm_fwd.run(xd, wd, xs, ws, y.data_ptr(), work, stream)
         return y, saved
 
     def forward_mm(self, xd, xs, weight):
@@ -384,29 +402,36 @@ class _Lean:
         rows, cols = self.dy_dirs
         empty, dev = torch.empty_strided, self.device
         dx = dw = None
+        make_xt = need_wgrad and x is not None  # keep_input: x's columnwise copy, transient
         with self.bwd_lock:
+            # dY's copies, with W's columnwise copy (dgrad) and x's (keep_input) in the same
+            # launch: slots [dY, its 4 buffers, W, its 4, x, its 4]
             site = self.sdy
+            if need_dgrad:
+                site = self.sdywx if make_xt and self.sdywx is not None else self.sdyw
             a = site.args
             ptr = a[0] = dy.data_ptr()
             a[1], a[2] = (gd, gs) if rows else (ptr, ptr)
             a[3], a[4] = (gtd, gts) if cols else (ptr, ptr)
+            if need_dgrad:
+                a[5] = a[6] = a[7] = weight.data_ptr()
+                a[8], a[9] = wtd, wts
+                if site is self.sdywx:
+                    a[10] = a[11] = a[12] = x.data_ptr()
+                    a[13], a[14] = xtd, xts
+                    make_xt = False
             site.launch(stream)
             if need_dgrad:
-                site = self.swt
-                a = site.args
-                a[0] = a[1] = a[2] = weight.data_ptr()
-                a[3], a[4] = wtd, wts
-                site.launch(stream)
                 dx = empty(dx_spec[0], dx_spec[1], dtype=dx_spec[2], device=dev)
                 self.mm_dgrad.run(gd, wtd, gs, wts, dx.data_ptr(), work, stream)
             if need_wgrad:
-                if x is not None:   # keep_input: x's columnwise copy made here, transient
+                if make_xt:
                     site = self.sxt
                     a = site.args
                     a[0] = a[1] = a[2] = x.data_ptr()
                     a[3], a[4] = xtd, xts
                     site.launch(stream)
-                else:
+                elif x is None:
                     xtd, xts = xt_d.data_ptr(), xt_s.data_ptr()
                 shape, strides, dtype = self.dw
                 dw = empty(shape, strides, dtype=dtype, device=dev)

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 import fp8blk as fb
+from fp8blk.kernels import quantize as kquantize
+from fp8blk.kernels._launch import LaunchSite
 from fp8blk.torch import Float8BlockConfig, Float8BlockLinear
 from fp8blk.torch import _arena, _cublaslt
 from fp8blk.torch.linear import functional
@@ -439,4 +441,59 @@ def test_keep_input_plans_and_ops(dims, lean, rng):
             [(t.shape, t.dtype) for t in kept]
         want = [t.clone() for t in _step(compiled[0], x, g)]
         assert_same(_step(compiled[1], x, g), want, (dims, lean, i, "compiled"))
+    torch._dynamo.reset()
+
+
+def _count_quantize_launches(m):
+    """A list that gets one entry per quantize launch (a launch site's, or a launcher's own)
+    while `m` (a monkeypatch context) is active: the Linear's GEMMs go through cuBLASLt."""
+    launches = []
+    site_launch, torch_launch = LaunchSite.launch, kquantize.torch_launch
+
+    def counted_site(self, stream):
+        launches.append(self.grid)
+        return site_launch(self, stream)
+
+    def counted_call(kernel, grid, *a, **k):
+        launches.append(grid)
+        return torch_launch(kernel, grid, *a, **k)
+    m.setattr(LaunchSite, "launch", counted_site)
+    m.setattr(kquantize, "torch_launch", counted_call)
+    return launches
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["saved", "keep_input"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_lean_step_groups_its_quantize_launches(keep, compiled, rng, monkeypatch):
+    """A lean step quantizes x and W in one launch (eager; the compiled layer's first op
+    quantizes x, its second W) and dY, W's columnwise copy and a keep_input layer's x in one
+    launch (the compiled backward op runs the plan's backward pass): two launches fewer than
+    one per operand, three with keep_input; the bytes are the general path's."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+    # cuBLASLt serves every GEMM (dims multiples of 16), so the plans run lean; edge blocks
+    layer = Float8BlockLinear(640, 384, device="cuda", dtype=torch.bfloat16)
+    init_spread_(layer, gen)
+    layer.keep_input = keep
+    run = torch.compile(layer, fullgraph=True) if compiled else layer
+    x = spread((1008, 640), gen, torch.bfloat16).cuda().requires_grad_()
+    g = spread((1008, 384), gen, torch.bfloat16).cuda()
+    linear_plans.plans.clear()
+    linear_plans.shape_plans.clear()
+    _step(run, x, g)                    # plans, kernels and arena made
+    made = list(linear_plans.plans.values()) + list(linear_plans.shape_plans.values())
+    assert made and all(p.lean is not None for p in made), made
+    with monkeypatch.context() as m:
+        launches = _count_quantize_launches(m)
+        x.grad = layer.weight.grad = layer.bias.grad = None
+        y = run(x)
+        forward = len(launches)
+        y.backward(g)
+        backward = len(launches) - forward
+    assert (forward, backward) == ((2 if compiled else 1), 1), (forward, backward)
+    got = [y, x.grad, layer.weight.grad, layer.bias.grad]
+    if not compiled:                # inductor sums dbias in an order of its own
+        with monkeypatch.context() as m:
+            _general(m)
+            assert_same(got, _step(layer, x, g), (keep, compiled))
     torch._dynamo.reset()

@@ -9,7 +9,9 @@
 #
 # Steps (default: "tests kernels comm master comm_bench"):
 #   tests         the whole -m gpu test suite -> gpu-tests-<machine>.log (GPU_TESTS, GPU_TESTS_TIMEOUT,
-#                 default 240 s: 176 s with a warm kernel cache, past 240 on a fresh machine)
+#                 default 300 s), after a prebuild (below): on a fresh machine the suite's
+#                 workers otherwise each compile the quantize variants they meet, and a run cut
+#                 at 330 s got through a quarter of the suite
 #   kernel_tests  -m gpu tests/kernels/test_gpu.py only            (TEST_TIMEOUT)
 #   kernels       bench.bench_kernels $BENCH_ARGS -> kernels-<machine>.json (BENCH_TIMEOUT);
 #                 torchao 0.18 peers need its wheel carried in .whl/
@@ -89,10 +91,10 @@ STEPS=${STEPS:-tests kernels comm master comm_bench}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 CT=${COMM_TIMEOUT:-300}  # a cold machine JIT-compiles every gather variant first
 
-if has prebuild; then
+if has prebuild || has tests; then     # the disk cache the tests' workers then share
   step prebuild ${PREBUILD_TIMEOUT:-600} python3 -m fp8blk prebuild
 fi
-has tests && step gpu-tests-$M ${GPU_TESTS_TIMEOUT:-240} \
+has tests && step gpu-tests-$M ${GPU_TESTS_TIMEOUT:-300} \
   python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 ${GPU_TESTS:-tests}
 has kernel_tests && step gpu_kernel_tests ${TEST_TIMEOUT:-300} \
   python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 tests/kernels/test_gpu.py

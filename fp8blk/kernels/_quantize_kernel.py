@@ -42,7 +42,7 @@ import numpy as np
 
 from . import _kernel_lib as dev
 from . import _specs as sp
-from ._specs import BLOCK2D, MXFP8
+from ._specs import BLOCK2D, MXFP8, SIM
 from ._specs import quantize_tile as tile_shape
 from ._numba import (absmax_bf16x2, absmax_f16x2, cuda, device, fmax32,
                      group_fmax, pack4_fp8, ptr, shfl_idx_f32, shfl_xor_f32, st_u32_at,
@@ -57,6 +57,15 @@ def argtypes(spec):
         spec.recipe != MXFP8 and spec.col_vec) else types.uint8
     return (ptr(in_t), ptr(data_t), ptr(sinv_t), ptr(col_t), ptr(sinv_t), types.int64,
             types.int64)
+
+
+def _tile_function(fn):
+    """The tile's work as a device function of its own, inlined by NVVM (``forceinline``)
+    rather than copied into each caller's IR by Numba (``inline="always"``, as the small
+    helpers are): Numba's IR copy of a function this size doubled a kernel's compile time."""
+    if SIM:
+        return cuda.jit(device=True)(fn)
+    return cuda.jit(device=True, forceinline=True)(fn)
 
 
 def make_body(spec):
@@ -157,7 +166,7 @@ def make_body(spec):
                 if row_ok and kc + e < K:
                     out[eidx + e] = (words[e // 4] >> (8 * (e % 4))) & 0xFF
 
-    @device
+    @_tile_function
     def body(x, rdata, rsinv, cdata, csinv, M, K, bm, bk, gtid, gsize, red, wred, colred,
              colscale, tb):
         """Tile (bm, bk) of the (M, K) input; this thread is `gtid` of the `gsize` threads

@@ -131,7 +131,6 @@ def quantize_tile(spec):
     return (64 if ve == 8 else 32), 128
 
 
-
 @dataclass(frozen=True)
 class QuantizeGroupSpec:
     """One launch of the work of 2 or 3 quantize variants, each on its own input and outputs

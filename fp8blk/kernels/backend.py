@@ -64,8 +64,9 @@ def common_variants():
     aligned data); dequantize of each of those buffers to fp32 / bf16 / fp16; the Block2D
     transpose; the quantize groups of a default-config Float8BlockLinear's lean step per input
     dtype (x 1x128 rowwise [+ columnwise] with W 128x128 rowwise; dY 1x128 rowwise [+
-    columnwise] with W 128x128 columnwise [+ x 1x128 columnwise]). Other variants (unaligned shapes, other recipe options, the master-weight and
-    RMSNorm kernels) compile on first use, once per cache folder."""
+    columnwise] with W 128x128 columnwise [+ x 1x128 columnwise]). Other variants (unaligned
+    shapes, other recipe options, the master-weight and RMSNorm kernels) compile on first use,
+    once per cache folder."""
     recipes = [r(fmt) for r in (Block1D, Block2D, MXFP8) for fmt in (E4M3, E5M2)]
     out = []
     for recipe in recipes:

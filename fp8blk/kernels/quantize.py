@@ -135,21 +135,32 @@ def quantize(x2d, recipe, rowwise=True, columnwise=False, dtype=None, out=None):
     of them is. ``out``: None, or four arrays (None for a direction not asked for) of exactly
     the layouts above, C-contiguous and 16-byte aligned, written in place instead."""
     ad = adapter_of(x2d)
-    kind = kind_of(ad.dtype(x2d), dtype)
-    rows, cols = x2d.shape
-    check_mxfp8_shape(recipe, rows, cols, "x2d")
-    if rows == 0 or cols == 0:  # every scale tensor is empty too (docs/layouts.md shapes)
-        return tuple(None if s is None else ad.empty(s.shape, s.dtype, x2d)
-                     for s in buffer_layouts(recipe, rows, cols, rowwise, columnwise))
-    plan = _call_plan(ad, x2d, recipe, rowwise, columnwise, kind)[0]
-    if out is None:
-        out = ad.alloc(x2d, plan.nbytes, plan.shapes, plan.offsets)
-    else:
-        out = _check_out(ad, out, plan.shapes)
+    plan, out = _prepared(ad, x2d, recipe, rowwise, columnwise, dtype, out)
+    if plan is not None:
+        _launch_one(ad, plan, x2d, out)
+    return out
+
+
+def _launch_one(ad, plan, x2d, out):
     # unused outputs get any valid pointer (the input's)
     args = ad.args((x2d,) + tuple(out), plan.arg_dtypes, plan.scalars)
     ad.launch(plan.kernel, plan.grid, plan.block, args, x2d)
-    return out
+
+
+def _prepared(ad, x2d, recipe, rowwise, columnwise, dtype, out=None):
+    """``(plan, outputs)`` of a quantize of `x2d` (adapter `ad`), checked and allocated (or
+    `out` checked) but not launched; plan None for an empty array, whose outputs are then
+    its empty buffers (every scale tensor is empty too: docs/layouts.md shapes)."""
+    kind = kind_of(ad.dtype(x2d), dtype)
+    rows, cols = x2d.shape
+    check_mxfp8_shape(recipe, rows, cols, "x2d")
+    if rows == 0 or cols == 0:
+        return None, tuple(None if s is None else ad.empty(s.shape, s.dtype, x2d)
+                           for s in buffer_layouts(recipe, rows, cols, rowwise, columnwise))
+    plan = _call_plan(ad, x2d, recipe, rowwise, columnwise, kind)[0]
+    if out is None:
+        return plan, ad.alloc(x2d, plan.nbytes, plan.shapes, plan.offsets)
+    return plan, _check_out(ad, out, plan.shapes)
 
 
 # -- groups: 2 or 3 quantizes in one launch (``_quantize_kernel.make_group_kernel_pyfunc``) ----
@@ -186,24 +197,14 @@ def quantize_group(parts):
     for x2d, recipe, rowwise, columnwise, dtype in parts:
         if adapter_of(x2d) is not ad:
             raise TypeError("quantize_group: the arrays must be of one family")
-        kind = kind_of(ad.dtype(x2d), dtype)
-        rows, cols = x2d.shape
-        check_mxfp8_shape(recipe, rows, cols, "x2d")
-        if rows == 0 or cols == 0:
-            results.append(tuple(None if s is None else ad.empty(s.shape, s.dtype, x2d)
-                                 for s in buffer_layouts(recipe, rows, cols, rowwise,
-                                                         columnwise)))
-            continue
-        plan = _call_plan(ad, x2d, recipe, rowwise, columnwise, kind)[0]
-        out = ad.alloc(x2d, plan.nbytes, plan.shapes, plan.offsets)
+        plan, out = _prepared(ad, x2d, recipe, rowwise, columnwise, dtype)
         results.append(out)
-        launched.append((plan, x2d, out))
+        if plan is not None:
+            launched.append((plan, x2d, out))
     if len({ad.device_index(x) for _, x, _ in launched}) > 1:
         raise ValueError("quantize_group: the arrays must be on one device")
     if len(launched) == 1:
-        plan, x2d, out = launched[0]
-        ad.launch(plan.kernel, plan.grid, plan.block,
-                  ad.args((x2d,) + tuple(out), plan.arg_dtypes, plan.scalars), x2d)
+        _launch_one(ad, *launched[0])
     elif launched:
         plans = [p for p, _, _ in launched]
         like = launched[0][1]

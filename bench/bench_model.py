@@ -42,8 +42,8 @@ Variants (every ``nn.Linear`` but ``lm_head`` converted):
 * ``fp8blk_experts``: the converter's default, its experts included (a MoE model's experts
   through ``fp8blk.torch.moe``; the other fp8blk variants pass ``experts=False`` and leave
   them in bf16, transformers' ``grouped_mm``); ``fp8blk_experts_recompute``: the same with
-  ``fp8blk.torch.moe.grouped.COMPILED_RECOMPUTE`` (compiled, the experts' last node as one
-  custom op keeping what eager mode keeps);
+  ``fp8blk.torch.moe.grouped.COMPILED_RECOMPUTE`` (compiled, the experts after their first
+  projection in a checkpointed region: what eager mode keeps);
 * ``torchao``: ``torchao.prototype.blockwise_fp8_training.linear.Float8BlockwiseLinear``
   (torchao 0.18.0 wheel, ``torchao/prototype/blockwise_fp8_training/linear.py``:
   ``from_float(mod)`` asserts no bias and in/out features multiples of 128, the constructor

@@ -12,7 +12,8 @@ marks the modules it converts (their ``fp8blk_config`` attribute) and sets the
 implementation on their config. A module sharing that config but left out by the filter
 runs the implementation the config had before. Under torch.compile a converted experts module
 traces without graph breaks (the per-expert GEMM loops are custom ops:
-``fp8blk.torch.moe.gemms``).
+``fp8blk.torch.moe.gemms``); what it keeps between the passes is ``grouped.COMPILED_RECOMPUTE``'s
+choice.
 
 Per call: the routing's padded layout (``routing``), the tokens permuted into it, the gate/up
 projection and the down projection as :func:`~fp8blk.torch.moe.grouped.grouped_linear`, the
@@ -31,6 +32,7 @@ model's own gating between them (transformers' default SiLU gating as
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from ..config import Float8BlockConfig, config_or_default
 from ..mlp import is_silu, silu_gate
@@ -130,24 +132,35 @@ def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tens
         return hidden_states.new_zeros(hidden_states.shape)
     x = permute(hidden_states, routing)
     h = _project(x, module, "gate_up_proj" if module.has_gate else "up_proj", routing, cfg)
-    post_norm = getattr(module, "has_post_expert_norm", False)
+    if torch.compiler.is_compiling():
+        # compiled, the rest runs as separate nodes (the fused node traced through would keep
+        # no less: its recomputation reads saved tensors alone, so the partitioner moves it
+        # into the forward pass); with COMPILED_RECOMPUTE in a checkpointed region, which the
+        # partitioner makes again in the backward pass: h kept, as eager mode keeps it
+        if grouped.COMPILED_RECOMPUTE:
+            return checkpoint(_after_first, module, h, routing, top_k_weights, cfg,
+                              hidden_states.dtype, use_reentrant=False)
+        return _after_first(module, h, routing, top_k_weights, cfg, hidden_states.dtype)
+    if getattr(module, "has_post_expert_norm", False):
+        # a norm between the down projection and the combine keeps the nodes apart
+        return _after_first(module, h, routing, top_k_weights, cfg, hidden_states.dtype)
+    # the down projection and the combine as one node; with SiLU gating the gating runs
+    # inside it too: h kept, the gated rows made again in the backward pass
     silu = module.fp8blk_silu_gate
-    # compiled, the experts run as separate nodes (the gating, the down projection, the
-    # combine), or with grouped.COMPILED_RECOMPUTE and SiLU gating as one custom op keeping h
-    # (fp8blk.torch.moe.grouped); a norm between the down projection and the combine keeps
-    # the nodes apart too
-    if post_norm or (torch.compiler.is_compiling()
-                     and not (silu and grouped.COMPILED_RECOMPUTE)):
-        y = _project(gate(module, h, routing), module, "down_proj", routing, cfg)
-        if post_norm:
-            y = module.post_expert_norm(y)
-        return combine(y, routing, top_k_weights, hidden_states.dtype)
-    # with SiLU gating the gating runs inside the last node: h kept, the gated rows made again
-    # in the backward pass
     return grouped_linear_combine(h if silu else gate(module, h, routing), module.down_proj,
                                   routing, top_k_weights, hidden_states.dtype, cfg,
                                   bias=expert_bias(module, "down_proj"),
                                   transposed=module.is_transposed, silu_gated=silu)
+
+
+def _after_first(module, h, routing, top_k_weights, cfg, dtype):
+    """The experts after their first projection as separate nodes: the gating, the down
+    projection, the module's post-expert norm where it has one, the combine; (T, H) in
+    ``dtype``."""
+    y = _project(gate(module, h, routing), module, "down_proj", routing, cfg)
+    if getattr(module, "has_post_expert_norm", False):
+        y = module.post_expert_norm(y)
+    return combine(y, routing, top_k_weights, dtype)
 
 
 def register():

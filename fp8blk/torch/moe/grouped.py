@@ -16,9 +16,9 @@ The experts' last projection and the combine run as one node (:func:`grouped_lin
 the router weights' gradient reads the projection's output, which a two-node graph keeps
 ((T*k, N), 2N bytes a routed pair in bf16); here the projection's rowwise FP8 input is kept
 instead (K bytes a padded row, and its scales) and the same GEMM on the same bytes runs again
-in the backward pass. Compiled, the SiLU-gated node runs as one custom op
-(``fp8blk::experts_down_combine``) when ``COMPILED_RECOMPUTE`` is set, else it is traced
-through (the experts then run separate nodes instead, which keep as much).
+in the backward pass. Compiled, the experts run separate nodes instead
+(``fp8blk.torch.moe.experts``; with ``COMPILED_RECOMPUTE`` in a checkpointed region), as the
+node traced through would keep no less.
 
     import torch
     from fp8blk.torch import Float8BlockConfig
@@ -32,8 +32,6 @@ through (the experts then run separate nodes instead, which keep as much).
 from __future__ import annotations
 
 import os
-from typing import List, Optional
-
 import torch
 
 from ..config import HIGH_DTYPES, Float8BlockConfig, config_or_default, fp8_dtype
@@ -42,16 +40,17 @@ from ..mlp import silu_gate_backward_cat, silu_gate_forward
 from .gemms import (expert_weight_both, expert_weight_buffers, grouped_mm_rows, grouped_mm_weights,
                     grouped_row_sums)
 from .routing import Routing, combine
-from ...formats import recipe_from_key, recipe_key, recipe_kind
+from ...formats import recipe_kind
 from ...kernels.weighted_rows import serves as weighted_rows_serves, weighted_rows
 
 # eager on CUDA the combine's row gradients come from one kernel (fp8blk.kernels.weighted_rows,
 # the same bytes); FP8BLK_MOE_KERNELS=0, or this set False, keeps torch's ops
 KERNELS = os.environ.get("FP8BLK_MOE_KERNELS", "1") != "0"
-# compiled, the SiLU-gated last node runs as one custom op that keeps h alone, as eager mode
-# does, when this is True (FP8BLK_MOE_COMPILED_RECOMPUTE=1): less kept between the passes, at
-# the cost of the recomputation and of inductor's fusions around the node (docs/torch.md,
-# "Mixture of experts"); by default compiled experts run as separate nodes
+# compiled, the experts after their first projection (the gating, the down projection, the
+# combine) run in a checkpointed region when this is True (FP8BLK_MOE_COMPILED_RECOMPUTE=1):
+# the partitioner makes them again in the backward pass, so the compiled block keeps what the
+# eager one keeps, at the cost of the recomputation (the down projection's GEMM among it;
+# docs/torch.md, "Experts"); by default they run as separate nodes, which keep their outputs
 COMPILED_RECOMPUTE = os.environ.get("FP8BLK_MOE_COMPILED_RECOMPUTE", "0") == "1"
 
 
@@ -306,90 +305,9 @@ def grouped_linear_combine(x: torch.Tensor, weight: torch.Tensor, routing: Routi
     gated = x[:, :x.shape[1] // 2] if silu_gated else x    # the shape the projection takes
     config, out_dtype = _checked(gated, weight, routing, config, bias, transposed,
                                  "grouped_linear_combine")
-    if torch.compiler.is_compiling() and silu_gated and COMPILED_RECOMPUTE:
-        return torch.ops.fp8blk.experts_down_combine(
-            x, weight, bias, top_k_weights, routing.dest, routing.table, routing.rows,
-            routing.tokens, routing.top_k, *_config_keys(config), bool(transposed), out_dtype,
-            dtype)
     return _LinearCombineFn.apply(x, weight, bias, top_k_weights, routing, config,
                                   bool(transposed), out_dtype, dtype, torch.is_grad_enabled(),
                                   bool(silu_gated))
-
-
-# Compiled with COMPILED_RECOMPUTE, the SiLU-gated last node is one torch custom op with its
-# autograd formula (the eager node's functions run inside it, eagerly): dynamo and
-# AOTAutograd see an opaque op that keeps h, so the compiled block keeps what the eager one
-# keeps. Traced through instead (the autograd.Function above: the same bytes), the node keeps
-# no less than separate nodes do: its recomputation reads saved tensors alone, so
-# AOTAutograd's partitioner runs it in the forward pass and keeps what it makes.
-
-def _config_keys(config):
-    return recipe_key(config.activation), recipe_key(config.grad), recipe_key(config.weight)
-
-
-def _op_parts(dest, table, rows, tokens, top_k, act, grad, wkey):
-    config = Float8BlockConfig(activation=recipe_from_key(act), grad=recipe_from_key(grad),
-                               weight=recipe_from_key(wkey))
-    return Routing.from_table(dest, table, rows, tokens, top_k), config
-
-
-@torch.library.custom_op("fp8blk::experts_down_combine", mutates_args=())
-def _down_combine_op(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                     top_k_weights: torch.Tensor, dest: torch.Tensor, table: torch.Tensor,
-                     rows: int, tokens: int, top_k: int, act: str, grad: str, wkey: str,
-                     transposed: bool, out_dtype: torch.dtype,
-                     dtype: torch.dtype) -> torch.Tensor:
-    routing, cfg = _op_parts(dest, table, rows, tokens, top_k, act, grad, wkey)
-    y, _ = _forward(_silu_gate(h), weight, bias, routing, cfg, transposed, out_dtype, False)
-    return combine(y, routing, top_k_weights, dtype)
-
-
-@_down_combine_op.register_fake
-def _down_combine_fake(h, weight, bias, top_k_weights, dest, table, rows, tokens, top_k, act,
-                       grad, wkey, transposed, out_dtype, dtype):
-    return h.new_empty((tokens, weight.shape[2] if transposed else weight.shape[1]),
-                       dtype=dtype)
-
-
-@torch.library.custom_op("fp8blk::experts_down_combine_backward", mutates_args=())
-def _down_combine_backward_op(
-        dout: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-        top_k_weights: torch.Tensor, dest: torch.Tensor, table: torch.Tensor, rows: int,
-        tokens: int, top_k: int, act: str, grad: str, wkey: str, transposed: bool,
-        out_dtype: torch.dtype, needs: List[bool]) -> List[torch.Tensor]:
-    routing, cfg = _op_parts(dest, table, rows, tokens, top_k, act, grad, wkey)
-    grads = _linear_combine_backward(dout.contiguous(), (h, None, None, None), weight, bias,
-                                     top_k_weights, routing, cfg, transposed, h.dtype,
-                                     out_dtype, True, tuple(needs))
-    # a gradient not asked for travels as an empty tensor (an op returns tensors)
-    return [h.new_empty((0,)) if g is None else g for g in grads]
-
-
-@_down_combine_backward_op.register_fake
-def _down_combine_backward_fake(dout, h, weight, bias, top_k_weights, dest, table, rows, tokens,
-                                top_k, act, grad, wkey, transposed, out_dtype, needs):
-    likes = (h, weight, bias, top_k_weights)
-    return [torch.empty_like(t) if need and t is not None else h.new_empty((0,))
-            for t, need in zip(likes, needs)]
-
-
-def _down_combine_setup(ctx, inputs, output):
-    (h, weight, bias, top_k_weights, dest, table, rows, tokens, top_k, act, grad, wkey,
-     transposed, out_dtype, _) = inputs
-    ctx.save_for_backward(h, weight, bias, top_k_weights, dest, table)
-    ctx.args = (rows, tokens, top_k, act, grad, wkey, transposed, out_dtype)
-
-
-def _down_combine_grads(ctx, dout):
-    h, weight, bias, top_k_weights, dest, table = ctx.saved_tensors
-    needs = [bool(n) for n in ctx.needs_input_grad[:4]]
-    grads = torch.ops.fp8blk.experts_down_combine_backward(
-        dout, h, weight, bias, top_k_weights, dest, table, *ctx.args, needs)
-    return (*[g if n else None for g, n in zip(grads, needs)],) + (None,) * 11
-
-
-torch.library.register_autograd("fp8blk::experts_down_combine", _down_combine_grads,
-                                setup_context=_down_combine_setup)
 
 
 __all__ = ["grouped_linear", "grouped_linear_combine", "check_experts_config"]

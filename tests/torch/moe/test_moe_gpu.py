@@ -168,7 +168,7 @@ def test_block_with_kernels_equals_torch_ops(monkeypatch, experts):
 def test_compiled_block_on_cuda(monkeypatch, recompute):
     """torch.compile (inductor, fullgraph) of a converted MoE block on CUDA traces whole and runs
     forward and backward, with the experts as separate nodes and, with
-    grouped.COMPILED_RECOMPUTE, the last node as the custom op keeping h. Inductor fuses the
+    grouped.COMPILED_RECOMPUTE, in a checkpointed region keeping h. Inductor fuses the
     gating (silu(g) * u rounded once, where eager rounds silu(g) first), so a product may
     differ by a bf16 step and then quantize to a neighbouring FP8 value: the outputs agree with
     eager's to a relative norm of 2^-6 (FP8 E4M3's step is 2^-3 of a value; a handful of

@@ -319,12 +319,15 @@ def test_compiled_recompute_node(monkeypatch, backend):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16)), i
 
 
-def test_compiled_recompute_keeps_what_eager_keeps(monkeypatch):
-    """Under inductor the checkpointed region (grouped.COMPILED_RECOMPUTE) keeps exactly what
-    the eager block keeps between the passes (h, not the expert outputs or the gated rows'
-    FP8 copies), where the separate nodes keep more."""
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_compiled_recompute_keeps_what_eager_keeps(monkeypatch, name):
+    """Under inductor the checkpointed region (grouped.COMPILED_RECOMPUTE) keeps h, not the
+    expert outputs or the gated rows' FP8 copies, where the separate nodes keep those too:
+    with SiLU gating exactly what the eager block keeps; with gpt-oss's own gating (and
+    biases) less, as eager keeps the gated rows' FP8 copies beside what autograd keeps for
+    the gating."""
     from fp8blk.torch.moe import grouped
-    model = tiny_model("qwen3_moe")
+    model = tiny_model(name)
     convert_experts(model)
     block = model.model.layers[0].mlp
     params = {p.untyped_storage().data_ptr() for p in block.parameters()}
@@ -343,7 +346,8 @@ def test_compiled_recompute_keeps_what_eager_keeps(monkeypatch):
         monkeypatch.setattr(grouped, "COMPILED_RECOMPUTE", recompute)
         torch._dynamo.reset()
         got[recompute] = kept(torch.compile(block, fullgraph=True))
-    assert got[True] == eager < got[False], (eager, got)
+    assert got[True] < got[False], (eager, got)
+    assert got[True] == eager if name == "qwen3_moe" else got[True] < eager, (eager, got)
 
 
 @pytest.mark.parametrize("silu", [False, True])

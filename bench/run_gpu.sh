@@ -35,6 +35,9 @@
 #   linear        bench.bench_linear -> linear-<machine>.json (LINEAR_ARGS: more flags; the run
 #                 replaces its section: default, or --compile's, or --section S's)
 #   model         bench.bench_model -> model-<machine>.json (MODEL_ARGS, MODEL_TIMEOUT)
+#   model_profile bench/profile/profile_model_step.py: a model step's kernels by kind and name
+#                 (PROFILE_ARGS, default the 1B widths compiled, bf16 beside fp8blk_opt)
+#                 -> profile-model-step-<machine>.txt (bench/profile/results/)
 #   moe           bench.bench_moe (grouped GEMMs, MoE blocks) -> moe-<machine>.json (MOE_ARGS,
 #                 MOE_TIMEOUT)
 #   norm          bench.bench_norm (RMSNorm: torch ops, compiled, fp8blk's kernels) -> norm-<machine>.json
@@ -113,6 +116,9 @@ if has linear_host; then
   TAIL=60 step host_threads ${HOST_TIMEOUT:-300} \
     python3 -m bench.profile.profile_host_threads --out "$OUT/profile-host-threads-$M.txt"
 fi
+has model_profile && TAIL=80 step model_profile ${PROFILE_TIMEOUT:-400} \
+  python3 -m bench.profile.profile_model_step ${PROFILE_ARGS:---arch llama_1b --modes compiled} \
+  --out "$OUT/profile-model-step-$M.txt"
 if has ncu_fused && command -v ncu >/dev/null; then
   TAIL=60 step ncu_fused 150 ncu --clock-control none --kernel-name regex:^kernel \
     --launch-skip 2 --launch-count 2 --section SpeedOfLight --section Occupancy \

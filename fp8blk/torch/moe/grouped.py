@@ -73,11 +73,16 @@ def _forward(x, weight, bias, routing, cfg, transposed, out_dtype, columns):
     return grouped_mm_rows(qx[0].view(act), qx[1], wd, ws, routing, out_dtype, bias), qx
 
 
-def _backward(dy, xt_d, xt_s, weight, routing, cfg, transposed, x_dtype, needs, has_bias,
-              w_t=None):
-    """(dx, dW, dbias) of the experts' linear layer from dy (rows, N); ``needs``: whether x,
-    W and the bias want their gradients; xt_d, xt_s: x's columnwise buffers (for dW); w_t:
-    W's transposed operand when the caller has it."""
+def _backward(operands, xt_d, xt_s, weight, routing, cfg, transposed, x_dtype, needs,
+              has_bias):
+    """(dx, dW, dbias) of the experts' linear layer. ``operands``: a list [dy (rows, N), W's
+    transposed operand or None] that this function empties, so that where the caller keeps no
+    other reference each is freed once dead (dy after its quantization; W.T, with dy's
+    rowwise copy, after the input gradient, before dW, a parameter's size, is allocated);
+    ``needs``: whether x, W and the bias want their gradients; xt_d, xt_s: x's columnwise
+    buffers (for dW)."""
+    dy, w_t = operands
+    operands.clear()
     need_dgrad, need_wgrad, need_dbias = needs
     dx = dw = dbias = None
     dy = dy.contiguous()
@@ -85,11 +90,14 @@ def _backward(dy, xt_d, xt_s, weight, routing, cfg, transposed, x_dtype, needs, 
         dbias = grouped_row_sums(dy, routing)
     if not (need_dgrad or need_wgrad):
         return dx, dw, dbias
-    qdy = quantize_buffers(dy, cfg.grad, need_dgrad, need_wgrad)
+    qdy = list(quantize_buffers(dy, cfg.grad, need_dgrad, need_wgrad))
+    dy = None
     g = fp8_dtype(cfg.grad.fmt)
     if need_dgrad:
         wd, ws = w_t or expert_weight_buffers(weight, cfg.weight, transposed, False)
+        w_t = None
         dx = grouped_mm_rows(qdy[0].view(g), qdy[1], wd, ws, routing, x_dtype)
+        wd = ws = qdy[0] = qdy[1] = None
     if need_wgrad:
         dw = grouped_mm_weights(qdy[2].view(g), qdy[3], xt_d.view(fp8_dtype(cfg.activation.fmt)),
                                 xt_s, routing, weight.dtype)
@@ -114,8 +122,9 @@ class _GroupedLinearFn(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         xt_d, xt_s, weight = ctx.saved_tensors
-        dx, dw, dbias = _backward(dy, xt_d, xt_s, weight, ctx.routing, ctx.cfg, ctx.transposed,
-                                  ctx.x_dtype, ctx.needs_input_grad[:3], ctx.has_bias)
+        dx, dw, dbias = _backward([dy, None], xt_d, xt_s, weight, ctx.routing, ctx.cfg,
+                                  ctx.transposed, ctx.x_dtype, ctx.needs_input_grad[:3],
+                                  ctx.has_bias)
         return dx, dw, dbias, None, None, None, None, None
 
 
@@ -194,8 +203,12 @@ def _linear_combine_backward(dout, saved, weight, bias, w, routing, cfg, transpo
     grads = (need_h, need_wgrad, need_dbias)
     dy, dw_router = _combine_backward(dout, y, w, routing, y_dtype, any(grads))
     y = x_d = x_s = wd = ws = None
-    dx, dw, dbias = (None, None, None) if dy is None else _backward(
-        dy, xt_d, xt_s, weight, routing, cfg, transposed, x_dtype, grads, bias is not None, w_t)
+    dx = dw = dbias = None
+    if dy is not None:
+        # handed over, not kept here: _backward frees dy and W.T once they are dead
+        operands, dy, w_t = [dy, w_t], None, None
+        dx, dw, dbias = _backward(operands, xt_d, xt_s, weight, routing, cfg, transposed,
+                                  x_dtype, grads, bias is not None)
     if h is not None and dx is not None:
         # the gating's backward as autograd runs it: silu_gate's, then the chunk's (a cat)
         dx = silu_gate_backward_cat(h, dx)

@@ -307,25 +307,32 @@ class _ExpertParallelFn(torch.autograd.Function):
         with torch.enable_grad():
             leaf = h.detach().requires_grad_(True)
             a = gate(module, leaf, routing)
+        # the input gradient first: its operands (dY's rows, W2.T) are dropped before dW2, a
+        # parameter's size, is allocated
+        w2td, w2ts = expert_weight_buffers(w2, cfg.weight, transposed, False)
+        da = grouped_mm_rows(dyd.view(g), dys, w2td, w2ts, routing, h.dtype)
+        del dy, dyd, dys, w2td, w2ts
         dw2 = None
         if need_w2:
             atd, ats = quantize_buffers(a.detach().contiguous(), cfg.activation, False, True)[2:]
             dw2 = grouped_mm_weights(dytd.view(g), dyts, atd.view(act), ats, routing, w2.dtype)
             dw2 = dw2.transpose(1, 2).contiguous() if transposed else dw2
             del atd, ats
-        w2td, w2ts = expert_weight_buffers(w2, cfg.weight, transposed, False)
-        da = grouped_mm_rows(dyd.view(g), dys, w2td, w2ts, routing, h.dtype)
-        del dy, dyd, dys, dytd, dyts
+        del dytd, dyts
         # the gating's backward: autograd's, on h (the single-rank path's bytes)
         (dh,) = torch.autograd.grad(a, leaf, da)
         del da, a
         dh = dh.contiguous()
         db1 = grouped_row_sums(dh, routing) if need_b1 else None
         dhd, dhs, dhtd, dhts = quantize_buffers(dh, cfg.grad, True, need_w1)
+        # each operand dropped once dead, before the next large output is allocated: dh's
+        # bf16 rows before dW1 (a parameter's size), its columnwise copy before W1.T
+        del dh
         dw1 = None
         if need_w1:
             dw1 = grouped_mm_weights(dhtd.view(g), dhts, xtd.view(act), xts, routing, w1.dtype)
             dw1 = dw1.transpose(1, 2).contiguous() if transposed else dw1
+        del dhtd, dhts
         dhidden = None
         if need_x:
             w1td, w1ts = expert_weight_buffers(w1, cfg.weight, transposed, False)

@@ -112,6 +112,44 @@ def test_weight_buffers_are_quantize_of_each_expert(transposed, rows):
             np.testing.assert_array_equal(s[e].numpy(), q.rowwise_scale_inv)
 
 
+@pytest.mark.parametrize("silu", [False, True])
+def test_backward_frees_the_input_gradients_operands_first(monkeypatch, silu):
+    """In each experts' backward pass W.T and dY's rowwise copy (the input gradient's
+    operands) are dead when the weight gradient runs, before its output (a parameter's size)
+    is allocated: eager CUDA hands their memory back at once (the caching allocator is
+    stream-ordered), so the pass peaks lower by their bytes. Checked through the operands'
+    base tensors' weak references, in the first projection and in the last node."""
+    import weakref
+    from fp8blk.torch.moe import grouped
+
+    def base(t):
+        while t._base is not None:
+            t = t._base
+        return t
+    last, checked = [], []
+    rows, weights = grouped.grouped_mm_rows, grouped.grouped_mm_weights
+
+    def rows_spy(a, a_scale, b, b_scale, *args):
+        last[:] = [weakref.ref(base(t)) for t in (a, a_scale, b, b_scale)]
+        return rows(a, a_scale, b, b_scale, *args)
+
+    def weights_spy(*args):
+        checked.append([r() is None for r in last])
+        return weights(*args)
+    monkeypatch.setattr(grouped, "grouped_mm_rows", rows_spy)
+    monkeypatch.setattr(grouped, "grouped_mm_weights", weights_spy)
+    torch.manual_seed(0)
+    r = route(routing_ids(150, 2, 4, "skewed"), 4)
+    h = permute(torch.randn(150, 256, dtype=torch.bfloat16), r)
+    w1 = torch.randn(4, 512 if silu else 256, 256, dtype=torch.bfloat16).requires_grad_()
+    w2 = torch.randn(4, 384, 256, dtype=torch.bfloat16).requires_grad_()
+    top = torch.rand(150, 2, dtype=torch.bfloat16).requires_grad_()
+    x = grouped_linear(h.requires_grad_(), w1, r)
+    out = grouped_linear_combine(x, w2, r, top, torch.bfloat16, silu_gated=silu)
+    out.backward(torch.randn_like(out))
+    assert checked == [[True] * 4] * 2, checked
+
+
 def test_bad_input():
     r = route(torch.zeros(4, 1, dtype=torch.int64), 2)
     x = torch.zeros(r.rows, 128)

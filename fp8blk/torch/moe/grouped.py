@@ -32,6 +32,7 @@ node traced through would keep no less.
 from __future__ import annotations
 
 import os
+
 import torch
 
 from ..config import HIGH_DTYPES, Float8BlockConfig, config_or_default, fp8_dtype

@@ -62,13 +62,6 @@ class Routing:
         self._sources = None
         self._pairs = None
 
-    @classmethod
-    def from_table(cls, dest, table, rows, tokens, top_k):
-        """The routing of a (3, E) table (starts, padded lengths, counts) and ``dest``, as a
-        torch custom op receives it (its tensors and ints); ``ids`` None."""
-        return cls(None, dest, table[0], table[2], table[1], rows, tokens, top_k,
-                   table.shape[1])
-
     def host(self):
         """``[(start, padded_length, count), ...]`` per expert, as Python ints."""
         if self._host is None:

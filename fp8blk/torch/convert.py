@@ -37,8 +37,10 @@ def convert_to_float8_block(model: torch.nn.Module, config: Float8BlockConfig = 
     (``Float8BlockLinear.keep_input``; the same bytes): attention output projections (an
     ``o_proj`` beside a ``q_proj`` or ``qkv_proj``, as in Hugging Face's Llama, Mistral, Qwen
     and Phi-3: its input is what scaled_dot_product_attention keeps for its own backward
-    pass) and the down projections of the swapped gated MLPs (their input kept as its formula
-    of the gate and up outputs, ``fp8blk.torch.mlp``). ``adapters``: PEFT adapters' layers
+    pass), the down projections of the swapped gated MLPs (their input kept as its formula
+    of the gate and up outputs, ``fp8blk.torch.mlp``) and the experts' first projections
+    (the tokens, which the router keeps, instead of their permuted copies:
+    ``fp8blk.torch.moe.convert_experts``). ``adapters``: PEFT adapters' layers
     (``lora_A``, ``lora_B``, the children a module names in ``adapter_layer_names``) are left
     as they are unless True; their frozen base layers are converted (``fp8blk.torch.report``).
     ``experts``: transformers' mixture-of-experts experts modules (3-D expert weights) run
@@ -111,7 +113,8 @@ def convert_to_float8_block(model: torch.nn.Module, config: Float8BlockConfig = 
         from .moe.experts import convert_experts
         convert_experts(model, config, None if not (module_filter_fn or skipped) else
                         lambda m, fqn: not inside(fqn, skipped) and (
-                            module_filter_fn is None or module_filter_fn(m, fqn)))
+                            module_filter_fn is None or module_filter_fn(m, fqn)),
+                        keep_input=keep_inputs)
     if keep_inputs:
         _set_keep_inputs(model, module_filter_fn, skipped)
     if share_quantize:

@@ -37,7 +37,8 @@ from torch.utils.checkpoint import checkpoint
 from ..config import Float8BlockConfig, config_or_default
 from ..mlp import is_silu, silu_gate
 from . import grouped
-from .grouped import check_experts_config, grouped_linear, grouped_linear_combine
+from .grouped import (check_experts_config, grouped_linear, grouped_linear_combine,
+                      permute_grouped_linear)
 from .routing import combine, permute, route
 
 NAME = "fp8blk"
@@ -94,6 +95,15 @@ def _keeps_zero(module) -> bool:
     return bool((out == 0).all())
 
 
+def _keeps_tokens(module, hidden, routing) -> bool:
+    """Whether the first projection keeps the tokens (T, H) for its weight gradient instead
+    of the permuted rows' columnwise FP8 copy (``grouped.permute_grouped_linear``): where the
+    converter's ``keep_inputs`` asked for it and the tokens take no more bytes than that copy
+    (top-k >= 2 in bf16; the router, reading the same tokens, keeps them anyway)."""
+    return (module.__dict__.get("fp8blk_keep_input", False)
+            and hidden.element_size() * routing.tokens <= routing.rows)
+
+
 def gate(module, h: torch.Tensor, routing) -> torch.Tensor:
     """The module's gating (or activation) of the first projection's output ``h`` (rows, 2I
     or I) in the padded layout: transformers' default SiLU gating as ``silu_gate``, else the
@@ -130,8 +140,13 @@ def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tens
     routing = route(top_k_index, module.num_experts)
     if routing.rows == 0:
         return hidden_states.new_zeros(hidden_states.shape)
-    x = permute(hidden_states, routing)
-    h = _project(x, module, "gate_up_proj" if module.has_gate else "up_proj", routing, cfg)
+    first = "gate_up_proj" if module.has_gate else "up_proj"
+    if _keeps_tokens(module, hidden_states, routing):
+        h = permute_grouped_linear(hidden_states, getattr(module, first), routing, cfg,
+                                   bias=expert_bias(module, first),
+                                   transposed=module.is_transposed)
+    else:
+        h = _project(permute(hidden_states, routing), module, first, routing, cfg)
     if torch.compiler.is_compiling():
         # compiled, the rest runs as separate nodes (the fused node traced through would keep
         # no less: its recomputation reads saved tensors alone, so the partitioner moves it
@@ -184,11 +199,15 @@ def is_experts_module(module: torch.nn.Module) -> bool:
 
 
 def convert_experts(model: torch.nn.Module, config: Float8BlockConfig = None,
-                    module_filter_fn=None) -> list:
+                    module_filter_fn=None, *, keep_input: bool = False) -> list:
     """Run every transformers experts module inside ``model`` (:func:`is_experts_module`)
     through fp8blk's grouped FP8 GEMMs, in place; ``module_filter_fn(module, fqn) -> bool``
     chooses which. Parameters and state dict are unchanged. Returns the converted modules'
-    names. A module converted before with another config raises a ValueError naming it."""
+    names. A module converted before with another config raises a ValueError naming it.
+    ``keep_input``: the first projection keeps the tokens instead of the permuted rows'
+    columnwise FP8 copy where they take no more bytes (the same bytes out;
+    ``grouped.permute_grouped_linear``); ``convert_to_float8_block``'s ``keep_inputs`` sets
+    it."""
     config = config_or_default(config, "convert_experts")
     found = [(fqn, m) for fqn, m in model.named_modules() if is_experts_module(m)]
     if not found:
@@ -207,6 +226,7 @@ def convert_experts(model: torch.nn.Module, config: Float8BlockConfig = None,
         m.fp8blk_config = config
         m.fp8blk_zero_rows = _keeps_zero(m)
         m.fp8blk_silu_gate = _silu_gated(m)
+        m.fp8blk_keep_input = bool(keep_input)
         converted.append(fqn)
     for hf_config, modules in configs.values():
         previous = hf_config._experts_implementation

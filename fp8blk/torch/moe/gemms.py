@@ -46,7 +46,8 @@ from .. import _cublaslt
 from ..config import HIGH_DTYPES, fp8_dtype
 from ..linear.functional import add_bias, quantize_buffers
 from ..scaled_mm import blockwise_scaled_mm
-from .routing import ALIGN, Routing, host_table, tile_experts
+from .routing import ALIGN, Routing, gather_rows, host_table, tile_experts
+from ...formats import recipe_from_key, recipe_key
 from ...layout import all_layouts, cdiv
 
 _compiling = torch.compiler.is_compiling
@@ -327,6 +328,30 @@ def _weights_fake(a_t, a_t_scale, b_t, b_t_scale, table, out_dtype):
     return a_t.new_empty((table.shape[1], a_t.shape[0], b_t.shape[0]), dtype=out_dtype)
 
 
+def _weights_tokens_impl(a_t, a_t_scale, hidden, sources, recipe, out_dtype, table, host):
+    """:func:`grouped_mm_weights` with b_t the columnwise buffers of the tokens' permuted
+    rows ``gather_rows(hidden, sources)``, quantized here."""
+    b_t, b_t_scale = quantize_buffers(gather_rows(hidden, sources), recipe, False, True)[2:]
+    return _weights_impl(a_t, a_t_scale, b_t.view(fp8_dtype(recipe.fmt)), b_t_scale,
+                         out_dtype, table, host)
+
+
+# the permuted rows' quantization inside the op that reads dY: as an op of its own, reading
+# forward inputs alone, the partitioner would run it in the forward pass and keep its output
+# (fp8blk.torch.linear.compiled's linear_bwd_x, for the same reason)
+@torch.library.custom_op("fp8blk::grouped_mm_weights_tokens", mutates_args=())
+def _weights_tokens_op(a_t: torch.Tensor, a_t_scale: torch.Tensor, hidden: torch.Tensor,
+                       sources: torch.Tensor, recipe: str, table: torch.Tensor,
+                       out_dtype: torch.dtype) -> torch.Tensor:
+    return _weights_tokens_impl(a_t, a_t_scale, hidden, sources, recipe_from_key(recipe),
+                                out_dtype, table, lambda: host_table(table))
+
+
+@_weights_tokens_op.register_fake
+def _weights_tokens_fake(a_t, a_t_scale, hidden, sources, recipe, table, out_dtype):
+    return a_t.new_empty((table.shape[1], a_t.shape[0], hidden.shape[1]), dtype=out_dtype)
+
+
 @torch.library.custom_op("fp8blk::grouped_row_sums", mutates_args=())
 def _row_sums_op(dy: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return _row_sums_impl(dy, host_table(table))
@@ -360,6 +385,19 @@ def grouped_mm_weights(a_t, a_t_scale, b_t, b_t_scale, routing: Routing, out_dty
     return _weights_impl(a_t, a_t_scale, b_t, b_t_scale, out_dtype, routing.table, routing.host)
 
 
+def grouped_mm_weights_tokens(a_t, a_t_scale, hidden, recipe, routing: Routing, out_dtype):
+    """:func:`grouped_mm_weights` with ``b_t`` made from the tokens: ``hidden`` (T, K) permuted
+    into the padded layout (``routing.permute``'s rows) and quantized columnwise with
+    ``recipe`` (the bytes ``fb.quantize`` gives those rows), inside the call. (E, N, K)."""
+    if _compiling():
+        return torch.ops.fp8blk.grouped_mm_weights_tokens(a_t, a_t_scale, hidden,
+                                                          routing.sources(),
+                                                          recipe_key(recipe), routing.table,
+                                                          out_dtype)
+    return _weights_tokens_impl(a_t, a_t_scale, hidden, routing.sources(), recipe, out_dtype,
+                                routing.table, routing.host)
+
+
 def grouped_row_sums(dy, routing: Routing):
     """(E, N): each expert's routed rows of ``dy`` (rows, N) summed (a bias gradient, summed
     as the dense layer sums it)."""
@@ -369,4 +407,4 @@ def grouped_row_sums(dy, routing: Routing):
 
 
 __all__ = ["expert_weight_buffers", "expert_weight_both", "grouped_mm_rows", "grouped_mm_weights",
-           "grouped_row_sums", "packed_row_scales"]
+           "grouped_mm_weights_tokens", "grouped_row_sums", "packed_row_scales"]

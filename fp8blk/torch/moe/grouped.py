@@ -39,8 +39,8 @@ from ..config import HIGH_DTYPES, Float8BlockConfig, config_or_default, fp8_dtyp
 from ..linear.functional import quantize_buffers
 from ..mlp import silu_gate_backward_cat, silu_gate_forward
 from .gemms import (expert_weight_both, expert_weight_buffers, grouped_mm_rows, grouped_mm_weights,
-                    grouped_row_sums)
-from .routing import Routing, combine
+                    grouped_mm_weights_tokens, grouped_row_sums)
+from .routing import Routing, combine, permute_backward, permute_forward
 from ...formats import recipe_kind
 from ...kernels.weighted_rows import serves as weighted_rows_serves, weighted_rows
 
@@ -75,13 +75,14 @@ def _forward(x, weight, bias, routing, cfg, transposed, out_dtype, columns):
 
 
 def _backward(operands, xt_d, xt_s, weight, routing, cfg, transposed, x_dtype, needs,
-              has_bias):
+              has_bias, tokens=None):
     """(dx, dW, dbias) of the experts' linear layer. ``operands``: a list [dy (rows, N), W's
     transposed operand or None] that this function empties, so that where the caller keeps no
     other reference each is freed once dead (dy after its quantization; W.T, with dy's
     rowwise copy, after the input gradient, before dW, a parameter's size, is allocated);
     ``needs``: whether x, W and the bias want their gradients; xt_d, xt_s: x's columnwise
-    buffers (for dW)."""
+    buffers (for dW), or ``tokens`` (T, K): x is their permuted rows, quantized inside dW's
+    call (``gemms.grouped_mm_weights_tokens``)."""
     dy, w_t = operands
     operands.clear()
     need_dgrad, need_wgrad, need_dbias = needs
@@ -100,8 +101,13 @@ def _backward(operands, xt_d, xt_s, weight, routing, cfg, transposed, x_dtype, n
         dx = grouped_mm_rows(qdy[0].view(g), qdy[1], wd, ws, routing, x_dtype)
         wd = ws = qdy[0] = qdy[1] = None
     if need_wgrad:
-        dw = grouped_mm_weights(qdy[2].view(g), qdy[3], xt_d.view(fp8_dtype(cfg.activation.fmt)),
-                                xt_s, routing, weight.dtype)
+        if tokens is not None:
+            dw = grouped_mm_weights_tokens(qdy[2].view(g), qdy[3], tokens, cfg.activation,
+                                           routing, weight.dtype)
+        else:
+            dw = grouped_mm_weights(qdy[2].view(g), qdy[3],
+                                    xt_d.view(fp8_dtype(cfg.activation.fmt)), xt_s, routing,
+                                    weight.dtype)
         if transposed:
             dw = dw.transpose(1, 2).contiguous()
     return dx, dw, dbias
@@ -126,6 +132,38 @@ class _GroupedLinearFn(torch.autograd.Function):
         dx, dw, dbias = _backward([dy, None], xt_d, xt_s, weight, ctx.routing, ctx.cfg,
                                   ctx.transposed, ctx.x_dtype, ctx.needs_input_grad[:3],
                                   ctx.has_bias)
+        return dx, dw, dbias, None, None, None, None, None
+
+
+class _PermuteLinearFn(torch.autograd.Function):
+    """``permute`` and the experts' linear layer in one node, keeping the tokens' rows
+    (T, K) instead of the permuted rows' columnwise FP8 copy (routing.rows, K): the forward
+    pass quantizes the permuted rows rowwise only, the backward pass permutes the tokens again
+    and quantizes them columnwise (the forward's bytes: the same rows, the same recipe) inside
+    dW's call, and returns the tokens' gradient as ``permute``'s backward sums it."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, routing, cfg, transposed, out_dtype, grad_enabled):
+        x = permute_forward(hidden, routing)
+        y, _ = _forward(x, weight, bias, routing, cfg, transposed, out_dtype, False)
+        # saved: the tokens (what the router keeps for its own gradient) and W (a parameter)
+        ctx.save_for_backward(hidden if grad_enabled and weight.requires_grad else None,
+                              weight)
+        ctx.routing, ctx.cfg, ctx.transposed, ctx.x_dtype = routing, cfg, transposed, x.dtype
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        hidden, weight = ctx.saved_tensors
+        routing, cfg = ctx.routing, ctx.cfg
+        need_dgrad, need_wgrad, need_dbias = ctx.needs_input_grad[:3]
+        dx, dw, dbias = _backward([dy, None], None, None, weight, routing, cfg, ctx.transposed,
+                                  ctx.x_dtype, (need_dgrad, need_wgrad, need_dbias),
+                                  ctx.has_bias, tokens=hidden)
+        if dx is not None:
+            dx = permute_backward(dx, routing)
         return dx, dw, dbias, None, None, None, None, None
 
 
@@ -256,28 +294,28 @@ def _combine_backward(dout, y, w, routing, y_dtype, need_rows):
     return dy, dw
 
 
-def _checked(x, weight, routing, config, bias, transposed, where):
+def _checked(x_shape, x_dtype, device, weight, routing, config, bias, transposed, where):
     """The config (default filled in) and the output dtype of the experts' linear layer, after
-    checking the arguments' shapes and dtypes (:func:`grouped_linear`)."""
+    checking the arguments' shapes and dtypes (:func:`grouped_linear`; x's shape, dtype and
+    device type given)."""
     config = config_or_default(config, where)
     check_experts_config(config, where)
     if weight.dim() != 3 or weight.shape[0] != routing.num_experts:
         raise ValueError(f"{where}: weight must be ({routing.num_experts}, out, in), got "
                          f"shape {tuple(weight.shape)}")
     k = weight.shape[1] if transposed else weight.shape[2]
-    if x.dim() != 2 or x.shape != (routing.rows, k):
+    if tuple(x_shape) != (routing.rows, k):
         raise ValueError(f"{where}: x must be ({routing.rows}, {k}) (the padded layout "
-                         f"of the routing), got shape {tuple(x.shape)}")
-    if x.dtype not in HIGH_DTYPES:
+                         f"of the routing), got shape {tuple(x_shape)}")
+    if x_dtype not in HIGH_DTYPES:
         raise TypeError(f"{where}: x dtype must be float32, bfloat16 or float16, got "
-                        f"{x.dtype}")
+                        f"{x_dtype}")
     n = weight.shape[2] if transposed else weight.shape[1]
     if bias is not None and tuple(bias.shape) != (routing.num_experts, n):
         raise ValueError(f"{where}: bias must be ({routing.num_experts}, {n}), got "
                          f"shape {tuple(bias.shape)}")
-    device = x.device.type
     out_dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
-                 else x.dtype)
+                 else x_dtype)
     return config, out_dtype
 
 
@@ -292,10 +330,41 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, routing: Routing,
     or None, added to each expert's routed rows. Returns (routing.rows, N) in x's dtype (the
     autocast dtype under ``torch.autocast``), padding rows zero; dW in the weight's dtype,
     zero for an expert without rows."""
-    config, out_dtype = _checked(x, weight, routing, config, bias, transposed,
-                                 "grouped_linear")
+    config, out_dtype = _checked(x.shape, x.dtype, x.device.type, weight, routing, config,
+                                 bias, transposed, "grouped_linear")
     return _GroupedLinearFn.apply(x, weight, bias, routing, config, bool(transposed), out_dtype,
                                   torch.is_grad_enabled())
+
+
+def permute_grouped_linear(hidden: torch.Tensor, weight: torch.Tensor, routing: Routing,
+                           config: Float8BlockConfig = None, *, bias: torch.Tensor = None,
+                           transposed: bool = False):
+    """``grouped_linear(permute(hidden, routing), weight, routing, config, bias=bias,
+    transposed=transposed)`` with the same bytes forward and backward (y, d hidden, d W,
+    d bias), keeping ``hidden`` (T, K) for the weight gradient instead of the permuted rows'
+    columnwise FP8 copy (routing.rows x K bytes and its scales): the rows are permuted and
+    quantized again in the backward pass (:class:`_PermuteLinearFn`). Fewer bytes wherever
+    hidden is kept anyway (a router reading the same tokens keeps them for its own gradient)
+    or ``hidden.element_size() * T <= routing.rows`` (top-k >= 2 in bf16). ``hidden`` (T, K)
+    float32/bfloat16/float16; the rest as :func:`grouped_linear`; returns (routing.rows, N).
+
+        import torch
+        from fp8blk.torch.moe.routing import route
+        from fp8blk.torch.moe.grouped import permute_grouped_linear
+        r = route(torch.randint(0, 4, (64, 2)), num_experts=4)
+        hidden = torch.randn(64, 256, requires_grad=True)
+        w = torch.randn(4, 384, 256, requires_grad=True)
+        permute_grouped_linear(hidden, w, r).sum().backward()      # y (r.rows, 384)
+    """
+    if hidden.dim() != 2 or hidden.shape[0] != routing.tokens:
+        raise ValueError(f"permute_grouped_linear: hidden must be ({routing.tokens}, K), got "
+                         f"shape {tuple(hidden.shape)}")
+    config, out_dtype = _checked((routing.rows, hidden.shape[1]), hidden.dtype,
+                                 hidden.device.type, weight, routing, config, bias, transposed,
+                                 "permute_grouped_linear")
+    routing.sources()       # the gather's rows, made (once per routing) outside the node
+    return _PermuteLinearFn.apply(hidden, weight, bias, routing, config, bool(transposed),
+                                  out_dtype, torch.is_grad_enabled())
 
 
 def grouped_linear_combine(x: torch.Tensor, weight: torch.Tensor, routing: Routing,
@@ -317,11 +386,12 @@ def grouped_linear_combine(x: torch.Tensor, weight: torch.Tensor, routing: Routi
         raise ValueError(f"grouped_linear_combine: a SiLU-gated input is (rows, 2K), got "
                          f"shape {tuple(x.shape)}")
     gated = x[:, :x.shape[1] // 2] if silu_gated else x    # the shape the projection takes
-    config, out_dtype = _checked(gated, weight, routing, config, bias, transposed,
-                                 "grouped_linear_combine")
+    config, out_dtype = _checked(gated.shape, gated.dtype, gated.device.type, weight, routing,
+                                 config, bias, transposed, "grouped_linear_combine")
     return _LinearCombineFn.apply(x, weight, bias, top_k_weights, routing, config,
                                   bool(transposed), out_dtype, dtype, torch.is_grad_enabled(),
                                   bool(silu_gated))
 
 
-__all__ = ["grouped_linear", "grouped_linear_combine", "check_experts_config"]
+__all__ = ["grouped_linear", "grouped_linear_combine", "permute_grouped_linear",
+           "check_experts_config"]

@@ -148,24 +148,43 @@ def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
                    top_k, num_experts)
 
 
+def gather_rows(hidden: torch.Tensor, sources: torch.Tensor) -> torch.Tensor:
+    """(len(sources), H): row i is ``hidden[sources[i]]``, zeros where ``sources[i]`` is T
+    (``Routing.sources``: a padding row). One gather writes every row (a padding row reads an
+    appended zero row), instead of zeroing the rows, copying each token k times and
+    scattering the copies."""
+    return torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])[sources]
+
+
+def _token_sums(grad, dest, tokens, top_k):
+    # each token's k rows summed in one reduction (fp32 inside, one rounding): the order is
+    # fixed, unlike an index_add's atomics
+    return grad[dest].view(tokens, top_k, grad.shape[-1]).sum(1)
+
+
+def permute_forward(hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """:func:`permute`'s output without autograd: (routing.rows, H) in hidden's dtype."""
+    return gather_rows(hidden, routing.sources())
+
+
+def permute_backward(grad: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """:func:`permute`'s input gradient, (T, H), from the padded rows' gradient ``grad``
+    (routing.rows, H): each token's k rows summed (padding rows read by no token)."""
+    return _token_sums(grad, routing.dest, routing.tokens, routing.top_k)
+
+
 class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, dest, sources, top_k):
-        tokens, width = hidden.shape
-        # one gather writes every padded row (a padding row reads the appended zero row),
-        # instead of zeroing the rows, copying each token k times and scattering the copies
-        out = torch.cat([hidden, hidden.new_zeros(1, width)])[sources]
         ctx.save_for_backward(dest)
-        ctx.shape = (tokens, top_k, width)
-        return out
+        ctx.shape = (hidden.shape[0], top_k)
+        return gather_rows(hidden, sources)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         (dest,) = ctx.saved_tensors
-        # each token's k rows summed in one reduction (fp32 inside, one rounding): the order
-        # is fixed, unlike an index_add's atomics
-        return grad[dest].view(ctx.shape).sum(1), None, None, None
+        return _token_sums(grad, dest, *ctx.shape), None, None, None
 
 
 def permute(hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -204,4 +223,4 @@ def weighted_sum(picked: torch.Tensor, top_k_weights: torch.Tensor, dtype):
 
 
 __all__ = ["ALIGN", "Routing", "route", "padded_rows", "host_table", "tile_experts", "permute",
-           "combine", "weighted_sum"]
+           "gather_rows", "permute_forward", "permute_backward", "combine", "weighted_sum"]

@@ -360,3 +360,81 @@ def test_combine_node_traced_equals_eager(silu):
     for i, (a, b) in enumerate(zip(*traced_combine_node("cpu", silu))):
         assert a.any(), i
         assert torch.equal(a.view(torch.int16), b.view(torch.int16)), i
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_keep_input_model_equals_and_keeps_the_tokens(name):
+    """``keep_input`` (convert_to_float8_block's ``keep_inputs``): the first projection keeps
+    the tokens, which the router keeps anyway, instead of the permuted rows' columnwise FP8
+    copy; a whole model's loss and every gradient equal the unkept path's byte for byte
+    (gpt-oss: transposed weights and biases), and each experts block keeps exactly that
+    copy's bytes fewer (with permute's index, which the routing holds). Where the tokens
+    would take more bytes than the copy (top-1, few padding rows) the copy is kept."""
+    model = tiny_model(name)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias"):
+                p.normal_()
+    convert_experts(model)
+    keep = copy.deepcopy(model)
+    convert_experts(keep, keep_input=True)
+    ids = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(0))
+    ref_loss, ref_grads = _step(model, ids)
+    loss, grads = _step(keep, ids)
+    assert _same_bytes(loss, ref_loss)
+    for n, g in grads.items():
+        assert _same_bytes(g, ref_grads[n]), n
+    from fp8blk.torch.moe import route
+    module = [m for m in keep.modules() if is_experts_module(m)][0]
+    width = module.config.hidden_size
+    for top_k in (2, 1):
+        # top-1, 4000 tokens to one expert: the padded layout (4000 + 127 E rows, its bound)
+        # takes fewer bytes than the tokens
+        tokens = 200 if top_k == 2 else 4000
+        idx = (routing_ids(tokens, 2, module.num_experts, "balanced") if top_k == 2 else
+               torch.zeros((tokens, 1), dtype=torch.int64))
+        h = torch.randn(tokens, width, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.rand(tokens, top_k, dtype=torch.bfloat16, requires_grad=True)
+        kept = []
+        for flag in (False, True):
+            module.fp8blk_keep_input = flag
+            kept.append(_saved_storage_bytes(lambda: module(h, idx, w)))
+        r = route(idx, module.num_experts)
+        columnwise = r.rows * width + cdiv(r.rows, 128) * round_up(width, 4) * 4
+        # the tokens are an input here: counted only where the first projection keeps them
+        assert kept[0] - kept[1] == (columnwise + r.dest.nbytes - h.nbytes
+                                     if top_k == 2 else 0), (top_k, kept)
+
+
+def test_keep_input_compiled_keeps_the_tokens():
+    """Under inductor the permuted rows' columnwise quantization runs inside the weight
+    gradient's op (``fp8blk::grouped_mm_weights_tokens``), in the backward pass: the compiled
+    block keeps fewer bytes than without ``keep_input`` (as an op of its own the
+    partitioner would run it in the forward pass and keep its output), with the same output
+    and gradients, byte for byte."""
+    model = tiny_model("qwen3_moe")
+    convert_experts(model)
+    block = model.model.layers[0].mlp
+    module = block.experts
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    x = torch.randn(1, 300, 256, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+    got, kept = [], []
+    for flag in (False, True):
+        module.fp8blk_keep_input = flag
+        torch._dynamo.reset()
+        fn = torch.compile(block, fullgraph=True)
+        xx = x.clone().requires_grad_()
+        fn(xx)                                           # compiles, outside the count
+        out, seen = saved_storages(lambda: fn(xx))
+        y = out[0] if isinstance(out, tuple) else out
+        y.backward(torch.ones_like(y))
+        kept.append(sum(n for ptr, n in seen.items() if ptr not in params))
+        got.append([y, xx.grad] + [p.grad for p in block.parameters()])
+        block.zero_grad(set_to_none=True)
+    for i, (a, b) in enumerate(zip(*got)):
+        assert a.any() and _same_bytes(a, b), i
+    tokens = 300
+    from fp8blk.torch.moe import route
+    r = route(routing_ids(tokens, 2, module.num_experts, "balanced"), module.num_experts)
+    # at least the copy's data (one byte a padded row's element) less the tokens' bf16
+    assert kept[0] - kept[1] >= r.rows * 256 - tokens * 256 * 2, kept

@@ -2,7 +2,8 @@
 gradients equal the dense float8_block_linear on its padded segment byte for byte (the same
 operands and GEMMs), empty experts get zero weight gradients, the per-expert weight buffers
 are fb.quantize's, the down projection fused with the combine (grouped_linear_combine) gives
-the two-node path's bytes forward and backward, and bad input raises."""
+the two-node path's bytes forward and backward, as does permute fused with the first
+projection (permute_grouped_linear, keeping the tokens), and bad input raises."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,7 +15,10 @@ import fp8blk as fb  # noqa: E402
 from fp8blk.torch import Float8BlockConfig, float8_block_linear  # noqa: E402
 from fp8blk.torch.moe import combine, grouped_linear, permute, route  # noqa: E402
 from fp8blk.torch.moe.gemms import expert_weight_both, expert_weight_buffers  # noqa: E402
-from fp8blk.torch.moe.grouped import grouped_linear_combine  # noqa: E402
+from fp8blk.torch.moe.grouped import grouped_linear_combine, permute_grouped_linear  # noqa: E402
+from fp8blk.layout import cdiv, round_up  # noqa: E402
+
+from .._parity import saved_storages  # noqa: E402
 
 from ._reference import routing_ids  # noqa: E402
 
@@ -93,6 +97,46 @@ def test_linear_combine_equals_the_two_nodes(transposed, bias, n, w_dtype):
         got.append([out, x.grad, w.grad, tw.grad] + ([b.grad] if bias else []))
     for i, (a, b) in enumerate(zip(*got)):
         assert _same_bytes(a, b), i
+
+
+@pytest.mark.parametrize("kind,transposed,bias,dtype", [
+    ("balanced", False, False, torch.bfloat16), ("skewed", True, True, torch.bfloat16),
+    ("tiny", False, True, torch.float32)])
+def test_permute_linear_equals_the_two_nodes(kind, transposed, bias, dtype):
+    """permute_grouped_linear gives grouped_linear(permute(...))'s bytes: y, the tokens'
+    gradient, dW and d bias (rows and columns spanning orders of magnitude, empty and
+    sub-128 experts), and keeps the tokens themselves, not the permuted rows' columnwise FP8 copy:
+    exactly that copy's bytes (data and 128x1 scales) fewer, the tokens' storage among what
+    it keeps (with permute's index, which the routing holds)."""
+    tokens, top_k, experts, k, n = 150, 2, 4, 256, 384
+    r = route(routing_ids(tokens, top_k, experts, kind), experts)
+    torch.manual_seed(2)
+    # rows and columns spanning orders of magnitude (any padding row not zero would move
+    # some 128x1 block's scale)
+    h0 = (torch.randn(tokens, k) * torch.logspace(-3, 3, k)
+          * torch.logspace(-2, 2, tokens).unsqueeze(1)).to(dtype)
+    w0 = torch.randn((experts, k, n) if transposed else (experts, n, k), dtype=torch.bfloat16)
+    b0 = torch.randn(experts, n, dtype=torch.bfloat16) if bias else None
+    dy = torch.randn(r.rows, n, dtype=dtype) * r.valid_rows().unsqueeze(-1)
+    got, kept = [], []
+    for fused in (False, True):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        b = b0.clone().requires_grad_() if bias else None
+        if fused:
+            y, seen = saved_storages(lambda: permute_grouped_linear(
+                h, w, r, bias=b, transposed=transposed))
+            assert h.untyped_storage().data_ptr() in seen
+        else:
+            y, seen = saved_storages(lambda: grouped_linear(permute(h, r), w, r, bias=b,
+                                                            transposed=transposed))
+        kept.append(sum(seen.values()))
+        y.backward(dy)
+        got.append([y, h.grad, w.grad] + ([b.grad] if bias else []))
+    for i, (a, b) in enumerate(zip(*got)):
+        assert a.any() and _same_bytes(a, b), i
+    # the two nodes keep the copy and permute's index (dest), the one node the tokens
+    columnwise = r.rows * k + cdiv(r.rows, 128) * round_up(k, 4) * 4
+    assert kept[0] - kept[1] == columnwise + r.dest.nbytes - h0.nbytes, kept
 
 
 @pytest.mark.parametrize("transposed", [False, True])

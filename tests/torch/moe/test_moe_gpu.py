@@ -4,7 +4,8 @@ on those operands and the dense float8_block_linear on its segment, at balanced,
 (empty and >128-row experts) and tiny routings; a tiny Qwen3-MoE and gpt-oss on CUDA against
 the per-expert dense loop (within the bound of a reordered fp32 sum: the loop's GEMMs run on
 unpadded row counts, for which cuBLASLt may choose another algorithm); a converted block
-captured in a CUDA graph, replayed equal to eager."""
+captured in a CUDA graph, replayed equal to eager; the first projection keeping the tokens
+(``keep_input``) equal to the block without it."""
 from __future__ import annotations
 
 import copy
@@ -204,7 +205,38 @@ def test_combine_node_traced_on_cuda(silu):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16)), i
 
 
-def test_converted_block_in_a_cuda_graph():
+@pytest.mark.parametrize("experts", [4, 128])
+def test_keep_input_on_cuda_equals(experts):
+    """``keep_input`` (the first projection keeps the tokens; the permuted rows quantized
+    columnwise in the backward pass, inside the weight gradient's op when compiled) on CUDA:
+    output, input and every parameter gradient byte-equal to the block without it, eager and
+    compiled (inductor, fullgraph), on the per-expert loop (4 experts) and the one-launch
+    GEMMs (128)."""
+    model = tiny_model("qwen3_moe", device="cuda", num_experts=experts)
+    convert_experts(model)
+    block = model.model.layers[0].mlp
+    x = torch.randn(1, 700, 256, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(1, 700, 256, device="cuda", dtype=torch.bfloat16)
+    for compiled in (False, True):
+        outs = []
+        for keep in (False, True):
+            block.experts.fp8blk_keep_input = keep
+            torch._dynamo.reset()
+            fn = torch.compile(block, fullgraph=True) if compiled else block
+            xx = x.clone().requires_grad_()
+            y = fn(xx)
+            y = y[0] if isinstance(y, tuple) else y
+            y.backward(g)
+            outs.append([y, xx.grad] + [p.grad.clone() for p in block.parameters()])
+            for p in block.parameters():
+                p.grad = None
+        for i, (a, b) in enumerate(zip(*outs)):
+            assert a.any() and torch.equal(a.view(torch.int16), b.view(torch.int16)), \
+                (compiled, i)
+
+
+@pytest.mark.parametrize("keep_input", [False, True])
+def test_converted_block_in_a_cuda_graph(keep_input):
     """A converted Qwen3-MoE block (its router, the experts on the one-launch grouped GEMMs)
     forward and backward captured in one CUDA graph: no step of it synchronizes with the host.
     Replayed on new inputs, which route differently, its output and every gradient equal
@@ -214,7 +246,7 @@ def test_converted_block_in_a_cuda_graph():
     prev = grouped_gemm.set_policy("always")
     try:
         model = tiny_model("qwen3_moe", device="cuda")
-        convert_experts(model)
+        convert_experts(model, keep_input=keep_input)
         block = model.model.layers[0].mlp
         params = list(block.parameters())
         x = torch.randn(1, 300, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -359,6 +359,10 @@ def permute_grouped_linear(hidden: torch.Tensor, weight: torch.Tensor, routing: 
     if hidden.dim() != 2 or hidden.shape[0] != routing.tokens:
         raise ValueError(f"permute_grouped_linear: hidden must be ({routing.tokens}, K), got "
                          f"shape {tuple(hidden.shape)}")
+    k = weight.shape[1 if transposed else 2] if weight.dim() == 3 else None
+    if k is not None and hidden.shape[1] != k:
+        raise ValueError(f"permute_grouped_linear: hidden has {hidden.shape[1]} features, the "
+                         f"weight {tuple(weight.shape)} takes {k}")
     config, out_dtype = _checked((routing.rows, hidden.shape[1]), hidden.dtype,
                                  hidden.device.type, weight, routing, config, bias, transposed,
                                  "permute_grouped_linear")

@@ -207,6 +207,15 @@ def test_bad_input():
         grouped_linear(x, torch.zeros(2, 128, 128), r, Float8BlockConfig.mxfp8())
     with pytest.raises(TypeError, match="dtype"):
         grouped_linear(x.to(torch.int32), torch.zeros(2, 128, 128), r)
+    tokens = torch.zeros(4, 128)
+    with pytest.raises(ValueError, match=r"hidden must be \(4, K\)"):
+        permute_grouped_linear(x, torch.zeros(2, 128, 128), r)
+    with pytest.raises(ValueError, match="hidden has 128 features"):
+        permute_grouped_linear(tokens, torch.zeros(2, 128, 256), r)
+    with pytest.raises(TypeError, match="dtype"):
+        permute_grouped_linear(tokens.to(torch.int32), torch.zeros(2, 128, 128), r)
+    with pytest.raises(ValueError, match="weight must be"):
+        permute_grouped_linear(tokens, torch.zeros(3, 128, 128), r)
 
 
 @pytest.mark.parametrize("kt,experts", [(3, 6), (1, 9), (16, 5)])

@@ -114,57 +114,44 @@ def _backward(operands, xt_d, xt_s, weight, routing, cfg, transposed, x_dtype, n
 
 
 class _GroupedLinearFn(torch.autograd.Function):
+    """The experts' linear layer on the padded rows x; with ``permuted``, x is the tokens
+    (T, K) and ``permute`` runs in the node too, which keeps the tokens instead of the
+    permuted rows' columnwise FP8 copy (routing.rows, K): the forward pass quantizes the
+    permuted rows rowwise only, the backward pass permutes the tokens again and quantizes
+    them columnwise (the forward's bytes: the same rows, the same recipe) inside dW's call,
+    and returns the tokens' gradient as ``permute``'s backward sums it."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, routing, cfg, transposed, out_dtype, grad_enabled):
+    def forward(ctx, x, weight, bias, routing, cfg, transposed, out_dtype, grad_enabled,
+                permuted):
         need_wgrad = grad_enabled and weight.requires_grad
-        y, qx = _forward(x, weight, bias, routing, cfg, transposed, out_dtype, need_wgrad)
-        # saved: x's columnwise FP8 buffers and W (a parameter: held anyway)
-        ctx.save_for_backward(qx[2] if need_wgrad else None,
-                              qx[3] if need_wgrad else None, weight)
+        rows = permute_forward(x, routing) if permuted else x
+        y, qx = _forward(rows, weight, bias, routing, cfg, transposed, out_dtype,
+                         need_wgrad and not permuted)
+        # saved: x's columnwise FP8 buffers, or the tokens (what the router keeps for its own
+        # gradient); W (a parameter: held anyway)
+        if permuted:
+            ctx.save_for_backward(x if need_wgrad else None, None, weight)
+        else:
+            ctx.save_for_backward(qx[2] if need_wgrad else None,
+                                  qx[3] if need_wgrad else None, weight)
         ctx.routing, ctx.cfg, ctx.transposed, ctx.x_dtype = routing, cfg, transposed, x.dtype
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.permuted = bias is not None, permuted
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         xt_d, xt_s, weight = ctx.saved_tensors
+        tokens = None
+        if ctx.permuted:
+            tokens, xt_d = xt_d, None
         dx, dw, dbias = _backward([dy, None], xt_d, xt_s, weight, ctx.routing, ctx.cfg,
                                   ctx.transposed, ctx.x_dtype, ctx.needs_input_grad[:3],
-                                  ctx.has_bias)
-        return dx, dw, dbias, None, None, None, None, None
-
-
-class _PermuteLinearFn(torch.autograd.Function):
-    """``permute`` and the experts' linear layer in one node, keeping the tokens' rows
-    (T, K) instead of the permuted rows' columnwise FP8 copy (routing.rows, K): the forward
-    pass quantizes the permuted rows rowwise only, the backward pass permutes the tokens again
-    and quantizes them columnwise (the forward's bytes: the same rows, the same recipe) inside
-    dW's call, and returns the tokens' gradient as ``permute``'s backward sums it."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, routing, cfg, transposed, out_dtype, grad_enabled):
-        x = permute_forward(hidden, routing)
-        y, _ = _forward(x, weight, bias, routing, cfg, transposed, out_dtype, False)
-        # saved: the tokens (what the router keeps for its own gradient) and W (a parameter)
-        ctx.save_for_backward(hidden if grad_enabled and weight.requires_grad else None,
-                              weight)
-        ctx.routing, ctx.cfg, ctx.transposed, ctx.x_dtype = routing, cfg, transposed, x.dtype
-        ctx.has_bias = bias is not None
-        return y
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dy):
-        hidden, weight = ctx.saved_tensors
-        routing, cfg = ctx.routing, ctx.cfg
-        need_dgrad, need_wgrad, need_dbias = ctx.needs_input_grad[:3]
-        dx, dw, dbias = _backward([dy, None], None, None, weight, routing, cfg, ctx.transposed,
-                                  ctx.x_dtype, (need_dgrad, need_wgrad, need_dbias),
-                                  ctx.has_bias, tokens=hidden)
-        if dx is not None:
-            dx = permute_backward(dx, routing)
-        return dx, dw, dbias, None, None, None, None, None
+                                  ctx.has_bias, tokens=tokens)
+        if ctx.permuted and dx is not None:
+            dx = permute_backward(dx, ctx.routing)
+        return dx, dw, dbias, None, None, None, None, None, None
 
 
 def _silu_gate(h):
@@ -333,7 +320,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, routing: Routing,
     config, out_dtype = _checked(x.shape, x.dtype, x.device.type, weight, routing, config,
                                  bias, transposed, "grouped_linear")
     return _GroupedLinearFn.apply(x, weight, bias, routing, config, bool(transposed), out_dtype,
-                                  torch.is_grad_enabled())
+                                  torch.is_grad_enabled(), False)
 
 
 def permute_grouped_linear(hidden: torch.Tensor, weight: torch.Tensor, routing: Routing,
@@ -343,7 +330,7 @@ def permute_grouped_linear(hidden: torch.Tensor, weight: torch.Tensor, routing: 
     transposed=transposed)`` with the same bytes forward and backward (y, d hidden, d W,
     d bias), keeping ``hidden`` (T, K) for the weight gradient instead of the permuted rows'
     columnwise FP8 copy (routing.rows x K bytes and its scales): the rows are permuted and
-    quantized again in the backward pass (:class:`_PermuteLinearFn`). Fewer bytes wherever
+    quantized again in the backward pass (:class:`_GroupedLinearFn`). Fewer bytes wherever
     hidden is kept anyway (a router reading the same tokens keeps them for its own gradient)
     or ``hidden.element_size() * T <= routing.rows`` (top-k >= 2 in bf16). ``hidden`` (T, K)
     float32/bfloat16/float16; the rest as :func:`grouped_linear`; returns (routing.rows, N).
@@ -367,8 +354,8 @@ def permute_grouped_linear(hidden: torch.Tensor, weight: torch.Tensor, routing: 
                                  hidden.device.type, weight, routing, config, bias, transposed,
                                  "permute_grouped_linear")
     routing.sources()       # the gather's rows, made (once per routing) outside the node
-    return _PermuteLinearFn.apply(hidden, weight, bias, routing, config, bool(transposed),
-                                  out_dtype, torch.is_grad_enabled())
+    return _GroupedLinearFn.apply(hidden, weight, bias, routing, config, bool(transposed),
+                                  out_dtype, torch.is_grad_enabled(), True)
 
 
 def grouped_linear_combine(x: torch.Tensor, weight: torch.Tensor, routing: Routing,

@@ -212,26 +212,38 @@ def _same_bytes(a, b):
             torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
 
 
+def _assert_same_step(model, ref):
+    """One training step's loss and every gradient of ``model`` equal ``ref``'s, as bytes."""
+    ids = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(0))
+    loss, grads = _step(model, ids)
+    ref_loss, ref_grads = _step(ref, ids)
+    assert _same_bytes(loss, ref_loss)
+    for n, g in grads.items():
+        assert _same_bytes(g, ref_grads[n]), n
+
+
+def _converted_with_biases(name):
+    """A tiny model of ``name`` with its experts converted and its biases (zeros at init)
+    drawn at random, so that they count."""
+    model = tiny_model(name)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias"):
+                p.normal_()
+    convert_experts(model)
+    return model
+
+
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_model_equals_the_two_node_path(name):
     """The down projection and combine as one node (y recomputed for the router weights'
     gradient, not kept): a whole model's loss and every gradient, routers included, equal the
     two-node path's byte for byte (Mixtral: an intermediate width not a multiple of 128;
     gpt-oss: transposed weights, biases, its own gating)."""
-    model = tiny_model(name)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("bias"):                  # zeros at init: make them count
-                p.normal_()
-    convert_experts(model)
+    model = _converted_with_biases(name)
     two = copy.deepcopy(model)
     two.config._experts_implementation = TWO_NODE
-    ids = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(0))
-    loss, grads = _step(model, ids)
-    ref_loss, ref_grads = _step(two, ids)
-    assert _same_bytes(loss, ref_loss)
-    for n, g in grads.items():
-        assert _same_bytes(g, ref_grads[n]), n
+    _assert_same_step(model, two)
 
 
 def test_the_experts_keep_no_expert_outputs():
@@ -370,20 +382,10 @@ def test_keep_input_model_equals_and_keeps_the_tokens(name):
     (gpt-oss: transposed weights and biases), and each experts block keeps exactly that
     copy's bytes fewer (with permute's index, which the routing holds). Where the tokens
     would take more bytes than the copy (top-1, few padding rows) the copy is kept."""
-    model = tiny_model(name)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("bias"):
-                p.normal_()
-    convert_experts(model)
+    model = _converted_with_biases(name)
     keep = copy.deepcopy(model)
     convert_experts(keep, keep_input=True)
-    ids = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(0))
-    ref_loss, ref_grads = _step(model, ids)
-    loss, grads = _step(keep, ids)
-    assert _same_bytes(loss, ref_loss)
-    for n, g in grads.items():
-        assert _same_bytes(g, ref_grads[n]), n
+    _assert_same_step(keep, model)
     from fp8blk.torch.moe import route
     module = [m for m in keep.modules() if is_experts_module(m)][0]
     width = module.config.hidden_size

@@ -136,6 +136,19 @@ def test_tiny_model_equals_the_loop(name):
         assert _close_bf16(g, outs[1][1][n]), n
 
 
+def _run_block(fn, block, x, g):
+    """[y, dx, every parameter's gradient] of ``fn`` (``block`` or its compiled form) on a
+    copy of x, backward from g; the block's gradients reset after."""
+    xx = x.clone().requires_grad_()
+    y = fn(xx)
+    y = y[0] if isinstance(y, tuple) else y
+    y.backward(g)
+    out = [y, xx.grad] + [p.grad.clone() for p in block.parameters()]
+    for p in block.parameters():
+        p.grad = None
+    return out
+
+
 @pytest.mark.parametrize("experts", [4, 128])
 def test_block_with_kernels_equals_torch_ops(monkeypatch, experts):
     """A converted Qwen3-MoE block forward and backward on the one-pass gate and combine
@@ -154,13 +167,7 @@ def test_block_with_kernels_equals_torch_ops(monkeypatch, experts):
     for on in (True, False):
         monkeypatch.setattr(mlp, "KERNELS", on)
         monkeypatch.setattr(grouped, "KERNELS", on)
-        xx = x.clone().requires_grad_()
-        y = block(xx)
-        y = y[0] if isinstance(y, tuple) else y
-        y.backward(g)
-        outs.append([y, xx.grad] + [p.grad.clone() for p in block.parameters()])
-        for p in block.parameters():
-            p.grad = None
+        outs.append(_run_block(block, block, x, g))
     for a, b in zip(*outs):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
@@ -223,13 +230,7 @@ def test_keep_input_on_cuda_equals(experts):
             block.experts.fp8blk_keep_input = keep
             torch._dynamo.reset()
             fn = torch.compile(block, fullgraph=True) if compiled else block
-            xx = x.clone().requires_grad_()
-            y = fn(xx)
-            y = y[0] if isinstance(y, tuple) else y
-            y.backward(g)
-            outs.append([y, xx.grad] + [p.grad.clone() for p in block.parameters()])
-            for p in block.parameters():
-                p.grad = None
+            outs.append(_run_block(fn, block, x, g))
         for i, (a, b) in enumerate(zip(*outs)):
             assert a.any() and torch.equal(a.view(torch.int16), b.view(torch.int16)), \
                 (compiled, i)

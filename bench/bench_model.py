@@ -43,7 +43,10 @@ Variants (every ``nn.Linear`` but ``lm_head`` converted):
   through ``fp8blk.torch.moe``; the other fp8blk variants pass ``experts=False`` and leave
   them in bf16, transformers' ``grouped_mm``); ``fp8blk_experts_recompute``: the same with
   ``fp8blk.torch.moe.grouped.COMPILED_RECOMPUTE`` (compiled, the experts after their first
-  projection in a checkpointed region: what eager mode keeps);
+  projection in a checkpointed region: what eager mode keeps); ``fp8blk_experts_nokeep``:
+  the default with the experts' first projection keeping the permuted rows' columnwise FP8
+  copy instead of the tokens (``convert_experts(..., keep_input=False)``: what the keep
+  costs and saves);
 * ``torchao``: ``torchao.prototype.blockwise_fp8_training.linear.Float8BlockwiseLinear``
   (torchao 0.18.0 wheel, ``torchao/prototype/blockwise_fp8_training/linear.py``:
   ``from_float(mod)`` asserts no bias and in/out features multiples of 128, the constructor
@@ -144,8 +147,7 @@ TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512)
 VARIANTS = ("bf16", "bf16_norm", "bf16_opt", "fp8blk", "fp8blk_share", "fp8blk_norm",
             "fp8blk_mlp", "fp8blk_norm_mlp", "fp8blk_nokeep", "fp8blk_opt", "fp8blk_experts",
-            "fp8blk_experts_recompute",
-            "torchao")
+            "fp8blk_experts_recompute", "fp8blk_experts_nokeep", "torchao")
 DEFAULT_VARIANTS = ("bf16", "fp8blk", "fp8blk_opt", "torchao")
 # mode -> torch.compile's mode (eager: not compiled; compiled_ro: "reduce-overhead", CUDA
 # graphs over each compiled region)
@@ -219,11 +221,14 @@ def convert(model, variant):
                         raise RuntimeError(f"torchao: {full}: {type(err).__name__}: "
                                            f"{err}") from None
         return model
-    if variant in ("fp8blk_experts", "fp8blk_experts_recompute"):
-        from fp8blk.torch.moe import grouped
+    if variant in ("fp8blk_experts", "fp8blk_experts_recompute", "fp8blk_experts_nokeep"):
+        from fp8blk.torch.moe import convert_experts, grouped
         # process-wide: every variant sets it when built (the runs are one after another)
         grouped.COMPILED_RECOMPUTE = variant == "fp8blk_experts_recompute"
-        return convert_to_float8_block(model, module_filter_fn=not_lm_head)
+        model = convert_to_float8_block(model, module_filter_fn=not_lm_head)
+        if variant == "fp8blk_experts_nokeep":
+            convert_experts(model, keep_input=False)    # the same config: marks them again
+        return model
     on = {"fp8blk": (), "fp8blk_share": ("share_quantize",), "fp8blk_norm": ("norms",),
           "fp8blk_mlp": ("gated_mlps",), "fp8blk_norm_mlp": ("norms", "gated_mlps"),
           "fp8blk_nokeep": ("share_quantize", "norms", "gated_mlps"),

@@ -6,9 +6,9 @@ segments and the experts' FP8 weights), ``grouped`` (the experts' linear layer o
 dispatch and the combine over a communicator).
 """
 from .experts import convert_experts, experts_forward
-from .grouped import grouped_linear
+from .grouped import grouped_linear, permute_grouped_linear
 from .parallel import expert_parallel
 from .routing import Routing, combine, permute, route
 
-__all__ = ["convert_experts", "experts_forward", "expert_parallel", "grouped_linear", "Routing",
-           "route", "permute", "combine"]
+__all__ = ["convert_experts", "experts_forward", "expert_parallel", "grouped_linear",
+           "permute_grouped_linear", "Routing", "route", "permute", "combine"]

@@ -204,7 +204,26 @@ def combine(rows: torch.Tensor, routing: Routing, top_k_weights: torch.Tensor, d
     if top_k_weights.shape != (routing.tokens, routing.top_k):
         raise ValueError(f"combine: top_k_weights must be ({routing.tokens}, "
                          f"{routing.top_k}), got shape {tuple(top_k_weights.shape)}")
-    return weighted_sum(rows[routing.dest], top_k_weights, dtype)
+    routing.pairs()         # made (once per routing) outside the node
+    return weighted_sum(_Pick.apply(rows, routing), top_k_weights, dtype)
+
+
+class _Pick(torch.autograd.Function):
+    """``rows[routing.dest]`` (T*k, H), whose gradient is a gather: each padded row its pair's
+    gradient, zeros for a padding row, in one pass writing the rows (autograd's index backward
+    zeroes them, then scatters into them; under inductor a memset and an atomic scatter). The
+    same bytes: a -0 lands as +0, as the accumulating put into zeros leaves it."""
+
+    @staticmethod
+    def forward(ctx, rows, routing):
+        ctx.routing = routing
+        return rows[routing.dest]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        out = gather_rows(grad, ctx.routing.pairs())
+        return torch.where(out == 0, 0.0, out), None
 
 
 def weighted_sum(picked: torch.Tensor, top_k_weights: torch.Tensor, dtype):

@@ -60,6 +60,38 @@ def test_permute_combine_and_gradient():
     assert torch.allclose(out, h.detach() * w.sum(1, keepdim=True))
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_combine_gradient_is_autograds_index_backward(compiled, w_dtype):
+    """combine's gradient for the expert rows is a gather (zeros for padding rows) where
+    autograd's index backward zeroes the rows and scatters into them: the same bytes as
+    ``weighted_sum(rows[dest], ...)`` under autograd, eager and under inductor, a -0 product
+    landing as +0 (router weights 0 against negative gradients, zero gradient rows); the
+    output and the router weights' gradient too."""
+    from fp8blk.torch.moe.routing import weighted_sum
+    tokens, top_k, experts, width = 150, 2, 4, 64
+    r = route(routing_ids(tokens, top_k, experts, "skewed"), experts)
+    torch.manual_seed(0)
+    rows0 = torch.randn(r.rows, width, dtype=torch.bfloat16)
+    w0 = torch.rand(tokens, top_k, dtype=w_dtype)
+    w0[3, 0] = 0.0
+    dout = torch.randn(tokens, width, dtype=torch.bfloat16)
+    dout[3, :4] = -1.0                                  # times the zero weight: -0
+    dout[5] = -0.0
+    got = []
+    for fn in (combine, lambda x, r, w, dt: weighted_sum(x[r.dest], w, dt)):
+        torch._dynamo.reset()
+        f = torch.compile(fn) if compiled else fn
+        rows, w = rows0.clone().requires_grad_(), w0.clone().requires_grad_()
+        out = f(rows, r, w, torch.bfloat16)
+        out.backward(dout)
+        got.append([out, rows.grad, w.grad])
+    for i, (a, b) in enumerate(zip(*got)):
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), i
+    assert (got[0][1] == 0).any() and not torch.signbit(got[0][1]).logical_and(
+        got[0][1] == 0).any()
+
+
 def test_columnwise_bytes_per_expert_equal_each_slice_alone():
     """The 128x1 blocks never cross experts: quantizing the padded rows gives each expert's
     rows the bytes fb.quantize gives them alone (empty and sub-128 experts included)."""

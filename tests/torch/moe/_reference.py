@@ -141,3 +141,29 @@ def traced_combine_node(device, silu):
         out.backward(dout)
         got.append([out.detach(), x.grad, w.grad, tw.grad])
     return got
+
+
+def combine_against_index(device, compiled, w_dtype=torch.float32, tokens=150, top_k=2,
+                          experts=4, width=64):
+    """[[out, d rows, d w] of ``routing.combine``, the same of ``weighted_sum(rows[dest])``
+    under autograd] on a skewed routing, eager or compiled (inductor): router weights with a
+    zero against negative output gradients (a -0 product) and a zero gradient row."""
+    from fp8blk.torch.moe.routing import combine, route, weighted_sum
+    r = route(routing_ids(tokens, top_k, experts, "skewed", device=device), experts)
+    gen = torch.Generator().manual_seed(0)
+    rows0 = torch.randn(r.rows, width, generator=gen).to(device, torch.bfloat16)
+    w0 = torch.rand(tokens, top_k, generator=gen).to(device, w_dtype)
+    w0[3, 0] = 0.0
+    dout = torch.randn(tokens, width, generator=gen).to(device, torch.bfloat16)
+    dout[3, :4] = -1.0                                  # times the zero weight: -0
+    dout[5] = -0.0
+    got = []
+    for fn in (combine, lambda x, r, w, dt: weighted_sum(x[r.dest], w, dt)):
+        torch._dynamo.reset()
+        f = torch.compile(fn) if compiled else fn
+        rows, w = rows0.clone().requires_grad_(), w0.clone().requires_grad_()
+        out = f(rows, r, w, torch.bfloat16)
+        out.backward(dout)
+        got.append([out, rows.grad, w.grad])
+    return got
+

@@ -19,7 +19,8 @@ from fp8blk.torch import Float8BlockConfig, blockwise_scaled_mm, float8_block_li
 from fp8blk.torch.linear.functional import quantize_buffers
 from fp8blk.torch.moe import convert_experts, grouped_linear, permute, route
 
-from ._reference import captured, routing_ids, tiny_model, traced_combine_node
+from ._reference import (captured, combine_against_index, routing_ids, tiny_model,
+                         traced_combine_node)
 
 pytestmark = pytest.mark.gpu
 
@@ -342,21 +343,7 @@ def test_expert_parallel_on_one_gpu_with_nccl(nccl_comm, arch):
 def test_combine_gradient_on_cuda(compiled):
     """combine's gather-form gradient on CUDA (inductor's Triton code when compiled) equals
     autograd's index backward (zeros, then an atomic scatter there) byte for byte, -0 as +0."""
-    from fp8blk.torch.moe.routing import combine, weighted_sum
-    tokens, top_k, experts, width = 700, 4, 16, 512
-    r = route(routing_ids(tokens, top_k, experts, "skewed", device="cuda"), experts)
-    rows0 = torch.randn(r.rows, width, device="cuda", dtype=torch.bfloat16)
-    w0 = torch.rand(tokens, top_k, device="cuda")
-    w0[3, 0] = 0.0
-    dout = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
-    dout[3, :4] = -1.0
-    got = []
-    for fn in (combine, lambda x, r, w, dt: weighted_sum(x[r.dest], w, dt)):
-        torch._dynamo.reset()
-        f = torch.compile(fn) if compiled else fn
-        rows, w = rows0.clone().requires_grad_(), w0.clone().requires_grad_()
-        out = f(rows, r, w, torch.bfloat16)
-        out.backward(dout)
-        got.append([out, rows.grad, w.grad])
+    got = combine_against_index("cuda", compiled, tokens=700, top_k=4, experts=16,
+                                width=512)
     for i, (a, b) in enumerate(zip(*got)):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), i

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 import fp8blk as fb  # noqa: E402
 from fp8blk.torch.moe.routing import combine, padded_rows, permute, route  # noqa: E402
 
-from ._reference import routing_ids  # noqa: E402
+from ._reference import combine_against_index, routing_ids  # noqa: E402
 
 
 @pytest.mark.parametrize("kind,tokens,experts,top_k", [
@@ -68,24 +68,7 @@ def test_combine_gradient_is_autograds_index_backward(compiled, w_dtype):
     ``weighted_sum(rows[dest], ...)`` under autograd, eager and under inductor, a -0 product
     landing as +0 (router weights 0 against negative gradients, zero gradient rows); the
     output and the router weights' gradient too."""
-    from fp8blk.torch.moe.routing import weighted_sum
-    tokens, top_k, experts, width = 150, 2, 4, 64
-    r = route(routing_ids(tokens, top_k, experts, "skewed"), experts)
-    torch.manual_seed(0)
-    rows0 = torch.randn(r.rows, width, dtype=torch.bfloat16)
-    w0 = torch.rand(tokens, top_k, dtype=w_dtype)
-    w0[3, 0] = 0.0
-    dout = torch.randn(tokens, width, dtype=torch.bfloat16)
-    dout[3, :4] = -1.0                                  # times the zero weight: -0
-    dout[5] = -0.0
-    got = []
-    for fn in (combine, lambda x, r, w, dt: weighted_sum(x[r.dest], w, dt)):
-        torch._dynamo.reset()
-        f = torch.compile(fn) if compiled else fn
-        rows, w = rows0.clone().requires_grad_(), w0.clone().requires_grad_()
-        out = f(rows, r, w, torch.bfloat16)
-        out.backward(dout)
-        got.append([out, rows.grad, w.grad])
+    got = combine_against_index("cpu", compiled, w_dtype)
     for i, (a, b) in enumerate(zip(*got)):
         assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), i
     assert (got[0][1] == 0).any() and not torch.signbit(got[0][1]).logical_and(

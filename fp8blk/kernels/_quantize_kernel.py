@@ -491,15 +491,22 @@ def make_group_kernel_pyfunc(gspec):
     float32, uint32 = types.float32, types.uint32
     run0, run1 = part_runner(parts[0]), part_runner(parts[1])
 
+    @device
+    def first(x0, rd0, rs0, cd0, cs0, M0, K0):
+        """The shared arrays of the group (declared once, inlined into the kernel) and the
+        first part's run: (CTA number in the next part, the arrays)."""
+        red = cuda.shared.array(RED, float32)        # simulator shuffle scratch
+        wred = cuda.shared.array(WRED, float32)
+        colred = cuda.shared.array(COLRED, float32)
+        colscale = cuda.shared.array(TKC, float32)
+        tb = cuda.shared.array(TB, uint32)
+        b = run0(x0, rd0, rs0, cd0, cs0, M0, K0, cuda.blockIdx.x, red, wred, colred,
+                 colscale, tb)
+        return b, red, wred, colred, colscale, tb
+
     if len(parts) == 2:
         def kernel(x0, rd0, rs0, cd0, cs0, x1, rd1, rs1, cd1, cs1, M0, K0, M1, K1):
-            red = cuda.shared.array(RED, float32)        # simulator shuffle scratch
-            wred = cuda.shared.array(WRED, float32)
-            colred = cuda.shared.array(COLRED, float32)
-            colscale = cuda.shared.array(TKC, float32)
-            tb = cuda.shared.array(TB, uint32)
-            b = run0(x0, rd0, rs0, cd0, cs0, M0, K0, cuda.blockIdx.x, red, wred, colred,
-                     colscale, tb)
+            b, red, wred, colred, colscale, tb = first(x0, rd0, rs0, cd0, cs0, M0, K0)
             run1(x1, rd1, rs1, cd1, cs1, M1, K1, b, red, wred, colred, colscale, tb)
 
         return kernel
@@ -508,13 +515,7 @@ def make_group_kernel_pyfunc(gspec):
 
     def kernel3(x0, rd0, rs0, cd0, cs0, x1, rd1, rs1, cd1, cs1, x2, rd2, rs2, cd2, cs2, M0,
                 K0, M1, K1, M2, K2):
-        red = cuda.shared.array(RED, float32)
-        wred = cuda.shared.array(WRED, float32)
-        colred = cuda.shared.array(COLRED, float32)
-        colscale = cuda.shared.array(TKC, float32)
-        tb = cuda.shared.array(TB, uint32)
-        b = run0(x0, rd0, rs0, cd0, cs0, M0, K0, cuda.blockIdx.x, red, wred, colred,
-                 colscale, tb)
+        b, red, wred, colred, colscale, tb = first(x0, rd0, rs0, cd0, cs0, M0, K0)
         b = run1(x1, rd1, rs1, cd1, cs1, M1, K1, b, red, wred, colred, colscale, tb)
         run2(x2, rd2, rs2, cd2, cs2, M2, K2, b, red, wred, colred, colscale, tb)
 
